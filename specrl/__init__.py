@@ -1,0 +1,1 @@
+"""specrl: RL post-training with lossless speculative rollouts."""

@@ -1,0 +1,63 @@
+"""Preallocated KV cache written at explicit positions.
+
+Contract: K and V live in two tensors of shape [layers, slots, kv_heads, max_len, head_dim]. A
+forward writes the keys/values of its tokens at the positions it is given; attention reads
+positions ``< kv_len`` and masks every key whose position is greater than the query's. A
+sequence's valid length is therefore owned by the caller: rolling back rejected draft tokens is
+just using a smaller position next time (stale entries are masked, then overwritten). Batch row b
+of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots and ``copy_slot`` forks a
+prompt's cache to GRPO siblings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K/V storage for ``slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(
+        self,
+        layer: int,
+        rows: torch.Tensor,  # [B, T] int64 slot per token
+        positions: torch.Tensor,  # [B, T] int64
+        k_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
+        v_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
+    ) -> None:
+        """Store new keys/values at (slot, position)."""
+        self.k[layer].index_put_((rows, slice(None), positions), k_new)  # type: ignore[arg-type]
+        self.v[layer].index_put_((rows, slice(None), positions), v_new)  # type: ignore[arg-type]
+
+    def read(self, layer: int, batch: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [batch, kv_heads, kv_len, head_dim] of slots 0..batch-1."""
+        return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot src into slot dst (all layers)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    copy_slot = move

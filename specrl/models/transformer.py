@@ -1,0 +1,236 @@
+"""Llama/Qwen-family decoder in plain PyTorch.
+
+Contract: ``Transformer(config)`` maps token ids at explicit positions to logits, optionally
+reading and writing a ``KVCache`` (row b of the batch uses cache slot b) and optionally returning
+the hidden states of chosen layers (for EAGLE-3 / MTP drafters). Weights use Hugging Face
+semantics (rotate-half RoPE, q/k/v and gate/up projections), stored fused (qkv, gate_up) for fewer
+GEMMs. No sampling, no RL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrl.models.cache import KVCache
+from specrl.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the config's theta and scaling (llama3, linear)."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling_dict
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_scale(inv, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.c = layer, c
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
+        self.o = nn.Linear(q, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,  # [B, T, head_dim]
+        sin: torch.Tensor,  # [B, T, head_dim]
+        ctx: AttnContext,
+    ) -> torch.Tensor:
+        c = self.c
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+            dim=-1,
+        )
+        q = q.view(b, t, c.num_heads, c.head_dim)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if ctx.cache is not None:
+            ctx.cache.write(self.layer, ctx.rows, ctx.positions, k, v)
+            keys, values = ctx.cache.read(self.layer, b, ctx.kv_len)
+        else:
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True
+        )  # [B, heads, T, head_dim]
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c, layer)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, ctx: AttnContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class AttnContext:
+    """What attention needs besides activations: cache, slots, positions, mask."""
+
+    positions: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, 1, T, kv_len] bool, True = attend
+    cache: KVCache | None = None
+    rows: torch.Tensor | None = None  # [B, T] cache slot of each token
+    kv_len: int = 0
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, T', V]
+    hidden: torch.Tensor  # [B, T, H] final (normed) hidden state
+    captured: list[torch.Tensor]  # outputs of the requested layers, each [B, T, H]
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``forward`` returns logits; ``hidden_states`` stops before the LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, head_dim] (float32) for integer positions [B, T]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def attn_context(
+        self,
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None,
+        kv_len: int | None,
+        segments: torch.Tensor | None = None,  # [B, T] packed-sequence ids (no cache)
+    ) -> AttnContext:
+        b, t = positions.shape
+        if cache is None:
+            mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key <= query
+            causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+            mask = mask & causal
+            if segments is not None:
+                mask = mask & (segments[:, None, :] == segments[:, :, None])
+            return AttnContext(positions=positions, mask=mask[:, None])
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        keys = torch.arange(kv_len, device=positions.device)
+        mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
+        rows = torch.arange(b, device=positions.device)[:, None].expand(b, t)
+        return AttnContext(positions, mask[:, None], cache, rows, kv_len)
+
+    def hidden_states(
+        self,
+        ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None = None,
+        kv_len: int | None = None,
+        capture: tuple[int, ...] = (),
+        segments: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final normed hidden [B, T, H] and the outputs of layers in ``capture``."""
+        ctx = self.attn_context(positions, cache, kv_len, segments)
+        cos, sin = self.rope(positions)
+        x = self.embed(ids)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx)
+            if i in capture:
+                captured.append(x)
+        return self.norm(x), captured
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None = None,
+        kv_len: int | None = None,
+        logits_at: torch.Tensor | None = None,  # [B, T'] indices into T; None = all
+        capture: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        h, captured = self.hidden_states(ids, positions, cache, kv_len, capture)
+        sel = h if logits_at is None else h.gather(1, _expand_idx(logits_at, h.shape[-1]))
+        return ForwardOutput(self.lm_head(sel), h, captured)
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        c, p = self.config, self.embed.weight
+        return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+
+def _expand_idx(idx: torch.Tensor, dim: int) -> torch.Tensor:
+    return idx.unsqueeze(-1).expand(*idx.shape, dim)

@@ -1,0 +1,177 @@
+"""Logits -> processed distribution -> sampled tokens, with counter-based per-request randomness.
+
+Contract:
+- ``SamplingParams`` holds one request's sampling settings and validates them (``ValueError``
+  naming the bad field and value).
+- ``processed_logprobs`` turns raw logits into the log-probabilities of the distribution that is
+  actually sampled from: temperature, then top-k, then top-p (smallest prefix of the sorted
+  distribution whose mass reaches top_p), then log-softmax. Temperature 0 means greedy: a one-hot
+  distribution on the argmax. The same function is used by plain sampling and by the speculative
+  verifier, so "p" means exactly one thing in the whole library.
+- Randomness is counter-based: ``uniforms(seeds, counters, stream)`` is a pure function of a
+  request's seed, a counter (e.g. the token position) and a stream id. A request therefore samples
+  the same tokens whether it runs alone or batched, and no ``torch.Generator`` objects or host
+  syncs are needed.
+- ``sample`` draws tokens by inverse-CDF from processed log-probs and a uniform per row.
+
+This module imports neither the engine nor the speculation code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+# Stream ids: independent random streams of one request.
+STREAM_SAMPLE = 1
+STREAM_ACCEPT = 2
+STREAM_RECOVER = 3
+STREAM_DRAFT = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request.
+
+    temperature: 0 = greedy; > 0 scales logits by 1/temperature.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
+    max_new_tokens: most tokens generated per completion (>= 1).
+    stop_token_ids: tokens that end a completion (the stop token is emitted).
+    seed: per-request seed; None = drawn by the engine.
+    n: completions per prompt (a GRPO group).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+    def validate(self) -> SamplingParams:
+        """Return self, or raise ``ValueError`` naming the bad value."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        return self
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32): bijective, good avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1), a pure function of (seed, counter, stream).
+
+    seeds: [N] int64 (any value); counters: [N, ...] int64 >= 0, broadcast against seeds' rows.
+    Returns float64 with the shape of counters.
+    """
+    seeds = seeds.to(torch.int64)
+    while seeds.dim() < counters.dim():
+        seeds = seeds.unsqueeze(-1)
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    h = _mix32((counters.to(torch.int64) & MASK32) ^ _mix32(torch.full_like(lo, stream)))
+    h = _mix32(h ^ lo)
+    h = _mix32(h ^ _mix32(hi ^ 0x9E3779B9))
+    return h.to(torch.float64) / float(1 << 32)
+
+
+def _apply_top_k_top_p(
+    scaled: torch.Tensor,  # [N, V] logits after temperature
+    top_k: torch.Tensor,  # [N] int64, 0 = off
+    top_p: torch.Tensor,  # [N] float, 1 = off
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k and then outside top-p; returns a new tensor."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    drop_sorted = ranks[None, :] >= k[:, None]  # [N, V]
+    sorted_logits = sorted_logits.masked_fill(drop_sorted, float("-inf"))
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+    drop_sorted |= mass_before >= top_p.float()[:, None]
+    drop_sorted[:, 0] = False  # the most likely token always survives
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def processed_logprobs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    top_k: torch.Tensor,  # [N] int64
+    top_p: torch.Tensor,  # [N] float
+) -> torch.Tensor:
+    """Log-probs [N, V] (float32) of the distribution plain sampling draws from.
+
+    Masked tokens are -inf. Greedy rows are one-hot on the first argmax. ``logits`` is not
+    modified.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    scaled = logits / safe_t[:, None]
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    logp = torch.log_softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.full_like(logp, float("-inf"))
+        one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+        logp = torch.where(greedy[:, None], one_hot, logp)
+    return logp
+
+
+def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample: logprobs [N, V], u [N] in [0, 1) -> tokens [N] int64.
+
+    Tokens of probability 0 are never drawn.
+    """
+    probs = logprobs.exp()
+    cdf = torch.cumsum(probs, dim=-1)  # [N, V]
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    idx = idx.clamp(max=logprobs.shape[-1] - 1)
+    # Guard against rounding landing on a zero-probability tail token: fall back to argmax.
+    bad = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
+    return torch.where(bad, probs.argmax(-1), idx)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Gather logprobs [N, V] at tokens [N] -> [N]."""
+    return logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax at temperature 1, no truncation: [N, V] -> [N, V] float32."""
+    return torch.log_softmax(logits.float(), dim=-1)
