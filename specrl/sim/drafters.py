@@ -1,0 +1,97 @@
+"""Drafter kinds: how each speculation mechanism becomes a forward the cost model can price.
+
+Contract: ``draft_forward(drafter, target)`` returns the ModelSpec of ONE draft forward (one draft
+position for every sequence), or None for model-free drafters whose cost is CPU time per sequence
+(``DrafterSpec.cpu_s_per_seq``). Kinds are registered builders looked up by ``DrafterSpec.kind``;
+adding a mechanism means adding one builder here, not branches in the cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+
+from specrl.sim.specs import DrafterSpec, ModelSpec, load_model
+
+Builder = Callable[[DrafterSpec, ModelSpec], ModelSpec | None]
+
+
+def _layer_dense_params(target: ModelSpec) -> float:
+    """Non-routed parameters of one target layer (attention, dense MLP or shared expert)."""
+    embeddings = 2.0 * target.vocab * target.hidden
+    return max(target.dense_params - embeddings, 0.0) / target.layers
+
+
+def _eagle3(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
+    h, heads, kv, hd = target.hidden, target.heads, target.kv_heads, target.head_dim
+    inter = drafter.intermediate or target.intermediate
+    vocab = drafter.draft_vocab or target.vocab
+    attention = 2 * h * heads * hd + 2 * h * 2 * kv * hd + heads * hd * h  # qkv read 2H input
+    params = 3 * h * h + drafter.layers * (attention + 3 * h * inter) + h * vocab
+    return ModelSpec(
+        name=f"eagle3[{target.name}]",
+        layers=drafter.layers,
+        hidden=h,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=hd,
+        vocab=vocab,
+        intermediate=inter,
+        params_total=params,
+        params_active=params,
+    )
+
+
+def _mtp(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
+    h, vocab = target.hidden, target.vocab
+    fixed = drafter.layers * (2 * h * h + _layer_dense_params(target)) + h * vocab
+    per_layer_experts = target.experts * target.expert_params
+    active_experts = target.experts_per_token * target.expert_params
+    kv_per_layer = target.kv_bytes // target.layers
+    return ModelSpec(
+        name=f"mtp[{target.name}]",
+        layers=drafter.layers,
+        hidden=h,
+        heads=target.heads,
+        kv_heads=target.kv_heads,
+        head_dim=target.head_dim,
+        vocab=vocab,
+        intermediate=target.intermediate,
+        params_total=fixed + drafter.layers * per_layer_experts,
+        params_active=fixed + drafter.layers * active_experts,
+        experts=target.experts,
+        experts_per_token=target.experts_per_token,
+        shared_experts=target.shared_experts,
+        moe_layers=drafter.layers if target.is_moe else 0,
+        moe_intermediate=target.moe_intermediate,
+        kv_bytes_per_token=kv_per_layer * drafter.layers,
+    )
+
+
+def _draft_model(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
+    return load_model(drafter.model)
+
+
+def _model_free(drafter: DrafterSpec, target: ModelSpec) -> None:
+    return None
+
+
+DRAFTER_KINDS: MappingProxyType[str, Builder] = MappingProxyType(
+    {
+        "eagle3": _eagle3,
+        "mtp": _mtp,
+        "draft_model": _draft_model,
+        "ngram": _model_free,
+        "suffix": _model_free,
+    }
+)
+
+
+def draft_forward(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec | None:
+    """The forward one draft position costs, or None for a model-free drafter."""
+    try:
+        builder = DRAFTER_KINDS[drafter.kind]
+    except KeyError:
+        known = sorted(DRAFTER_KINDS)
+        raise KeyError(f"unknown drafter kind {drafter.kind!r}; known: {known}") from None
+    return builder(drafter, target)

@@ -1,0 +1,173 @@
+"""Specs as data: models, hardware and drafters loaded from the TOML files under ``sim/data``.
+
+Contract: every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes
+from one of these frozen dataclasses, built only from a TOML file (or an equivalent dict). Nothing
+here computes times; derived sizes (KV bytes per token, expert sizes) live here
+because they are facts about the spec, not about cost. Files are looked up by name in
+``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = 2  # bf16 weights and KV cache everywhere in the simulator
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, dense or mixture-of-experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    params_total: float
+    params_active: float
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_layers: int = 0
+    moe_intermediate: int = 0
+    kv_bytes_per_token: int = 0  # 0: standard attention, 2 * layers * kv_heads * head_dim * bytes
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV-cache bytes per token of context (bf16), MLA latent size when given explicitly."""
+        if self.kv_bytes_per_token:
+            return self.kv_bytes_per_token
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert in one layer (gate, up and down projections)."""
+        return 3.0 * self.hidden * self.moe_intermediate
+
+    @property
+    def routed_params(self) -> float:
+        return self.experts * self.expert_params * self.moe_layers
+
+    @property
+    def dense_params(self) -> float:
+        """Parameters every forward reads whatever the routing (attention, shared, embeddings)."""
+        return self.params_total - self.routed_params
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_total * DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (or this CPU) with the efficiency terms the cost model applies."""
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: float
+    intra_node_bandwidth: float
+    scale_out_bandwidth: float
+    gpus_per_node: int
+    eta_mem: float
+    eta_compute: float
+    step_overhead_s: float
+    forward_overhead_s: float
+    comm_latency_s: float
+    mem_fraction: float
+    train_mfu_dense: float
+    train_mfu_moe: float
+
+    def train_mfu(self, model: ModelSpec) -> float:
+        return self.train_mfu_moe if model.is_moe else self.train_mfu_dense
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A speculation mechanism; ``kind`` selects the registered way to build its forward."""
+
+    name: str
+    kind: str
+    layers: int = 1
+    draft_vocab: int = 0  # 0: the target's vocabulary
+    intermediate: int = 0  # 0: the target's dense intermediate size
+    model: str = ""  # draft_model kind: name of a model spec
+    cpu_s_per_seq: float = 0.0  # model-free kinds: CPU seconds per sequence per speculation round
+
+
+def data_root() -> Path:
+    return Path(str(resources.files("specrl.sim") / "data"))
+
+
+def spec_path(kind: str, name: str) -> Path:
+    """Resolve a spec name (or a .toml path) to a file; raise listing the choices if absent."""
+    candidate = Path(name)
+    if candidate.suffix == ".toml" and candidate.exists():
+        return candidate
+    path = data_root() / kind / f"{name}.toml"
+    if not path.exists():
+        raise KeyError(f"unknown {kind[:-1]} spec {name!r}; known: {', '.join(list_specs(kind))}")
+    return path
+
+
+def list_specs(kind: str) -> list[str]:
+    """Names of the bundled specs of one kind: models, hardware, drafters or scenarios."""
+    return sorted(p.stem for p in (data_root() / kind).glob("*.toml"))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    return cls(**data)
+
+
+def model_from_dict(data: dict[str, Any]) -> ModelSpec:
+    return _build(ModelSpec, data)
+
+
+def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
+    return _build(HardwareSpec, data)
+
+
+def load_model(name: str) -> ModelSpec:
+    return model_from_dict(read_toml(spec_path("models", name)))
+
+
+def load_hardware(name: str) -> HardwareSpec:
+    return hardware_from_dict(read_toml(spec_path("hardware", name)))
+
+
+def load_drafter(name: str) -> DrafterSpec:
+    return _build(DrafterSpec, read_toml(spec_path("drafters", name)))
+
+
+def with_overrides(spec: Any, **changes: Any) -> Any:
+    """A copy of a frozen spec with some fields replaced (used by sensitivity analysis)."""
+    return replace(spec, **changes)
+
+
+def hardware_to_toml(hw: HardwareSpec, header: str = "") -> str:
+    """Serialise a hardware profile in the same TOML layout the loaders read."""
+    lines = [f"# {line}" for line in header.splitlines()] if header else []
+    for f in fields(HardwareSpec):
+        value = getattr(hw, f.name)
+        lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
+    return "\n".join(lines) + "\n"
