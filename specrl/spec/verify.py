@@ -1,0 +1,224 @@
+"""The speculative rejection sampler: a pure, batched, ragged verification step.
+
+Contract (Leviathan et al. 2023; Chen et al. 2023):
+
+- ``p_i`` is the target's *processed* distribution at position i (``processed_logprobs``: the
+  same temperature/top-k/top-p that plain sampling applies; temperature 0 = one-hot argmax).
+  Position i of ``target_logits`` is the target's prediction after the context and drafts
+  ``x_0 .. x_{i-1}``; so position 0 predicts the token plain decoding would emit this step.
+- Draft ``x_i`` (i < lengths[b]) is drawn from ``q_i`` (``draft_probs``; ``None`` = deterministic
+  drafter, i.e. one-hot q). It is accepted iff ``u_i < min(1, p_i(x_i) / q_i(x_i))`` with
+  ``u_i = uniforms(seeds, counters + i, STREAM_ACCEPT)``. A draft with ``p_i(x_i) = 0`` (e.g. a
+  token that top-k/top-p masks out, or not the argmax of a greedy row) is always rejected.
+- At the first rejection j a *recovered* token is drawn from ``normalize(max(0, p_j - q_j))``
+  (one-hot q: ``p_j`` with ``x_j`` removed) with ``uniforms(.., counters + j, STREAM_RECOVER)``;
+  if that residual is all zero (only when ``p_j == q_j``, where rejection has probability 0) it
+  falls back to ``p_j``. Nothing after j is emitted.
+- If all ``lengths[b]`` drafts are accepted a *bonus* token is drawn from ``p_{lengths[b]}`` with
+  ``uniforms(.., counters + lengths[b], STREAM_SAMPLE)``. A row with ``lengths = 0`` therefore
+  samples exactly (bit for bit) what plain sampling at counter ``counters[b]`` samples.
+- Greedy rows (temperature 0) accept while the draft equals the argmax and then emit the argmax:
+  this falls out of the one-hot ``p``.
+- Outputs per row: ``num_accepted`` accepted drafts followed by one recovered/bonus token,
+  ``num_emitted = num_accepted + 1`` tokens in ``tokens[:, :num_emitted]``; the processed and the
+  raw (temperature 1, untruncated) log-probabilities of every emitted token. Positions at or after
+  ``num_emitted`` hold ``PAD_TOKEN`` and logprob 0.
+
+Counters: this step consumes counters ``counters .. counters + num_emitted - 1`` of each row;
+the next step of the row starts at ``counters + num_emitted``.
+
+No input is modified; no Python loop runs over the batch or the vocabulary. Stateless: all
+randomness comes from ``(seeds, counters)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specrl.sampling import (
+    STREAM_ACCEPT,
+    STREAM_RECOVER,
+    STREAM_SAMPLE,
+    processed_logprobs,
+    raw_logprobs,
+    sample,
+    uniforms,
+)
+
+PAD_TOKEN = -1  # token id at positions >= num_emitted of ``Verified.tokens``
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Result of one verification step for a batch of B rows and k draft slots."""
+
+    tokens: torch.Tensor  # [B, k+1] int64; emitted tokens, PAD_TOKEN after num_emitted
+    num_emitted: torch.Tensor  # [B] int64 in [1, lengths+1]
+    logprobs_processed: torch.Tensor  # [B, k+1] float32; log p_i(token_i), 0 at padding
+    logprobs_raw: torch.Tensor  # [B, k+1] float32; T=1 log-softmax at token_i, 0 at padding
+    num_accepted: torch.Tensor  # [B] int64; accepted drafts = num_emitted - 1
+
+
+def verify(
+    draft_tokens: torch.Tensor,  # [B, k] int64; positions >= draft_lengths are padding
+    draft_lengths: torch.Tensor,  # [B] int64 in [0, k]
+    draft_probs: torch.Tensor | None,  # [B, k, V] q the drafts were drawn from; None = one-hot
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    temperature: torch.Tensor,  # [B] float; 0 = greedy
+    top_k: torch.Tensor,  # [B] int64; 0 = off
+    top_p: torch.Tensor,  # [B] float; 1 = off
+    seeds: torch.Tensor,  # [B] int64
+    counters: torch.Tensor,  # [B] int64; counter of the first token emitted this step
+) -> Verified:
+    """Accept a prefix of each row's drafts and emit one recovered or bonus token after it."""
+    batch, k = _check_shapes(draft_tokens, draft_lengths, draft_probs, target_logits)
+    lengths = draft_lengths.to(torch.int64)
+    counters = counters.to(torch.int64)
+    logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
+    probs = logp.exp()  # [B, k+1, V]
+    valid = torch.arange(k, device=lengths.device)[None, :] < lengths[:, None]  # [B, k]
+    drafts = torch.where(valid, draft_tokens.to(torch.int64), 0)  # [B, k], padding -> 0
+    num_accepted = _count_accepted(drafts, valid, draft_probs, probs, seeds, counters)
+    final = _final_token(drafts, lengths, draft_probs, logp, probs, num_accepted, seeds, counters)
+    tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
+    emitted = tokens >= 0  # [B, k+1]
+    safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
+    raw = raw_logprobs(target_logits.reshape(batch * (k + 1), -1)).view(logp.shape)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return Verified(
+        tokens=tokens,
+        num_emitted=num_accepted + 1,
+        logprobs_processed=torch.where(emitted, logp.gather(-1, safe).squeeze(-1), zero),
+        logprobs_raw=torch.where(emitted, raw.gather(-1, safe).squeeze(-1), zero),
+        num_accepted=num_accepted,
+    )
+
+
+def _check_shapes(
+    draft_tokens: torch.Tensor,
+    draft_lengths: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+) -> tuple[int, int]:
+    """Return (B, k) or raise ``ValueError`` describing the mismatch."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [B, k], got shape {tuple(draft_tokens.shape)}")
+    batch, k = draft_tokens.shape
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (batch, k + 1):
+        raise ValueError(
+            f"target_logits must be [B, k+1, V] = [{batch}, {k + 1}, V], "
+            f"got {tuple(target_logits.shape)}"
+        )
+    if tuple(draft_lengths.shape) != (batch,):
+        raise ValueError(f"draft_lengths must be [{batch}], got {tuple(draft_lengths.shape)}")
+    if draft_probs is not None and draft_probs.shape != (batch, k, target_logits.shape[-1]):
+        raise ValueError(
+            f"draft_probs must be [B, k, V] = [{batch}, {k}, {target_logits.shape[-1]}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    return batch, k
+
+
+def _per_position(
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """Processed log-probs [B, k+1, V] of every position, each row with its own settings."""
+    batch, positions, vocab = target_logits.shape
+    logp = processed_logprobs(
+        target_logits.reshape(batch * positions, vocab),
+        temperature.repeat_interleave(positions),
+        top_k.repeat_interleave(positions),
+        top_p.repeat_interleave(positions),
+    )
+    return logp.view(batch, positions, vocab)
+
+
+def _count_accepted(
+    drafts: torch.Tensor,  # [B, k] int64, padding replaced by 0
+    valid: torch.Tensor,  # [B, k] bool, i < lengths
+    draft_probs: torch.Tensor | None,  # [B, k, V]
+    probs: torch.Tensor,  # [B, k+1, V] processed target probabilities
+    seeds: torch.Tensor,  # [B]
+    counters: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """Number [B] of leading drafts accepted by ``u_i < min(1, p_i(x_i) / q_i(x_i))``."""
+    k = drafts.shape[1]
+    if k == 0:
+        return torch.zeros_like(counters)
+    index = drafts[..., None]  # [B, k, 1]
+    p_x = probs[:, :k].gather(-1, index).squeeze(-1).double()  # [B, k]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft_probs.gather(-1, index).squeeze(-1).double()  # [B, k]
+    ratio = p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x))
+    threshold = torch.where(p_x <= 0, 0.0, torch.where(p_x >= q_x, 1.0, ratio))  # [B, k]
+    steps = torch.arange(k, device=counters.device)
+    u = uniforms(seeds, counters[:, None] + steps[None, :], STREAM_ACCEPT)  # [B, k] float64
+    accepted = (u < threshold) & valid  # [B, k]
+    return accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+
+
+def _final_token(
+    drafts: torch.Tensor,  # [B, k]
+    lengths: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [B, k, V]
+    logp: torch.Tensor,  # [B, k+1, V]
+    probs: torch.Tensor,  # [B, k+1, V]
+    num_accepted: torch.Tensor,  # [B]
+    seeds: torch.Tensor,  # [B]
+    counters: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """The token [B] emitted at position j = num_accepted: recovered if j < lengths, else bonus."""
+    vocab = logp.shape[-1]
+    j = num_accepted
+    at_j = j[:, None, None].expand(-1, 1, vocab)  # [B, 1, V]
+    logp_j = logp.gather(1, at_j).squeeze(1)  # [B, V]
+    rejected = j < lengths  # [B]
+    counter_j = counters + j
+    u_bonus = uniforms(seeds, counter_j, STREAM_SAMPLE)  # [B]
+    if drafts.shape[1] == 0:
+        return sample(logp_j, u_bonus)
+    residual = _residual(drafts, draft_probs, probs.gather(1, at_j).squeeze(1), j)  # [B, V]
+    u_recover = uniforms(seeds, counter_j, STREAM_RECOVER)  # [B]
+    chosen = torch.where(rejected[:, None], residual.log(), logp_j)  # [B, V]
+    return sample(chosen, torch.where(rejected, u_recover, u_bonus))
+
+
+def _residual(
+    drafts: torch.Tensor,  # [B, k]
+    draft_probs: torch.Tensor | None,  # [B, k, V]
+    p_j: torch.Tensor,  # [B, V] processed target probabilities at position j
+    j: torch.Tensor,  # [B] position of the (possible) rejection
+) -> torch.Tensor:
+    """Unnormalised ``max(0, p_j - q_j)`` [B, V]; ``p_j`` where that is all zero."""
+    k = drafts.shape[1]
+    jj = j.clamp(max=k - 1)  # rows with j == k are bonus rows; their residual is unused
+    if draft_probs is None:
+        x_j = drafts.gather(1, jj[:, None])  # [B, 1]
+        residual = p_j.scatter(-1, x_j, 0.0)  # p_j with the drafted token removed (new tensor)
+    else:
+        at_j = jj[:, None, None].expand(-1, 1, p_j.shape[-1])
+        q_j = draft_probs.gather(1, at_j).squeeze(1).to(p_j.dtype)  # [B, V]
+        residual = (p_j - q_j).clamp(min=0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # [B, 1]
+    return torch.where(empty, p_j, residual)
+
+
+def _assemble(
+    drafts: torch.Tensor,  # [B, k]
+    num_accepted: torch.Tensor,  # [B]
+    final: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """Tokens [B, k+1]: accepted drafts, then the final token, then PAD_TOKEN."""
+    batch, k = drafts.shape
+    positions = torch.arange(k + 1, device=drafts.device)[None, :]  # [1, k+1]
+    padded = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)  # [B, k+1]
+    j = num_accepted[:, None]
+    out = torch.where(positions < j, padded, torch.full_like(padded, PAD_TOKEN))
+    return torch.where(positions == j, final[:, None], out)
