@@ -1,0 +1,227 @@
+"""Reasoning-gym tasks as RL environments: prompts with metadata and verifiable rewards.
+
+Contract:
+- ``ReasoningGymEnv(task, task_config, num_train, num_eval, template, seed, format_bonus)`` builds
+  two fixed splits from ``reasoning_gym.create_dataset``: ``train`` (dataset seed ``seed``) and
+  ``eval`` (dataset seed ``seed + EVAL_SEED_OFFSET``, with every question that also occurs in
+  ``train`` dropped, so the splits are disjoint by question text).
+- ``prompts(split, seed=None)`` returns that split's prompts; ``seed=None`` keeps dataset order,
+  an integer gives a deterministic permutation (the same seed always gives the same order).
+- ``reward(completion_text, meta)`` extracts the answer with the template's extractor and scores
+  it with the task's own scorer (``dataset.score_answer``) in [0, 1]; ``format_bonus`` (default 0)
+  is added when an answer could be extracted at all. ``correct(...)`` says whether the score is 1.
+- Templates (``TEMPLATES``, registered by name) turn a question into chat messages and a
+  completion into an answer string (or None when the model gave none).
+- An unknown task or template raises ``ValueError`` listing the closest known names.
+This module knows text, not tokens: tokenisation is the rollout side's business.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+EVAL_SEED_OFFSET = 1_000_003
+_MAX_EVAL_POOL_FACTOR = 64
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: a stable id, chat messages and what the reward needs (``meta``)."""
+
+    id: str
+    messages: tuple[dict[str, str], ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def text(self) -> str:
+        """The user turn's text."""
+        return next(m["content"] for m in reversed(self.messages) if m["role"] == "user")
+
+    @property
+    def system(self) -> str | None:
+        return next((m["content"] for m in self.messages if m["role"] == "system"), None)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """Prompts with metadata and a verifiable reward."""
+
+    def prompts(self, split: str, seed: int | None = None) -> list[Prompt]: ...
+
+    def reward(self, completion_text: str, meta: Mapping[str, Any]) -> float: ...
+
+
+# --------------------------------------------------------------------------- templates
+
+
+@dataclass(frozen=True)
+class Template:
+    """How a question is asked and how the answer is read back."""
+
+    system: str | None
+    suffix: str
+    extract: Callable[[str], str | None]
+
+    def messages(self, question: str) -> tuple[dict[str, str], ...]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        msgs.append({"role": "user", "content": question.rstrip() + self.suffix})
+        return tuple(msgs)
+
+
+_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+_OPEN_TAG = re.compile(r"<answer>\s*(.*?)\s*$", re.DOTALL)
+_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*\**\s*(.+)", re.IGNORECASE)
+_IS = re.compile(r"answer\s+is\s*\**\s*(.+)", re.IGNORECASE)
+
+
+def extract_tag(text: str) -> str | None:
+    """The last ``<answer>...</answer>`` content; an unclosed final tag counts too."""
+    matches = _TAG.findall(text)
+    if matches:
+        return matches[-1].strip()
+    tail = _OPEN_TAG.search(text)
+    return tail.group(1).strip() or None if tail else None
+
+
+def extract_line(text: str) -> str | None:
+    """The rest of the last line that says ``Answer: X`` or ``answer is X`` (trailing period and
+    ** removed)."""
+    matches = _LINE.findall(text) or _IS.findall(text)
+    if not matches:
+        return None
+    return _clean(matches[-1])
+
+
+def _clean(value: str) -> str | None:
+    """Strip markdown bold, trailing periods and whitespace; None when nothing is left."""
+    return value.strip().lstrip("*").rstrip("*. ").strip() or None
+
+
+def extract_last_line(text: str) -> str | None:
+    """For 'reply with only the answer' prompts: the last non-empty line, reduced to X when it
+    reads 'answer is X' / 'Answer: X', or to the part after the last '=' ('5 - 3 = 2' -> '2')."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return None
+    last = lines[-1]
+    return extract_line(last) or _clean(last.rsplit("=", 1)[-1])
+
+
+TEMPLATES: dict[str, Template] = {
+    "answer_tag": Template(
+        None, "\nPut only the final answer inside <answer></answer> tags.", extract_tag
+    ),
+    "answer_line": Template(None, "\nEnd your reply with a line 'Answer: <answer>'.", extract_line),
+    "answer_only": Template(None, "\nReply with only the final answer.", extract_last_line),
+}
+
+
+def get_template(name: str) -> Template:
+    if name not in TEMPLATES:
+        raise ValueError(_unknown("prompt template", name, TEMPLATES))
+    return TEMPLATES[name]
+
+
+def _unknown(kind: str, name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown {kind} {name!r}{hint} (known: {', '.join(sorted(known))})"
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def task_names() -> list[str]:
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
+    """``reasoning_gym.create_dataset`` with errors turned into one-line ``ValueError``s."""
+    import reasoning_gym
+
+    if task not in task_names():
+        raise ValueError(_unknown("reasoning-gym task", task, task_names()))
+    try:
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config))
+    except (TypeError, AssertionError, ValueError) as e:
+        raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
+
+
+class ReasoningGymEnv:
+    """A reasoning-gym task with fixed, disjoint train and eval splits."""
+
+    def __init__(
+        self,
+        task: str = "leg_counting",
+        task_config: Mapping[str, Any] | None = None,
+        num_train: int = 1000,
+        num_eval: int = 64,
+        template: str = "answer_tag",
+        seed: int = 0,
+        format_bonus: float = 0.0,
+    ) -> None:
+        self.task, self.config = task, dict(task_config or {})
+        self.template = get_template(template)
+        self.format_bonus = format_bonus
+        train = make_dataset(task, num_train, seed, self.config)
+        self._scorer = train
+        self._entries = {"train": [train[i] for i in range(num_train)]}
+        seen = {e["question"] for e in self._entries["train"]}
+        self._entries["eval"] = self._eval_entries(num_eval, seed + EVAL_SEED_OFFSET, seen)
+
+    def _eval_entries(self, n: int, seed: int, seen: set[str]) -> list[dict]:
+        if n == 0:
+            return []
+        size = 2 * n
+        while True:
+            ds = make_dataset(self.task, size, seed, self.config)
+            fresh = [ds[i] for i in range(size) if ds[i]["question"] not in seen]
+            unique = list({e["question"]: e for e in fresh}.values())
+            if len(unique) >= n:
+                return unique[:n]
+            if size >= _MAX_EVAL_POOL_FACTOR * n:
+                raise ValueError(
+                    f"task {self.task!r} with config {self.config} has too few distinct questions "
+                    f"for {n} eval prompts disjoint from train: found {len(unique)}; "
+                    "lower num_eval/num_train or make the task larger"
+                )
+            size *= 4
+
+    def prompts(self, split: str, seed: int | None = None) -> list[Prompt]:
+        if split not in self._entries:
+            raise ValueError(f"unknown split {split!r} (known: train, eval)")
+        out = [self._prompt(split, i, e) for i, e in enumerate(self._entries[split])]
+        if seed is not None:
+            random.Random(seed).shuffle(out)
+        return out
+
+    def _prompt(self, split: str, index: int, entry: dict) -> Prompt:
+        meta = {"task": self.task, "split": split, "index": index, "answer": entry["answer"]}
+        meta["entry"] = entry
+        return Prompt(
+            f"{self.task}/{split}/{index}", self.template.messages(entry["question"]), meta
+        )
+
+    def extract(self, completion_text: str) -> str | None:
+        return self.template.extract(completion_text)
+
+    def score(self, completion_text: str, meta: Mapping[str, Any]) -> float:
+        """The task scorer's value in [0, 1] for the extracted answer (0 if none)."""
+        answer = self.extract(completion_text)
+        if answer is None:
+            return 0.0
+        return float(self._scorer.score_answer(answer, meta["entry"]))
+
+    def reward(self, completion_text: str, meta: Mapping[str, Any]) -> float:
+        bonus = self.format_bonus if self.extract(completion_text) is not None else 0.0
+        return self.score(completion_text, meta) + bonus
+
+    def correct(self, completion_text: str, meta: Mapping[str, Any]) -> bool:
+        return self.score(completion_text, meta) >= 1.0

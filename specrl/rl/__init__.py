@@ -1,0 +1,1 @@
+"""The learning side: advantages, policy losses and the learner (knows nothing about rollouts)."""

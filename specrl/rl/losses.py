@@ -1,0 +1,174 @@
+"""Policy-gradient losses of the GRPO family, registered by name, plus the k3 KL penalty.
+
+Contract: every registered loss has the signature
+``fn(logprobs [N, T], old_logprobs [N, T], advantages [N], mask [N, T], *, eps_low, eps_high,
+ref_logprobs=None, kl_coef=0.0, max_len=None, norm=None) -> LossOutput`` where N counts
+completions, T completion positions (right-padded; ``mask`` is 1 on real tokens). All share one
+per-token objective and differ only in how tokens are aggregated:
+
+    ratio_t   = exp(logprobs_t - old_logprobs_t)
+    pg_t      = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
+    kl_t      = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1        (k3, >= 0)
+    term_t    = pg_t + kl_coef * kl_t
+
+- ``grpo``: mean over each sequence's tokens, then mean over sequences (long completions get a
+  smaller per-token weight); symmetric clip unless ``eps_high`` is given.
+- ``dr_grpo``: sum over tokens / (num_sequences * max_len) with a constant ``max_len`` (the
+  generation budget), so every token weighs the same regardless of its completion's length.
+- ``dapo``: sum over all tokens of the batch / number of tokens in the batch (token-level
+  normalisation); clip-higher by default (``eps_high=0.28``, ``eps_low=0.2``).
+
+``norm`` carries batch-wide counts (sequences, tokens) so that the losses of micro-batches add up to
+exactly the loss of the whole batch under gradient accumulation; by default the counts come from
+the tensors given. ``LossOutput.metrics`` holds floats: ``clip_frac`` (share of tokens whose
+gradient the clip removes), ``ratio_mean``, ``kl`` (mean k3, 0 without a reference), ``tokens``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Batch-wide normalisers (whole batch, not the micro-batch)."""
+
+    num_sequences: int
+    num_tokens: int
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> LossNorm:  # [N, T]
+        return LossNorm(int(mask.shape[0]), max(int(mask.sum().item()), 1))
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: torch.Tensor  # [] scalar, differentiable
+    metrics: dict[str, float]
+
+
+LossFn = Callable[..., LossOutput]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Decorator: make a loss with the module's common signature known as ``name``."""
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss(name: str) -> LossFn:
+    if name not in LOSSES:
+        close = difflib.get_close_matches(name, list(LOSSES), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown policy loss {name!r}{hint} (known: {', '.join(sorted(LOSSES))})")
+    return LOSSES[name]
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || ref): exp(d) - d - 1 with d = ref - policy."""
+    d = ref_logprobs - logprobs  # [N, T]
+    return torch.exp(d) - d - 1
+
+
+@dataclass(frozen=True)
+class _Terms:
+    per_token: torch.Tensor  # [N, T] term_t (not yet masked)
+    metrics: dict[str, float]
+
+
+def _token_terms(
+    logprobs: torch.Tensor,  # [N, T]
+    old_logprobs: torch.Tensor,  # [N, T]
+    advantages: torch.Tensor,  # [N]
+    mask: torch.Tensor,  # [N, T]
+    eps_low: float,
+    eps_high: float,
+    ref_logprobs: torch.Tensor | None,  # [N, T]
+    kl_coef: float,
+) -> _Terms:
+    mask = mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)[:, None]  # [N, 1]
+    ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = per_token + kl_coef * kl
+    with torch.no_grad():
+        active = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - eps_low) & (adv < 0))
+        n = mask.sum().clamp(min=1)
+        metrics = {
+            "clip_frac": float((active * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+            "kl": float((kl * mask).sum() / n),
+            "tokens": float(mask.sum()),
+        }
+    return _Terms(per_token * mask, metrics)
+
+
+def _check(logprobs, old_logprobs, advantages, mask) -> None:
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same [N, T] shape"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages must be [N]={logprobs.shape[0]}, got {tuple(advantages.shape)}"
+        )
+
+
+@register_loss("grpo")
+def grpo_loss(
+    logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=None, ref_logprobs=None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+) -> LossOutput:  # fmt: skip
+    _check(logprobs, old_logprobs, advantages, mask)
+    norm = norm or LossNorm.of(mask)
+    eps_high = eps_low if eps_high is None else eps_high
+    t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
+                     kl_coef)  # fmt: skip
+    lengths = mask.sum(dim=1).clamp(min=1).to(logprobs.dtype)  # [N]
+    loss = (t.per_token.sum(dim=1) / lengths).sum() / norm.num_sequences
+    return LossOutput(loss, t.metrics)
+
+
+@register_loss("dr_grpo")
+def dr_grpo_loss(
+    logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=None, ref_logprobs=None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+) -> LossOutput:  # fmt: skip
+    _check(logprobs, old_logprobs, advantages, mask)
+    norm = norm or LossNorm.of(mask)
+    eps_high = eps_low if eps_high is None else eps_high
+    max_len = mask.shape[1] if max_len is None else max_len
+    t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
+                     kl_coef)  # fmt: skip
+    loss = t.per_token.sum() / (norm.num_sequences * max_len)
+    return LossOutput(loss, t.metrics)
+
+
+@register_loss("dapo")
+def dapo_loss(
+    logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=0.28, ref_logprobs=None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+) -> LossOutput:  # fmt: skip
+    _check(logprobs, old_logprobs, advantages, mask)
+    norm = norm or LossNorm.of(mask)
+    eps_high = 0.28 if eps_high is None else eps_high
+    t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
+                     kl_coef)  # fmt: skip
+    loss = t.per_token.sum() / norm.num_tokens
+    return LossOutput(loss, t.metrics)
