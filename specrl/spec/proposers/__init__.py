@@ -1,0 +1,65 @@
+"""Drafters behind one ``Proposer`` protocol (see ``base``), looked up by name.
+
+``register_proposer(name)`` is a class decorator that records a proposer class under ``name``
+(and sets its ``name`` attribute); ``get_proposer_class(name)`` returns it. Modules in this
+package register themselves when imported; a lookup that misses imports every module of the
+package once, so a new drafter only needs a module here with a decorated class. Names are unique:
+registering a second class under a taken name raises ``ValueError``.
+
+The registry dict is the only module-level mutable state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import TypeVar
+
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch
+
+__all__ = [
+    "Draft",
+    "Proposer",
+    "ProposerBatch",
+    "available_proposers",
+    "get_proposer_class",
+    "register_proposer",
+]
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def register_proposer(name: str) -> Callable[[T], T]:
+    """Class decorator: register ``cls`` under ``name``."""
+
+    def decorate(cls: T) -> T:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise ValueError(f"proposer name {name!r} already registered by {existing!r}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def _import_all() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+def get_proposer_class(name: str) -> type:
+    """The proposer class registered under ``name``; ``KeyError`` listing the known names."""
+    if name not in _REGISTRY:
+        _import_all()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown proposer {name!r}; known: {', '.join(available_proposers())}")
+    return _REGISTRY[name]
+
+
+def available_proposers() -> list[str]:
+    """Sorted names of every registered proposer (after importing all drafter modules)."""
+    _import_all()
+    return sorted(_REGISTRY)
