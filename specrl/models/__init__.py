@@ -1,1 +1,1 @@
-"""Policy and drafter networks: architecture, KV cache, checkpoint loading. Nothing about sampling or RL."""
+"""Policy and drafter networks: architecture, KV cache, checkpoints. No sampling, no RL."""

@@ -48,8 +48,8 @@ class KVCache:
         v_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
     ) -> None:
         """Store new keys/values at (slot, position)."""
-        self.k[layer].index_put_((rows, slice(None), positions), k_new)  # type: ignore[arg-type]
-        self.v[layer].index_put_((rows, slice(None), positions), v_new)  # type: ignore[arg-type]
+        self.k[layer][rows, :, positions] = k_new
+        self.v[layer][rows, :, positions] = v_new
 
     def read(self, layer: int, batch: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [batch, kv_heads, kv_len, head_dim] of slots 0..batch-1."""

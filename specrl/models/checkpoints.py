@@ -116,7 +116,9 @@ def gguf_config(reader) -> ModelConfig:
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     return ModelConfig(
-        vocab_size=int(_field(reader, p + "vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))),
+        vocab_size=int(
+            _field(reader, p + "vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))
+        ),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
         num_layers=int(_field(reader, p + "block_count")),
@@ -135,7 +137,9 @@ def gguf_config(reader) -> ModelConfig:
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE -> rotate-half)."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 _GGUF_TO_HF = {
@@ -257,7 +261,10 @@ def _layer_map(i: int) -> list[tuple[str, list[str]]]:
 
 def name_map(config: ModelConfig) -> list[tuple[str, list[str]]]:
     """Our parameter names and the Hugging Face tensors each is built from."""
-    pairs = [("embed.weight", ["model.embed_tokens.weight"]), ("norm.weight", ["model.norm.weight"])]
+    pairs = [
+        ("embed.weight", ["model.embed_tokens.weight"]),
+        ("norm.weight", ["model.norm.weight"]),
+    ]
     for i in range(config.num_layers):
         pairs += _layer_map(i)
     if not config.tie_word_embeddings:

@@ -73,8 +73,11 @@ class ModelConfig:
             )
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
-        scaling = d.get("rope_scaling") or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        # transformers >= 5 stores theta and scaling together in "rope_parameters"
+        rope = d.get("rope_parameters") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
@@ -89,7 +92,7 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),

@@ -62,7 +62,9 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """Render a conversation with the model's chat template."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template; pass --no-chat-template")

@@ -20,6 +20,40 @@ from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that, in inference (no grad) with a bf16/fp16 CPU weight, multiplies with a
+    oneDNN-prepacked copy of the weight (no per-call weight reorder; ~10x faster at batch 1).
+
+    The packed copy is rebuilt whenever the weight tensor changed (its version counter moved), so
+    training in place and refitting weights can never leave a stale copy in use.
+    """
+
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple | None = None
+
+    def _pack_key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype)
+
+    def _use_packed(self) -> bool:
+        w = self.weight
+        return (
+            not torch.is_grad_enabled()
+            and w.device.type == "cpu"
+            and w.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._use_packed():
+            return F.linear(x, self.weight, self.bias)
+        key = self._pack_key()
+        if self._packed_key != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self._packed_key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -69,8 +103,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.c = layer, c
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
-        self.o = nn.Linear(q, c.hidden_size, bias=False)
+        self.qkv = Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
+        self.o = Linear(q, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -98,6 +132,7 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if ctx.cache is not None:
             ctx.cache.write(self.layer, ctx.rows, ctx.positions, k, v)
+        if ctx.cache is not None and ctx.read_cache:
             keys, values = ctx.cache.read(self.layer, b, ctx.kv_len)
         else:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
@@ -110,8 +145,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -140,6 +175,7 @@ class AttnContext:
     cache: KVCache | None = None
     rows: torch.Tensor | None = None  # [B, T] cache slot of each token
     kv_len: int = 0
+    read_cache: bool = True  # False: prefill, attend only within the new tokens
 
 
 @dataclass
@@ -158,7 +194,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -178,15 +214,19 @@ class Transformer(nn.Module):
         cache: KVCache | None,
         kv_len: int | None,
         segments: torch.Tensor | None = None,  # [B, T] packed-sequence ids (no cache)
+        slots: torch.Tensor | None = None,  # [B] prefill: write into these slots, no cache read
     ) -> AttnContext:
         b, t = positions.shape
-        if cache is None:
+        if cache is None or slots is not None:
             mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key <= query
             causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
             mask = mask & causal
             if segments is not None:
                 mask = mask & (segments[:, None, :] == segments[:, :, None])
-            return AttnContext(positions=positions, mask=mask[:, None])
+            if slots is None:
+                return AttnContext(positions=positions, mask=mask[:, None])
+            rows = slots[:, None].expand(b, t)
+            return AttnContext(positions, mask[:, None], cache, rows, t, read_cache=False)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         keys = torch.arange(kv_len, device=positions.device)
@@ -202,9 +242,14 @@ class Transformer(nn.Module):
         kv_len: int | None = None,
         capture: tuple[int, ...] = (),
         segments: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Final normed hidden [B, T, H] and the outputs of layers in ``capture``."""
-        ctx = self.attn_context(positions, cache, kv_len, segments)
+        """Final normed hidden [B, T, H] and the outputs of layers in ``capture``.
+
+        With a cache: row b reads/writes slot b, or, when ``slots`` [B] is given (prefill), writes
+        slot ``slots[b]`` and attends only within the given tokens.
+        """
+        ctx = self.attn_context(positions, cache, kv_len, segments, slots)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
         captured = []
@@ -222,8 +267,9 @@ class Transformer(nn.Module):
         kv_len: int | None = None,
         logits_at: torch.Tensor | None = None,  # [B, T'] indices into T; None = all
         capture: tuple[int, ...] = (),
+        slots: torch.Tensor | None = None,  # [B] prefill into these cache slots
     ) -> ForwardOutput:
-        h, captured = self.hidden_states(ids, positions, cache, kv_len, capture)
+        h, captured = self.hidden_states(ids, positions, cache, kv_len, capture, slots=slots)
         sel = h if logits_at is None else h.gather(1, _expand_idx(logits_at, h.shape[-1]))
         return ForwardOutput(self.lm_head(sel), h, captured)
 

@@ -1,0 +1,183 @@
+"""The ``specrl`` command line: generate | bench | train | train-drafter | report | simulate.
+
+Contract: every command validates its inputs before doing work and reports a bad value as one
+line (``error: ...``) with exit code 2, never a traceback. Commands are thin: they parse options
+and call library functions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specrl.sim.cli import register as register_simulate
+
+app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    help="specrl: RL post-training with lossless speculative rollouts.",
+)
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
+app.add_typer(bench_app, name="bench")
+register_simulate(app)
+
+ModelOpt = Annotated[
+    str,
+    typer.Option("--model", help="bundled name (smollm2-135m-instruct), model dir or .gguf file"),
+]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")]
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print a one-line error and exit."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def parse_dtype(name: str):
+    import torch
+
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        fail(f"unknown dtype {name!r} (choose float32 or bfloat16)")
+    return dtypes[name]
+
+
+def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
+    """Prompts from arguments and a JSONL file (lines: a string, {"prompt": ...})."""
+    out = list(prompts)
+    if prompts_file is not None:
+        if not prompts_file.exists():
+            fail(f"prompts file not found: {prompts_file}")
+        for n, line in enumerate(prompts_file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{prompts_file}:{n}: not JSON ({e.msg})")
+            out.append(item if isinstance(item, str) else item.get("prompt", ""))
+    if not out:
+        fail("no prompts: pass PROMPT arguments or --prompts-file")
+    return out
+
+
+@app.command()
+def generate(
+    prompts: Annotated[list[str] | None, typer.Argument(help="prompt texts")] = None,
+    prompts_file: Annotated[
+        Path | None, typer.Option("--prompts-file", help='JSONL: "text" or {"prompt": "text"}')
+    ] = None,
+    model: ModelOpt = "smollm2-135m-instruct",
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass in (0, 1]")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off")] = 0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    n: Annotated[int, typer.Option("--n", help="completions per prompt")] = 1,
+    seed: Annotated[int | None, typer.Option(help="base seed (default: random)")] = None,
+    chat_template: Annotated[
+        bool, typer.Option("--chat-template/--no-chat-template", help="wrap prompts as chat")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per completion")] = False,
+    dtype: DtypeOpt = "bfloat16",
+    max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences")] = 64,
+) -> None:
+    """Generate completions with the native engine."""
+    from specrl.engine import Engine, Request
+    from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
+    from specrl.sampling import SamplingParams
+
+    texts = read_prompts(prompts or [], prompts_file)
+    try:
+        tok = load_tokenizer(model)
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            n=n,
+            seed=seed,
+            stop_token_ids=tok.stop_token_ids,
+        ).validate()
+        net = load_model(model, dtype=parse_dtype(dtype))
+        engine = Engine(net, max_batch=max_batch)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
+    encode = tok.encode_chat if chat_template else tok.encode
+    requests = [Request(encode(t) if t.strip() else [], params) for t in texts]
+    completions = engine.generate(requests, progress=not as_json and sys.stderr.isatty())
+    failed = 0
+    for c in completions:
+        if c.error:
+            failed += 1
+            typer.echo(f"error: prompt {c.request_index + 1}: {c.error}", err=True)
+            continue
+        text = tok.decode(c.token_ids)
+        if as_json:
+            typer.echo(json.dumps(completion_json(c, text)))
+        else:
+            typer.echo(
+                f"--- prompt {c.request_index + 1}, sample {c.sample_index + 1} "
+                f"({len(c.token_ids)} tokens, {c.finish_reason})\n{text}"
+            )
+    if failed:
+        raise typer.Exit(1)
+
+
+def completion_json(c, text: str) -> dict:
+    return {
+        "prompt_index": c.request_index,
+        "sample_index": c.sample_index,
+        "text": text,
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "raw_logprobs": c.raw_logprobs,
+        "finish_reason": c.finish_reason,
+        "acceptance_length": c.acceptance_length,
+    }
+
+
+@bench_app.command("generate")
+def bench_generate(
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="comma list")] = "1,8,32,64",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="tokens per sequence")] = 128,
+    compare: Annotated[
+        str, typer.Option("--compare", help="comma list of other engines: hf, vllm")
+    ] = "",
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    model: ModelOpt = "smollm2-135m-instruct",
+    dtype: DtypeOpt = "bfloat16",
+    repeats: Annotated[int, typer.Option(help="timed runs per point (best kept)")] = 1,
+) -> None:
+    """Tokens/s of the engine (and optionally transformers) at several batch sizes."""
+    from specrl.bench import run_generate_bench
+
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--batch-sizes must be integers, got {batch_sizes!r}")
+    if not sizes or min(sizes) < 1:
+        fail(f"batch sizes must be >= 1, got {batch_sizes!r}")
+    if new_tokens < 1:
+        fail(f"--new-tokens must be >= 1, got {new_tokens}")
+    others = [x.strip() for x in compare.split(",") if x.strip()]
+    unknown = [x for x in others if x not in ("hf", "vllm")]
+    if unknown:
+        fail(f"unknown --compare engine {unknown[0]!r} (choose hf, vllm)")
+    result = run_generate_bench(model, parse_dtype(dtype), sizes, new_tokens, others, repeats)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Continuous-batching generation over a preallocated KV cache.
+
+Contract: ``Engine(model).generate(requests)`` returns ``n`` completions per request, in request
+order. Live sequences occupy cache slots 0..B-1 (batch row == slot); a finished sequence's slot is
+refilled from the pending queue at once, and when the queue is empty the last live row moves into
+the hole. A prompt is prefilled once and its cache copied to its GRPO siblings. Randomness is
+counter-based per request seed (``specrl.sampling.uniforms``), so a request samples the same
+tokens alone or batched. Bad requests (empty prompt, too long, bad sampling values, ids outside the
+vocabulary) come back as completions with ``finish_reason == "error"`` and a one-line message;
+the others still run. Each decode step is plain (one token per row) or speculative (a
+``spec.SpecStep`` drafts k tokens, the target verifies k+1 positions in one forward, each row
+advances by its own count; cache positions past a row's length are stale and masked).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from specrl.engine.types import Completion, Request
+from specrl.models.cache import KVCache
+from specrl.models.transformer import Transformer
+from specrl.sampling import (
+    STREAM_SAMPLE,
+    SamplingParams,
+    processed_logprobs,
+    raw_logprobs,
+    sample,
+    token_logprobs,
+    uniforms,
+)
+
+
+@dataclass
+class Seq:
+    """One live sequence: its completion record and decoding position."""
+
+    comp: Completion
+    params: SamplingParams
+    history: list[int]  # prompt + emitted tokens
+    max_total: int  # history length at which the sequence must stop
+    group_key: int
+    row_id: int
+    stop: frozenset[int] = frozenset()
+
+    @property
+    def pos(self) -> int:
+        """Cache position of the last emitted token (not yet in the cache)."""
+        return len(self.history) - 1
+
+
+@dataclass
+class RowTensors:
+    """Per-row sampling tensors for the current batch composition, all [B]."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[Seq]) -> RowTensors:
+        return cls(
+            temperature=torch.tensor([s.params.temperature for s in rows], dtype=torch.float32),
+            top_k=torch.tensor([s.params.top_k for s in rows], dtype=torch.int64),
+            top_p=torch.tensor([s.params.top_p for s in rows], dtype=torch.float32),
+            seeds=torch.tensor([s.comp.seed for s in rows], dtype=torch.int64),
+        )
+
+    def select(self, idx: torch.Tensor) -> RowTensors:
+        return RowTensors(*(t[idx] for t in (self.temperature, self.top_k, self.top_p, self.seeds)))
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [N]
+    logprobs: torch.Tensor  # [N] processed
+    raw_logprobs: torch.Tensor  # [N]
+
+
+def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
+    """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
+    lp = processed_logprobs(logits, t.temperature, t.top_k, t.top_p)
+    tokens = sample(lp, uniforms(t.seeds, counters, STREAM_SAMPLE))
+    raw = token_logprobs(raw_logprobs(logits), tokens)
+    return Sampled(tokens, token_logprobs(lp, tokens), raw)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters of one ``generate`` call."""
+
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position_accepted: list[int] = field(default_factory=list)
+    per_position_drafted: list[int] = field(default_factory=list)
+    emitted_per_row_step: int = 0  # sum over (row, step) of emitted tokens
+    row_steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted_per_row_step / self.row_steps if self.row_steps else 0.0
+
+
+class Engine:
+    """Batched generation with continuous batching (plain decoding; speculation plugs in)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_batch: int = 64,
+        max_context: int | None = None,
+        seed: int = 0,
+        policy_version: int = 0,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        self.max_batch = max_batch
+        limit = model.config.max_position_embeddings
+        self.max_context = min(max_context or limit, limit)
+        self.policy_version = policy_version
+        self._rng = random.Random(seed)
+        self._cache: KVCache | None = None
+        self._row_tensors: RowTensors | None = None
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.inference_mode()
+    def generate(
+        self, requests: list[Request], progress: bool = False, spec_margin: int = 0
+    ) -> list[Completion]:
+        """n completions per request, in request order (see the module docstring)."""
+        self.stats = EngineStats()
+        start = time.perf_counter()
+        completions, pending = self._plan(requests, start)
+        valid = [c for c in completions if c.error is None]
+        self._ensure_cache(pending, spec_margin)
+        bar = tqdm(total=len(valid), disable=not progress, desc="generate", unit="seq")
+        rows: list[Seq] = []
+        while pending or rows:
+            self._admit(rows, pending, start)
+            finished = self._step(rows, start)
+            bar.update(len(finished))
+            self._retire(rows, finished)
+        bar.close()
+        return completions
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, requests: list[Request], start: float) -> tuple[list[Completion], deque]:
+        """Validate requests; make completion records; queue (request, [samples]) groups."""
+        completions: list[Completion] = []
+        pending: deque = deque()
+        for i, req in enumerate(requests):
+            error = self._check(req)
+            n = req.sampling.n if req.sampling.n >= 1 else 1
+            comps = [
+                Completion(i, j, list(req.prompt_ids), policy_version=self.policy_version)
+                for j in range(n)
+            ]
+            for c in comps:
+                c.seed = self._seed(req.sampling, c.sample_index)
+                if error:
+                    c.finish_reason, c.error = "error", error
+            completions += comps
+            if not error:
+                pending.append((req, comps))
+        return completions, pending
+
+    def _check(self, req: Request) -> str | None:
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            return str(e)
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_context:
+            return (
+                f"prompt has {n} tokens; the context holds {self.max_context} (prompt + >= 1 new)"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})"
+        return None
+
+    def _seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._rng.getrandbits(63)
+        return (params.seed * 1_000_003 + index) & ((1 << 63) - 1)
+
+    def _ensure_cache(self, pending: deque, margin: int) -> None:
+        if not pending:
+            return
+        need_len = max(
+            min(len(r.prompt_ids) + r.sampling.max_new_tokens, self.max_context) for r, _ in pending
+        )
+        need_len += margin + 1
+        slots = min(self.max_batch, sum(len(c) for _, c in pending))
+        cache = self._cache
+        if cache is None or cache.slots < slots or cache.max_len < need_len:
+            slots = max(slots, cache.slots if cache else 0)
+            need_len = max(need_len, cache.max_len if cache else 0)
+            self._cache = None  # free the old one first
+            self._cache = self.model.new_cache(slots, need_len)
+
+    # ------------------------------------------------------------------ admission (prefill)
+
+    def _admit(self, rows: list[Seq], pending: deque, start: float) -> None:
+        """Fill free slots from the queue; prefill each admitted prompt once."""
+        groups: list[tuple[Request, list[Completion]]] = []
+        free = self.max_batch - len(rows)
+        while pending and free > 0:
+            req, comps = pending[0]
+            take, rest = comps[:free], comps[free:]
+            groups.append((req, take))
+            free -= len(take)
+            if rest:
+                pending[0] = (req, rest)
+            else:
+                pending.popleft()
+        if groups:
+            t0 = time.perf_counter()
+            self._prefill(rows, groups, start)
+            self.stats.prefill_s += time.perf_counter() - t0
+
+    def _prefill(self, rows: list[Seq], groups: list, start: float) -> None:
+        lens = [len(req.prompt_ids) for req, _ in groups]
+        width = max(lens)
+        ids = torch.zeros(len(groups), width, dtype=torch.int64)
+        for g, (req, _) in enumerate(groups):
+            ids[g, : lens[g]] = torch.tensor(req.prompt_ids)
+        first_slot, slot = [], len(rows)
+        for _, comps in groups:
+            first_slot.append(slot)
+            slot += len(comps)
+        positions = torch.arange(width).expand(len(groups), width)
+        last = torch.tensor(lens)[:, None] - 1
+        out = self.model(
+            ids, positions, self._cache, logits_at=last, slots=torch.tensor(first_slot)
+        )
+        logits = out.logits[:, 0].float()  # [G, V]
+        new_rows = self._fork(groups, first_slot, lens)
+        group_of = torch.tensor([g for g, (_, c) in enumerate(groups) for _ in c])
+        t = RowTensors.of(new_rows)
+        s = sample_rows(logits[group_of], t, torch.zeros(len(new_rows), dtype=torch.int64))
+        rows += new_rows
+        self._emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
+
+    def _fork(self, groups: list, first_slot: list[int], lens: list[int]) -> list[Seq]:
+        """Make Seq records; copy each prompt's cache to its siblings' slots."""
+        new_rows = []
+        for (req, comps), slot0, n in zip(groups, first_slot, lens, strict=True):
+            key = hash(tuple(req.prompt_ids))
+            for j, comp in enumerate(comps):
+                if j:
+                    self._cache.copy_slot(slot0, slot0 + j, n)
+                limit = min(n + req.sampling.max_new_tokens, self.max_context)
+                stop = frozenset(req.sampling.stop_token_ids)
+                row_id = (comp.request_index << 20) | comp.sample_index
+                new_rows.append(
+                    Seq(comp, req.sampling, list(req.prompt_ids), limit, key, row_id, stop)
+                )
+        self._row_tensors = None
+        return new_rows
+
+    # ------------------------------------------------------------------ decoding
+
+    def _step(self, rows: list[Seq], start: float) -> list[int]:
+        """One decode step for all live rows; returns indices of rows that finished."""
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        finished = self._plain_step(rows, start)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        return finished
+
+    def _tensors(self, rows: list[Seq]) -> RowTensors:
+        if self._row_tensors is None:
+            self._row_tensors = RowTensors.of(rows)
+        return self._row_tensors
+
+    def _plain_step(self, rows: list[Seq], start: float) -> list[int]:
+        ids = torch.tensor([[s.history[-1]] for s in rows])
+        pos = [s.pos for s in rows]
+        positions = torch.tensor(pos)[:, None]
+        out = self.model(ids, positions, self._cache, kv_len=max(pos) + 1)
+        counters = torch.tensor([len(s.comp.token_ids) for s in rows])
+        s = sample_rows(out.logits[:, 0].float(), self._tensors(rows), counters)
+        return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
+
+    def _emit(
+        self,
+        rows: list[Seq],
+        tokens: list[list[int]],
+        s: Sampled,
+        start: float,
+        first: bool = False,
+        offsets: list[int] | None = None,
+    ) -> list[int]:
+        """Append emitted tokens (cut at stop/length); return indices of finished rows."""
+        lp, raw = (
+            s.logprobs.reshape(len(rows), -1).tolist(),
+            s.raw_logprobs.reshape(len(rows), -1).tolist(),
+        )
+        now = time.perf_counter() - start
+        finished = []
+        for i, (seq, toks) in enumerate(zip(rows, tokens, strict=True)):
+            c = seq.comp
+            c.verify_steps += 1
+            self.stats.row_steps += 1
+            for j, tok in enumerate(toks):
+                seq.history.append(tok)
+                c.token_ids.append(tok)
+                c.logprobs.append(lp[i][j])
+                c.raw_logprobs.append(raw[i][j])
+                self.stats.tokens += 1
+                self.stats.emitted_per_row_step += 1
+                if first and j == 0:
+                    c.first_token_s = now
+                if tok in seq.stop:
+                    c.finish_reason = "stop"
+                    break
+                if len(seq.history) >= seq.max_total:
+                    c.finish_reason = "length"
+                    break
+            else:
+                continue
+            c.latency_s = now
+            finished.append(i)
+        return finished
+
+    # ------------------------------------------------------------------ retiring
+
+    def _retire(self, rows: list[Seq], finished: list[int]) -> None:
+        """Remove finished rows, moving the last live rows into the holes."""
+        if not finished:
+            return
+        for i in sorted(finished, reverse=True):
+            last = len(rows) - 1
+            if i != last:
+                self._cache.move(last, i, rows[last].pos)
+                rows[i] = rows[last]
+            rows.pop()
+        self._row_tensors = None

@@ -1,0 +1,43 @@
+"""Requests in, completions out: the engine's public data types.
+
+Contract: a ``Request`` is a prompt (token ids) plus ``SamplingParams``; ``Engine.generate`` returns
+``n`` ``Completion`` objects per request, in request order, each carrying the sampled token ids,
+their log-probabilities under the processed (sampled-from) and raw (T=1) distributions, the
+finish reason ("stop", "length", or "error" with a message), timings and speculation counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specrl.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    request_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # processed distribution
+    raw_logprobs: list[float] = field(default_factory=list)  # temperature 1, no truncation
+    finish_reason: str = "length"  # "stop" | "length" | "error"
+    error: str | None = None
+    seed: int = 0
+    policy_version: int = 0
+    first_token_s: float = 0.0  # seconds from generate() start to the first token
+    latency_s: float = 0.0  # seconds from generate() start to the last token
+    verify_steps: int = 0  # forwards of the target that emitted tokens for this sequence
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Emitted tokens per target forward (1.0 without speculation)."""
+        return len(self.token_ids) / self.verify_steps if self.verify_steps else 0.0

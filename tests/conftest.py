@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random models for speed, the real SmolLM2 for slow tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrl.models.config import tiny_config
+from specrl.models.transformer import Transformer
+
+
+def make_tiny(seed: int = 0, **overrides) -> Transformer:
+    """A tiny random decoder (fp32, eval mode, no grad)."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def tiny() -> Transformer:
+    return make_tiny()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Transformer:
+    from specrl.models.checkpoints import load_model
+
+    return load_model(dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok():
+    from specrl.models.checkpoints import load_tokenizer
+
+    return load_tokenizer()
+
+
+# Twenty varied prompts for equivalence tests on the real model.
+PROMPTS = [
+    "What is 2+2?",
+    "Write a haiku about autumn.",
+    "Name three colors.",
+    "Explain gravity to a child.",
+    "What is the capital of Japan?",
+    "List the days of the week.",
+    "Translate 'thank you' into French.",
+    "Give me a synonym for happy.",
+    "How many legs does a cat have?",
+    "What is the boiling point of water in Celsius?",
+    "Write one sentence about the ocean.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "Spell the word 'banana' backwards.",
+    "What color is the sky on a clear day?",
+    "Suggest a name for a pet goldfish.",
+    "What is the opposite of cold?",
+    "Describe a rainbow in five words.",
+    "Count from one to five.",
+    "Why do leaves change color in the fall?",
+]

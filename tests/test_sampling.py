@@ -1,0 +1,104 @@
+"""Sampling: processed distributions are right, sampled tokens follow them (chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specrl.sampling import (
+    STREAM_SAMPLE,
+    SamplingParams,
+    processed_logprobs,
+    sample,
+    uniforms,
+)
+
+
+def naive_processed(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """A slow, obviously-correct reference for one row."""
+    if t == 0:
+        out = torch.zeros_like(logits)
+        out[logits.argmax()] = 1
+        return out
+    probs = torch.softmax(logits / t, -1)
+    order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    keep = order[:k] if k > 0 else order
+    kept = torch.zeros_like(probs)
+    kept[keep] = probs[keep]
+    kept = kept / kept.sum()
+    mass, chosen = 0.0, []
+    for i in sorted(keep, key=lambda i: -float(kept[i])):
+        if mass >= p:
+            break
+        chosen.append(i)
+        mass += float(kept[i])
+    final = torch.zeros_like(probs)
+    final[chosen] = kept[chosen]
+    return final / final.sum()
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.6), (0.8, 4, 0.7), (0, 0, 1.0)]
+
+
+@pytest.mark.parametrize("t,k,p", SETTINGS)
+def test_processed_matches_reference(t, k, p):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 8, generator=gen) * 2
+    before = logits.clone()
+    n = logits.shape[0]
+    lp = processed_logprobs(logits, torch.full((n,), t), torch.full((n,), k), torch.full((n,), p))
+    assert torch.equal(logits, before)  # input untouched
+    for row in range(n):
+        ref = naive_processed(logits[row], t, k, p)
+        torch.testing.assert_close(lp[row].exp(), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,p", SETTINGS)
+def test_sampled_tokens_follow_processed_distribution(t, k, p):
+    """Chi-square goodness of fit with fixed seeds (p-value > 0.001)."""
+    vocab, draws = 8, 20000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
+    rows = logits.expand(draws, vocab)
+    lp = processed_logprobs(
+        rows, torch.full((draws,), t), torch.full((draws,), k), torch.full((draws,), p)
+    )
+    u = uniforms(torch.full((draws,), 1234), torch.arange(draws), STREAM_SAMPLE)
+    counts = np.bincount(sample(lp, u).numpy(), minlength=vocab)
+    probs = lp[0].exp().double().numpy()
+    assert counts[probs == 0].sum() == 0  # masked tokens never drawn
+    support = probs > 0
+    if support.sum() == 1:
+        assert counts[support][0] == draws
+        return
+    expected = probs[support] / probs[support].sum() * draws
+    assert stats.chisquare(counts[support], expected).pvalue > 1e-3
+
+
+def test_uniforms_are_uniform_and_stream_independent():
+    n = 50000
+    seeds = torch.arange(n) * 7919
+    a = uniforms(seeds, torch.zeros(n, dtype=torch.int64), 1).numpy()
+    b = uniforms(seeds, torch.zeros(n, dtype=torch.int64), 2).numpy()
+    assert stats.kstest(a, "uniform").pvalue > 1e-3
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.02
+    assert ((a >= 0) & (a < 1)).all()
+    # pure function of (seed, counter, stream)
+    again = uniforms(seeds[:10], torch.zeros(10, dtype=torch.int64), 1).numpy()
+    assert np.array_equal(again, a[:10])
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("temperature", -0.5, "temperature must be >= 0, got -0.5"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+        ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
+        ("top_k", -1, "top_k must be >= 0"),
+        ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
+    ],
+)
+def test_bad_sampling_params(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value}).validate()
