@@ -77,11 +77,10 @@ def verify(
     lengths = draft_lengths.to(torch.int64)
     counters = counters.to(torch.int64)
     logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
-    probs = logp.exp()  # [B, k+1, V]
     valid = torch.arange(k, device=lengths.device)[None, :] < lengths[:, None]  # [B, k]
     drafts = torch.where(valid, draft_tokens.to(torch.int64), 0)  # [B, k], padding -> 0
-    num_accepted = _count_accepted(drafts, valid, draft_probs, probs, seeds, counters)
-    final = _final_token(drafts, lengths, draft_probs, logp, probs, num_accepted, seeds, counters)
+    num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
+    final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
     emitted = tokens >= 0  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
@@ -142,7 +141,7 @@ def _count_accepted(
     drafts: torch.Tensor,  # [B, k] int64, padding replaced by 0
     valid: torch.Tensor,  # [B, k] bool, i < lengths
     draft_probs: torch.Tensor | None,  # [B, k, V]
-    probs: torch.Tensor,  # [B, k+1, V] processed target probabilities
+    logp: torch.Tensor,  # [B, k+1, V] processed target log-probs
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
 ) -> torch.Tensor:
@@ -151,7 +150,7 @@ def _count_accepted(
     if k == 0:
         return torch.zeros_like(counters)
     index = drafts[..., None]  # [B, k, 1]
-    p_x = probs[:, :k].gather(-1, index).squeeze(-1).double()  # [B, k]
+    p_x = logp[:, :k].gather(-1, index).squeeze(-1).exp().double()  # [B, k]
     if draft_probs is None:
         q_x = torch.ones_like(p_x)
     else:
@@ -169,22 +168,20 @@ def _final_token(
     lengths: torch.Tensor,  # [B]
     draft_probs: torch.Tensor | None,  # [B, k, V]
     logp: torch.Tensor,  # [B, k+1, V]
-    probs: torch.Tensor,  # [B, k+1, V]
     num_accepted: torch.Tensor,  # [B]
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
 ) -> torch.Tensor:
     """The token [B] emitted at position j = num_accepted: recovered if j < lengths, else bonus."""
-    vocab = logp.shape[-1]
     j = num_accepted
-    at_j = j[:, None, None].expand(-1, 1, vocab)  # [B, 1, V]
-    logp_j = logp.gather(1, at_j).squeeze(1)  # [B, V]
+    rows = torch.arange(j.shape[0], device=j.device)
+    logp_j = logp[rows, j]  # [B, V] (a copy)
     rejected = j < lengths  # [B]
     counter_j = counters + j
     u_bonus = uniforms(seeds, counter_j, STREAM_SAMPLE)  # [B]
     if drafts.shape[1] == 0:
         return sample(logp_j, u_bonus)
-    residual = _residual(drafts, draft_probs, probs.gather(1, at_j).squeeze(1), j)  # [B, V]
+    residual = _residual(drafts, draft_probs, logp_j.exp(), j)  # [B, V]
     u_recover = uniforms(seeds, counter_j, STREAM_RECOVER)  # [B]
     chosen = torch.where(rejected[:, None], residual.log(), logp_j)  # [B, V]
     return sample(chosen, torch.where(rejected, u_recover, u_bonus))
@@ -203,8 +200,8 @@ def _residual(
         x_j = drafts.gather(1, jj[:, None])  # [B, 1]
         residual = p_j.scatter(-1, x_j, 0.0)  # p_j with the drafted token removed (new tensor)
     else:
-        at_j = jj[:, None, None].expand(-1, 1, p_j.shape[-1])
-        q_j = draft_probs.gather(1, at_j).squeeze(1).to(p_j.dtype)  # [B, V]
+        rows = torch.arange(jj.shape[0], device=jj.device)
+        q_j = draft_probs[rows, jj].to(p_j.dtype)  # [B, V]
         residual = (p_j - q_j).clamp(min=0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # [B, 1]
     return torch.where(empty, p_j, residual)
