@@ -1,0 +1,285 @@
+"""Typed configuration of a training run: pydantic models, TOML files and ``--set`` overrides.
+
+Contract:
+- ``Config()`` is the complete embedded default run (every field has a default); sections are
+  ``model``, ``env``, ``rollout``, ``learner`` and ``run``. Every field carries a description and
+  its bounds; unknown keys are rejected.
+- ``load_config(path | None, overrides)`` reads a TOML file (optional), applies overrides of the
+  form ``section.key=value`` (``value`` is parsed as a TOML value when it parses, else taken as a
+  string, so ``env.task=leg_counting`` and ``learner.betas=[0.9, 0.95]`` both work), and
+  validates. Any problem raises ``ConfigError`` (a ``ValueError``) with one line naming the bad
+  key and value.
+- ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config.
+Names of tasks, templates, losses and advantage estimators are checked against their registries,
+so a typo fails here, before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SPEC_METHODS = ("none", "ngram", "suffix", "draft", "eagle3", "mtp")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key and the offending value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+
+class ModelCfg(_Section):
+    """The policy model."""
+
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="Bundled model name, a Hugging Face-style directory or a .gguf file.",
+    )
+    dtype: Literal["fp32", "bf16"] = Field(
+        "bf16", description="Rollout engine precision (bf16 uses AMX matmuls on CPU)."
+    )
+
+
+class EnvCfg(_Section):
+    """The reasoning-gym task, its splits and prompt format."""
+
+    task: str = Field("basic_arithmetic", description="reasoning-gym dataset name.")
+    task_config: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 1,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },  # fmt: skip
+        description="Keyword arguments of the reasoning-gym dataset config (difficulty).",
+    )
+    num_train: int = Field(2000, ge=1, le=1_000_000, description="Prompts in the train split.")
+    num_eval: int = Field(64, ge=0, le=100_000, description="Held-out prompts (disjoint).")
+    template: str = Field("answer_only", description="Prompt template / answer extractor name.")
+    format_bonus: float = Field(
+        0.0, ge=0.0, le=1.0, description="Reward added when an answer could be extracted at all."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the train split (eval uses a derived seed).")
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        from specrl.envs.reasoning_gym_env import _unknown, task_names
+
+        if v not in task_names():
+            raise ValueError(_unknown("reasoning-gym task", v, task_names()))
+        return v
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, v: str) -> str:
+        from specrl.envs.reasoning_gym_env import get_template
+
+        get_template(v)
+        return v
+
+
+class RolloutCfg(_Section):
+    """Generation of the G completions per prompt."""
+
+    group_size: int = Field(8, ge=1, le=1024, description="Completions per prompt (GRPO G).")
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="Prompts drawn per RL step.")
+    max_new_tokens: int = Field(48, ge=1, le=32768, description="Most tokens per completion.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 = greedy."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass (1 = off).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
+    spec: Literal["none", "ngram", "suffix", "draft", "eagle3", "mtp"] = Field(
+        "suffix", description="Speculation method ('none' = plain decoding)."
+    )
+    num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
+    drafter_path: str | None = Field(
+        None, description="Drafter weights for 'draft', 'eagle3' and 'mtp' (must exist)."
+    )
+    max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
+
+    @field_validator("drafter_path")
+    @classmethod
+    def _drafter_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().exists():
+            raise ValueError(f"drafter file not found: {v}")
+        return v
+
+
+class LearnerCfg(_Section):
+    """Policy loss, advantages and optimizer."""
+
+    loss: str = Field("grpo", description="Registered policy loss (grpo, dr_grpo, dapo).")
+    advantage: str = Field(
+        "grpo", description="Registered advantage estimator (grpo, dr_grpo, rloo)."
+    )
+    normalize_std: bool = Field(True, description="grpo advantages: divide by the group std.")
+    lr: float = Field(2e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clipping threshold.")
+    micro_batch_tokens: int = Field(
+        2048, ge=16, description="Token budget per micro-batch (gradient accumulation)."
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL-to-reference coefficient (0 = off).")
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower ratio clip epsilon.")
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, description="Upper clip epsilon; None = the loss's default."
+    )
+    dtype: Literal["fp32", "bf16"] = Field(
+        "bf16", description="Trainer precision: bf16 autocast with fp32 master weights, or fp32."
+    )
+    logprob_chunk: int = Field(256, ge=1, description="Positions per LM-head/log-softmax chunk.")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from specrl.rl.losses import get_loss
+
+        get_loss(v)
+        return v
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        from specrl.rl.advantages import get_advantage
+
+        get_advantage(v)
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class RunCfg(_Section):
+    """Length, cadence and place of the run."""
+
+    steps: int = Field(40, ge=1, le=1_000_000, description="RL steps (learner updates).")
+    eval_every: int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every N steps (0 = never).")
+    seed: int = Field(0, ge=0, description="Seed of sampling, prompt order and initialisation.")
+    run_dir: str = Field("runs/default", description="Directory for config, metrics, checkpoints.")
+
+
+class Config(_Section):
+    """A whole training run."""
+
+    model: ModelCfg = Field(default_factory=ModelCfg, description="The policy model.")
+    env: EnvCfg = Field(default_factory=EnvCfg, description="Task and prompts.")
+    rollout: RolloutCfg = Field(default_factory=RolloutCfg, description="Generation.")
+    learner: LearnerCfg = Field(default_factory=LearnerCfg, description="Learning.")
+    run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
+
+    def to_toml(self) -> str:
+        """A TOML document that ``load_config`` reads back to an equal config."""
+        return _toml_document(self.model_dump(mode="json", exclude_none=True))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Defaults <- TOML file (if given) <- ``key.sub=value`` overrides, validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"invalid TOML in {path}: {e}") from None
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_path(data, key, value)
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_describe(err) for err in e.errors())) from None
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"unknown config key {key!r}"
+    return f"bad value for {key}: {msg} (got {json.dumps(err.get('input'), default=str)})"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"learner.lr=1e-5"`` -> (["learner", "lr"], 1e-5); the value is parsed as TOML if it can."""
+    key, sep, raw = item.partition("=")
+    parts = [p.strip() for p in key.strip().split(".")]
+    if not sep or not all(parts):
+        raise ConfigError(f"bad override {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def _set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(key[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"cannot set {'.'.join(key)}: {'.'.join(key[: i + 1])} is not a table"
+            )
+        node = child
+    node[key[-1]] = value
+
+
+# --------------------------------------------------------------------------- writing TOML
+
+
+def _toml_document(data: dict[str, Any], prefix: str = "") -> str:
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for k, v in tables.items():
+        name = f"{prefix}.{_toml_key(k)}" if prefix else _toml_key(k)
+        out += f"\n[{name}]\n" + _toml_document(v, name)
+    return out
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise ConfigError(f"cannot write {type(v).__name__} value {v!r} to TOML")

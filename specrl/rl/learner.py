@@ -1,0 +1,318 @@
+"""The learner: recompute token logprobs of packed sequences, and take policy-gradient steps.
+
+Contract:
+- ``token_logprobs(model, sequences, ...)`` returns, for each ``(prompt_ids, completion_ids)``,
+  the log-probabilities ``[len(completion)]`` the model assigns to the completion tokens given
+  everything before them (raw logits / temperature, log-softmax, no top-k/top-p). Sequences are
+  packed into rows (``pack_sequences``): each sequence is one segment with positions restarting
+  at 0, and attention never crosses segments, so a packed sequence sees exactly what it would see
+  alone. The LM head and the float32 log-softmax run only at completion positions, in chunks of
+  ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
+  checkpointing), so the [positions, vocab] float32 logits never exist for more than one chunk.
+- ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
+  reports as raw logprobs, for the engine-vs-learner mismatch metric.
+- ``Learner.train_step(samples)`` takes one optimizer step on a batch of ``TrainSample`` (prompt,
+  completion, advantage, optional behaviour logprobs): micro-batches of at most
+  ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
+  gradient equals the whole-batch gradient; then gradient-norm clipping and AdamW. Returns float
+  metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s).
+- Precision: ``dtype="fp32"`` runs everything in float32. ``dtype="bf16"`` keeps float32 master
+  weights, gradients and AdamW state and runs the trunk under CPU bf16 autocast (AMX matmuls);
+  the LM head and log-softmax always run in float32, because bf16 logits (8-bit mantissa) would
+  shift log-probabilities by several hundredths. Autocast was chosen over bf16 parameters with
+  a float32 master copy: it gives the same matmul speed here with no weight copies to keep in sync.
+- Without behaviour logprobs a sample is on-policy: ``old_logprobs`` are the current logprobs
+  detached (ratio 1, one step per batch), which costs no extra forward pass.
+The learner knows nothing about how rollouts were produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from specrl.rl.losses import LossNorm, get_loss
+
+if TYPE_CHECKING:
+    from specrl.config import LearnerCfg
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One completion to learn from."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    advantage: float
+    old_logprobs: Sequence[float] | None = None  # behaviour policy, per completion token
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Sequences packed into rows; completion-token coordinates listed in sequence order."""
+
+    ids: torch.Tensor  # [R, L] token ids (padding: 0)
+    positions: torch.Tensor  # [R, L] position within the own segment
+    segments: torch.Tensor  # [R, L] segment id, unique per sequence; -1 = padding
+    rows: torch.Tensor  # [M] row of each completion token's *predicting* position
+    cols: torch.Tensor  # [M] column of the predicting position (token's column - 1)
+    targets: torch.Tensor  # [M] the completion token ids
+    lengths: list[int]  # completion length per sequence (sum = M)
+
+
+def pack_sequences(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], row_len: int = 256
+) -> PackedBatch:
+    """First-fit packing (in order) into rows of ``max(row_len, longest sequence)`` tokens."""
+    width = max([row_len] + [len(p) + len(c) for p, c in sequences])
+    rows_fill: list[int] = []
+    place: list[tuple[int, int]] = []  # (row, start column) per sequence
+    for p, c in sequences:
+        n = len(p) + len(c)
+        r = next((i for i, used in enumerate(rows_fill) if used + n <= width), len(rows_fill))
+        if r == len(rows_fill):
+            rows_fill.append(0)
+        place.append((r, rows_fill[r]))
+        rows_fill[r] += n
+    num_rows = len(rows_fill)
+    ids = torch.zeros(num_rows, width, dtype=torch.long)
+    positions = torch.zeros(num_rows, width, dtype=torch.long)
+    segments = torch.full((num_rows, width), -1, dtype=torch.long)
+    rows, cols, targets, lengths = [], [], [], []
+    for s, ((p, c), (r, start)) in enumerate(zip(sequences, place, strict=True)):
+        if len(p) == 0:
+            raise ValueError(f"sequence {s} has an empty prompt: nothing predicts its first token")
+        n = len(p) + len(c)
+        ids[r, start : start + n] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        positions[r, start : start + n] = torch.arange(n)
+        segments[r, start : start + n] = s
+        first = start + len(p) - 1  # predicts the first completion token
+        rows += [r] * len(c)
+        cols += range(first, first + len(c))
+        targets += list(c)
+        lengths.append(len(c))
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return PackedBatch(
+        ids, positions, segments, as_long(rows), as_long(cols), as_long(targets), lengths
+    )
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,  # [m, H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [m]
+    temperature: float,
+) -> torch.Tensor:  # [m]
+    with torch.autocast("cpu", enabled=False):
+        logits = hidden.float() @ weight.float().T  # [m, V] float32
+        if temperature != 1.0:
+            logits = logits / temperature
+        picked = logits.gather(1, targets[:, None]).squeeze(1)
+        return picked - torch.logsumexp(logits, dim=-1)
+
+
+def head_logprobs(
+    hidden: torch.Tensor,  # [M, H]
+    weight: torch.Tensor,  # [V, H] LM head
+    targets: torch.Tensor,  # [M]
+    temperature: float = 1.0,
+    chunk: int = 256,
+) -> torch.Tensor:  # [M] float32
+    """log softmax(hidden @ weight.T / temperature)[targets], ``chunk`` rows at a time."""
+    out = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s : s + chunk], targets[s : s + chunk]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            out.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(h, weight, t, temperature))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def packed_logprobs(
+    model: nn.Module, batch: PackedBatch, temperature: float = 1.0, chunk: int = 256
+) -> torch.Tensor:  # [M] flat, in sequence order
+    hidden, _ = model.hidden_states(batch.ids, batch.positions, segments=batch.segments)
+    selected = hidden[batch.rows, batch.cols]  # [M, H]
+    return head_logprobs(selected, model.lm_head.weight, batch.targets, temperature, chunk)
+
+
+def token_logprobs(
+    model: nn.Module,
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    temperature: float = 1.0,
+    chunk: int = 256,
+    row_len: int = 256,
+) -> list[torch.Tensor]:
+    """Per-sequence completion logprobs (each ``[len(completion)]``), packed and chunked."""
+    batch = pack_sequences(sequences, row_len)
+    flat = packed_logprobs(model, batch, temperature, chunk)
+    return list(flat.split(batch.lengths))
+
+
+@torch.no_grad()
+def raw_logprobs(
+    model: nn.Module,
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    chunk: int = 256,
+    row_len: int = 256,
+) -> list[torch.Tensor]:
+    """Temperature-1 completion logprobs without autograd (what an engine reports as raw)."""
+    return token_logprobs(model, sequences, 1.0, chunk, row_len)
+
+
+def micro_batches(samples: Sequence[TrainSample], token_budget: int) -> list[list[int]]:
+    """Consecutive groups of sample indices with at most ``token_budget`` tokens each (>= 1)."""
+    groups: list[list[int]] = []
+    used = token_budget + 1
+    for i, s in enumerate(samples):
+        n = len(s.prompt_ids) + len(s.completion_ids)
+        if used + n > token_budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, width]
+    out = values[0].new_zeros(len(values), width)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = v
+    return out
+
+
+class Learner:
+    """AdamW policy-gradient learner over a ``Transformer`` (updates ``model`` in place)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: str = "grpo",
+        lr: float = 1e-5,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        micro_batch_tokens: int = 4096,
+        dtype: str = "bf16",
+        eps_low: float = 0.2,
+        eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        ref_model: nn.Module | None = None,
+        max_len: int | None = None,
+        temperature: float = 1.0,
+        chunk: int = 256,
+        row_len: int = 256,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a frozen ref_model")
+        self.model = model.float().requires_grad_(True)
+        self.loss_fn, self.loss_name = get_loss(loss), loss
+        self.loss_kwargs = dict(eps_low=eps_low, kl_coef=kl_coef, max_len=max_len)
+        if eps_high is not None:
+            self.loss_kwargs["eps_high"] = eps_high
+        self.ref_model = ref_model.requires_grad_(False).eval() if ref_model else None
+        self.max_grad_norm, self.micro_batch_tokens, self.dtype = (
+            max_grad_norm, micro_batch_tokens, dtype,
+        )  # fmt: skip
+        self.temperature, self.chunk, self.row_len = temperature, chunk, row_len
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        model: nn.Module,
+        cfg: LearnerCfg,
+        max_len: int | None = None,
+        temperature: float = 1.0,
+        ref_model: nn.Module | None = None,
+    ) -> Learner:
+        """A learner from ``LearnerCfg``; ``max_len`` (Dr. GRPO) is the generation budget."""
+        return cls(
+            model, loss=cfg.loss, lr=cfg.lr, betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+            micro_batch_tokens=cfg.micro_batch_tokens, dtype=cfg.dtype, eps_low=cfg.clip_eps_low,
+            eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, ref_model=ref_model,
+            max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
+        )  # fmt: skip
+
+    def _autocast(self):
+        if self.dtype == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logprobs(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:  # [M]
+        with self._autocast():
+            return packed_logprobs(model, batch, self.temperature, self.chunk)
+
+    def _micro_step(self, samples: list[TrainSample], norm: LossNorm) -> dict[str, float]:
+        batch = pack_sequences([(s.prompt_ids, s.completion_ids) for s in samples], self.row_len)
+        width = max(batch.lengths)
+        logprobs = _padded(list(self._logprobs(self.model, batch).split(batch.lengths)), width)
+        mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
+        old = self._old_logprobs(samples, logprobs, width)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_flat = self._logprobs(self.ref_model, batch)
+            ref = _padded(list(ref_flat.split(batch.lengths)), width)
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        out = self.loss_fn(logprobs, old, adv, mask, ref_logprobs=ref, norm=norm,
+                           **self.loss_kwargs)  # fmt: skip
+        out.loss.backward()
+        return out.metrics | {"loss": float(out.loss.detach())}
+
+    def _old_logprobs(
+        self, samples: list[TrainSample], logprobs: torch.Tensor, width: int
+    ) -> torch.Tensor:  # [N, T]
+        old = logprobs.detach().clone()
+        for i, s in enumerate(samples):
+            if s.old_logprobs is not None:
+                old[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=old.dtype)
+        return old
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on ``samples`` (gradient accumulated over micro-batches)."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(samples)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        metrics.update(grad_norm=float(grad_norm), time_s=time.perf_counter() - t0)
+        return metrics
+
+    def accumulate_gradients(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch); no step."""
+        samples = [s for s in samples if len(s.completion_ids) > 0]
+        if not samples:
+            raise ValueError("a training batch needs at least one non-empty completion")
+        tokens = sum(len(s.completion_ids) for s in samples)
+        norm = LossNorm(len(samples), tokens)
+        groups = micro_batches(samples, self.micro_batch_tokens)
+        parts = [self._micro_step([samples[i] for i in g], norm) for g in groups]
+        metrics = _combine(parts)
+        metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))
+        return metrics
+
+
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Sum losses and token counts; token-weighted means of the per-token metrics."""
+    tokens = sum(p["tokens"] for p in parts)
+    out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
+    for key in ("clip_frac", "ratio_mean", "kl"):
+        out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
+    return out

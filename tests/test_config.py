@@ -1,0 +1,85 @@
+"""Run configuration: defaults, TOML round trip, overrides and one-line errors naming the key."""
+
+import pytest
+
+from specrl.config import Config, ConfigError, load_config, parse_override
+
+
+def test_default_config_is_complete_and_documented():
+    cfg = Config()
+    assert cfg.rollout.group_size >= 2 and cfg.run.steps >= 1
+    for section in ("model", "env", "rollout", "learner", "run"):
+        fields = type(getattr(cfg, section)).model_fields
+        for name, info in fields.items():
+            assert info.description, f"{section}.{name} has no description"
+
+
+def test_toml_round_trip(tmp_path):
+    sets = ["learner.lr=3e-6", "env.task_config.max_digits=2", "run.seed=5"]
+    cfg = load_config(None, [*sets, "learner.betas=[0.8, 0.95]", "learner.clip_eps_high=0.28"])
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    again = load_config(path)
+    assert again == cfg
+    assert again.learner.lr == 3e-6 and again.env.task_config["max_digits"] == 2
+    assert again.learner.betas == (0.8, 0.95)
+    assert load_config(path, ["learner.clip_eps_high=0.3"]).learner.clip_eps_high == 0.3
+
+
+def test_overrides_parse_types_and_bare_strings():
+    cfg = load_config(None, ["env.task=leg_counting", "rollout.spec=none", "learner.dtype=fp32",
+                             "rollout.temperature=0.7", "env.num_eval=0"])  # fmt: skip
+    assert cfg.env.task == "leg_counting" and cfg.rollout.spec == "none"
+    assert cfg.rollout.temperature == 0.7 and cfg.env.num_eval == 0
+    assert parse_override("a.b = 3") == (["a", "b"], 3)
+    assert parse_override('a.b="x y"') == (["a", "b"], "x y")
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("learner.lr=-1", ["learner.lr", "greater than 0", "-1"]),
+        ("learner.lr=fast", ["learner.lr", "fast"]),
+        ("rollout.group_size=2.5", ["rollout.group_size", "2.5"]),
+        ("rollout.top_p=0", ["rollout.top_p", "0"]),
+        ("rollout.spec=medusa", ["rollout.spec", "medusa"]),
+        ("learner.betas=[0.9, 1.5]", ["learner.betas", "[0, 1)"]),
+        ("learner.loss=grpoo", ["learner.loss", "grpoo", "did you mean grpo"]),
+        ("learner.advantage=rlo", ["learner.advantage", "rloo"]),
+        ("env.task=leg_countin", ["env.task", "leg_counting"]),
+        ("env.template=tags", ["env.template", "answer_tag"]),
+        ("learner.lrr=1e-5", ["unknown config key", "learner.lrr"]),
+        ("trainer.lr=1e-5", ["unknown config key", "trainer"]),
+        ("rollout.drafter_path=/no/such/file.safetensors", ["rollout.drafter_path", "not found"]),
+    ],
+)
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_bad_override_syntax_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\nlr = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[run]\nstepz = 3\n")
+    with pytest.raises(ConfigError, match="run.stepz"):
+        load_config(unknown)
+    with pytest.raises(ConfigError, match="not a table"):
+        load_config(None, ["learner.lr=1", "learner.lr.x=2"])
+
+
+def test_assignment_is_validated():
+    cfg = Config()
+    with pytest.raises(ValueError):
+        cfg.rollout.max_new_tokens = 0
