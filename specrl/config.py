@@ -64,7 +64,12 @@ class EnvCfg(_Section):
         description="Keyword arguments of the reasoning-gym dataset config (difficulty).",
     )
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Prompts in the train split.")
-    num_eval: int = Field(64, ge=0, le=100_000, description="Held-out prompts (disjoint).")
+    num_eval: int = Field(
+        48,
+        ge=0,
+        le=100_000,
+        description="Held-out prompts: distinct questions, disjoint from train.",
+    )
     template: str = Field("answer_only", description="Prompt template / answer extractor name.")
     format_bonus: float = Field(
         0.0, ge=0.0, le=1.0, description="Reward added when an answer could be extracted at all."

@@ -2,9 +2,12 @@
 
 Contract:
 - ``ReasoningGymEnv(task, task_config, num_train, num_eval, template, seed, format_bonus)`` builds
-  two fixed splits from ``reasoning_gym.create_dataset``: ``train`` (dataset seed ``seed``) and
-  ``eval`` (dataset seed ``seed + EVAL_SEED_OFFSET``, with every question that also occurs in
-  ``train`` dropped, so the splits are disjoint by question text).
+  two fixed splits from ``reasoning_gym.create_dataset``. The question space is partitioned by a
+  stable hash of the question text: one in ``EVAL_BUCKETS`` questions may only appear in
+  ``eval``, all others only in ``train``, so the splits are disjoint even for tasks with a few
+  hundred distinct questions. ``train`` holds ``num_train`` entries drawn with dataset seed
+  ``seed * SEED_STRIDE`` (repeats allowed); ``eval`` holds ``num_eval`` distinct questions drawn
+  from half a stride further (``ValueError`` if the task has too few).
 - ``prompts(split, seed=None)`` returns that split's prompts; ``seed=None`` keeps dataset order,
   an integer gives a deterministic permutation (the same seed always gives the same order).
 - ``reward(completion_text, meta)`` extracts the answer with the template's extractor and scores
@@ -19,14 +22,19 @@ This module knows text, not tokens: tokenisation is the rollout side's business.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-EVAL_SEED_OFFSET = 1_000_003
-_MAX_EVAL_POOL_FACTOR = 64
+if TYPE_CHECKING:
+    from specrl.config import EnvCfg
+
+SEED_STRIDE = 1 << 20  # reasoning-gym seeds entry i with seed + i: keep env seeds' streams apart
+EVAL_BUCKETS = 4
+_MAX_POOL_FACTOR = 64
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class Template:
 _TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _OPEN_TAG = re.compile(r"<answer>\s*(.*?)\s*$", re.DOTALL)
 _LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*\**\s*(.+)", re.IGNORECASE)
-_IS = re.compile(r"answer\s+is\s*\**\s*(.+)", re.IGNORECASE)
+_IS = re.compile(r"answer\s+is\s*:?\s*\**\s*(.+?)\s*(?:[.,;!](?:\s|$)|$)", re.IGNORECASE | re.M)
 
 
 def extract_tag(text: str) -> str | None:
@@ -98,18 +106,21 @@ def extract_line(text: str) -> str | None:
 
 
 def _clean(value: str) -> str | None:
-    """Strip markdown bold, trailing periods and whitespace; None when nothing is left."""
-    return value.strip().lstrip("*").rstrip("*. ").strip() or None
+    """Strip markdown bold, quotes, trailing periods and whitespace; None when nothing is left."""
+    value = value.strip().lstrip("*").rstrip("*. ").strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'`":
+        value = value[1:-1].rstrip(".").strip()
+    return value or None
 
 
 def extract_last_line(text: str) -> str | None:
-    """For 'reply with only the answer' prompts: the last non-empty line, reduced to X when it
-    reads 'answer is X' / 'Answer: X', or to the part after the last '=' ('5 - 3 = 2' -> '2')."""
+    """For 'reply with only the answer' prompts: X of the last 'answer is X' / 'Answer: X' in the
+    text, else the last non-empty line after its last '=' ('5 - 3 = 2' -> '2')."""
+    stated = extract_line(text)
+    if stated is not None:
+        return stated
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return None
-    last = lines[-1]
-    return extract_line(last) or _clean(last.rsplit("=", 1)[-1])
+    return _clean(lines[-1].rsplit("=", 1)[-1]) if lines else None
 
 
 TEMPLATES: dict[str, Template] = {
@@ -154,45 +165,61 @@ def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
         raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
 
 
+def is_eval_question(question: str) -> bool:
+    """Whether a question belongs to the eval part of the question space (stable across runs)."""
+    digest = hashlib.sha1(question.encode()).digest()
+    return int.from_bytes(digest[:8], "little") % EVAL_BUCKETS == 0
+
+
 class ReasoningGymEnv:
     """A reasoning-gym task with fixed, disjoint train and eval splits."""
 
     def __init__(
         self,
-        task: str = "leg_counting",
+        task: str = "basic_arithmetic",
         task_config: Mapping[str, Any] | None = None,
         num_train: int = 1000,
-        num_eval: int = 64,
-        template: str = "answer_tag",
+        num_eval: int = 48,
+        template: str = "answer_only",
         seed: int = 0,
         format_bonus: float = 0.0,
     ) -> None:
         self.task, self.config = task, dict(task_config or {})
         self.template = get_template(template)
         self.format_bonus = format_bonus
-        train = make_dataset(task, num_train, seed, self.config)
-        self._scorer = train
-        self._entries = {"train": [train[i] for i in range(num_train)]}
-        seen = {e["question"] for e in self._entries["train"]}
-        self._entries["eval"] = self._eval_entries(num_eval, seed + EVAL_SEED_OFFSET, seen)
+        self._scorer = make_dataset(task, 1, 0, self.config)
+        self._entries = {
+            "train": self._draw(num_train, seed * SEED_STRIDE, want_eval=False, unique=False),
+            "eval": self._draw(
+                num_eval, (2 * seed + 1) * SEED_STRIDE // 2, want_eval=True, unique=True
+            ),  # fmt: skip
+        }
 
-    def _eval_entries(self, n: int, seed: int, seen: set[str]) -> list[dict]:
-        if n == 0:
-            return []
+    @classmethod
+    def from_config(cls, cfg: EnvCfg) -> ReasoningGymEnv:
+        return cls(cfg.task, cfg.task_config, cfg.num_train, cfg.num_eval, cfg.template, cfg.seed,
+                   cfg.format_bonus)  # fmt: skip
+
+    def _draw(self, n: int, seed: int, want_eval: bool, unique: bool) -> list[dict]:
+        """The first ``n`` entries of the seeded stream that fall in the wanted hash bucket."""
         size = 2 * n
-        while True:
+        while n:
             ds = make_dataset(self.task, size, seed, self.config)
-            fresh = [ds[i] for i in range(size) if ds[i]["question"] not in seen]
-            unique = list({e["question"]: e for e in fresh}.values())
-            if len(unique) >= n:
-                return unique[:n]
-            if size >= _MAX_EVAL_POOL_FACTOR * n:
+            entries = [ds[i] for i in range(size)]
+            entries = [e for e in entries if is_eval_question(e["question"]) == want_eval]
+            if unique:
+                entries = list({e["question"]: e for e in entries}.values())
+            if len(entries) >= n:
+                return entries[:n]
+            if size >= _MAX_POOL_FACTOR * n:
+                split = "eval" if want_eval else "train"
                 raise ValueError(
                     f"task {self.task!r} with config {self.config} has too few distinct questions "
-                    f"for {n} eval prompts disjoint from train: found {len(unique)}; "
-                    "lower num_eval/num_train or make the task larger"
+                    f"for {n} {split} prompts: found {len(entries)}; lower num_{split} or make "
+                    "the task larger"
                 )
             size *= 4
+        return []
 
     def prompts(self, split: str, seed: int | None = None) -> list[Prompt]:
         if split not in self._entries:

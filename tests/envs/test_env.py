@@ -3,7 +3,12 @@
 import pytest
 
 from specrl.envs import TEMPLATES, Env, ReasoningGymEnv
-from specrl.envs.reasoning_gym_env import extract_last_line, extract_line, extract_tag
+from specrl.envs.reasoning_gym_env import (
+    extract_last_line,
+    extract_line,
+    extract_tag,
+    is_eval_question,
+)
 
 ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
@@ -38,10 +43,15 @@ def test_order_is_deterministic_per_seed(env):
 
 
 def test_small_task_space_still_gives_disjoint_eval():
-    tiny = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
-    env = ReasoningGymEnv("basic_arithmetic", tiny, num_train=300, num_eval=20)
+    small = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+             "operators": ["+", "-"], "allow_parentheses": False,
+             "allow_negation": False}  # fmt: skip
+    env = ReasoningGymEnv("basic_arithmetic", small, num_train=2000, num_eval=48)
     train = {p.meta["entry"]["question"] for p in env.prompts("train")}
-    assert not train & {p.meta["entry"]["question"] for p in env.prompts("eval")}
+    evals = {p.meta["entry"]["question"] for p in env.prompts("eval")}
+    assert len(evals) == 48 and not train & evals
+    assert len(train) > 100  # most of the ~240 questions are trainable
+    assert all(is_eval_question(q) for q in evals) and not any(map(is_eval_question, train))
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
@@ -74,12 +84,26 @@ def test_extractors():
     assert extract_last_line("Sure!\n\n 36 \n") == "36"
     assert extract_last_line("The answer is 9.") == "9" and extract_last_line("  ") is None
     assert extract_last_line("5 - 3 = 2") == "2" and extract_last_line("x =") is None
+    assert extract_last_line('The answer is "nus."') == "nus"
+    assert extract_last_line("The answer is 2.\n\nThere are 2 legs in total.") == "2"
+    assert extract_last_line("The answer is 1, which is the total") == "1"
 
 
 def test_prompt_carries_template_and_question(env):
     p = env.prompts("eval")[0]
     assert p.meta["entry"]["question"] in p.text
     assert p.messages[-1]["role"] == "user" and p.meta["split"] == "eval"
+
+
+def test_default_config_builds_the_default_env():
+    from specrl.config import Config
+
+    cfg = Config().env
+    env = ReasoningGymEnv.from_config(cfg)
+    assert len(env.prompts("train")) == cfg.num_train and len(env.prompts("eval")) == cfg.num_eval
+    p = env.prompts("eval")[0]
+    assert "Reply with only the final answer" in p.text
+    assert env.correct(f"The answer is {p.meta['answer']}.", p.meta)
 
 
 def test_other_tasks_and_configs_are_selectable():
