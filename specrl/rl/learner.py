@@ -192,7 +192,11 @@ def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, w
 
 
 class Learner:
-    """AdamW policy-gradient learner over a ``Transformer`` (updates ``model`` in place)."""
+    """AdamW policy-gradient learner over a ``Transformer``.
+
+    The learner owns ``model``: it is converted to float32 in place (the master weights) and
+    updated in place; give a rollout engine its own (e.g. bf16) copy and refit it after steps.
+    """
 
     def __init__(
         self,
@@ -282,6 +286,11 @@ class Learner:
         old = logprobs.detach().clone()
         for i, s in enumerate(samples):
             if s.old_logprobs is not None:
+                if len(s.old_logprobs) != len(s.completion_ids):
+                    raise ValueError(
+                        f"sample has {len(s.old_logprobs)} old_logprobs for "
+                        f"{len(s.completion_ids)} completion tokens"
+                    )
                 old[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=old.dtype)
         return old
 

@@ -19,6 +19,15 @@ from specrl.rl.learner import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny models: thread start-up costs more than it saves, and two threads crawl on a busy box
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model(seed: int = 0, embed_std: float = 1.0) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(tiny_config()).float().eval()
@@ -185,6 +194,8 @@ def test_bad_arguments():
         Learner(_model(), kl_coef=0.1)
     with pytest.raises(ValueError, match="unknown policy loss"):
         Learner(_model(), loss="ppo2")
+    with pytest.raises(ValueError, match="old_logprobs"):
+        Learner(_model()).train_step([TrainSample([1], [2, 3], 1.0, [0.0])])
     with pytest.raises(ValueError, match="non-empty"):
         Learner(_model()).train_step([TrainSample([1], [], 1.0)])
 

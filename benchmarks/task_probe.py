@@ -1,0 +1,115 @@
+"""Probe which reasoning-gym tasks SmolLM2-135M-Instruct solves sometimes (sampled accuracy).
+
+Generates with transformers (bf16, batched; --temperature, default 1; 0 = greedy) from the bundled
+model, on the first ``--n`` prompts of the env's train split, and scores with
+``specrl.envs.ReasoningGymEnv``; prints one JSON row per (task, config, template) and writes JSON.
+Results and the choice they led to: docs/task_choice.md.
+
+    .venv/bin/python benchmarks/task_probe.py --n 128 --max-new-tokens 48 [--only 0|TASK]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specrl.envs import ReasoningGymEnv
+from specrl.models.checkpoints import load_tokenizer, resolve_model
+
+ADD_SUB = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"],
+               allow_parentheses=False, allow_negation=False)  # fmt: skip
+CANDIDATES: list[tuple[str, dict, str]] = [
+    ("basic_arithmetic", ADD_SUB, "answer_only"),
+    ("basic_arithmetic", ADD_SUB | {"operators": ["+"]}, "answer_only"),
+    ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), "answer_only"),
+    ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), "answer_only"),
+    ("basic_arithmetic", ADD_SUB, "answer_line"),
+    ("basic_arithmetic", ADD_SUB, "answer_tag"),
+    ("basic_arithmetic", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), "answer_only"),
+    ("leg_counting", dict(min_animals=1, max_animals=1, max_instances=2), "answer_only"),
+    # first round (all near 0%)
+    ("basic_arithmetic", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), "answer_line"),
+    ("leg_counting", dict(min_animals=1, max_animals=2, max_instances=3), "answer_only"),
+    ("spell_backward", dict(min_word_len=3, max_word_len=4), "answer_only"),
+    ("letter_counting", dict(min_words=2, max_words=4), "answer_only"),
+    ("word_sequence_reversal", dict(min_words=2, max_words=3), "answer_only"),
+    (
+        "number_sorting",
+        dict(min_numbers=3, max_numbers=3, min_decimals=0, max_decimals=0),
+        "answer_only",
+    ),  # fmt: skip
+]
+
+
+def generate(model, tok, prompts, max_new: int, seed: int, temperature: float) -> list[str]:
+    ids = [tok.encode(tok.chat_prompt(list(p.messages))) for p in prompts]
+    width = max(map(len, ids))
+    pad = tok.stop_token_ids[0]
+    batch = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=batch,
+        attention_mask=mask,
+        do_sample=temperature > 0,
+        temperature=temperature or None,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new,
+        eos_token_id=list(tok.stop_token_ids),
+        pad_token_id=pad,
+    )
+    return [tok.decode(row[width:].tolist()) for row in out]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--only", default=None, help="task name, or index into CANDIDATES")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="task_probe.json")
+    ap.add_argument("--show", type=int, default=1)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)  # 2 threads crawl when another process is busy
+    path = resolve_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    tok = load_tokenizer("smollm2")
+    rows = []
+    for i, (task, cfg, template) in enumerate(CANDIDATES):
+        if args.only and args.only not in (task, str(i)):
+            continue
+        env = ReasoningGymEnv(task, cfg, num_train=args.n, num_eval=0, template=template, seed=0)
+        prompts = env.prompts("train")
+        t0 = time.perf_counter()
+        texts = generate(model, tok, prompts, args.max_new_tokens, 0, args.temperature)
+        scores = [env.score(t, p.meta) for t, p in zip(texts, prompts, strict=True)]
+        acc = sum(s >= 1 for s in scores) / len(scores)
+        fmt = sum(env.extract(t) is not None for t in texts) / len(texts)
+        row = dict(
+            task=task,
+            config=cfg,
+            template=template,
+            temperature=args.temperature,
+            n=len(texts),
+            accuracy=acc,
+            mean_score=sum(scores) / len(scores),
+            format_rate=fmt,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        for t in texts[: args.show]:
+            print("   sample:", repr(t[:300]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
