@@ -112,19 +112,27 @@ def _apply_top_k_top_p(
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float, 1 = off
 ) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside top-k and then outside top-p; returns a new tensor."""
+    """Mask (to -inf) the tokens outside top-k and then outside top-p; returns a new tensor.
+
+    Works in the sorted space of the ``width`` most likely tokens: the largest top-k when every
+    truncated row has one (a cheap ``topk``), else the whole vocabulary (a full sort).
+    """
     vocab = scaled.shape[-1]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=scaled.device)
+    truncated = (top_k > 0) | (top_p < 1)  # [N]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    drop_sorted = ranks[None, :] >= k[:, None]  # [N, V]
-    sorted_logits = sorted_logits.masked_fill(drop_sorted, float("-inf"))
+    bounded = bool(((top_k > 0) | ~truncated).all())
+    width = int(k[truncated].max()) if bounded else vocab
+    sorted_logits, order = torch.topk(scaled, width, dim=-1, sorted=True)  # [N, width]
+    ranks = torch.arange(width, device=scaled.device)
+    keep = ranks[None, :] < k[:, None]  # [N, width]
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted |= mass_before >= top_p.float()[:, None]
-    drop_sorted[:, 0] = False  # the most likely token always survives
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return scaled.masked_fill(drop, float("-inf"))
+    keep &= mass_before < top_p.float()[:, None]
+    keep[:, 0] = True  # the most likely token always survives
+    kept = sorted_logits.masked_fill(~keep, float("-inf"))
+    out = torch.full_like(scaled, float("-inf")).scatter_(-1, order, kept)  # [N, V]
+    return torch.where(truncated[:, None], out, scaled)
 
 
 def processed_logprobs(
@@ -158,7 +166,7 @@ def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Tokens of probability 0 are never drawn.
     """
     probs = logprobs.exp()
-    cdf = torch.cumsum(probs, dim=-1)  # [N, V]
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [N, V]; float64 keeps tiny tails
     target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     idx = idx.clamp(max=logprobs.shape[-1] - 1)

@@ -34,6 +34,9 @@ from specrl.sampling import (
     token_logprobs,
     uniforms,
 )
+from specrl.spec.config import SpecConfig, build_proposer
+from specrl.spec.proposers.base import ProposerBatch
+from specrl.spec.verify import verify
 
 
 @dataclass
@@ -83,6 +86,12 @@ class Sampled:
     raw_logprobs: torch.Tensor  # [N]
 
 
+def _bump(counts: list[int], i: int) -> None:
+    while len(counts) <= i:
+        counts.append(0)
+    counts[i] += 1
+
+
 def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
     """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
     lp = processed_logprobs(logits, t.temperature, t.top_k, t.top_p)
@@ -109,6 +118,14 @@ class EngineStats:
     row_steps: int = 0
 
     @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of drafts at position i accepted (i = 0 is the first draft token)."""
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.per_position_accepted, self.per_position_drafted, strict=False)
+        ]
+
+    @property
     def acceptance_length(self) -> float:
         return self.emitted_per_row_step / self.row_steps if self.row_steps else 0.0
 
@@ -123,10 +140,13 @@ class Engine:
         max_context: int | None = None,
         seed: int = 0,
         policy_version: int = 0,
+        spec: SpecConfig | None = None,
+        draft_model: Transformer | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
+        self.draft_model = draft_model
         self.max_batch = max_batch
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
@@ -134,20 +154,39 @@ class Engine:
         self._rng = random.Random(seed)
         self._cache: KVCache | None = None
         self._row_tensors: RowTensors | None = None
+        self._next_row_id = 0
         self.stats = EngineStats()
+        self.spec = (spec or SpecConfig()).validate()
+        self.proposer = self.make_proposer(self.spec)
+
+    def make_proposer(self, spec: SpecConfig):
+        """Build and check a drafter for this engine (errors here, never mid-generation)."""
+        proposer = build_proposer(spec, draft_model=self.draft_model, target_model=self.model)
+        if proposer is not None and hasattr(proposer, "check"):
+            proposer.check(self.max_context, self.model.config.vocab_size)
+        return proposer
 
     # ------------------------------------------------------------------ public API
 
     @torch.inference_mode()
     def generate(
-        self, requests: list[Request], progress: bool = False, spec_margin: int = 0
+        self, requests: list[Request], progress: bool = False, spec: SpecConfig | None = None
     ) -> list[Completion]:
-        """n completions per request, in request order (see the module docstring)."""
+        """n completions per request, in request order (see the module docstring).
+
+        ``spec`` overrides the engine's speculation for this call.
+        """
         self.stats = EngineStats()
+        spec, proposer = self.spec, self.proposer
+        if spec is not None and spec != self.spec:
+            spec, proposer = spec.validate(), self.make_proposer(spec)
+        self._active = (spec, proposer if spec.enabled else None)
         start = time.perf_counter()
         completions, pending = self._plan(requests, start)
         valid = [c for c in completions if c.error is None]
-        self._ensure_cache(pending, spec_margin)
+        self._ensure_cache(pending, spec.k + 1 if spec.enabled else 0)
+        if self._active[1] is not None and hasattr(proposer, "bind"):
+            proposer.bind(self._cache.slots, self._cache.max_len, self.model.config.vocab_size)
         bar = tqdm(total=len(valid), disable=not progress, desc="generate", unit="seq")
         rows: list[Seq] = []
         while pending or rows:
@@ -251,7 +290,12 @@ class Engine:
         positions = torch.arange(width).expand(len(groups), width)
         last = torch.tensor(lens)[:, None] - 1
         out = self.model(
-            ids, positions, self._cache, logits_at=last, slots=torch.tensor(first_slot)
+            ids,
+            positions,
+            self._cache,
+            logits_at=last,
+            slots=torch.tensor(first_slot),
+            prefill=True,
         )
         logits = out.logits[:, 0].float()  # [G, V]
         new_rows = self._fork(groups, first_slot, lens)
@@ -271,7 +315,7 @@ class Engine:
                     self._cache.copy_slot(slot0, slot0 + j, n)
                 limit = min(n + req.sampling.max_new_tokens, self.max_context)
                 stop = frozenset(req.sampling.stop_token_ids)
-                row_id = (comp.request_index << 20) | comp.sample_index
+                row_id, self._next_row_id = self._next_row_id, self._next_row_id + 1
                 new_rows.append(
                     Seq(comp, req.sampling, list(req.prompt_ids), limit, key, row_id, stop)
                 )
@@ -285,7 +329,11 @@ class Engine:
         if not rows:
             return []
         t0 = time.perf_counter()
-        finished = self._plain_step(rows, start)
+        spec, proposer = self._active
+        if proposer is None:
+            finished = self._plain_step(rows, start)
+        else:
+            finished = self._spec_step(rows, start, proposer, spec.k)
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.steps += 1
         return finished
@@ -303,6 +351,67 @@ class Engine:
         counters = torch.tensor([len(s.comp.token_ids) for s in rows])
         s = sample_rows(out.logits[:, 0].float(), self._tensors(rows), counters)
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
+
+    def _spec_step(self, rows: list[Seq], start: float, proposer, k: int) -> list[int]:
+        """Draft, verify k+1 positions in one target forward, advance each row by its count."""
+        t0 = time.perf_counter()
+        t = self._tensors(rows)
+        counters = torch.tensor([len(s.comp.token_ids) for s in rows])
+        batch = ProposerBatch(
+            histories=[s.history for s in rows],
+            group_keys=[s.group_key for s in rows],
+            row_ids=[s.row_id for s in rows],
+            temperature=t.temperature,
+            top_k=t.top_k,
+            top_p=t.top_p,
+            seeds=t.seeds,
+            counters=counters,
+            prompt_lengths=[len(s.comp.prompt_ids) for s in rows],
+        )
+        draft = proposer.propose(batch, k)
+        room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
+        lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
+        kk = int(lengths.max())
+        t1 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        pos = [s.pos for s in rows]
+        ids = torch.cat([torch.tensor([[s.history[-1]] for s in rows]), draft.tokens[:, :kk]], 1)
+        positions = torch.tensor(pos)[:, None] + torch.arange(kk + 1)[None, :]  # [B, kk+1]
+        logits = self.model(
+            ids.clamp(min=0), positions, self._cache, kv_len=max(pos) + kk + 1
+        ).logits
+        probs = None if draft.probs is None else draft.probs[:, :kk]
+        v = verify(
+            ids[:, 1:],
+            lengths,
+            probs,
+            logits.float(),
+            t.temperature,
+            t.top_k,
+            t.top_p,
+            t.seeds,
+            counters,
+        )
+        self.stats.verify_s += time.perf_counter() - t1
+        self._count(rows, lengths, v.num_accepted)
+        emitted = [
+            row[:n] for row, n in zip(v.tokens.tolist(), v.num_emitted.tolist(), strict=True)
+        ]
+        proposer.observe(batch.row_ids, v.num_emitted)
+        s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
+        return self._emit(rows, emitted, s, start)
+
+    def _count(self, rows: list[Seq], lengths: torch.Tensor, accepted: torch.Tensor) -> None:
+        st = self.stats
+        for seq, n, a in zip(rows, lengths.tolist(), accepted.tolist(), strict=True):
+            seq.comp.drafted += n
+            seq.comp.accepted += a
+            st.drafted += n
+            st.accepted += a
+            for i in range(n):
+                _bump(st.per_position_drafted, i)
+                if i < a:
+                    _bump(st.per_position_accepted, i)
 
     def _emit(
         self,
@@ -343,6 +452,9 @@ class Engine:
                 continue
             c.latency_s = now
             finished.append(i)
+            proposer = self._active[1]
+            if proposer is not None:
+                proposer.finish(seq.row_id, seq.group_key, c.token_ids)
         return finished
 
     # ------------------------------------------------------------------ retiring

@@ -51,9 +51,13 @@ class KVCache:
         self.k[layer][rows, :, positions] = k_new
         self.v[layer][rows, :, positions] = v_new
 
-    def read(self, layer: int, batch: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [batch, kv_heads, kv_len, head_dim] of slots 0..batch-1."""
-        return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+    def read(
+        self, layer: int, batch: int, kv_len: int, slots: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, kv_heads, kv_len, head_dim]: views of slots 0..batch-1, or a gather of slots."""
+        if slots is None:
+            return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+        return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot src into slot dst (all layers)."""

@@ -19,7 +19,9 @@ def test_incremental_decode_matches_full_forward(tiny):
     ref = full_logits(tiny, ids)
     cache = tiny.new_cache(2, 16)
     # prefill the first 5 tokens into slot 0, then decode one token at a time
-    tiny(torch.tensor([ids[:5]]), torch.arange(5)[None], cache, slots=torch.tensor([0]))
+    tiny(
+        torch.tensor([ids[:5]]), torch.arange(5)[None], cache, slots=torch.tensor([0]), prefill=True
+    )
     for p in range(5, len(ids)):
         out = tiny(torch.tensor([[ids[p]]]), torch.tensor([[p]]), cache, kv_len=p + 1).logits
         torch.testing.assert_close(out[0, 0], ref[p], atol=1e-5, rtol=1e-5)
@@ -30,7 +32,9 @@ def test_multi_token_step_and_rollback(tiny):
     ids = [5, 6, 7, 8, 9, 10]
     ref = full_logits(tiny, ids)
     cache = tiny.new_cache(1, 16)
-    tiny(torch.tensor([ids[:2]]), torch.arange(2)[None], cache, slots=torch.tensor([0]))
+    tiny(
+        torch.tensor([ids[:2]]), torch.arange(2)[None], cache, slots=torch.tensor([0]), prefill=True
+    )
     wrong = torch.tensor([[ids[2], 1, 2, 3]])  # last three positions will be "rejected"
     tiny(wrong, torch.arange(2, 6)[None], cache, kv_len=6)
     out = tiny(torch.tensor([ids[3:]]), torch.arange(3, 6)[None], cache, kv_len=6).logits
@@ -42,7 +46,7 @@ def test_ragged_batch_rows_are_independent(tiny):
     cache = tiny.new_cache(2, 16)
     width = len(a)
     ids = torch.tensor([a, b + [0] * (width - len(b))])
-    tiny(ids, torch.arange(width).expand(2, width), cache, slots=torch.tensor([0, 1]))
+    tiny(ids, torch.arange(width).expand(2, width), cache, slots=torch.tensor([0, 1]), prefill=True)
     step = torch.tensor([[11], [12]])
     pos = torch.tensor([[len(a)], [len(b)]])
     out = tiny(step, pos, cache, kv_len=len(a) + 1).logits[:, 0]

@@ -1,0 +1,57 @@
+"""Speculation settings and building a proposer from them.
+
+Contract: ``SpecConfig(method, k)`` names a registered drafter (``none`` = plain decoding) and
+the number of draft tokens per step, 0 <= k <= ``MAX_SPEC_TOKENS``. ``build_proposer`` returns a
+ready ``Proposer`` or raises ``ValueError`` with a one-line reason (unknown method, bad k, a
+drafter that needs weights and got none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specrl.spec.proposers import available_proposers, get_proposer_class
+
+MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """method: drafter name or 'none'; k: draft tokens per step; options: drafter arguments."""
+
+    method: str = "none"
+    k: int = 3
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.k > 0
+
+    def validate(self) -> SpecConfig:
+        if not 0 <= self.k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_spec_tokens must be in [0, {MAX_SPEC_TOKENS}], got {self.k}")
+        known = ["none", *available_proposers()]
+        if self.method not in known:
+            raise ValueError(f"unknown speculation method {self.method!r}; known: {known}")
+        return self
+
+
+def build_proposer(spec: SpecConfig, **extra: Any):
+    """Instantiate the drafter of ``spec`` (``extra`` adds e.g. the target model)."""
+    spec.validate()
+    if not spec.enabled:
+        return None
+    cls = get_proposer_class(spec.method)
+    try:
+        return cls(**{**spec.options, **_accepted(cls, extra)})
+    except TypeError as e:
+        raise ValueError(f"bad options for drafter {spec.method!r}: {e}") from None
+
+
+def _accepted(cls: type, extra: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``extra`` that the drafter's constructor takes."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return {k: v for k, v in extra.items() if k in params}
