@@ -63,6 +63,8 @@ class Env(Protocol):
 
     def reward(self, completion_text: str, meta: Mapping[str, Any]) -> float: ...
 
+    def correct(self, completion_text: str, meta: Mapping[str, Any]) -> bool: ...
+
 
 # --------------------------------------------------------------------------- templates
 

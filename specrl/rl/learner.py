@@ -10,7 +10,8 @@ Contract:
   ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
   checkpointing), so the [positions, vocab] float32 logits never exist for more than one chunk.
 - ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
-  reports as raw logprobs, for the engine-vs-learner mismatch metric.
+  reports as raw logprobs, for the engine-vs-learner mismatch metric (``Learner.raw_logprobs``
+  does it in the learner's precision).
 - ``Learner.train_step(samples)`` takes one optimizer step on a batch of ``TrainSample`` (prompt,
   completion, advantage, optional behaviour logprobs): micro-batches of at most
   ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
@@ -258,6 +259,17 @@ class Learner:
         if self.dtype == "bf16":
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def raw_logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
+        """Temperature-1 completion logprobs with the learner's own precision (for the
+        engine-vs-learner mismatch metric)."""
+        batch = pack_sequences(sequences, self.row_len)
+        with self._autocast():
+            flat = packed_logprobs(self.model, batch, 1.0, self.chunk)
+        return list(flat.split(batch.lengths))
 
     def _logprobs(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:  # [M]
         with self._autocast():

@@ -84,11 +84,15 @@ def test_head_logprobs_temperature_and_grad_match_unchunked():
     assert torch.allclose(gh, rh, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
 
 
-def test_raw_logprobs_need_no_grad():
-    model = _model()
+def test_raw_logprobs_need_no_grad_and_learner_uses_its_precision():
+    model, seqs = _model(), _sequences(n=2)
     model.requires_grad_(True)
-    out = raw_logprobs(model, _sequences(n=2))
+    out = raw_logprobs(model, seqs)
     assert not out[0].requires_grad
+    fp32 = Learner(copy.deepcopy(model), dtype="fp32").raw_logprobs(seqs)
+    bf16 = Learner(copy.deepcopy(model), dtype="bf16").raw_logprobs(seqs)
+    assert all(torch.equal(a, b) for a, b in zip(out, fp32, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(out, bf16, strict=True))
 
 
 def _samples(seqs, seed=3):
