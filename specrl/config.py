@@ -22,7 +22,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SPEC_METHODS = ("none", "ngram", "suffix", "draft", "eagle3", "mtp")
 
@@ -52,16 +59,9 @@ class EnvCfg(_Section):
 
     task: str = Field("basic_arithmetic", description="reasoning-gym dataset name.")
     task_config: dict[str, Any] = Field(
-        default_factory=lambda: {
-            "min_terms": 2,
-            "max_terms": 2,
-            "min_digits": 1,
-            "max_digits": 1,
-            "operators": ["+", "-"],
-            "allow_parentheses": False,
-            "allow_negation": False,
-        },  # fmt: skip
-        description="Keyword arguments of the reasoning-gym dataset config (difficulty).",
+        default_factory=dict,
+        description="reasoning-gym dataset config kwargs, merged over the task's preset "
+        "(basic_arithmetic: 1-digit add/sub, 2 terms).",
     )
     num_train: int = Field(2000, ge=1, le=1_000_000, description="Prompts in the train split.")
     num_eval: int = Field(
@@ -84,6 +84,13 @@ class EnvCfg(_Section):
         if v not in task_names():
             raise ValueError(_unknown("reasoning-gym task", v, task_names()))
         return v
+
+    @model_validator(mode="after")
+    def _task_accepts_config(self) -> EnvCfg:
+        from specrl.envs.reasoning_gym_env import check_task_config, task_config_with_preset
+
+        check_task_config(self.task, task_config_with_preset(self.task, self.task_config))
+        return self
 
     @field_validator("template")
     @classmethod
@@ -191,8 +198,12 @@ class Config(_Section):
     run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
 
     def to_toml(self) -> str:
-        """A TOML document that ``load_config`` reads back to an equal config."""
-        return _toml_document(self.model_dump(mode="json", exclude_none=True))
+        """A TOML document (each field's description as a comment above it) that
+        ``load_config`` reads back to an equal config."""
+        parts = [f"# {type(self).__doc__}\n"]
+        for name in type(self).model_fields:
+            parts.append(_section_toml(getattr(self, name), name))
+        return "\n".join(parts)
 
 
 # --------------------------------------------------------------------------- loading
@@ -257,6 +268,21 @@ def _set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- writing TOML
+
+
+def _section_toml(section: BaseModel, name: str) -> str:
+    lines = [f"[{name}]  # {type(section).__doc__}"]
+    tables = []
+    for key, info in type(section).model_fields.items():
+        value = section.model_dump(mode="json")[key]
+        if value is None:
+            lines.append(f"# {key}: {info.description} (unset)")
+        elif isinstance(value, dict):
+            table = f"{name}.{key}"
+            tables.append(f"\n# {info.description}\n[{table}]\n" + _toml_document(value, table))
+        else:
+            lines += [f"# {info.description}", f"{key} = {_toml_value(value)}"]
+    return "\n".join(lines) + "\n" + "".join(tables)
 
 
 def _toml_document(data: dict[str, Any], prefix: str = "") -> str:

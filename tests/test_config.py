@@ -15,13 +15,15 @@ def test_default_config_is_complete_and_documented():
 
 
 def test_toml_round_trip(tmp_path):
-    sets = ["learner.lr=3e-6", "env.task_config.max_digits=2", "run.seed=5"]
+    sets = ["learner.lr=3e-6", "env.task_config.max_digits=2", "env.task_config.operators=['+']"]
     cfg = load_config(None, [*sets, "learner.betas=[0.8, 0.95]", "learner.clip_eps_high=0.28"])
     path = tmp_path / "run.toml"
     path.write_text(cfg.to_toml())
+    assert "# AdamW learning rate." in cfg.to_toml()
     again = load_config(path)
     assert again == cfg
     assert again.learner.lr == 3e-6 and again.env.task_config["max_digits"] == 2
+    assert again.env.task_config["operators"] == ["+"]
     assert again.learner.betas == (0.8, 0.95)
     assert load_config(path, ["learner.clip_eps_high=0.3"]).learner.clip_eps_high == 0.3
 
@@ -48,6 +50,8 @@ def test_overrides_parse_types_and_bare_strings():
         ("learner.advantage=rlo", ["learner.advantage", "rloo"]),
         ("env.task=leg_countin", ["env.task", "leg_counting"]),
         ("env.template=tags", ["env.template", "answer_tag"]),
+        ("env.task_config.max_digitz=2", ["env", "max_digitz"]),
+        ("env.task_config.max_digits=0", ["env", "basic_arithmetic"]),
         ("learner.lrr=1e-5", ["unknown config key", "learner.lrr"]),
         ("trainer.lr=1e-5", ["unknown config key", "trainer"]),
         ("rollout.drafter_path=/no/such/file.safetensors", ["rollout.drafter_path", "not found"]),

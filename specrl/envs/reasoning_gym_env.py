@@ -13,6 +13,8 @@ Contract:
 - ``reward(completion_text, meta)`` extracts the answer with the template's extractor and scores
   it with the task's own scorer (``dataset.score_answer``) in [0, 1]; ``format_bonus`` (default 0)
   is added when an answer could be extracted at all. ``correct(...)`` says whether the score is 1.
+- ``TASK_PRESETS`` holds easy settings per task; ``from_config`` merges the configured task config
+  over the preset (the constructor takes the config as given).
 - Templates (``TEMPLATES``, registered by name) turn a question into chat messages and a
   completion into an answer string (or None when the model gave none).
 - An unknown task or template raises ``ValueError`` listing the closest known names.
@@ -27,6 +29,7 @@ import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -149,6 +152,29 @@ def _unknown(kind: str, name: str, known) -> str:
 # --------------------------------------------------------------------------- tasks
 
 
+# Easy settings for SmolLM2-135M (docs/task_choice.md); a task config is merged over its preset.
+TASK_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "basic_arithmetic": MappingProxyType(
+            {
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ("+", "-"),
+                "allow_parentheses": False,
+                "allow_negation": False,
+            }  # fmt: skip
+        ),
+    }
+)
+
+
+def task_config_with_preset(task: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The task's preset (if any) updated with ``config``."""
+    return dict(TASK_PRESETS.get(task, {})) | dict(config or {})
+
+
 def task_names() -> list[str]:
     from reasoning_gym.factory import DATASETS
 
@@ -164,6 +190,15 @@ def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config))
     except (TypeError, AssertionError, ValueError) as e:
+        raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
+
+
+def check_task_config(task: str, config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``task`` exists and accepts ``config`` (cheap: one entry)."""
+    ds = make_dataset(task, 1, 0, config)
+    try:
+        ds[0]
+    except Exception as e:  # generators fail in many ways on out-of-range settings
         raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
 
 
@@ -199,7 +234,8 @@ class ReasoningGymEnv:
 
     @classmethod
     def from_config(cls, cfg: EnvCfg) -> ReasoningGymEnv:
-        return cls(cfg.task, cfg.task_config, cfg.num_train, cfg.num_eval, cfg.template, cfg.seed,
+        config = task_config_with_preset(cfg.task, cfg.task_config)
+        return cls(cfg.task, config, cfg.num_train, cfg.num_eval, cfg.template, cfg.seed,
                    cfg.format_bonus)  # fmt: skip
 
     def _draw(self, n: int, seed: int, want_eval: bool, unique: bool) -> list[dict]:

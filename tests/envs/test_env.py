@@ -103,6 +103,9 @@ def test_default_config_builds_the_default_env():
     assert len(env.prompts("train")) == cfg.num_train and len(env.prompts("eval")) == cfg.num_eval
     p = env.prompts("eval")[0]
     assert "Reply with only the final answer" in p.text
+    assert env.config["operators"] == ("+", "-") and env.config["max_digits"] == 1
+    harder = ReasoningGymEnv.from_config(cfg.model_copy(update={"task_config": {"max_digits": 2}}))
+    assert harder.config["max_digits"] == 2 and harder.config["operators"] == ("+", "-")
     assert env.correct(f"The answer is {p.meta['answer']}.", p.meta)
 
 
