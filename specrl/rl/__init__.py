@@ -1,1 +1,24 @@
-"""The learning side: advantages, policy losses and the learner (knows nothing about rollouts)."""
+"""The learning side: advantages, policy losses and the learner (knows nothing about rollouts).
+
+``advantages``: registered estimators ``rewards [num_groups, G] -> advantages``; ``losses``:
+registered GRPO-family policy losses and the k3 KL; ``learner``: packed, chunked logprob
+recomputation and the optimizer step.
+"""
+
+from specrl.rl.advantages import ADVANTAGES, compute_advantages, get_advantage
+from specrl.rl.learner import Learner, TrainSample, raw_logprobs, token_logprobs
+from specrl.rl.losses import LOSSES, LossNorm, LossOutput, get_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "LOSSES",
+    "Learner",
+    "LossNorm",
+    "LossOutput",
+    "TrainSample",
+    "compute_advantages",
+    "get_advantage",
+    "get_loss",
+    "raw_logprobs",
+    "token_logprobs",
+]
