@@ -177,8 +177,9 @@ class Engine:
         ``spec`` overrides the engine's speculation for this call.
         """
         self.stats = EngineStats()
-        spec, proposer = self.spec, self.proposer
-        if spec is not None and spec != self.spec:
+        if spec is None or spec == self.spec:
+            spec, proposer = self.spec, self.proposer
+        else:
             spec, proposer = spec.validate(), self.make_proposer(spec)
         self._active = (spec, proposer if spec.enabled else None)
         start = time.perf_counter()

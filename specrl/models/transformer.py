@@ -310,6 +310,25 @@ class Transformer(nn.Module):
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
 
 
+def layer_prefix_model(model: Transformer, num_layers: int) -> Transformer:
+    """A smaller model made of ``model``'s embedding, first ``num_layers`` layers, norm and head.
+
+    Weights are copied, so the result can be trained without touching ``model``.
+    """
+    import copy
+
+    if not 1 <= num_layers <= model.config.num_layers:
+        raise ValueError(f"num_layers must be in [1, {model.config.num_layers}], got {num_layers}")
+    small = Transformer(model.config.replace(num_layers=num_layers)).to(model.embed.weight.dtype)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("layers.")}
+    for i in range(num_layers):
+        prefix = f"layers.{i}."
+        state |= {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    small.load_state_dict(copy.deepcopy(state), strict=False)
+    small.tie_weights()
+    return small.eval().requires_grad_(model.embed.weight.requires_grad)
+
+
 def _rows(slots: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
     return torch.arange(batch, device=device) if slots is None else slots
 

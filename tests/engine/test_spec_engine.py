@@ -1,0 +1,149 @@
+"""Speculative decoding in the engine is lossless: whole-sequence distributions, greedy identity."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specrl.engine import Engine, Request
+from specrl.models.transformer import layer_prefix_model
+from specrl.sampling import SamplingParams, processed_logprobs
+from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
+from tests.conftest import make_tiny
+
+VOCAB = 4
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so ngram/suffix drafters do propose
+NEW = 3
+DRAFTERS = ["ngram", "suffix", "self", "draft"]
+
+
+def tiny_target():
+    return make_tiny(seed=11, vocab_size=VOCAB)
+
+
+def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(sequence) for every NEW-token sequence, by enumeration with full forwards."""
+    probs = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        ids = torch.tensor([PROMPT + list(seq)])
+        logits = model(ids, torch.arange(ids.shape[1])[None]).logits[0, len(PROMPT) - 1 : -1]
+        n = logits.shape[0]
+        lp = processed_logprobs(
+            logits,
+            torch.full((n,), params.temperature),
+            torch.full((n,), params.top_k),
+            torch.full((n,), params.top_p),
+        )
+        probs[seq] = float(lp.gather(1, torch.tensor(seq)[:, None]).sum().exp())
+    return probs
+
+
+def engine_for(method: str, target, k: int = 3) -> Engine:
+    vocab = target.config.vocab_size
+    draft = make_tiny(seed=5, vocab_size=vocab) if method == "draft" else None
+    return Engine(target, max_batch=512, spec=SpecConfig(method, k), draft_model=draft)
+
+
+@pytest.mark.parametrize("method", DRAFTERS)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=NEW, n=3000, seed=1),
+        SamplingParams(temperature=0.7, top_k=3, top_p=0.9, max_new_tokens=NEW, n=3000, seed=2),
+    ],
+    ids=["T1", "T0.7-topk3-topp0.9"],
+)
+def test_sequence_distribution_matches_exact(method, params):
+    target = tiny_target()
+    engine = engine_for(method, target)
+    out = engine.generate([Request(PROMPT, params)])
+    counts = Counter(tuple(c.token_ids) for c in out)
+    exact = exact_distribution(target, params)
+    support = [s for s, p in exact.items() if p > 0]
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # impossible sequences never
+    observed = np.array([counts[s] for s in support], dtype=float)
+    expected = np.array([exact[s] for s in support]) * len(out)
+    expected *= observed.sum() / expected.sum()
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    assert engine.stats.drafted > 0  # the drafter really drafted
+
+
+def test_self_drafter_accepts_everything():
+    target = make_tiny(seed=2, vocab_size=16)
+    k = 3
+    engine = engine_for("self", target, k)
+    params = SamplingParams(temperature=1.0, max_new_tokens=13, n=8, seed=4)
+    out = engine.generate([Request([1, 2, 3], params)])
+    assert engine.stats.accepted == engine.stats.drafted > 0
+    assert engine.stats.per_position_acceptance == [1.0] * k
+    for c in out:  # 13 tokens = 1 from the prefill + 3 verify steps of k+1
+        assert c.acceptance_length == 13 / 4
+        assert c.verify_steps == 4
+
+
+@pytest.mark.parametrize("method", DRAFTERS)
+def test_greedy_and_logprobs_equal_plain_tiny(method):
+    target = make_tiny(seed=3, vocab_size=32)
+    prompts = [[1, 2, 3, 1, 2, 3], [5, 6, 7, 8], [9, 9, 9, 9, 9]]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    plain = Engine(target, max_batch=2).generate([Request(p, params) for p in prompts])
+    spec = engine_for(method, target).generate([Request(p, params) for p in prompts])
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.raw_logprobs), torch.tensor(b.raw_logprobs))
+
+
+def test_stop_token_inside_accepted_run():
+    """Nothing after a stop token is emitted, even when the drafts ran past it."""
+    target = make_tiny(seed=3, vocab_size=32)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    free = Engine(target).generate([Request([1, 2, 3], params)])[0].token_ids
+    stop = free[2]
+    params = params.replace(stop_token_ids=(stop,))
+    c = engine_for("self", target, k=4).generate([Request([1, 2, 3], params)])[0]
+    assert c.token_ids == free[: free.index(stop) + 1]
+    assert c.finish_reason == "stop"
+
+
+def test_per_call_override_and_varying_k():
+    target = make_tiny(seed=3, vocab_size=32)
+    engine = Engine(target, spec=SpecConfig("self", 2))
+    params = SamplingParams(temperature=0, max_new_tokens=9)
+    base = engine.generate([Request([4, 5], params)], spec=SpecConfig("none"))[0]
+    assert engine.stats.drafted == 0
+    for k in (1, 2, 5):
+        c = engine.generate([Request([4, 5], params)], spec=SpecConfig("self", k))[0]
+        assert c.token_ids == base.token_ids
+        assert c.verify_steps == 1 + -(-8 // (k + 1))  # prefill emits the first token
+
+
+@pytest.mark.parametrize(
+    "spec,draft_kwargs,match",
+    [
+        (SpecConfig("ngram", -1), {}, "num_spec_tokens must be in"),
+        (SpecConfig("ngram", MAX_SPEC_TOKENS + 1), {}, "num_spec_tokens must be in"),
+        (SpecConfig("nope", 3), {}, "unknown speculation method 'nope'"),
+        (SpecConfig("draft", 3), {}, "needs a draft model"),
+        (SpecConfig("draft", 3), {"vocab_size": 16}, r"drafter vocabulary \(16\) differs"),
+        (SpecConfig("draft", 3), {"max_position_embeddings": 32}, "drafter context"),
+    ],
+)
+def test_bad_speculation_is_refused_when_the_engine_is_built(spec, draft_kwargs, match):
+    target = make_tiny(vocab_size=32)
+    draft = make_tiny(**({"vocab_size": 32} | draft_kwargs)) if draft_kwargs else None
+    with pytest.raises(ValueError, match=match):
+        Engine(target, spec=spec, draft_model=draft)
+
+
+def test_layer_prefix_model_is_a_copy():
+    target = make_tiny(num_layers=2)
+    small = layer_prefix_model(target, 1)
+    assert small.config.num_layers == 1
+    assert torch.equal(small.layers[0].mlp.down.weight, target.layers[0].mlp.down.weight)
+    small.layers[0].mlp.down.weight.data.zero_()
+    assert target.layers[0].mlp.down.weight.abs().sum() > 0
