@@ -6,6 +6,7 @@ model, on the first ``--n`` prompts of the env's train split, and scores with
 Results and the choice they led to: docs/task_choice.md.
 
     .venv/bin/python benchmarks/task_probe.py --n 128 --max-new-tokens 48 [--only 0|TASK]
+    .venv/bin/python benchmarks/task_probe.py --grpo-steps 12     # does GRPO raise the reward?
 """
 
 from __future__ import annotations
@@ -65,6 +66,47 @@ def generate(model, tok, prompts, max_new: int, seed: int, temperature: float) -
     return [tok.decode(row[width:].tolist()) for row in out]
 
 
+def grpo_probe(steps: int, lr: float) -> None:
+    """A bare GRPO loop on the default config (plain decoding with specrl.engine, bf16 engine copy,
+    learner in bf16 autocast): does reward rise on the default task? Not the pipeline."""
+    import copy
+
+    from specrl.config import Config
+    from specrl.engine.engine import Engine
+    from specrl.engine.types import Request
+    from specrl.models.checkpoints import load_model
+    from specrl.rl import Learner, TrainSample, compute_advantages
+    from specrl.sampling import SamplingParams
+
+    cfg, tok = Config(), load_tokenizer("smollm2")
+    env, policy = ReasoningGymEnv.from_config(cfg.env), load_model(dtype=torch.float32)
+    engine_model = copy.deepcopy(policy).to(torch.bfloat16)
+    learner = Learner.from_config(policy, cfg.learner.model_copy(update={"lr": lr}))
+    engine, order = Engine(engine_model, max_batch=64), env.prompts("train", seed=0)
+    p, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    for step in range(steps):
+        t0, prompts = time.perf_counter(), order[step * p : (step + 1) * p]
+        reqs = [Request(tok.encode(tok.chat_prompt(list(x.messages))), SamplingParams(
+            temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, n=g, seed=1000 * step + i,
+            stop_token_ids=tok.stop_token_ids)) for i, x in enumerate(prompts)]  # fmt: skip
+        comps = engine.generate(reqs)
+        gen_s = time.perf_counter() - t0
+        texts = [tok.decode(c.token_ids) for c in comps]
+        metas = [prompts[c.request_index].meta for c in comps]
+        rewards = torch.tensor([env.reward(t, m) for t, m in zip(texts, metas, strict=True)])
+        adv = compute_advantages("grpo", rewards.view(p, g)).flatten().tolist()
+        m = learner.train_step(
+            [TrainSample(c.prompt_ids, c.token_ids, a) for c, a in zip(comps, adv, strict=True)]
+        )
+        with torch.no_grad():  # refit
+            for dst, src in zip(engine_model.parameters(), policy.parameters(), strict=True):
+                dst.copy_(src)
+        row = dict(step=step, reward_mean=round(rewards.mean().item(), 3), gen_s=round(gen_s, 1),
+                   gen_tokens=sum(len(c.token_ids) for c in comps), train_s=round(m["time_s"], 1),
+                   grad_norm=round(m["grad_norm"], 3))  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=48)
@@ -74,7 +116,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="task_probe.json")
     ap.add_argument("--show", type=int, default=1)
+    ap.add_argument("--grpo-steps", type=int, default=0, help="run the GRPO probe instead")
+    ap.add_argument("--lr", type=float, default=2e-5)
     args = ap.parse_args()
+    if args.grpo_steps:
+        torch.set_num_threads(args.threads)
+        return grpo_probe(args.grpo_steps, args.lr)
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)  # 2 threads crawl when another process is busy
