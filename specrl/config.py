@@ -16,6 +16,7 @@ so a typo fails here, before any work starts.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
@@ -30,8 +31,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-SPEC_METHODS = ("none", "ngram", "suffix", "draft", "eagle3", "mtp")
 
 
 class ConfigError(ValueError):
@@ -112,14 +111,28 @@ class RolloutCfg(_Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass (1 = off).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
-    spec: Literal["none", "ngram", "suffix", "draft", "eagle3", "mtp"] = Field(
-        "suffix", description="Speculation method ('none' = plain decoding)."
+    spec: str = Field(
+        "suffix",
+        description="Speculation method: 'none' (plain decoding) or a registered drafter "
+        "(ngram, suffix, draft, self, eagle3, mtp as available).",
     )
     num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
     drafter_path: str | None = Field(
         None, description="Drafter weights for 'draft', 'eagle3' and 'mtp' (must exist)."
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
+
+    @field_validator("spec")
+    @classmethod
+    def _known_spec(cls, v: str) -> str:
+        from specrl.spec.proposers import available_proposers
+
+        known = ["none", *available_proposers()]
+        if v not in known:
+            close = difflib.get_close_matches(v, known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown speculation method {v!r}{hint} (known: {', '.join(known)})")
+        return v
 
     @field_validator("drafter_path")
     @classmethod
