@@ -1,19 +1,23 @@
 """RL pipeline simulation: how per-step phases become wall time, synchronous or asynchronous.
 
-Contract: a step has five phases (``PHASES``): generation (the rollout), logprobs (policy and
+Contract: a step has six phases (``PHASES``): generation (the rollout), logprobs (policy and
 reference forwards over every token), train (the policy update), drafter_train (online drafter
-update, 0 when off) and refit (pushing new weights to the generators). ``PIPELINES[mode](phases,
-steps, staleness)`` returns a Schedule of intervals on named resources:
+update, 0 when off), overhead (the framework's fixed per-step time: data, rewards, orchestration,
+optimizer bookkeeping) and refit (pushing new weights to the generators).
+``PIPELINES[mode](phases, steps, staleness)`` returns a Schedule of intervals on named resources:
 
 - ``sync`` (colocated): one pool of GPUs runs the phases back to back, so a step takes exactly the
   sum of its phases.
-- ``async`` (disaggregated): generation GPUs and training GPUs are separate. The batch consumed by
-  train step s must be generated with a policy version >= s - staleness (version v exists once
-  train step v-1 and its refit are done). With staleness 0 this is the synchronous schedule; with
-  staleness >= 1 generation of the next batch overlaps training, and the steady-state step time
-  tends to max(generation, logprobs + train + drafter_train + refit).
+- ``async`` (disaggregated, per-step batches that drain): generation GPUs and training GPUs are
+  separate. The batch consumed by train step s must be generated with a policy version
+  >= s - staleness (version v exists once train step v-1 and its refit are done), and each step's
+  batch is generated as a unit: its long tail finishes before the next batch starts. With
+  staleness 0 this is the synchronous schedule; with staleness >= 1 generation of the next batch
+  overlaps training, and the steady-state step time tends to max(generation, trainer phases).
+  Continuous generation across steps (the next steps' prompts fill the slots the tail leaves) is
+  simulated by continuous.py, since it needs the rollout itself, not just per-step phase times.
 Refit is charged to the trainer and gates the next generation that needs the new version; the
-pause it causes on generators is not modelled separately.
+pause it causes on generators is modelled only in continuous.py.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-PHASES = ("generation", "logprobs", "train", "drafter_train", "refit")
+PHASES = ("generation", "logprobs", "train", "drafter_train", "overhead", "refit")
 TRAINER_PHASES = PHASES[1:]
 
 
@@ -35,6 +39,7 @@ class StepPhases:
     train: float
     drafter_train: float
     refit: float
+    overhead: float = 0.0
 
     @property
     def total(self) -> float:
@@ -61,6 +66,7 @@ class Interval:
 class Schedule:
     intervals: tuple[Interval, ...]
     steps: int
+    warmup: int = 0  # steps ignored by step_time (pipeline filling)
 
     @property
     def makespan(self) -> float:
@@ -71,13 +77,15 @@ class Schedule:
 
     @property
     def step_time(self) -> float:
-        """Steady-state seconds per step: spacing of step completions after the first."""
+        """Steady-state seconds per step: spacing of step completions after ``warmup`` steps."""
         if self.steps == 1:
             return self.makespan
-        return (self.step_end(self.steps - 1) - self.step_end(0)) / (self.steps - 1)
+        w = min(self.warmup, self.steps - 2)
+        return (self.step_end(self.steps - 1) - self.step_end(w)) / (self.steps - 1 - w)
 
 
-def _run_trainer(phases: StepPhases, step: int, start: float, resource: str) -> list[Interval]:
+def trainer_intervals(phases: StepPhases, step: int, start: float, resource: str) -> list[Interval]:
+    """The trainer phases of one step back to back from ``start``."""
     out, t = [], start
     for name in TRAINER_PHASES:
         dur = getattr(phases, name)
@@ -87,12 +95,13 @@ def _run_trainer(phases: StepPhases, step: int, start: float, resource: str) -> 
 
 
 def simulate_sync(phases: StepPhases, steps: int, staleness: int = 0) -> Schedule:
-    """Colocated synchronous RL: generate -> logprobs -> train -> drafter_train -> refit."""
+    """Colocated synchronous RL: generate -> logprobs -> train -> drafter_train -> overhead ->
+    refit."""
     intervals: list[Interval] = []
     t = 0.0
     for s in range(steps):
         intervals.append(Interval("colocated", "generation", s, t, t + phases.generation))
-        intervals += _run_trainer(phases, s, t + phases.generation, "colocated")
+        intervals += trainer_intervals(phases, s, t + phases.generation, "colocated")
         t = intervals[-1].end_s
     return Schedule(tuple(intervals), steps)
 
@@ -111,7 +120,7 @@ def simulate_async(phases: StepPhases, steps: int, staleness: int) -> Schedule:
         gen_free = g0 + phases.generation
         intervals.append(Interval("generation", "generation", s, g0, gen_free))
         trainer_free = refit_end[-1] if refit_end else 0.0
-        intervals += _run_trainer(phases, s, max(gen_free, trainer_free), "training")
+        intervals += trainer_intervals(phases, s, max(gen_free, trainer_free), "training")
         refit_end.append(intervals[-1].end_s)
     return Schedule(tuple(intervals), steps)
 

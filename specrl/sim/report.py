@@ -95,6 +95,7 @@ PHASE_COLORS = {
     "logprobs": "tab:orange",
     "train": "tab:green",
     "drafter_train": "tab:purple",
+    "overhead": "tab:gray",
     "refit": "tab:red",
 }
 
@@ -114,7 +115,7 @@ def gantt_png(res: ScenarioResult, path: Path) -> Path:
         ax.set_yticks(range(len(resources)), resources)
         ax.set_title(f"{name}: {run.schedule.step_time:.1f} s/step", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
-    fig.legend(handles, list(PHASE_COLORS), loc="lower center", ncol=5, fontsize=8)
+    fig.legend(handles, list(PHASE_COLORS), loc="lower center", ncol=6, fontsize=8)
     fig.supxlabel("seconds")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)

@@ -159,7 +159,11 @@ def _segment_steps(st: _Replica, act: np.ndarray, tps: np.ndarray, cfg: EngineCo
     return max(1, min(to_finish, to_replan, to_full))
 
 
-def _decode_segment(st: _Replica, cfg: EngineConfig, cap: float, t0: float) -> Segment:
+def _decode_segment(
+    st: _Replica, cfg: EngineConfig, cap: float, t0: float, max_dt: float = np.inf
+) -> Segment:
+    """Advance the running batch by one segment of identical steps (at most ``max_dt`` seconds,
+    but at least one step) and retire the sequences that finish."""
     act = np.flatnonzero(st.active)
     ctx = st.context(act)
     positions = st.generated[act]
@@ -169,6 +173,8 @@ def _decode_segment(st: _Replica, cfg: EngineConfig, cap: float, t0: float) -> S
     k = POLICIES[cfg.policy](inp) if cfg.costs.drafter is not None else 0
     tps = cfg.acceptance.expected_tokens(k, positions, cfg.rl_step)
     n = _segment_steps(st, act, tps, cfg, cap)
+    if np.isfinite(max_dt):
+        n = max(1, min(n, int(max_dt / cfg.costs.step(len(act), k, float(ctx.mean())))))
     mid = float(ctx.mean() + tps.mean() * (n - 1) / 2)
     dt = n * cfg.costs.step(len(act), k, mid)
     st.generated[act] = np.minimum(st.generated[act] + n * tps, st.target[act])

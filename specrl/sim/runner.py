@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams, alpha_for_length
+from specrl.sim.continuous import simulate_continuous
 from specrl.sim.cost import StepCostModel
 from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases
 from specrl.sim.rollout import EngineConfig, RolloutResult, sample_lengths, simulate_rollout
@@ -59,11 +60,9 @@ def workload_lengths(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
     return np.full(n, w.prompt_len, dtype=np.int64), responses
 
 
-def simulate_generation(sc: Scenario, spec: bool, gpus: int | None = None) -> RolloutResult:
-    """Rollout wall time of one RL step on ``gpus`` generation GPUs (default: the scenario's)."""
-    prompts, responses = workload_lengths(sc)
+def engine_config(sc: Scenario, spec: bool) -> EngineConfig:
     s = sc.speculation
-    cfg = EngineConfig(
+    return EngineConfig(
         costs=step_costs(sc, spec),
         acceptance=acceptance_model(s.acceptance),
         policy=s.policy if spec else "off",
@@ -72,8 +71,16 @@ def simulate_generation(sc: Scenario, spec: bool, gpus: int | None = None) -> Ro
         replan_tokens=sc.generation.replan_tokens,
         rl_step=sc.workload.rl_step,
     )
-    replicas = max(1, (gpus or sc.generation.gpus) // sc.generation.gpus_per_replica)
-    return simulate_rollout(prompts, responses, cfg, replicas)
+
+
+def replica_count(sc: Scenario, gpus: int | None = None) -> int:
+    return max(1, (gpus or sc.generation.gpus) // sc.generation.gpus_per_replica)
+
+
+def simulate_generation(sc: Scenario, spec: bool, gpus: int | None = None) -> RolloutResult:
+    """Rollout wall time of one RL step on ``gpus`` generation GPUs (default: the scenario's)."""
+    prompts, responses = workload_lengths(sc)
+    return simulate_rollout(prompts, responses, engine_config(sc, spec), replica_count(sc, gpus))
 
 
 def rl_phases(sc: Scenario, generation_s: float, spec: bool, train_gpus: int) -> StepPhases:
@@ -92,6 +99,7 @@ def rl_phases(sc: Scenario, generation_s: float, spec: bool, train_gpus: int) ->
         train=6.0 * model.params_active * tokens / rate,
         drafter_train=drafter_flops / rate,
         refit=sc.pipeline.refit_fixed_s + weight_bytes / sc.pipeline.refit_bandwidth,
+        overhead=sc.pipeline.framework_overhead_s,
     )
 
 
@@ -120,7 +128,22 @@ def run_pipeline(sc: Scenario, spec: bool, mode: str) -> PipelineRun:
             raise ValueError("async pipelines need training.gpus > 0")
     rollout = simulate_generation(sc, spec, gpus)
     phases = rl_phases(sc, rollout.time_s, spec, train_gpus)
-    schedule = PIPELINES[mode](phases, sc.pipeline.steps, sc.pipeline.staleness)
+    p = sc.pipeline
+    if mode == "async" and p.async_generation == "continuous":
+        prompts, responses = workload_lengths(sc)
+        cont = simulate_continuous(
+            prompts,
+            responses,
+            engine_config(sc, spec),
+            replica_count(sc, gpus),
+            phases,
+            p.steps,
+            p.staleness,
+        )
+        return PipelineRun(rollout, phases, cont.schedule)
+    if p.async_generation not in ("continuous", "drain"):
+        raise KeyError(f"unknown async_generation {p.async_generation!r}: continuous | drain")
+    schedule = PIPELINES[mode](phases, p.steps, p.staleness)
     return PipelineRun(rollout, phases, schedule)
 
 

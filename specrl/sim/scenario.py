@@ -84,7 +84,22 @@ class Training(_Strict):
 class PipelineCfg(_Strict):
     mode: str = Field("sync", description="sync (colocated) | async (disaggregated)")
     staleness: int = Field(1, ge=0, description="async: max policy versions a batch may lag")
-    steps: int = Field(6, ge=2, description="RL steps simulated (steady state from step 2)")
+    async_generation: str = Field(
+        "continuous",
+        description="async: continuous (generators stay full across steps within the staleness"
+        " bound, as AReaL / NeMo-RL async with in-flight weight updates) | drain (each step's"
+        " batch finishes, long tail included, before the next starts)",
+    )
+    steps: int = Field(
+        6, ge=2, description="RL steps simulated (steady state after the first staleness steps)"
+    )
+    framework_overhead_s: float = Field(
+        3.0,
+        ge=0,
+        description="fixed seconds per RL step outside generation/logprobs/train/refit (data,"
+        " rewards, orchestration); 3 s = NeMo-RL v0.3 published step breakdowns (total minus"
+        " phases: 2-4 s over four models)",
+    )
     refit_fixed_s: float = Field(2.0, ge=0, description="fixed seconds per weight refit")
     refit_bandwidth: float = Field(
         100e9, gt=0, description="aggregate bytes/s of a refit (colocated ~1e11, RDMA ~1.5e12)"
