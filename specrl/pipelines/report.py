@@ -1,0 +1,197 @@
+"""Reports of a training run: a summary (dict and markdown) and PNG plots from its run directory.
+
+Contract:
+- ``summarize(rows, evals, speed)`` condenses metric rows (``metrics.jsonl``), eval rows
+  (``eval.jsonl``) and an optional rollout speed check (``sync.measure_speedup``) into a flat
+  dict: first/last-window means of reward and accuracy (window = min(5, max(1, steps // 3))),
+  first/last eval accuracies, mean rollout tokens/s, acceptance length, logprob mismatch, and
+  the mean step-time breakdown (generation, learner, logprob check, refit, other).
+- ``summary_markdown(summary)`` renders it as a markdown table; ``summary_text`` as console lines.
+- ``write_report(run_dir, out=None)`` writes ``reward_accuracy.png``, ``rollout_throughput.png``,
+  ``acceptance_length.png``, ``step_time.png`` and ``summary.md`` (into ``out``, default the run
+  dir) with matplotlib's Agg backend, and returns the written paths. A run dir without metrics
+  raises ``ValueError``.
+Reads files only; never touches models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from specrl.pipelines.checkpoint import RunDir
+
+BREAKDOWN = (
+    ("generation", "gen_time_s"),
+    ("learner", "train_time_s"),
+    ("logprob check", "logprob_time_s"),
+    ("refit", "refit_time_s"),
+)
+
+
+def _mean(rows: Sequence[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return fmean(values) if values else float("nan")
+
+
+def window(n: int) -> int:
+    return min(5, max(1, n // 3))
+
+
+def step_breakdown(rows: Sequence[dict]) -> dict[str, float]:
+    """Mean seconds per step in each phase, plus ``other`` (scoring, bookkeeping)."""
+    out = {name: _mean(rows, key) for name, key in BREAKDOWN}
+    out["other"] = max(0.0, _mean(rows, "step_time_s") - sum(out.values()))
+    return out
+
+
+def summarize(
+    rows: Sequence[dict], evals: Sequence[dict] = (), speed: dict | None = None
+) -> dict[str, Any]:
+    if not rows:
+        raise ValueError("no metric rows: the run has not finished a step")
+    w = window(len(rows))
+    first, last = rows[:w], rows[-w:]
+    out: dict[str, Any] = {
+        "steps": len(rows),
+        "window": w,
+        "reward_first": _mean(first, "reward_mean"),
+        "reward_last": _mean(last, "reward_mean"),
+        "accuracy_first": _mean(first, "accuracy"),
+        "accuracy_last": _mean(last, "accuracy"),
+        "response_length_first": _mean(first, "response_length"),
+        "response_length_last": _mean(last, "response_length"),
+        "rollout_tokens_per_s": _mean(rows, "rollout_tokens_per_s"),
+        "acceptance_length": _mean(rows, "acceptance_length"),
+        "logprob_delta_mean": _mean(rows, "logprob_delta_mean"),
+        "step_time_s": _mean(rows, "step_time_s"),
+        "total_step_time_s": sum(r["step_time_s"] for r in rows),
+    }
+    out |= {f"time_{k.replace(' ', '_')}_s": v for k, v in step_breakdown(rows).items()}
+    for e, tag in ((evals[:1], "first"), (evals[-1:], "last")):
+        for key in ("step", "greedy_accuracy", "sampled_accuracy"):
+            if e and key in e[0]:
+                out[f"eval_{tag}_{key}"] = e[0][key]
+    return out | {f"speed_{k}": v for k, v in (speed or {}).items()}
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def summary_markdown(summary: dict[str, Any], title: str = "Training run") -> str:
+    lines = [f"# {title}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
+    return "\n".join(lines) + "\n"
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    w = s["window"]
+    parts = [(n, s["time_" + n.replace(" ", "_") + "_s"]) for n, _ in BREAKDOWN]
+    lines = [
+        f"steps: {s['steps']}  (mean step {s['step_time_s']:.1f} s: "
+        + ", ".join(f"{n} {v:.1f} s" for n, v in parts)
+        + ")",
+        f"reward: {s['reward_first']:.3f} (first {w} steps) -> {s['reward_last']:.3f} (last {w})",
+        f"accuracy: {s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}",
+        f"rollout: {s['rollout_tokens_per_s']:.0f} tok/s, acceptance length "
+        f"{s['acceptance_length']:.2f}, |engine-learner logprob| {s['logprob_delta_mean']:.4f}",
+    ]
+    if "eval_first_greedy_accuracy" in s:
+        lines.append(
+            f"eval greedy acc {s['eval_first_greedy_accuracy']:.3f} -> "
+            f"{s['eval_last_greedy_accuracy']:.3f}, sampled "
+            f"{s['eval_first_sampled_accuracy']:.3f} -> {s['eval_last_sampled_accuracy']:.3f}"
+        )
+    if "speed_rollout_speedup" in s:
+        lines.append(
+            f"rollout speedup (same prompts, weights, seeds): {s['speed_rollout_speedup']:.2f}x "
+            f"({s['speed_spec_tokens_per_s']:.0f} vs {s['speed_plain_tokens_per_s']:.0f} tok/s "
+            f"plain, acceptance length {s['speed_spec_acceptance_length']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _figure(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_reward(rows: Sequence[dict], evals: Sequence[dict], path: Path) -> Path:
+    fig, ax = _figure("Reward and accuracy", "value")
+    for key in ("reward_mean", "accuracy"):
+        ax.plot(*_series(rows, key), label=f"train {key}")
+    for key in ("greedy_accuracy", "sampled_accuracy"):
+        ax.plot(*_series(evals, key), "o--", label=f"eval {key} (x = updates)")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_key(rows: Sequence[dict], key: str, title: str, ylabel: str, path: Path) -> Path:
+    fig, ax = _figure(title, ylabel)
+    ax.plot(*_series(rows, key))
+    return _save(fig, path)
+
+
+def plot_step_time(rows: Sequence[dict], path: Path) -> Path:
+    fig, ax = _figure("Step-time breakdown", "seconds")
+    steps, bottom = [r["step"] for r in rows], [0.0] * len(rows)
+    phases = [*BREAKDOWN, ("other", None)]
+    for name, key in phases:
+        if key is None:
+            values = [max(0.0, r["step_time_s"] - b) for r, b in zip(rows, bottom, strict=True)]
+        else:
+            values = [r.get(key, 0.0) for r in rows]
+        ax.bar(steps, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.legend()
+    return _save(fig, path)
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Plots and summary.md of the run in ``run_dir`` (see the module docstring)."""
+    run = RunDir(run_dir)
+    rows, evals = run.rows(run.metrics), run.rows(run.evals)
+    if not rows:
+        raise ValueError(f"no metrics in {run.metrics}: is {run.path} a run directory?")
+    dest = Path(out) if out is not None else run.path
+    dest.mkdir(parents=True, exist_ok=True)
+    speed = json.loads(run.summary.read_text()).get("speed") if run.summary.exists() else None
+    paths = [
+        plot_reward(rows, evals, dest / "reward_accuracy.png"),
+        plot_key(rows, "rollout_tokens_per_s", "Rollout throughput", "tokens/s",
+                 dest / "rollout_throughput.png"),
+        plot_key(rows, "acceptance_length", "Acceptance length (tokens per verify step)",
+                 "tokens", dest / "acceptance_length.png"),
+        plot_step_time(rows, dest / "step_time.png"),
+    ]  # fmt: skip
+    md = summary_markdown(summarize(rows, evals, speed), f"Run {run.path}")
+    (dest / "summary.md").write_text(md)
+    return [*paths, dest / "summary.md"]

@@ -1,0 +1,114 @@
+"""Synchronous GRPO pipeline on a tiny model and a synthetic task: metrics, mismatch, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrl.config import ConfigError
+from specrl.pipelines.refit import copy_weights, refit
+from specrl.pipelines.sync import METRIC_KEYS, build_run, draw_prompts, run_training, train
+from tests.conftest import make_tiny
+from tests.pipelines.pipeline_fakes import IdCodec, ModFourEnv, tiny_config, tiny_parts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("spec", ["none", "suffix", "self"])
+def test_run_writes_every_metric_key(tmp_path, spec):
+    parts = tiny_parts(tiny_config(f"rollout.spec={spec}"))
+    summary = run_training(parts, str(tmp_path), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert set(METRIC_KEYS) <= set(row)
+        assert all(isinstance(row[k], int | float) for k in METRIC_KEYS)
+        assert row["gen_tokens"] > 0 and row["step_time_s"] >= row["train_time_s"]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    evals = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert {"greedy_accuracy", "sampled_accuracy"} <= set(evals[0])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000002", "step_000004",
+    ]  # fmt: skip
+    assert (tmp_path / "config.toml").exists() and (tmp_path / "summary.json").exists()
+    if spec == "none":
+        assert all(r["acceptance_length"] == 1.0 for r in rows)
+        assert "speed_rollout_speedup" not in summary
+    else:
+        assert summary["speed_rollout_speedup"] > 0
+    if spec == "self":  # q == p: every draft accepted
+        assert all(r["acceptance_length"] > 1.5 for r in rows)
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram", "self"])
+def test_engine_learner_logprob_mismatch_fp32(tmp_path, spec):
+    rows = train(tiny_parts(tiny_config(f"rollout.spec={spec}")), str(tmp_path), progress=False)
+    assert max(r["logprob_delta_mean"] for r in rows) <= 1e-3
+    assert max(r["logprob_delta_max"] for r in rows) <= 1e-2
+
+
+def test_prompt_order_is_deterministic_and_cycles():
+    cfg = tiny_config("rollout.prompts_per_step=5")
+    a, b = tiny_parts(cfg), tiny_parts(cfg)
+    steps = range(12)  # 60 prompts over a 24-prompt split: cycles into epochs 1 and 2
+    ids = [[p.id for p in draw_prompts(a, s)] for s in steps]
+    assert ids == [[p.id for p in draw_prompts(b, s)] for s in steps]
+    flat = [i for step in ids for i in step]
+    assert sorted(flat[:24]) == sorted(p.id for p in ModFourEnv().prompts("train"))
+    assert flat[:24] != flat[24:48]  # each epoch reshuffled
+    other = tiny_parts(tiny_config("rollout.prompts_per_step=5", "run.seed=1"))
+    assert [p.id for p in draw_prompts(other, 0)] != ids[0]
+
+
+def test_refit_updates_engine_and_packed_cache():
+    parts = tiny_parts(tiny_config("model.dtype=bf16"))
+    engine = parts.engine
+    x = torch.tensor([[3, 4, 5]])
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        before = engine.model(x, pos).logits.clone()  # builds the packed bf16 weights
+        for p in parts.learner.model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    seconds = refit(engine, dict(parts.learner.model.named_parameters()))
+    assert seconds >= 0 and engine.policy_version == 1
+    with torch.no_grad():
+        after = engine.model(x, pos).logits
+        fresh = make_tiny().to(torch.bfloat16)
+        copy_weights(fresh, dict(parts.learner.model.named_parameters()))
+        expected = fresh(x, pos).logits
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, expected)
+    with pytest.raises(ValueError, match="shape"):
+        copy_weights(
+            engine.model,
+            {"embed.weight": torch.zeros(2, 2)}
+            | {n: p for n, p in parts.learner.model.named_parameters() if n != "embed.weight"},
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["rollout.temperature=0"], "temperature"),
+        (["rollout.group_size=1"], "group_size"),
+        (["rollout.spec=draft"], "drafter_path"),
+    ],
+)
+def test_bad_run_settings_fail_before_work(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        build_run(tiny_config(*overrides), model=make_tiny(), codec=IdCodec(), env=ModFourEnv())
+
+
+def test_used_run_dir_is_not_overwritten(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="not empty"):
+        train(tiny_parts(tiny_config()), str(tmp_path), progress=False)
