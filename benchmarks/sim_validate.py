@@ -19,6 +19,7 @@ import numpy as np
 
 from specrl.sim.runner import run_scenario, simulate_generation
 from specrl.sim.scenario import load_scenario
+from specrl.sim.specs import load_hardware, load_model
 
 OUT = Path(__file__).parent / "results" / "sim_validate.json"
 
@@ -38,6 +39,50 @@ def _headline_8b(length: float) -> float:
 
 def _headline_235b() -> float:
     return run_scenario(load_scenario("paper-235b-async")).end_to_end_speedup_vs_sync_no_spec
+
+
+def _phase(name: str, phase: str) -> float:
+    run = run_scenario(load_scenario(name)).no_spec
+    if phase == "total":
+        return run.schedule.step_time
+    return getattr(run.phases, phase)
+
+
+# (label, scenario, published s/step): NeMo-RL v0.6 summary (Llama rows: v0.4 summary)
+NEMO_RL_STEPS = [
+    ("Llama-3.1-8B 16xH100 sync", "nemo-rl-llama8b-16xh100", 97.7),
+    ("Llama-3.1-8B 16xH100 1-off", "nemo-rl-llama8b-16xh100-async", 74.6),
+    ("Qwen3-30B-A3B 32xH100 sync", "nemo-rl-qwen3-30b-a3b-32xh100", 192.0),
+    ("Qwen3-30B-A3B 32xH100 1-off", "nemo-rl-qwen3-30b-a3b-32xh100-async", 152.0),
+    ("Qwen3-235B 128xH100 sync", "nemo-rl-qwen3-235b-128xh100", 395.0),
+    ("Qwen3-235B 256xH100 sync", "nemo-rl-qwen3-235b-256xh100", 312.0),
+    ("Qwen3-235B 256xH100 1-off", "nemo-rl-qwen3-235b-256xh100-async", 231.0),
+    ("Qwen3-235B 64xGB200 sync", "nemo-rl-qwen3-235b-64xgb200", 286.0),
+]
+# NeMo-RL v0.3 blog: published per-phase seconds of one colocated step
+NEMO_RL_V03_PHASES = [
+    (
+        "Llama-8B 8xH100",
+        "nemo-rl-v03-llama8b-8xh100",
+        {"generation": 58.0, "train": 28.0, "logprobs": 18.0, "refit": 5.0, "total": 112.0},
+    ),
+    (
+        "Qwen3-30B-A3B 64xH100",
+        "nemo-rl-v03-qwen3-30b-a3b-64xh100",
+        {"generation": 78.0, "train": 50.0, "logprobs": 23.0, "refit": 12.0, "total": 167.0},
+    ),
+]
+
+
+def implied_train_mfu(name: str, published: float) -> float | None:
+    """Training MFU at which a colocated sync scenario would match its published step time, all
+    other phases as simulated (None when the other phases alone already exceed it)."""
+    sc = load_scenario(name)
+    p = run_scenario(sc).no_spec.phases
+    mfu = sc.training.mfu or load_hardware(sc.hardware).train_mfu(load_model(sc.model))
+    flops_s_at_full = (p.logprobs + p.train) * mfu
+    rest = p.total - p.logprobs - p.train
+    return flops_s_at_full / (published - rest) if published > rest else None
 
 
 def _generation_share() -> float:
@@ -64,48 +109,21 @@ ROWS = [
         373.25,
         "tok/s",
     ),
-    (
-        "check",
-        "NeMo-RL Llama-3.1-8B 16xH100 sync",
-        lambda: _step("nemo-rl-llama8b-16xh100"),
-        97.7,
-        "s/step",
-    ),
-    (
-        "check",
-        "NeMo-RL Llama-3.1-8B 16xH100 1-off",
-        lambda: _step("nemo-rl-llama8b-16xh100-async"),
-        74.6,
-        "s/step",
-    ),
-    (
-        "check",
-        "NeMo-RL Qwen3-30B-A3B 32xH100 sync",
-        lambda: _step("nemo-rl-qwen3-30b-a3b-32xh100"),
-        192.0,
-        "s/step",
-    ),
-    (
-        "check",
-        "NeMo-RL Qwen3-235B 128xH100 sync",
-        lambda: _step("nemo-rl-qwen3-235b-128xh100"),
-        395.0,
-        "s/step",
-    ),
-    (
-        "check",
-        "NeMo-RL Qwen3-235B 256xH100 1-off",
-        lambda: _step("nemo-rl-qwen3-235b-256xh100-async"),
-        231.0,
-        "s/step",
-    ),
-    (
-        "check",
-        "NeMo-RL Qwen3-235B 64xGB200 sync",
-        lambda: _step("nemo-rl-qwen3-235b-64xgb200"),
-        286.0,
-        "s/step",
-    ),
+    *[
+        ("check", f"NeMo-RL {label}", (lambda n=name: _step(n)), pub, "s/step")
+        for label, name, pub in NEMO_RL_STEPS
+    ],
+    *[
+        (
+            "phase",
+            f"NeMo-RL v0.3 {label} {phase}",
+            (lambda n=name, ph=phase: _phase(n, ph)),
+            pub,
+            "s",
+        )
+        for label, name, published in NEMO_RL_V03_PHASES
+        for phase, pub in published.items()
+    ],
 ]
 
 
@@ -138,6 +156,18 @@ def main() -> None:
     print(
         f"mean |error| over checks: {np.mean(checks):.1%}; SGLang implied acceptance {implied:.2f}"
     )
+    mfus = {
+        label: implied_train_mfu(name, pub)
+        for label, name, pub in NEMO_RL_STEPS
+        if load_scenario(name).pipeline.mode == "sync"
+    }
+    mfus.update(
+        {
+            f"v0.3 {label}": implied_train_mfu(name, published["total"])
+            for label, name, published in NEMO_RL_V03_PHASES
+        }
+    )
+    print("implied training MFU (sync rows):", {k: v and round(v, 3) for k, v in mfus.items()})
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(
         json.dumps(
@@ -153,6 +183,7 @@ def main() -> None:
                 "rows": rows,
                 "mean_abs_error_checks": float(np.mean(checks)),
                 "sglang_implied_acceptance_length": implied,
+                "implied_train_mfu_sync_rows": mfus,
             },
             indent=2,
         )

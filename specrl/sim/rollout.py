@@ -109,6 +109,21 @@ def sample_lengths(mean: float, sigma: float, max_len: int, n: int, seed: int) -
     return np.clip(np.round(rng.lognormal(mu, sigma, n)), 1, max_len).astype(np.int64)
 
 
+def sample_lengths_capped_mean(
+    mean: float, sigma: float, max_len: int, n: int, seed: int
+) -> np.ndarray:
+    """Like sample_lengths, but ``mean`` is the mean after the cap (e.g. a published average):
+    the pre-truncation mean is found by bisection on the same seeded draw."""
+    if mean >= max_len:
+        raise ValueError(f"mean after cap {mean} must be below the cap {max_len}")
+    lo, hi = 1.0, 64.0 * max_len
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        got = sample_lengths(mid, sigma, max_len, n, seed).mean()
+        lo, hi = (mid, hi) if got < mean else (lo, mid)
+    return sample_lengths(0.5 * (lo + hi), sigma, max_len, n, seed)
+
+
 @dataclass
 class _Replica:
     """Mutable state of one replica during a simulation (local to simulate_replica)."""

@@ -20,7 +20,13 @@ from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams, alpha_for_l
 from specrl.sim.continuous import simulate_continuous
 from specrl.sim.cost import StepCostModel
 from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases
-from specrl.sim.rollout import EngineConfig, RolloutResult, sample_lengths, simulate_rollout
+from specrl.sim.rollout import (
+    EngineConfig,
+    RolloutResult,
+    sample_lengths,
+    sample_lengths_capped_mean,
+    simulate_rollout,
+)
 from specrl.sim.scenario import Acceptance, Scenario
 from specrl.sim.specs import load_drafter, load_hardware, load_model
 
@@ -54,9 +60,8 @@ def workload_lengths(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
     if w.length_trace:
         responses = np.resize(np.asarray(w.length_trace, dtype=np.int64), n)
     else:
-        responses = sample_lengths(
-            w.mean_response_len, w.response_sigma, w.max_response_len, n, w.seed
-        )
+        sampler = sample_lengths_capped_mean if w.mean_is_after_cap else sample_lengths
+        responses = sampler(w.mean_response_len, w.response_sigma, w.max_response_len, n, w.seed)
     return np.full(n, w.prompt_len, dtype=np.int64), responses
 
 

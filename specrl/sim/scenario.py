@@ -29,6 +29,11 @@ class Workload(_Strict):
         0.8, ge=0, description="log-space sigma of the lognormal response length (the tail)"
     )
     max_response_len: int = Field(gt=0, description="response length cap (max_tokens)")
+    mean_is_after_cap: bool = Field(
+        False,
+        description="mean_response_len is the observed mean after the cap (a published average)"
+        " rather than the lognormal mean before truncation",
+    )
     length_trace: list[int] = Field(
         default_factory=list, description="replay these response lengths instead of sampling"
     )

@@ -77,3 +77,14 @@ def test_lognormal_lengths_have_requested_mean_and_cap():
     x = sample_lengths(1000, 0.5, 100_000, 200_000, seed=0)
     assert x.mean() == pytest.approx(1000, rel=0.02)
     assert sample_lengths(1000, 1.5, 2000, 1000, seed=0).max() == 2000
+
+
+def test_capped_mean_sampler_hits_the_published_average_under_the_cap():
+    from specrl.sim.rollout import sample_lengths_capped_mean
+
+    got = sample_lengths_capped_mean(5400, 0.7, 7892, 512, seed=0)
+    assert got.max() <= 7892 and abs(got.mean() - 5400) < 1.0
+    # the plain sampler's mean is before truncation, so under a tight cap it falls short
+    assert sample_lengths(5400, 0.7, 7892, 512, seed=0).mean() < 5000
+    with pytest.raises(ValueError):
+        sample_lengths_capped_mean(8000, 0.7, 7892, 16, seed=0)
