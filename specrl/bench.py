@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,37 +76,60 @@ def roofline_tokens_per_s(config, batch: int, dtype: torch.dtype, context: int) 
     return batch / max(t_mem, t_flop)
 
 
-def bench_prompts(tokenizer, batch: int) -> list[list[int]]:
-    return [tokenizer.encode_chat(BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)]) for i in range(batch)]
+@dataclass
+class GenerateBench:
+    """One generation benchmark: engines x batch sizes on the same GRPO-like prompts."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: torch.dtype = torch.bfloat16
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    new_tokens: int = 128
+    compare: list[str] = field(default_factory=list)  # other engines: "hf"
+    repeats: int = 1
+    methods: list[str] = field(default_factory=list)  # drafters compared with no speculation
+    k: int = 3
+    group_size: int = 1  # samples per prompt
+    drafter: str | None = None  # for method "draft": a model path or prefix:N
 
 
-def time_call(fn: Callable[[], int], repeats: int) -> tuple[float, int]:
-    """Best wall time over repeats; fn returns the number of tokens generated."""
-    best, tokens = float("inf"), 0
+def bench_prompts(tokenizer, batch: int, group_size: int = 1) -> list[list[int]]:
+    """batch // group_size distinct chat prompts."""
+    return [
+        tokenizer.encode_chat(BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)])
+        for i in range(max(1, batch // group_size))
+    ]
+
+
+def time_call(fn: Callable[[], tuple[int, float]], repeats: int) -> tuple[float, int, float]:
+    """Best wall time over repeats; fn returns (tokens generated, acceptance length)."""
+    best, tokens, accept = float("inf"), 0, 1.0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        tokens = fn()
+        tokens, accept = fn()
         best = min(best, time.perf_counter() - t0)
-    return best, tokens
+    return best, tokens, accept
 
 
-def specrl_runner(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], int]:
+def specrl_runner(model, prompts, b: GenerateBench, method: str, draft=None) -> Callable:
+    """A timed closure; the untimed warm-up is a full run (for ``suffix``: one earlier epoch)."""
     from specrl.engine import Engine, Request
     from specrl.sampling import SamplingParams
+    from specrl.spec.config import SpecConfig
 
-    engine = Engine(model, max_batch=len(prompts))
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
-    requests = [Request(p, params) for p in prompts]
+    batch = len(prompts) * b.group_size
+    spec = SpecConfig(method, b.k)
+    engine = Engine(model, max_batch=batch, spec=spec, draft_model=draft)
+    params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=b.group_size)
 
-    def run() -> int:
-        return sum(len(c.token_ids) for c in engine.generate(requests))
+    def run(seed: int = 0) -> tuple[int, float]:
+        out = engine.generate([Request(p, params.replace(seed=seed)) for p in prompts])
+        return sum(len(c.token_ids) for c in out), engine.stats.acceptance_length
 
-    run_warm = [Request(p, params.replace(max_new_tokens=4)) for p in prompts]
-    engine.generate(run_warm)
+    run(seed=1)
     return run
 
 
-def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Callable[[], int]:
+def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Callable:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -116,7 +140,7 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
 
-    def run(n: int = new_tokens) -> int:
+    def run(n: int = new_tokens) -> tuple[int, float]:
         with torch.inference_mode():
             out = hf.generate(
                 input_ids=ids,
@@ -129,65 +153,91 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
                 min_new_tokens=n,
                 pad_token_id=0,
             )
-        return int((out.shape[1] - width) * len(prompts))
+        return int((out.shape[1] - width) * len(prompts)), 1.0
 
     run(4)
     return run
 
 
-def run_generate_bench(
-    model_name: str,
-    dtype: torch.dtype,
-    batch_sizes: list[int],
-    new_tokens: int,
-    compare: list[str],
-    repeats: int = 1,
-) -> dict:
-    """Time specrl (and the engines in ``compare``) at each batch size; print and return."""
-    from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
+def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
+    from specrl.cli import load_drafter
+    from specrl.models.checkpoints import resolve_model
 
-    tok = load_tokenizer(model_name)
-    model = load_model(model_name, dtype=dtype)
+    prompts = bench_prompts(tok, batch, b.group_size)
+    runners = {"none": specrl_runner(model, prompts, b, "none")}
+    for method in b.methods:
+        draft = load_drafter(b.drafter, model, tok) if method == "draft" else None
+        runners[method] = specrl_runner(model, prompts, b, method, draft)
+    if "hf" in b.compare:
+        flat = [p for p in prompts for _ in range(b.group_size)]
+        runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, flat, b.new_tokens)
+    return runners
+
+
+def run_generate_bench(b: GenerateBench) -> dict:
+    """Time every engine at each batch size; print a table with ratios; return JSON-ready."""
+    from specrl.models.checkpoints import load_model, load_tokenizer
+
+    tok = load_tokenizer(b.model)
+    model = load_model(b.model, dtype=b.dtype)
     results = []
-    for batch in batch_sizes:
-        prompts = bench_prompts(tok, batch)
-        context = max(len(p) for p in prompts) + new_tokens // 2
-        roof = roofline_tokens_per_s(model.config, batch, dtype, context)
-        runners = {"specrl": specrl_runner(model, prompts, new_tokens)}
-        if "hf" in compare:
-            runners["hf"] = hf_runner(resolve_model(model_name), dtype, prompts, new_tokens)
-        for name, run in runners.items():
-            seconds, tokens = time_call(run, repeats)
+    for batch in b.batch_sizes:
+        context = len(bench_prompts(tok, 1)[0]) + b.new_tokens // 2
+        roof = roofline_tokens_per_s(model.config, batch, b.dtype, context)
+        for name, run in _runners(b, model, tok, batch).items():
+            seconds, tokens, accept = time_call(run, b.repeats)
             row = {
-                "engine": name,
+                "engine": "hf" if name == "hf" else "specrl",
+                "spec": None if name in ("none", "hf") else name,
+                "num_spec_tokens": b.k if name not in ("none", "hf") else 0,
                 "batch_size": batch,
-                "new_tokens": new_tokens,
+                "group_size": b.group_size,
+                "new_tokens": b.new_tokens,
                 "tokens_per_s": tokens / seconds,
+                "acceptance_length": accept,
                 "seconds": seconds,
                 "roofline_tokens_per_s": roof,
                 "fraction_of_roofline": tokens / seconds / roof,
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": str(b.dtype).removeprefix("torch."),
             }
             results.append(row)
             print(_fmt(row), flush=True)
-    ratios = _ratios(results, "specrl", [c for c in compare if c != "specrl"])
+    ratios = _ratios(results)
     for r in ratios:
-        print(f"ratio specrl/{r['baseline']} at batch {r['batch_size']}: {r['ratio']:.2f}x")
-    return {"meta": run_metadata(), "results": results, "ratios": ratios}
+        print(f"batch {r['batch_size']:>3}: {r['name']:>8} / {r['baseline']}: {r['ratio']:.2f}x")
+    return {"meta": run_metadata() | {"bench": _jsonable(b)}, "results": results, "ratios": ratios}
+
+
+def _jsonable(b: GenerateBench) -> dict:
+    d = dict(b.__dict__)
+    d["dtype"] = str(b.dtype).removeprefix("torch.")
+    return d
+
+
+def _label(row: dict) -> str:
+    return row["engine"] if row["engine"] == "hf" else (row["spec"] or "specrl")
 
 
 def _fmt(row: dict) -> str:
     return (
-        f"{row['engine']:>8} batch {row['batch_size']:>3}: {row['tokens_per_s']:8.1f} tok/s "
+        f"batch {row['batch_size']:>3} {_label(row):>8}: {row['tokens_per_s']:8.1f} tok/s  "
+        f"accept {row['acceptance_length']:.2f}  "
         f"({row['fraction_of_roofline']:.0%} of roofline {row['roofline_tokens_per_s']:.0f})"
     )
 
 
-def _ratios(results: list[dict], ours: str, baselines: list[str]) -> list[dict]:
-    by = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in results}
+def _ratios(results: list[dict]) -> list[dict]:
+    """Every row against the plain specrl row and the hf row of the same batch size."""
     out = []
-    for base in baselines:
-        for (eng, b), tps in by.items():
-            if eng == ours and (base, b) in by:
-                out.append({"baseline": base, "batch_size": b, "ratio": tps / by[(base, b)]})
+    for batch in sorted({r["batch_size"] for r in results}):
+        rows = {_label(r): r for r in results if r["batch_size"] == batch}
+        for base in ("specrl", "hf"):
+            if base not in rows:
+                continue
+            for name, r in rows.items():
+                if name != base and not (base == "hf" and name != "specrl"):
+                    ratio = r["tokens_per_s"] / rows[base]["tokens_per_s"]
+                    out.append(
+                        {"batch_size": batch, "name": name, "baseline": base, "ratio": ratio}
+                    )
     return out

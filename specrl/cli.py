@@ -31,6 +31,16 @@ ModelOpt = Annotated[
     typer.Option("--model", help="bundled name (smollm2-135m-instruct), model dir or .gguf file"),
 ]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16")]
+SpecOpt = Annotated[
+    str, typer.Option("--spec", help="drafter: none, ngram, suffix, draft, self (test device)")
+]
+KOpt = Annotated[int, typer.Option("--num-spec-tokens", help="draft tokens per step (k)")]
+DrafterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--drafter", help="draft model: a model dir/.gguf, or prefix:N (target's first N layers)"
+    ),
+]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -86,11 +96,15 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per completion")] = False,
     dtype: DtypeOpt = "bfloat16",
     max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences")] = 64,
+    spec: SpecOpt = "none",
+    num_spec_tokens: KOpt = 3,
+    drafter: DrafterOpt = None,
 ) -> None:
-    """Generate completions with the native engine."""
+    """Generate completions with the native engine (optionally speculative)."""
     from specrl.engine import Engine, Request
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
     from specrl.sampling import SamplingParams
+    from specrl.spec.config import SpecConfig
 
     texts = read_prompts(prompts or [], prompts_file)
     try:
@@ -105,7 +119,9 @@ def generate(
             stop_token_ids=tok.stop_token_ids,
         ).validate()
         net = load_model(model, dtype=parse_dtype(dtype))
-        engine = Engine(net, max_batch=max_batch)
+        draft = load_drafter(drafter, net, tok)
+        spec_cfg = SpecConfig(spec, num_spec_tokens)
+        engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
     encode = tok.encode_chat if chat_template else tok.encode
@@ -127,6 +143,24 @@ def generate(
             )
     if failed:
         raise typer.Exit(1)
+
+
+def load_drafter(spec: str | None, target, tokenizer):
+    """A draft model from a path (same tokenizer required) or ``prefix:N`` of the target."""
+    from specrl.models.checkpoints import load_model, load_tokenizer
+    from specrl.models.transformer import layer_prefix_model
+
+    if spec is None:
+        return None
+    if spec.startswith("prefix:"):
+        try:
+            layers = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--drafter prefix:N needs an integer N, got {spec!r}") from None
+        return layer_prefix_model(target, layers)
+    if tokenizer.tok.get_vocab() != load_tokenizer(spec).tok.get_vocab():
+        raise ValueError(f"drafter {spec} uses a different tokenizer than the target")
+    return load_model(spec, dtype=target.embed.weight.dtype)
 
 
 def completion_json(c, text: str) -> dict:
@@ -153,9 +187,19 @@ def bench_generate(
     model: ModelOpt = "smollm2-135m-instruct",
     dtype: DtypeOpt = "bfloat16",
     repeats: Annotated[int, typer.Option(help="timed runs per point (best kept)")] = 1,
+    spec: Annotated[
+        str, typer.Option("--spec", help="comma list of drafters to compare with no speculation")
+    ] = "",
+    num_spec_tokens: KOpt = 3,
+    group_size: Annotated[
+        int, typer.Option("--group-size", help="samples per prompt (GRPO group); divides batch")
+    ] = 1,
+    drafter: DrafterOpt = None,
 ) -> None:
-    """Tokens/s of the engine (and optionally transformers) at several batch sizes."""
-    from specrl.bench import run_generate_bench
+    """Tokens/s of the engine at several batch sizes: no speculation vs each --spec drafter,
+    and optionally transformers (--compare hf), all in one run, with ratios."""
+    from specrl.bench import GenerateBench, run_generate_bench
+    from specrl.spec.config import SpecConfig
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
@@ -169,7 +213,27 @@ def bench_generate(
     unknown = [x for x in others if x not in ("hf", "vllm")]
     if unknown:
         fail(f"unknown --compare engine {unknown[0]!r} (choose hf, vllm)")
-    result = run_generate_bench(model, parse_dtype(dtype), sizes, new_tokens, others, repeats)
+    methods = [x.strip() for x in spec.split(",") if x.strip() and x.strip() != "none"]
+    try:
+        for m in methods:
+            SpecConfig(m, num_spec_tokens).validate()
+    except ValueError as e:
+        fail(str(e))
+    if group_size < 1 or any(b % group_size for b in sizes):
+        fail(f"--group-size {group_size} must be >= 1 and divide every batch size {sizes}")
+    bench = GenerateBench(
+        model=model,
+        dtype=parse_dtype(dtype),
+        batch_sizes=sizes,
+        new_tokens=new_tokens,
+        compare=others,
+        repeats=repeats,
+        methods=methods,
+        k=num_spec_tokens,
+        group_size=group_size,
+        drafter=drafter,
+    )
+    result = run_generate_bench(bench)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))

@@ -165,14 +165,66 @@ def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Tokens of probability 0 are never drawn.
     """
-    probs = logprobs.exp()
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [N, V]; float64 keeps tiny tails
-    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    idx = idx.clamp(max=logprobs.shape[-1] - 1)
-    # Guard against rounding landing on a zero-probability tail token: fall back to argmax.
-    bad = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
-    return torch.where(bad, probs.argmax(-1), idx)
+    return sample_probs(logprobs.exp(), u)
+
+
+CHUNK = 1024
+
+
+def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from (unnormalised) probabilities [N, V] with uniforms u [N].
+
+    Two levels keep it cheap and exact: a float64 CDF over chunk masses picks a chunk, then a
+    float64 CDF inside that chunk picks the token, so no full-vocabulary float64 pass is needed
+    and tiny tail probabilities keep their chance.
+    """
+    n, vocab = probs.shape
+    pad = (-vocab) % CHUNK
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    chunks = probs.view(n, -1, CHUNK)  # [N, C, CHUNK]
+    chunk_cdf = torch.cumsum(chunks.sum(-1, dtype=torch.float64), dim=-1)  # [N, C]
+    target = u.to(torch.float64) * chunk_cdf[:, -1]  # [N]
+    c = _search(chunk_cdf, target)  # [N] chunk index
+    before = torch.where(c > 0, chunk_cdf.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = chunks[torch.arange(n), c]  # [N, CHUNK]
+    inner_cdf = torch.cumsum(inner, dim=-1, dtype=torch.float64)  # [N, CHUNK]
+    j = _search(inner_cdf, (target - before).clamp(min=0))
+    idx = c * CHUNK + j
+    # Rounding between the two levels can land past the last nonzero token: use the argmax then.
+    ok = (idx < vocab) & (probs.gather(1, idx[:, None].clamp(max=probs.shape[1] - 1))[:, 0] > 0)
+    return torch.where(ok, idx, probs[:, :vocab].argmax(-1))
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First index i with cdf[i] > target, clamped to the last index: [N, L], [N] -> [N]."""
+    idx = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return idx.clamp(max=cdf.shape[1] - 1)
+
+
+def sample_logits(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N]
+    top_p: torch.Tensor,  # [N]
+    u: torch.Tensor,  # [N] uniforms
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain sampling in few vocabulary passes: (tokens, processed, raw logprobs), [N] each.
+
+    Same distribution and inverse CDF as ``sample(processed_logprobs(...), u)`` (up to float
+    rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
+    """
+    logits = logits.float()
+    raw_lse = torch.logsumexp(logits, dim=-1)  # [N]
+    plain = bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all())
+    if plain:
+        tokens = sample_probs(torch.exp(logits - raw_lse[:, None]), u)
+        raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
+        return tokens, raw, raw
+    lp = processed_logprobs(logits, temperature, top_k, top_p)
+    tokens = sample(lp, u)
+    raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
+    return tokens, token_logprobs(lp, tokens), raw
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

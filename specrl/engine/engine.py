@@ -25,15 +25,7 @@ from tqdm import tqdm
 from specrl.engine.types import Completion, Request
 from specrl.models.cache import KVCache
 from specrl.models.transformer import Transformer
-from specrl.sampling import (
-    STREAM_SAMPLE,
-    SamplingParams,
-    processed_logprobs,
-    raw_logprobs,
-    sample,
-    token_logprobs,
-    uniforms,
-)
+from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
 from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.verify import verify
@@ -94,10 +86,8 @@ def _bump(counts: list[int], i: int) -> None:
 
 def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
     """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
-    lp = processed_logprobs(logits, t.temperature, t.top_k, t.top_p)
-    tokens = sample(lp, uniforms(t.seeds, counters, STREAM_SAMPLE))
-    raw = token_logprobs(raw_logprobs(logits), tokens)
-    return Sampled(tokens, token_logprobs(lp, tokens), raw)
+    u = uniforms(t.seeds, counters, STREAM_SAMPLE)
+    return Sampled(*sample_logits(logits, t.temperature, t.top_k, t.top_p, u))
 
 
 @dataclass
