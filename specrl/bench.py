@@ -9,6 +9,7 @@ Timing thresholds never live in tests; numbers live in benchmarks/results/.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -66,14 +67,46 @@ def _cpuinfo() -> list[str]:
         return []
 
 
-def roofline_tokens_per_s(config, batch: int, dtype: torch.dtype, context: int) -> float:
+def roofline_tokens_per_s(
+    config,
+    batch: int,
+    dtype: torch.dtype,
+    context: int,
+    bandwidth: float = CPU_BANDWIDTH_BYTES_S,
+    peak_flops: float | None = None,
+) -> float:
     """Upper bound on decode tokens/s: max(weight+KV bytes / bandwidth, FLOPs / peak)."""
     params = config.num_parameters()
     elem = torch.finfo(dtype).bits // 8
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * context * batch * elem
-    t_mem = (params * elem + kv) / CPU_BANDWIDTH_BYTES_S
-    t_flop = 2 * params * batch / CPU_PEAK_FLOPS.get(dtype, CPU_PEAK_FLOPS[torch.float32])
-    return batch / max(t_mem, t_flop)
+    t_mem = (params * elem + kv) / bandwidth
+    peak = peak_flops or CPU_PEAK_FLOPS.get(dtype, CPU_PEAK_FLOPS[torch.float32])
+    return batch / max(t_mem, 2 * params * batch / peak)
+
+
+def measure_machine(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """This machine's copy bandwidth (read+write bytes/s) and GEMM FLOP/s, measured now."""
+    src = torch.empty(64 * 2**20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.randn(1024, 1024).to(dtype)
+    b = torch.randn(1024, 1024).to(dtype)
+    copy_s = _best(lambda: dst.copy_(src), 5)
+    gemm_s = _best(lambda: a @ b, 5)
+    return {
+        "copy_bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s,
+        "gemm_flops": 2 * 1024**3 / gemm_s,
+        "gemm_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 @dataclass
@@ -90,14 +123,20 @@ class GenerateBench:
     k: int = 3
     group_size: int = 1  # samples per prompt
     drafter: str | None = None  # for method "draft": a model path or prefix:N
+    max_tokens_per_forward: int | None = None  # adaptive k (SpecConfig); None = fixed k
 
 
 def bench_prompts(tokenizer, batch: int, group_size: int = 1) -> list[list[int]]:
-    """batch // group_size distinct chat prompts."""
+    """batch // group_size distinct chat prompts (one when the group is larger than the batch)."""
     return [
         tokenizer.encode_chat(BENCH_QUESTIONS[i % len(BENCH_QUESTIONS)])
         for i in range(max(1, batch // group_size))
     ]
+
+
+def group_for(batch: int, group_size: int) -> int:
+    """The group size used at one batch size: G, or the whole batch when B < G."""
+    return min(batch, group_size)
 
 
 def time_call(fn: Callable[[], tuple[int, float]], repeats: int) -> tuple[float, int, float]:
@@ -116,10 +155,10 @@ def specrl_runner(model, prompts, b: GenerateBench, method: str, draft=None) -> 
     from specrl.sampling import SamplingParams
     from specrl.spec.config import SpecConfig
 
-    batch = len(prompts) * b.group_size
-    spec = SpecConfig(method, b.k)
-    engine = Engine(model, max_batch=batch, spec=spec, draft_model=draft)
-    params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=b.group_size)
+    group = b.group_size
+    spec = SpecConfig(method, b.k, max_tokens_per_forward=b.max_tokens_per_forward)
+    engine = Engine(model, max_batch=len(prompts) * group, spec=spec, draft_model=draft)
+    params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=group)
 
     def run(seed: int = 0) -> tuple[int, float]:
         out = engine.generate([Request(p, params.replace(seed=seed)) for p in prompts])
@@ -163,6 +202,7 @@ def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
     from specrl.cli import load_drafter
     from specrl.models.checkpoints import resolve_model
 
+    b = dataclasses.replace(b, group_size=group_for(batch, b.group_size))
     prompts = bench_prompts(tok, batch, b.group_size)
     runners = {"none": specrl_runner(model, prompts, b, "none")}
     for method in b.methods:
@@ -180,10 +220,23 @@ def run_generate_bench(b: GenerateBench) -> dict:
 
     tok = load_tokenizer(b.model)
     model = load_model(b.model, dtype=b.dtype)
+    machine = measure_machine(b.dtype)
+    print(
+        f"machine: copy {machine['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, "
+        f"GEMM {machine['gemm_flops'] / 1e12:.2f} TFLOP/s ({machine['gemm_dtype']})"
+    )
     results = []
     for batch in b.batch_sizes:
         context = len(bench_prompts(tok, 1)[0]) + b.new_tokens // 2
         roof = roofline_tokens_per_s(model.config, batch, b.dtype, context)
+        roof_measured = roofline_tokens_per_s(
+            model.config,
+            batch,
+            b.dtype,
+            context,
+            machine["copy_bandwidth_bytes_s"],
+            machine["gemm_flops"],
+        )
         for name, run in _runners(b, model, tok, batch).items():
             seconds, tokens, accept = time_call(run, b.repeats)
             row = {
@@ -191,13 +244,15 @@ def run_generate_bench(b: GenerateBench) -> dict:
                 "spec": None if name in ("none", "hf") else name,
                 "num_spec_tokens": b.k if name not in ("none", "hf") else 0,
                 "batch_size": batch,
-                "group_size": b.group_size,
+                "group_size": group_for(batch, b.group_size),
                 "new_tokens": b.new_tokens,
                 "tokens_per_s": tokens / seconds,
                 "acceptance_length": accept,
                 "seconds": seconds,
                 "roofline_tokens_per_s": roof,
                 "fraction_of_roofline": tokens / seconds / roof,
+                "measured_roofline_tokens_per_s": roof_measured,
+                "fraction_of_measured_roofline": tokens / seconds / roof_measured,
                 "dtype": str(b.dtype).removeprefix("torch."),
             }
             results.append(row)
@@ -205,7 +260,8 @@ def run_generate_bench(b: GenerateBench) -> dict:
     ratios = _ratios(results)
     for r in ratios:
         print(f"batch {r['batch_size']:>3}: {r['name']:>8} / {r['baseline']}: {r['ratio']:.2f}x")
-    return {"meta": run_metadata() | {"bench": _jsonable(b)}, "results": results, "ratios": ratios}
+    meta = run_metadata() | {"bench": _jsonable(b), "machine_measured": machine}
+    return {"meta": meta, "results": results, "ratios": ratios}
 
 
 def _jsonable(b: GenerateBench) -> dict:

@@ -219,8 +219,8 @@ def bench_generate(
             SpecConfig(m, num_spec_tokens).validate()
     except ValueError as e:
         fail(str(e))
-    if group_size < 1 or any(b % group_size for b in sizes):
-        fail(f"--group-size {group_size} must be >= 1 and divide every batch size {sizes}")
+    if group_size < 1 or any(b % min(b, group_size) for b in sizes):
+        fail(f"--group-size {group_size} must be >= 1 and divide every batch size >= it {sizes}")
     bench = GenerateBench(
         model=model,
         dtype=parse_dtype(dtype),

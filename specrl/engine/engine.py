@@ -321,10 +321,11 @@ class Engine:
             return []
         t0 = time.perf_counter()
         spec, proposer = self._active
-        if proposer is None:
+        k = spec.k_for_batch(len(rows)) if proposer is not None else 0
+        if k == 0:
             finished = self._plain_step(rows, start)
         else:
-            finished = self._spec_step(rows, start, proposer, spec.k)
+            finished = self._spec_step(rows, start, proposer, k)
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.steps += 1
         return finished

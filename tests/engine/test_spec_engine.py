@@ -147,3 +147,18 @@ def test_layer_prefix_model_is_a_copy():
     assert torch.equal(small.layers[0].mlp.down.weight, target.layers[0].mlp.down.weight)
     small.layers[0].mlp.down.weight.data.zero_()
     assert target.layers[0].mlp.down.weight.abs().sum() > 0
+
+
+def test_k_adapts_to_batch_size():
+    spec = SpecConfig("ngram", 3, max_tokens_per_forward=16)
+    assert [spec.k_for_batch(b) for b in (1, 4, 5, 8, 9, 64)] == [3, 3, 2, 1, 0, 0]
+    target = make_tiny(seed=3, vocab_size=32)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    prompts = [[1, 2, 3, 1, 2, 3]] * 12
+    plain = Engine(target).generate([Request(p, params) for p in prompts])
+    engine = Engine(target, spec=SpecConfig("self", 3, max_tokens_per_forward=8))
+    out = engine.generate([Request(p, params) for p in prompts])
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    assert engine.stats.drafted == 0  # 12 rows: 8 // 12 - 1 < 1, every step plain
+    with pytest.raises(ValueError, match="max_tokens_per_forward"):
+        SpecConfig("ngram", 3, max_tokens_per_forward=0).validate()
