@@ -43,7 +43,7 @@ def window(n: int) -> int:
 
 def step_breakdown(rows: Sequence[dict]) -> dict[str, float]:
     """Mean seconds per step in each phase, plus ``other`` (scoring, bookkeeping)."""
-    out = {name: _mean(rows, key) for name, key in BREAKDOWN}
+    out = {name: fmean(r.get(key, 0.0) for r in rows) for name, key in BREAKDOWN}
     out["other"] = max(0.0, _mean(rows, "step_time_s") - sum(out.values()))
     return out
 

@@ -1,0 +1,81 @@
+"""``specrl train`` / ``specrl report`` through a Typer app with ``pipelines.cli.register``:
+bad input fails with one line before any work; report writes the plots and summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from specrl.pipelines.cli import free_run_dir, register
+from specrl.pipelines.report import summarize, summary_text
+from specrl.pipelines.sync import run_training
+from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    app = typer.Typer(no_args_is_help=True, rich_markup_mode=None)
+    register(app)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--set", "rollout.temperature=abc"], "rollout.temperature"),
+        (["--set", "learner.lr=-1"], "learner.lr"),
+        (["--set", "run.stepz=3"], "unknown config key"),
+        (["--set", "env.task=basic_arithmetc"], "unknown reasoning-gym task"),
+        (["--set", "model.name=no-such-model"], "unknown model"),
+        (["--set", "rollout.drafter_path=/no/such/drafter"], "drafter file not found"),
+        (["--set", "rollout.spec=draft"], "drafter_path"),
+        (["--set", "rollout.spec=suffx"], "did you mean suffix"),
+        (["--config", "/no/such.toml"], "cannot read config file"),
+        (["--resume", "/no/such/run"], "cannot resume"),
+    ],
+)
+def test_bad_input_is_one_line_before_work(app, tmp_path, args, match):
+    result = CliRunner().invoke(app, ["train", "--run-dir", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], lines
+    assert not (tmp_path / "run").exists()  # no work started
+
+
+def test_used_run_dir_gets_a_fresh_sibling(tmp_path):
+    (tmp_path / "run").mkdir()
+    assert free_run_dir(tmp_path / "run") == tmp_path / "run"
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "run-1" / "x").write_text("")
+    assert free_run_dir(tmp_path / "run") == tmp_path / "run-2"
+
+
+def test_report_writes_plots_and_summary(app, tmp_path):
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    summary = run_training(tiny_parts(tiny_config("rollout.spec=suffix")), str(run),
+                           progress=False)  # fmt: skip
+    assert "rollout speedup" in summary_text(summary)
+    result = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    names = {"reward_accuracy.png", "rollout_throughput.png", "acceptance_length.png",
+             "step_time.png", "summary.md"}  # fmt: skip
+    assert {p.name for p in (tmp_path / "out").iterdir()} == names
+    for name in names - {"summary.md"}:
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
+    assert "reward_first" in (tmp_path / "out" / "summary.md").read_text()
+    bad = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert bad.exit_code == 2 and "error: no metrics" in bad.output
+
+
+def test_summary_windows():
+    base = {"accuracy": 0.0, "response_length": 1.0, "rollout_tokens_per_s": 1.0,
+            "acceptance_length": 1.0, "logprob_delta_mean": 0.0, "step_time_s": 2.0,
+            "gen_time_s": 1.0, "train_time_s": 0.5}  # fmt: skip
+    rows = [{"step": i, "reward_mean": float(i)} | base for i in range(9)]
+    s = summarize(rows)
+    assert s["window"] == 3 and s["reward_first"] == 1.0 and s["reward_last"] == 7.0
+    assert s["time_other_s"] == pytest.approx(0.5)

@@ -1,0 +1,43 @@
+"""The real default (SmolLM2-135M-Instruct, default task) through the pipeline, tiny settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrl.config import load_config
+from specrl.pipelines.report import write_report
+from specrl.pipelines.sync import METRIC_KEYS, build_run, run_training, train
+
+pytestmark = pytest.mark.slow
+TINY = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+        "env.num_eval=4", "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_default_run_two_steps(tmp_path):
+    summary = run_training(build_run(load_config(None, TINY)), str(tmp_path), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(set(METRIC_KEYS) <= set(r) for r in rows)
+    assert all(r["logprob_delta_mean"] < 0.1 for r in rows)  # bf16 engine vs bf16 autocast
+    assert summary["speed_rollout_speedup"] > 0
+    assert (tmp_path / "checkpoints/step_000002/drafter.json").exists()
+    assert len(write_report(tmp_path)) == 5
+
+
+@pytest.mark.parametrize("spec", ["none", "suffix"])
+def test_fp32_engine_learner_mismatch(tmp_path, spec):
+    fp32 = ["model.dtype=fp32", "learner.dtype=fp32", "run.steps=1", "run.eval_every=0",
+            "run.checkpoint_every=0", f"rollout.spec={spec}"]  # fmt: skip
+    cfg = load_config(None, [*TINY, *fp32])
+    rows = train(build_run(cfg), str(tmp_path), progress=False)
+    assert rows[0]["logprob_delta_mean"] <= 1e-3
