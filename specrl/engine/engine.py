@@ -42,6 +42,8 @@ class Seq:
     group_key: int
     row_id: int
     stop: frozenset[int] = frozenset()
+    # target features [n, F] of history positions not yet handed to the drafter (learned drafters)
+    hidden: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def pos(self) -> int:
@@ -144,6 +146,7 @@ class Engine:
         self._rng = random.Random(seed)
         self._cache: KVCache | None = None
         self._row_tensors: RowTensors | None = None
+        self._capture: tuple[int, ...] = ()
         self._next_row_id = 0
         self.stats = EngineStats()
         self.spec = (spec or SpecConfig()).validate()
@@ -172,6 +175,7 @@ class Engine:
         else:
             spec, proposer = spec.validate(), self.make_proposer(spec)
         self._active = (spec, proposer if spec.enabled else None)
+        self._capture = tuple(getattr(self._active[1], "hidden_layers", ()) or ())
         start = time.perf_counter()
         completions, pending = self._plan(requests, start)
         valid = [c for c in completions if c.error is None]
@@ -280,16 +284,15 @@ class Engine:
             slot += len(comps)
         positions = torch.arange(width).expand(len(groups), width)
         last = torch.tensor(lens)[:, None] - 1
-        out = self.model(
-            ids,
-            positions,
-            self._cache,
-            logits_at=last,
-            slots=torch.tensor(first_slot),
-            prefill=True,
+        out, feats = self._forward(
+            ids, positions, logits_at=last, slots=torch.tensor(first_slot), prefill=True
         )
         logits = out.logits[:, 0].float()  # [G, V]
         new_rows = self._fork(groups, first_slot, lens)
+        if feats is not None:
+            group_rows = [g for g, (_, c) in enumerate(groups) for _ in c]
+            for seq, g in zip(new_rows, group_rows, strict=True):
+                seq.hidden = [feats[g, : lens[g]]]
         group_of = torch.tensor([g for g, (_, c) in enumerate(groups) for _ in c])
         t = RowTensors.of(new_rows)
         s = sample_rows(logits[group_of], t, torch.zeros(len(new_rows), dtype=torch.int64))
@@ -339,7 +342,8 @@ class Engine:
         ids = torch.tensor([[s.history[-1]] for s in rows])
         pos = [s.pos for s in rows]
         positions = torch.tensor(pos)[:, None]
-        out = self.model(ids, positions, self._cache, kv_len=max(pos) + 1)
+        out, feats = self._forward(ids, positions, kv_len=max(pos) + 1)
+        self._keep_hidden(rows, feats, [1] * len(rows))
         counters = torch.tensor([len(s.comp.token_ids) for s in rows])
         s = sample_rows(out.logits[:, 0].float(), self._tensors(rows), counters)
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
@@ -359,6 +363,7 @@ class Engine:
             seeds=t.seeds,
             counters=counters,
             prompt_lengths=[len(s.comp.prompt_ids) for s in rows],
+            hidden=self._take_hidden(rows),
         )
         draft = proposer.propose(batch, k)
         room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
@@ -369,9 +374,8 @@ class Engine:
         pos = [s.pos for s in rows]
         ids = torch.cat([torch.tensor([[s.history[-1]] for s in rows]), draft.tokens[:, :kk]], 1)
         positions = torch.tensor(pos)[:, None] + torch.arange(kk + 1)[None, :]  # [B, kk+1]
-        logits = self.model(
-            ids.clamp(min=0), positions, self._cache, kv_len=max(pos) + kk + 1
-        ).logits
+        out, feats = self._forward(ids.clamp(min=0), positions, kv_len=max(pos) + kk + 1)
+        logits = out.logits
         probs = None if draft.probs is None else draft.probs[:, :kk]
         v = verify(
             ids[:, 1:],
@@ -390,8 +394,33 @@ class Engine:
             row[:n] for row, n in zip(v.tokens.tolist(), v.num_emitted.tolist(), strict=True)
         ]
         proposer.observe(batch.row_ids, v.num_emitted)
+        self._keep_hidden(rows, feats, v.num_emitted.tolist())
         s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
         return self._emit(rows, emitted, s, start)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw):
+        """Target forward on the engine cache; also the drafter's features [B, T, F] if any."""
+        out = self.model(ids, positions, self._cache, capture=self._capture, **kw)
+        feats = torch.cat(out.captured, dim=-1) if self._capture else None
+        return out, feats
+
+    @staticmethod
+    def _keep_hidden(rows: list[Seq], feats: torch.Tensor | None, counts: list[int]) -> None:
+        """Store the features of the positions that became history (``counts`` per row)."""
+        if feats is None:
+            return
+        for b, (seq, n) in enumerate(zip(rows, counts, strict=True)):
+            seq.hidden.append(feats[b, :n])
+
+    @staticmethod
+    def _take_hidden(rows: list[Seq]) -> list[torch.Tensor] | None:
+        """Per row, features [n, F] of history positions len-1-n .. len-2 (then cleared)."""
+        if not rows or not rows[0].hidden:
+            return None
+        out = [torch.cat(s.hidden) for s in rows]
+        for s in rows:
+            s.hidden = []
+        return out
 
     def _count(self, rows: list[Seq], lengths: torch.Tensor, accepted: torch.Tensor) -> None:
         st = self.stats

@@ -162,3 +162,34 @@ def test_k_adapts_to_batch_size():
     assert engine.stats.drafted == 0  # 12 rows: 8 // 12 - 1 < 1, every step plain
     with pytest.raises(ValueError, match="max_tokens_per_forward"):
         SpecConfig("ngram", 3, max_tokens_per_forward=0).validate()
+
+
+def test_engine_hands_verification_features_to_learned_drafters():
+    """A drafter asking for hidden layers gets, each step, exactly the features of the positions
+    that became history, taken from the verification forward itself."""
+    from specrl.spec.proposers.ngram import NgramProposer
+
+    target = make_tiny(seed=3, vocab_size=32)
+
+    class Recorder(NgramProposer):
+        hidden_layers = (0, 1)
+
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[list[int], torch.Tensor]] = []
+
+        def propose(self, batch, k):
+            self.seen += list(zip([list(h) for h in batch.histories], batch.hidden, strict=True))
+            return super().propose(batch, k)
+
+    engine = Engine(target, spec=SpecConfig("ngram", 3))
+    engine.proposer = rec = Recorder()  # an unregistered drafter, plugged in directly
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    engine.generate([Request([1, 2, 3, 1, 2, 3], params)])
+    assert rec.seen
+    for history, feats in rec.seen:
+        n = feats.shape[0]
+        ids = torch.tensor([history])
+        full = target(ids, torch.arange(len(history))[None], capture=(0, 1)).captured
+        want = torch.cat(full, -1)[0, len(history) - 1 - n : len(history) - 1]
+        torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)

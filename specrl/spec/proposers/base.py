@@ -81,7 +81,11 @@ class ProposerBatch:
     top_p: torch.Tensor  # [B] float; 1 = off
     seeds: torch.Tensor  # [B] int64
     counters: torch.Tensor  # [B] int64; counter of the first token emitted this step
-    hidden: torch.Tensor | None = None  # target hidden states for learned drafters
+    # Learned drafters (a proposer with ``hidden_layers``): per row, the target's features
+    # [n, F] (outputs of those layers, concatenated) for history positions len-1-n .. len-2,
+    # i.e. the positions that became history since the last propose; feature i predicted
+    # token history[i + 1]. None when the proposer asks for no layers.
+    hidden: list[torch.Tensor] | None = None
     prompt_lengths: list[int] | None = None  # per row: prompt tokens at the start of histories
 
     def __len__(self) -> int:
