@@ -1,0 +1,252 @@
+"""Learned draft heads that read the target's hidden states: EAGLE-3 and MTP.
+
+Contract. A ``DraftHead`` is one decoder layer on top of a frozen target ``Transformer`` whose
+embedding and LM head it shares (they are *not* part of the head's state dict). Head position i
+reads a feature h_i and the embedding of token x_{i+1} and outputs g_i (pre-norm, [H]); the logits
+``lm_head(norm(g_i))`` predict token x_{i+2}:
+
+    u_i = proj(cat(hnorm(h_i), enorm(embed(x_{i+1}))))        # 2H -> H
+    g_i = Block(u_i) at position i (own KV cache, causal)        # one decoder layer
+
+- kind ``eagle3``: h_i = fc(cat(target layer outputs at position i)) for ``feature_layers``
+  (default: layers 1, L//2-1, L-4 of the target, deduplicated), fc: len(layers)*H -> H.
+- kind ``mtp`` (DeepSeek-V3 depth 1): h_i = output of the target's last layer at position i
+  (``feature_layers = (L-1,)``), no fc; hnorm is the RMSNorm of the MTP module.
+
+Drafting feeds the head's own output back: after the features run out, position i+1 reads
+h_{i+1} := g_i (already H wide, no fc) with the embedding of the token just drafted.
+
+Checkpoint format (see ``save_head``/``load_head``): a directory with ``head.safetensors`` (the
+head's own parameters) and ``head.json``: {"format": "specrl-draft-head", "version": 1, "kind",
+"feature_layers", "target": target ModelConfig as an HF dict}. ``check_compatible`` refuses a head
+whose hidden size, vocabulary or layer count differs from the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrl.models.cache import KVCache
+from specrl.models.config import ModelConfig
+from specrl.models.transformer import AttnContext, Block, Linear, RMSNorm, Transformer, rotate_half
+
+KINDS = ("eagle3", "mtp")
+FORMAT = "specrl-draft-head"
+VERSION = 1
+
+
+def default_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+    """Target layers a head reads: EAGLE-3 (1, L//2-1, L-4) clamped and deduplicated; MTP (L-1,)."""
+    top = num_layers - 1
+    if kind == "mtp":
+        return (top,)
+    if kind != "eagle3":
+        raise ValueError(f"unknown head kind {kind!r}; known: {KINDS}")
+    picks = (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(sorted({min(max(p, 0), top) for p in picks}))
+
+
+class DraftHead(nn.Module):
+    """EAGLE-3 / MTP head (see the module docstring). ``target`` is held, not registered."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        kind: str = "eagle3",
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        super().__init__()
+        c = target.config
+        layers = tuple(feature_layers or default_layers(kind, c.num_layers))
+        if list(layers) != sorted(set(layers)) or not all(0 <= x < c.num_layers for x in layers):
+            raise ValueError(f"feature_layers must be distinct, sorted, in [0, {c.num_layers})")
+        self.kind, self.feature_layers, self.target_config = kind, layers, c
+        self.head_config = c.replace(num_layers=1)
+        h = c.hidden_size
+        self.fc = Linear(len(layers) * h, h, bias=False) if kind == "eagle3" else None
+        self.hnorm = RMSNorm(h, c.rms_norm_eps)
+        self.enorm = RMSNorm(h, c.rms_norm_eps)
+        self.proj = Linear(2 * h, h, bias=False)
+        self.block = Block(self.head_config, 0)
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self._target = (target,)  # a tuple: not a submodule, so not in state_dict / parameters
+        self.to(target.embed.weight.dtype)
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    def features_in(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [..., len(layers)*H] -> head input [..., H]."""
+        return self.fc(feats) if self.fc is not None else feats
+
+    def inputs(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """u [B, T, H] from head inputs h [B, T, H] and the next tokens [B, T]."""
+        e = self.target.embed(tokens).to(h.dtype)
+        return self.proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from head outputs g [..., H] (the target's LM head)."""
+        return self.target.lm_head(self.norm(g))
+
+    def step(
+        self,
+        h: torch.Tensor,  # [B, T, H] head inputs (features_in(...) or fed-back g)
+        tokens: torch.Tensor,  # [B, T] token x_{i+1} at each head position i
+        positions: torch.Tensor,  # [B, T] head positions
+        cache: KVCache | None = None,
+        rows: torch.Tensor | None = None,  # [B, T] cache slot written by each token
+        slots: torch.Tensor | None = None,  # [B] cache slot each row reads
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder layer; returns g [B, T, H]. Without a cache: causal over T."""
+        ctx = self.target.attn_context(positions, None, None)
+        if cache is not None:
+            kv_len = kv_len or int(positions.max()) + 1
+            keys = torch.arange(kv_len, device=positions.device)
+            mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+            ctx = AttnContext(positions, mask, cache, rows, kv_len, slots=slots)
+        cos, sin = self.target.rope(positions)
+        return self.block(self.inputs(h, tokens), cos, sin, ctx)
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        c, p = self.head_config, self.proj.weight
+        return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+    # ------------------------------------------------------------------ training-time test
+
+    def unroll(
+        self,
+        feats: torch.Tensor,  # [B, T, F] target features at positions 0..T-1
+        tokens: torch.Tensor,  # [B, T] token x_{i+1} for each position i
+        steps: int,
+    ) -> list[torch.Tensor]:
+        """Training-time test: outputs g_j [B, T, H] for draft depths j = 0..steps-1.
+
+        Depth j at position i is what the head computes when the target's features are known up
+        to position i-j and it has drafted j times on its own outputs since: its input is
+        g_{j-1} at i-1 and it attends to depth-0 keys at positions <= i-j and to depth-s keys at
+        position i-j+s (1 <= s <= j), exactly like the KV cache holds them while drafting.
+        Positions i < j have no valid input (mask them out of the loss).
+        """
+        b, t, _ = feats.shape
+        positions = torch.arange(t, device=feats.device).expand(b, t)
+        cos, sin = self.target.rope(positions)
+        blk, attn = self.block, self.block.attn
+        h = self.features_in(feats)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        for j in range(steps):
+            if j:
+                h = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+            x = self.inputs(h, tokens)
+            q, k, v = _qkv(attn, blk.attn_norm(x), cos, sin)  # [B, heads, T, D]
+            keys.append(k)
+            values.append(v)
+            mask = _ttt_mask(t, j, feats.device)  # [T, (j+1)T]
+            a = torch.nn.functional.scaled_dot_product_attention(
+                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
+            )
+            x = x + attn.o(a.transpose(1, 2).reshape(b, t, -1))
+            outs.append(x + blk.mlp(blk.mlp_norm(x)))
+        return outs
+
+
+def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, heads, T, D], k/v [B, kv_heads, T, D] with RoPE, as ``Attention.forward``."""
+    c = attn.c
+    b, t, _ = x.shape
+    hq, hk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = attn.qkv(x).split([hq, hk, hk], dim=-1)
+    q = q.view(b, t, c.num_heads, c.head_dim)
+    k = k.view(b, t, c.num_kv_heads, c.head_dim)
+    v = v.view(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _ttt_mask(t: int, depth: int, device) -> torch.Tensor:
+    """Bool [T, (depth+1)*T]: query i of depth ``depth`` sees depth-0 keys p <= i-depth and the
+    depth-s key at p = i-depth+s. Rows i < depth see key 0 only (their output is unused)."""
+    i = torch.arange(t, device=device)[:, None]
+    p = torch.arange(t, device=device)[None, :]
+    blocks = [p <= i - depth]
+    blocks += [p == i - depth + s for s in range(1, depth + 1)]
+    mask = torch.cat(blocks, dim=1)
+    mask[:depth, 0] = True  # keep softmax finite on unused rows
+    return mask
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def check_compatible(config: dict, target: ModelConfig) -> None:
+    """Raise ValueError if a head saved for ``config['target']`` cannot read ``target``."""
+    saved = config.get("target", {})
+    pairs = [
+        ("hidden size", saved.get("hidden_size"), target.hidden_size),
+        ("vocabulary", saved.get("vocab_size"), target.vocab_size),
+        ("layer count", saved.get("num_hidden_layers"), target.num_layers),
+    ]
+    for what, theirs, ours in pairs:
+        if theirs != ours:
+            raise ValueError(
+                f"drafter was trained for a target with {what} {theirs}, but the target has "
+                f"{ours}: train a drafter for this model (specrl train-drafter)"
+            )
+    if config.get("kind") not in KINDS:
+        raise ValueError(f"unknown drafter kind {config.get('kind')!r}; known: {KINDS}")
+
+
+def head_config(head: DraftHead) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": head.kind,
+        "feature_layers": list(head.feature_layers),
+        "target": head.target_config.to_hf_dict(),
+    }
+
+
+def save_head(head: DraftHead, out: str | Path, extra: dict | None = None) -> Path:
+    """Write ``head.safetensors`` + ``head.json`` into directory ``out``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(out / "head.safetensors"))
+    cfg = head_config(head) | {"extra": extra or {}}
+    (out / "head.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def read_head_config(path: str | Path) -> dict:
+    path = Path(path)
+    cfg = json.loads((path / "head.json").read_text())
+    if cfg.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a specrl draft head (format {cfg.get('format')!r})")
+    return cfg
+
+
+def load_head(path: str | Path, target: Transformer, kind: str | None = None) -> DraftHead:
+    """Load a saved head onto ``target`` (refused with ValueError if incompatible)."""
+    from safetensors.torch import load_file
+
+    cfg = read_head_config(path)
+    check_compatible(cfg, target.config)
+    if kind is not None and cfg["kind"] != kind:
+        raise ValueError(f"{path} holds a {cfg['kind']!r} head, not {kind!r}")
+    head = DraftHead(target, cfg["kind"], tuple(cfg["feature_layers"]))
+    state = load_file(str(Path(path) / "head.safetensors"))
+    head.load_state_dict({k: v.to(head.proj.weight.dtype) for k, v in state.items()})
+    return head.eval()
