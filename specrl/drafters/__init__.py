@@ -1,0 +1,6 @@
+"""Training learned drafters (EAGLE-3 and MTP heads) on the target's own rollouts.
+
+``data`` builds examples (rollouts through the Engine, then the target's features recorded by a
+teacher-forced forward), ``train`` fits a head with the training-time-test unroll, ``cli`` adds
+``specrl train-drafter``. The on-disk head format is documented in ``specrl.models.heads``.
+"""

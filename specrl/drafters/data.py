@@ -1,0 +1,126 @@
+"""Drafter training data: the target's own rollouts on RL task prompts, with its features.
+
+Contract:
+- ``task_prompt_ids(tokenizer, task, split, n, seed)`` renders prompts of a reasoning-gym task
+  (``specrl.envs.ReasoningGymEnv``, its disjoint train/eval splits) with the chat template;
+  ``jsonl_prompt_ids(tokenizer, path)`` reads a JSONL of {"prompt": str} or {"messages": [...]}.
+- ``rollouts(target, prompt_ids, ...)`` samples completions with the ``Engine`` (plain decoding:
+  exactly the target's distribution) and returns ``Sequence``s (prompt + completion token ids).
+- ``build_examples(target, sequences, layers)`` runs one teacher-forced target forward per
+  sequence and records, per position i: the captured layer outputs ``feats[i]`` (concatenated,
+  [T, F], what the engine hands a drafter for that position) and the final normed hidden
+  ``final[i]`` ([T, H]; the target's distribution for token i+1 is softmax(lm_head(final[i])),
+  recomputed during training instead of storing [T, V] probabilities).
+- ``save_examples``/``load_examples`` keep them in one ``torch.save`` file (resume without
+  regenerating).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specrl.models.transformer import Transformer
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt + completion
+    prompt_len: int
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [T] int64
+    prompt_len: int
+    feats: torch.Tensor  # [T, F] captured target layers at each position
+    final: torch.Tensor  # [T, H] target's final normed hidden at each position
+
+
+def task_prompt_ids(
+    tokenizer, task: str = "basic_arithmetic", split: str = "train", n: int = 64, seed: int = 0
+) -> list[list[int]]:
+    """Chat-rendered token ids of ``n`` prompts from a reasoning-gym task split."""
+    from specrl.envs.reasoning_gym_env import ReasoningGymEnv, task_config_with_preset
+
+    num_train = n if split == "train" else 8
+    num_eval = n if split == "eval" else 8
+    env = ReasoningGymEnv(
+        task, task_config_with_preset(task, None), num_train=num_train, num_eval=num_eval, seed=seed
+    )
+    prompts = env.prompts(split)[:n]
+    return [tokenizer.encode(tokenizer.chat_prompt(list(p.messages))) for p in prompts]
+
+
+def jsonl_prompt_ids(tokenizer, path: str | Path) -> list[list[int]]:
+    """Token ids of the prompts in a JSONL file ({"prompt": str} or {"messages": [...]})."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        out.append(tokenizer.encode(tokenizer.chat_prompt(messages)))
+    return out
+
+
+def rollouts(
+    target: Transformer,
+    prompt_ids: list[list[int]],
+    samples_per_prompt: int = 1,
+    temperature: float = 1.0,
+    max_new_tokens: int = 128,
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    max_batch: int = 32,
+    progress: bool = False,
+) -> list[Sequence]:
+    """The target's own completions (plain decoding through the Engine)."""
+    from specrl.engine import Engine, Request
+    from specrl.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        n=samples_per_prompt,
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+    )
+    engine = Engine(target, max_batch=max_batch, seed=seed)
+    done = engine.generate([Request(p, params) for p in prompt_ids], progress=progress)
+    return [
+        Sequence(list(c.prompt_ids) + list(c.token_ids), len(c.prompt_ids))
+        for c in done
+        if c.error is None and c.token_ids
+    ]
+
+
+@torch.inference_mode()
+def build_examples(
+    target: Transformer,
+    sequences: list[Sequence],
+    layers: tuple[int, ...],
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = False,
+) -> list[Example]:
+    """Record the target's features and final hidden states for every sequence (stored in
+    ``dtype`` to halve memory)."""
+    out = []
+    for seq in tqdm(sequences, disable=not progress, desc="features", unit="seq"):
+        ids = torch.tensor([seq.tokens])
+        res = target(ids, torch.arange(ids.shape[1])[None], capture=layers, logits_at=ids[:, :0])
+        feats = torch.cat(res.captured, dim=-1)[0]  # [T, F]
+        out.append(Example(ids[0], seq.prompt_len, feats.to(dtype), res.hidden[0].to(dtype)))
+    return out
+
+
+def save_examples(examples: list[Example], path: str | Path) -> None:
+    torch.save([vars(e) for e in examples], str(path))
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    return [Example(**d) for d in torch.load(str(path))]

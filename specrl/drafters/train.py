@@ -1,0 +1,168 @@
+"""Training a ``DraftHead`` with the training-time-test unroll, and measuring its acceptance.
+
+Contract:
+- ``train_head(head, examples, cfg, out=None)`` minimises, over random mini-batches of examples,
+  sum_j decay^j * mean soft cross-entropy(target distribution, head depth-j distribution) over the
+  completion positions (the head at position i predicts token i+2; its target is
+  softmax(lm_head(final[i+1])) of the frozen target; depth j is valid from position j on). The
+  target model is never updated (its trunk is detached by construction: only features go in).
+  With ``out``, it writes ``out/train_state.pt`` (head + optimizer + step + losses) every
+  ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
+  ``specrl.models.heads.save_head``. Returns the per-step losses (of this and earlier runs).
+- ``acceptance(target, head, prompt_ids, k, temperature)`` is the engine's acceptance length
+  (tokens emitted per verify step per row) with that head drafting k tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specrl.drafters.data import Example
+from specrl.models.heads import DraftHead, save_head
+from specrl.models.transformer import Transformer
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    lr: float = 1e-3
+    warmup: int = 20
+    batch_size: int = 4
+    unroll: int = 3
+    decay: float = 0.8
+    max_len: int = 512  # examples are cut to this many tokens
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    ckpt_every: int = 100
+    bf16: bool = True  # autocast the forward to bfloat16 (AMX on CPU)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def collate(examples: list[Example], max_len: int):
+    """Padded batch: feats [B, T-1, F], tokens [B, T-1] (x_{i+1}), final [B, T-1, H]
+    (target hidden at i+1), mask [B, T-1] (position predicts a completion token, not padding)."""
+    lens = [min(len(e.tokens), max_len) for e in examples]
+    t = max(lens) - 1
+    b = len(examples)
+    f = examples[0].feats
+    feats = torch.zeros(b, t, f.shape[-1], dtype=f.dtype)
+    final = torch.zeros(b, t, examples[0].final.shape[-1], dtype=f.dtype)
+    tokens = torch.zeros(b, t, dtype=torch.int64)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, (e, n) in enumerate(zip(examples, lens, strict=True)):
+        feats[i, : n - 1] = e.feats[: n - 1]
+        final[i, : n - 1] = e.final[1:n]
+        tokens[i, : n - 1] = e.tokens[1:n]
+        first = max(e.prompt_len - 2, 0)  # position i predicts token i+2
+        mask[i, first : n - 1] = True
+    return feats, tokens, final, mask
+
+
+def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
+    """Weighted soft cross-entropy over unroll depths (see the module docstring)."""
+    feats, tokens, final, mask = batch
+    w = head.proj.weight
+    with torch.no_grad():
+        target_lp = torch.log_softmax(head.target.lm_head(final.to(w.dtype)).float(), -1)
+        target_p = target_lp.exp()  # [B, T, V]
+    outs = head.unroll(feats.to(w.dtype), tokens, unroll)
+    total = torch.zeros((), dtype=torch.float32)
+    for j, g in enumerate(outs):
+        m = mask.clone()
+        m[:, :j] = False
+        if not m.any():
+            continue
+        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, V]
+        ce = -(target_p[m] * lp).sum(-1).mean()
+        total = total + decay**j * ce
+    return total
+
+
+def train_head(
+    head: DraftHead,
+    examples: list[Example],
+    cfg: TrainConfig,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``head`` in place (see the module docstring); returns the loss of every step."""
+    head.train().requires_grad_(True)
+    head.target.requires_grad_(False)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, losses = 0, []
+    state_path = Path(out) / "train_state.pt" if out is not None else None
+    if state_path is not None and state_path.exists():
+        state = torch.load(str(state_path))
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, losses = state["step"], state["losses"]
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # per step: resume gives same batches
+        batch = collate(rng.sample(examples, min(cfg.batch_size, len(examples))), cfg.max_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss = ttt_loss(head, batch, cfg.unroll, cfg.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if state_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "losses": losses}, str(tmp))  # fmt: skip
+            tmp.replace(state_path)
+    bar.close()
+    head.eval().requires_grad_(False)
+    if out is not None:
+        save_head(head, out, extra={"train": asdict(cfg), "final_loss": losses[-1:]})
+    return losses
+
+
+def acceptance(
+    target: Transformer,
+    head: DraftHead,
+    prompt_ids: list[list[int]],
+    k: int = 3,
+    temperature: float = 0.0,
+    max_new_tokens: int = 64,
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    max_batch: int = 16,
+) -> float:
+    """Engine acceptance length (emitted tokens per verify step per row) with ``head`` drafting."""
+    from specrl.engine import Engine, Request
+    from specrl.sampling import SamplingParams
+    from specrl.spec.config import SpecConfig
+
+    params = SamplingParams(
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+    )
+    spec = SpecConfig(head.kind, k, options={"drafter": head})
+    engine = Engine(target, max_batch=max_batch, spec=spec, seed=seed)
+    engine.generate([Request(p, params) for p in prompt_ids])
+    return engine.stats.acceptance_length
