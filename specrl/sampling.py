@@ -193,6 +193,8 @@ def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = c * CHUNK + j
     # Rounding between the two levels can land past the last nonzero token: use the argmax then.
     ok = (idx < vocab) & (probs.gather(1, idx[:, None].clamp(max=probs.shape[1] - 1))[:, 0] > 0)
+    if bool(ok.all()):
+        return idx
     return torch.where(ok, idx, probs[:, :vocab].argmax(-1))
 
 
@@ -215,12 +217,13 @@ def sample_logits(
     rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
     """
     logits = logits.float()
-    raw_lse = torch.logsumexp(logits, dim=-1)  # [N]
     plain = bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all())
-    if plain:
-        tokens = sample_probs(torch.exp(logits - raw_lse[:, None]), u)
-        raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
+    if plain:  # one fused softmax pass; log of the sampled token's probability
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
+        tokens = sample_probs(probs, u)
+        raw = probs.gather(1, tokens[:, None])[:, 0].log()
         return tokens, raw, raw
+    raw_lse = torch.logsumexp(logits, dim=-1)  # [N]
     lp = processed_logprobs(logits, temperature, top_k, top_p)
     tokens = sample(lp, u)
     raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
