@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/specrl generate "What is 17 + 25? Answer with a number." --n 4 --max-new-tokens 64
+	$(VENV)/bin/specrl train
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

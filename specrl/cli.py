@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from specrl.pipelines.cli import register as register_pipelines
 from specrl.sim.cli import register as register_simulate
 
 app = typer.Typer(
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")
+register_pipelines(app)
 register_simulate(app)
 
 ModelOpt = Annotated[
