@@ -9,12 +9,11 @@ this machine's roofline (REFERENCE.md figures and figures measured in the run).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from specrl.bench import GenerateBench, run_generate_bench
+from specrl.bench import GenerateBench, run_generate_bench, write_result
 
 OUT = Path(__file__).parent / "results" / "engine_vs_hf.json"
 
@@ -33,10 +32,7 @@ def main() -> None:
         compare=["hf"],
         repeats=args.repeats,
     )
-    result = run_generate_bench(bench)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    write_result(run_generate_bench(bench), args.out)
 
 
 if __name__ == "__main__":

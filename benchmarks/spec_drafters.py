@@ -10,12 +10,11 @@ for these prompts, as in RL where prompts recur; the other drafters keep no hist
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from specrl.bench import GenerateBench, run_generate_bench
+from specrl.bench import GenerateBench, run_generate_bench, write_result
 
 OUT = Path(__file__).parent / "results" / "spec_drafters.json"
 
@@ -41,10 +40,7 @@ def main() -> None:
         drafter=args.drafter,
         max_tokens_per_forward=args.max_tokens_per_forward,
     )
-    result = run_generate_bench(bench)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    write_result(run_generate_bench(bench), args.out)
 
 
 if __name__ == "__main__":

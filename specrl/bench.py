@@ -264,6 +264,17 @@ def run_generate_bench(b: GenerateBench) -> dict:
     return {"meta": meta, "results": results, "ratios": ratios}
 
 
+def write_result(result: dict, path) -> None:
+    """Write a benchmark result as JSON (parents created) and say where."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
 def _jsonable(b: GenerateBench) -> dict:
     d = dict(b.__dict__)
     d["dtype"] = str(b.dtype).removeprefix("torch.")

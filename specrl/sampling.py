@@ -160,6 +160,17 @@ def processed_logprobs(
     return logp
 
 
+def processed_logprobs_for(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``processed_logprobs`` with one request's settings for every row of logits [N, V]."""
+    n = logits.shape[0]
+    return processed_logprobs(
+        logits,
+        torch.full((n,), float(params.temperature)),
+        torch.full((n,), int(params.top_k), dtype=torch.int64),
+        torch.full((n,), float(params.top_p)),
+    )
+
+
 def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: logprobs [N, V], u [N] in [0, 1) -> tokens [N] int64.
 

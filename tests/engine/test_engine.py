@@ -30,17 +30,11 @@ def test_batching_changes_nothing(tiny, temperature):
 
 def recompute(model, prompt, tokens, params):
     """Processed and raw logprobs of tokens by one full forward (the learner's view)."""
-    from specrl.sampling import processed_logprobs, raw_logprobs
+    from specrl.sampling import processed_logprobs_for, raw_logprobs
 
     ids = torch.tensor([prompt + tokens])
     logits = model(ids, torch.arange(ids.shape[1])[None]).logits[0, len(prompt) - 1 : -1]
-    n = logits.shape[0]
-    lp = processed_logprobs(
-        logits,
-        torch.full((n,), params.temperature),
-        torch.full((n,), params.top_k),
-        torch.full((n,), params.top_p),
-    )
+    lp = processed_logprobs_for(logits, params)
     idx = torch.tensor(tokens)[:, None]
     return lp.gather(1, idx)[:, 0], raw_logprobs(logits).gather(1, idx)[:, 0]
 

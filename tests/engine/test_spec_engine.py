@@ -12,7 +12,7 @@ from scipy import stats
 
 from specrl.engine import Engine, Request
 from specrl.models.transformer import layer_prefix_model
-from specrl.sampling import SamplingParams, processed_logprobs
+from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
 from tests.conftest import make_tiny
 
@@ -32,13 +32,7 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], f
     for seq in itertools.product(range(VOCAB), repeat=NEW):
         ids = torch.tensor([PROMPT + list(seq)])
         logits = model(ids, torch.arange(ids.shape[1])[None]).logits[0, len(PROMPT) - 1 : -1]
-        n = logits.shape[0]
-        lp = processed_logprobs(
-            logits,
-            torch.full((n,), params.temperature),
-            torch.full((n,), params.top_k),
-            torch.full((n,), params.top_p),
-        )
+        lp = processed_logprobs_for(logits, params)
         probs[seq] = float(lp.gather(1, torch.tensor(seq)[:, None]).sum().exp())
     return probs
 
