@@ -76,9 +76,9 @@ def collate(examples: list[Example], max_len: int):
 def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
     """Weighted soft cross-entropy over unroll depths (see the module docstring)."""
     feats, tokens, final, mask = batch
-    w = head.proj.weight
+    w, lm = head.proj.weight, head.target.lm_head
     with torch.no_grad():
-        target_lp = torch.log_softmax(head.target.lm_head(final.to(w.dtype)).float(), -1)
+        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)
         target_p = target_lp.exp()  # [B, T, V]
     outs = head.unroll(feats.to(w.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32)

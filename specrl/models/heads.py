@@ -91,7 +91,8 @@ class DraftHead(nn.Module):
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from head outputs g [..., H] (the target's LM head)."""
-        return self.target.lm_head(self.norm(g))
+        lm = self.target.lm_head
+        return lm(self.norm(g).to(lm.weight.dtype))
 
     def step(
         self,

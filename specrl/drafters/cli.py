@@ -1,0 +1,120 @@
+"""``specrl train-drafter``: build data from the target's rollouts, train a head, report acceptance.
+
+Contract: ``register(app)`` adds the command. It generates the target's own completions on the
+train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the target features
+(``specrl.drafters.data``), trains the head (``specrl.drafters.train``; progress bar, checkpoint
+every ``--ckpt-every`` steps in ``--out``, rerunning the same command resumes, examples are cached
+in ``--out/examples.pt``), saves ``head.safetensors`` + ``head.json`` in ``--out`` (default
+``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
+and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` (distilled small draft
+model) is not implemented yet and is refused. Bad values exit 2 with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train-drafter`` to ``app``."""
+    app.command("train-drafter")(train_drafter)
+
+
+def default_out(model: str, drafter: str) -> Path:
+    from specrl.models.checkpoints import cache_dir
+
+    name = Path(str(model)).name.replace(".gguf", "").lower()
+    return cache_dir() / "drafters" / f"{name}-{drafter}"
+
+
+def train_drafter(
+    drafter: Annotated[str, typer.Option("--drafter", help="eagle3 | mtp | draft")] = "eagle3",
+    model: Annotated[str, typer.Option("--model", help="target model")] = "smollm2-135m-instruct",
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help='JSONL of {"prompt": ...} (default: task)')
+    ] = None,
+    task: Annotated[str, typer.Option("--task", help="reasoning-gym task")] = "basic_arithmetic",
+    out: Annotated[Path | None, typer.Option("--out", help="output dir")] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 256,
+    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt")] = 2,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", help="rollout T")] = 1.0,
+    steps: Annotated[int, typer.Option("--steps")] = 300,
+    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 4,
+    unroll: Annotated[int, typer.Option("--unroll", help="training-time-test depth")] = 3,
+    ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 100,
+    eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 32,
+    k: Annotated[int, typer.Option("--num-spec-tokens", help="k for held-out acceptance")] = 3,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Train an EAGLE-3 or MTP drafter for the target on its own rollouts."""
+    import torch
+
+    from specrl.drafters import data
+    from specrl.drafters.train import TrainConfig, acceptance, train_head
+    from specrl.models.checkpoints import load_model, load_tokenizer
+    from specrl.models.heads import DraftHead
+
+    if drafter == "draft":
+        _fail("--drafter draft (a distilled small draft model) is not implemented yet")
+    if drafter not in ("eagle3", "mtp"):
+        _fail(f"unknown --drafter {drafter!r} (choose eagle3, mtp or draft)")
+    for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
+        if value < 1:
+            _fail(f"--{name} must be >= 1, got {value}")
+    if prompts is not None and not prompts.exists():
+        _fail(f"--prompts file {prompts} does not exist")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    out = out or default_out(model, drafter)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    target = load_model(model, dtype=torch.bfloat16)
+    tok = load_tokenizer(model)
+    stops = tuple(tok.stop_token_ids)
+    head = DraftHead(target, drafter).float()  # fp32 master weights; the target stays bf16
+    ex_path = out / "examples.pt"
+    if ex_path.exists():
+        examples = data.load_examples(ex_path)
+        typer.echo(f"loaded {len(examples)} examples from {ex_path}")
+    else:
+        if prompts is not None:
+            train_ids = data.jsonl_prompt_ids(tok, prompts)[:num_prompts]
+        else:
+            train_ids = data.task_prompt_ids(tok, task, "train", num_prompts, seed)
+        t0 = time.perf_counter()
+        seqs = data.rollouts(target, train_ids, samples_per_prompt, temperature, max_new_tokens,
+                             stops, seed, progress=True)  # fmt: skip
+        examples = data.build_examples(target, seqs, head.feature_layers, progress=True)
+        data.save_examples(examples, ex_path)
+        ntok = sum(len(e.tokens) for e in examples)
+        typer.echo(f"{len(examples)} examples, {ntok} tokens in {time.perf_counter() - t0:.0f}s")
+    eval_ids = data.task_prompt_ids(tok, task, "eval", eval_prompts, seed)
+
+    def measure() -> dict[float, float]:
+        return {t: acceptance(target, head, eval_ids, k, t, max_new_tokens, stops, seed)
+                for t in (0.0, 1.0)}  # fmt: skip
+
+    before = measure()
+    cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, unroll=unroll,
+                      ckpt_every=ckpt_every, seed=seed)  # fmt: skip
+    t0 = time.perf_counter()
+    losses = train_head(head, examples, cfg, out=out)
+    typer.echo(f"trained {steps} steps in {time.perf_counter() - t0:.0f}s, loss "
+               f"{losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f}")  # fmt: skip
+    after = measure()
+    typer.echo(f"saved {drafter} drafter to {out}")
+    typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
+    for t in (0.0, 1.0):
+        typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
