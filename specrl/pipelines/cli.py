@@ -84,8 +84,10 @@ def train_command(
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))
     typer.echo(f"run dir: {target}  (spec={cfg.rollout.spec}, k={cfg.rollout.num_spec_tokens})")
+    from tqdm import tqdm
+
     summary = run_training(parts, str(target), resume=resume is not None, compare_plain=compare,
-                           progress=progress, echo=typer.echo)  # fmt: skip
+                           progress=progress, echo=tqdm.write)  # fmt: skip
     typer.echo(summary_text(summary))
     typer.echo(f"metrics: {target / 'metrics.jsonl'}; plots: specrl report {target}")
 
