@@ -3,8 +3,9 @@
 Contract: ``register(app)`` adds the command. It generates the target's own completions on the
 train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the target features
 (``specrl.drafters.data``), trains the head (``specrl.drafters.train``; progress bar, checkpoint
-every ``--ckpt-every`` steps in ``--out``, rerunning the same command resumes, examples are cached
-in ``--out/examples.pt``), saves ``head.safetensors`` + ``head.json`` in ``--out`` (default
+every ``--ckpt-every`` steps in ``--out``; rerunning the same command resumes, and reuses the
+rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt``), saves
+``head.safetensors`` + ``head.json`` in ``--out`` (default
 ``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
 and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` (distilled small draft
 model) is not implemented yet and is refused. Bad values exit 2 with one ``error:`` line.
@@ -12,6 +13,7 @@ model) is not implemented yet and is refused. Bad values exit 2 with one ``error
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -89,8 +91,13 @@ def train_drafter(
         else:
             train_ids = data.task_prompt_ids(tok, task, "train", num_prompts, seed)
         t0 = time.perf_counter()
-        seqs = data.rollouts(target, train_ids, samples_per_prompt, temperature, max_new_tokens,
-                             stops, seed, progress=True)  # fmt: skip
+        seq_path = out / "rollouts.json"
+        if seq_path.exists():
+            seqs = [data.Sequence(**d) for d in json.loads(seq_path.read_text())]
+        else:
+            seqs = data.rollouts(target, train_ids, samples_per_prompt, temperature,
+                                 max_new_tokens, stops, seed, progress=True)  # fmt: skip
+            seq_path.write_text(json.dumps([vars(s) for s in seqs]))
         examples = data.build_examples(target, seqs, head.feature_layers, progress=True)
         data.save_examples(examples, ex_path)
         ntok = sum(len(e.tokens) for e in examples)
