@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from specrl.drafters.cli import register as register_drafters
 from specrl.pipelines.cli import register as register_pipelines
 from specrl.sim.cli import register as register_simulate
 
@@ -26,6 +27,7 @@ app = typer.Typer(
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")
 register_pipelines(app)
+register_drafters(app)
 register_simulate(app)
 
 ModelOpt = Annotated[
