@@ -82,3 +82,25 @@ def test_engine_refuses_head_of_another_target():
     other = make_tiny(seed=3, vocab_size=32, num_layers=6)
     with pytest.raises(ValueError, match="layer count 6, but the target has 4"):
         Engine(target, spec=SpecConfig("eagle3", 3, options={"drafter": DraftHead(other)}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equal_plain_smollm2(kind, smollm2, smollm2_tok):
+    """SmolLM2 (fp32): greedy output with a learned drafter equals plain decoding. Uses the
+    trained head from the user cache when present (``specrl train-drafter``), else a random one."""
+    from specrl.drafters.cli import default_out
+    from specrl.models.heads import load_head
+    from tests.conftest import PROMPTS
+
+    path = default_out("smollm2-135m-instruct", kind)
+    torch.manual_seed(0)
+    head = load_head(path, smollm2) if (path / "head.json").exists() else DraftHead(smollm2, kind)
+    prompts = [smollm2_tok.encode_chat(p) for p in PROMPTS[:6]]
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    plain = Engine(smollm2, max_batch=4).generate([Request(p, params) for p in prompts])
+    engine = Engine(smollm2, max_batch=4, spec=SpecConfig(kind, 3, options={"drafter": head}))
+    spec = engine.generate([Request(p, params) for p in prompts])
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+    assert engine.stats.drafted > 0
