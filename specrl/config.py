@@ -117,6 +117,13 @@ class RolloutCfg(_Section):
         "(ngram, suffix, draft, self, eagle3, mtp as available).",
     )
     num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
+    max_tokens_per_forward: int | None = Field(
+        16,
+        ge=1,
+        description="Adaptive k: draft min(k, this // live_rows - 1) tokens per step, plain "
+        "decoding when < 1, so verification stays memory-bound (speculation works in the "
+        "long tail, not at full batch). None = always k.",
+    )
     drafter_path: str | None = Field(
         None, description="Drafter weights for 'draft', 'eagle3' and 'mtp' (must exist)."
     )
@@ -194,9 +201,9 @@ class LearnerCfg(_Section):
 class RunCfg(_Section):
     """Length, cadence and place of the run."""
 
-    steps: int = Field(40, ge=1, le=1_000_000, description="RL steps (learner updates).")
-    eval_every: int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
-    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every N steps (0 = never).")
+    steps: int = Field(16, ge=1, le=1_000_000, description="RL steps (learner updates).")
+    eval_every: int = Field(8, ge=0, description="Evaluate every N steps (0 = never).")
+    checkpoint_every: int = Field(8, ge=0, description="Checkpoint every N steps (0 = never).")
     seed: int = Field(0, ge=0, description="Seed of sampling, prompt order and initialisation.")
     run_dir: str = Field("runs/default", description="Directory for config, metrics, checkpoints.")
 

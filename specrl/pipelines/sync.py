@@ -134,7 +134,11 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
-    spec = SpecConfig(cfg.rollout.spec, cfg.rollout.num_spec_tokens)
+    spec = SpecConfig(
+        cfg.rollout.spec,
+        cfg.rollout.num_spec_tokens,
+        max_tokens_per_forward=cfg.rollout.max_tokens_per_forward,
+    )
     model = engine_copy(policy, DTYPES[cfg.model.dtype])
     try:
         return Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed, spec=spec,

@@ -64,6 +64,7 @@ TINY_OVERRIDES = [
     "model.dtype=fp32", "learner.dtype=fp32", "learner.lr=3e-3", "learner.micro_batch_tokens=256",
     "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8",
     "rollout.spec=none", "run.steps=4", "run.eval_every=2", "run.checkpoint_every=2",
+    "rollout.max_tokens_per_forward=1024",  # speculate at every step (tests exercise it)
 ]  # fmt: skip
 
 
