@@ -108,7 +108,6 @@ def generate(
     from specrl.engine import Engine, Request
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
     from specrl.sampling import SamplingParams
-    from specrl.spec.config import SpecConfig
 
     texts = read_prompts(prompts or [], prompts_file)
     try:
@@ -123,8 +122,7 @@ def generate(
             stop_token_ids=tok.stop_token_ids,
         ).validate()
         net = load_model(model, dtype=parse_dtype(dtype))
-        draft = load_drafter(drafter, net, tok)
-        spec_cfg = SpecConfig(spec, num_spec_tokens)
+        spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
         engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
@@ -147,6 +145,19 @@ def generate(
             )
     if failed:
         raise typer.Exit(1)
+
+
+HEAD_DRAFTERS = ("eagle3", "mtp")  # learned heads: --drafter is a head directory
+
+
+def drafter_spec(method: str, k: int, drafter: str | None, target, tokenizer):
+    """(SpecConfig, draft model or None): heads take a path option, 'draft' a model."""
+    from specrl.spec.config import SpecConfig
+
+    if method in HEAD_DRAFTERS:
+        options = {"drafter_path": drafter} if drafter else {}
+        return SpecConfig(method, k, options=options), None
+    return SpecConfig(method, k), load_drafter(drafter, target, tokenizer)
 
 
 def load_drafter(spec: str | None, target, tokenizer):
