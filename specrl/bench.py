@@ -149,14 +149,13 @@ def time_call(fn: Callable[[], tuple[int, float]], repeats: int) -> tuple[float,
     return best, tokens, accept
 
 
-def specrl_runner(model, prompts, b: GenerateBench, method: str, draft=None) -> Callable:
+def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callable:
     """A timed closure; the untimed warm-up is a full run (for ``suffix``: one earlier epoch)."""
     from specrl.engine import Engine, Request
     from specrl.sampling import SamplingParams
-    from specrl.spec.config import SpecConfig
 
     group = b.group_size
-    spec = SpecConfig(method, b.k, max_tokens_per_forward=b.max_tokens_per_forward)
+    spec = dataclasses.replace(spec, max_tokens_per_forward=b.max_tokens_per_forward)
     engine = Engine(model, max_batch=len(prompts) * group, spec=spec, draft_model=draft)
     params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=group)
 
@@ -166,6 +165,14 @@ def specrl_runner(model, prompts, b: GenerateBench, method: str, draft=None) -> 
 
     run(seed=1)
     return run
+
+
+def default_drafter_path(model: str, method: str) -> str | None:
+    """The cached trained head of ``specrl train-drafter`` for this model, if there is one."""
+    from specrl.models.checkpoints import cache_dir
+
+    path = cache_dir() / "drafters" / f"{model}-{method}"
+    return str(path) if path.exists() else None
 
 
 def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Callable:
@@ -199,15 +206,17 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
 
 
 def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
-    from specrl.cli import load_drafter
+    from specrl.cli import HEAD_DRAFTERS, drafter_spec
     from specrl.models.checkpoints import resolve_model
+    from specrl.spec.config import SpecConfig
 
     b = dataclasses.replace(b, group_size=group_for(batch, b.group_size))
     prompts = bench_prompts(tok, batch, b.group_size)
-    runners = {"none": specrl_runner(model, prompts, b, "none")}
+    runners = {"none": specrl_runner(model, prompts, b, SpecConfig("none", 0))}
     for method in b.methods:
-        draft = load_drafter(b.drafter, model, tok) if method == "draft" else None
-        runners[method] = specrl_runner(model, prompts, b, method, draft)
+        path = default_drafter_path(b.model, method) if method in HEAD_DRAFTERS else b.drafter
+        spec, draft = drafter_spec(method, b.k, path, model, tok)
+        runners[method] = specrl_runner(model, prompts, b, spec, draft)
     if "hf" in b.compare:
         flat = [p for p in prompts for _ in range(b.group_size)]
         runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, flat, b.new_tokens)
