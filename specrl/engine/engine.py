@@ -14,6 +14,7 @@ advances by its own count; cache positions past a row's length are stale and mas
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -109,6 +110,17 @@ class EngineStats:
     emitted_per_row_step: int = 0  # sum over (row, step) of emitted tokens
     row_steps: int = 0
 
+    def add(self, other: EngineStats) -> None:
+        """Accumulate another call's counters into these (cumulative statistics)."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+            else:
+                setattr(self, f.name, mine + theirs)
+
     @property
     def per_position_acceptance(self) -> list[float]:
         """Fraction of drafts at position i accepted (i = 0 is the first draft token)."""
@@ -148,7 +160,8 @@ class Engine:
         self._row_tensors: RowTensors | None = None
         self._capture: tuple[int, ...] = ()
         self._next_row_id = 0
-        self.stats = EngineStats()
+        self.stats = EngineStats()  # the last generate() call
+        self.total_stats = EngineStats()  # every call since the engine was built
         self.spec = (spec or SpecConfig()).validate()
         self.proposer = self.make_proposer(self.spec)
 
@@ -190,6 +203,7 @@ class Engine:
             bar.update(len(finished))
             self._retire(rows, finished)
         bar.close()
+        self.total_stats.add(self.stats)
         return completions
 
     # ------------------------------------------------------------------ planning

@@ -187,3 +187,19 @@ def test_engine_hands_verification_features_to_learned_drafters():
         full = target(ids, torch.arange(len(history))[None], capture=(0, 1)).captured
         want = torch.cat(full, -1)[0, len(history) - 1 - n : len(history) - 1]
         torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)
+
+
+def test_stats_per_call_and_cumulative():
+    target = make_tiny(seed=3, vocab_size=32)
+    engine = Engine(target, spec=SpecConfig("self", 2))
+    params = SamplingParams(temperature=1.0, max_new_tokens=7, seed=0)
+    calls = []
+    for prompt in ([1, 2, 3], [4, 5]):
+        engine.generate([Request(prompt, params)])
+        calls.append((engine.stats.drafted, engine.stats.tokens, engine.stats.row_steps))
+    total = engine.total_stats
+    assert (total.drafted, total.tokens, total.row_steps) == tuple(
+        map(sum, zip(*calls, strict=True))
+    )
+    assert total.per_position_drafted == [sum(c[0] for c in calls) // 2] * 2
+    assert total.acceptance_length == 14 / total.row_steps
