@@ -14,7 +14,6 @@ advances by its own count; cache positions past a row's length are stale and mas
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from specrl.engine.stats import EngineStats, bump
 from specrl.engine.types import Completion, Request
 from specrl.models.cache import KVCache
 from specrl.models.transformer import Transformer
@@ -81,57 +81,10 @@ class Sampled:
     raw_logprobs: torch.Tensor  # [N]
 
 
-def _bump(counts: list[int], i: int) -> None:
-    while len(counts) <= i:
-        counts.append(0)
-    counts[i] += 1
-
-
 def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
     """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
     u = uniforms(t.seeds, counters, STREAM_SAMPLE)
     return Sampled(*sample_logits(logits, t.temperature, t.top_k, t.top_p, u))
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters of one ``generate`` call."""
-
-    steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position_accepted: list[int] = field(default_factory=list)
-    per_position_drafted: list[int] = field(default_factory=list)
-    emitted_per_row_step: int = 0  # sum over (row, step) of emitted tokens
-    row_steps: int = 0
-
-    def add(self, other: EngineStats) -> None:
-        """Accumulate another call's counters into these (cumulative statistics)."""
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, list):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for i, v in enumerate(theirs):
-                    mine[i] += v
-            else:
-                setattr(self, f.name, mine + theirs)
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """Fraction of drafts at position i accepted (i = 0 is the first draft token)."""
-        return [
-            a / d if d else 0.0
-            for a, d in zip(self.per_position_accepted, self.per_position_drafted, strict=False)
-        ]
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.emitted_per_row_step / self.row_steps if self.row_steps else 0.0
 
 
 class Engine:
@@ -444,9 +397,9 @@ class Engine:
             st.drafted += n
             st.accepted += a
             for i in range(n):
-                _bump(st.per_position_drafted, i)
+                bump(st.per_position_drafted, i)
                 if i < a:
-                    _bump(st.per_position_accepted, i)
+                    bump(st.per_position_accepted, i)
 
     def _emit(
         self,
