@@ -32,7 +32,7 @@ from torch import nn
 
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
-from specrl.models.transformer import AttnContext, Block, Linear, RMSNorm, Transformer, rotate_half
+from specrl.models.transformer import AttnContext, Block, Linear, RMSNorm, Transformer
 
 KINDS = ("eagle3", "mtp")
 FORMAT = "specrl-draft-head"
@@ -160,18 +160,7 @@ class DraftHead(nn.Module):
 
 def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [B, heads, T, D], k/v [B, kv_heads, T, D] with RoPE, as ``Attention.forward``."""
-    c = attn.c
-    b, t, _ = x.shape
-    hq, hk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q, k, v = attn.qkv(x).split([hq, hk, hk], dim=-1)
-    q = q.view(b, t, c.num_heads, c.head_dim)
-    k = k.view(b, t, c.num_kv_heads, c.head_dim)
-    v = v.view(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q, k, v = attn.project(x, cos, sin)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 

@@ -136,6 +136,25 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
+    def project(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,  # [B, T, head_dim]
+        sin: torch.Tensor,  # [B, T, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, heads, D], k and v [B, T, kv_heads, D]; q/k normed (Qwen3) and rotated."""
+        c = self.c
+        b, t, _ = x.shape
+        hq, hk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = self.qkv(x).split([hq, hk, hk], dim=-1)
+        q = q.view(b, t, c.num_heads, c.head_dim)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
@@ -143,20 +162,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [B, T, head_dim]
         ctx: AttnContext,
     ) -> torch.Tensor:
-        c = self.c
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
-            dim=-1,
-        )
-        q = q.view(b, t, c.num_heads, c.head_dim)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         if ctx.cache is not None:
             ctx.cache.write(self.layer, ctx.rows, ctx.positions, k, v)
         if ctx.cache is not None and ctx.read_cache:
