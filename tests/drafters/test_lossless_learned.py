@@ -3,19 +3,15 @@ tiny model matches exact enumeration (chi-square), and greedy output equals plai
 
 from __future__ import annotations
 
-from collections import Counter
-
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specrl.engine import Engine, Request
 from specrl.models.heads import DraftHead
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 from tests.conftest import make_tiny
-from tests.engine.test_spec_engine import NEW, PROMPT, VOCAB, exact_distribution
+from tests.engine.test_spec_engine import NEW, PROMPT, VOCAB, assert_matches_exact
 
 torch.set_num_threads(1)
 KINDS = ["eagle3", "mtp"]
@@ -49,14 +45,7 @@ def test_sequence_distribution_matches_exact(kind, params):
     target = make_tiny(seed=11, vocab_size=VOCAB, num_layers=4)
     engine = engine_for(kind, target)
     out = engine.generate([Request(PROMPT, params)])
-    counts = Counter(tuple(c.token_ids) for c in out)
-    exact = exact_distribution(target, params)
-    support = [s for s, p in exact.items() if p > 0]
-    assert sum(counts[s] for s in exact if exact[s] == 0) == 0
-    observed = np.array([counts[s] for s in support], dtype=float)
-    expected = np.array([exact[s] for s in support]) * len(out)
-    expected *= observed.sum() / expected.sum()
-    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    assert_matches_exact(out, target, params)
     st = engine.stats
     assert st.drafted > 0 and st.accepted < st.drafted  # drafts were made, some rejected
     if params.temperature == 1.0:

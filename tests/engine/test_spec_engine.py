@@ -37,6 +37,18 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], f
     return probs
 
 
+def assert_matches_exact(out, target, params: SamplingParams) -> None:
+    """Sampled whole sequences follow the exact distribution (chi-square, p > 0.001)."""
+    counts = Counter(tuple(c.token_ids) for c in out)
+    exact = exact_distribution(target, params)
+    support = [s for s, p in exact.items() if p > 0]
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # impossible sequences never
+    observed = np.array([counts[s] for s in support], dtype=float)
+    expected = np.array([exact[s] for s in support]) * len(out)
+    expected *= observed.sum() / expected.sum()
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
 def engine_for(method: str, target, k: int = 3) -> Engine:
     vocab = target.config.vocab_size
     draft = make_tiny(seed=5, vocab_size=vocab) if method == "draft" else None
@@ -56,14 +68,7 @@ def test_sequence_distribution_matches_exact(method, params):
     target = tiny_target()
     engine = engine_for(method, target)
     out = engine.generate([Request(PROMPT, params)])
-    counts = Counter(tuple(c.token_ids) for c in out)
-    exact = exact_distribution(target, params)
-    support = [s for s, p in exact.items() if p > 0]
-    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # impossible sequences never
-    observed = np.array([counts[s] for s in support], dtype=float)
-    expected = np.array([exact[s] for s in support]) * len(out)
-    expected *= observed.sum() / expected.sum()
-    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    assert_matches_exact(out, target, params)
     assert engine.stats.drafted > 0  # the drafter really drafted
 
 
