@@ -4,24 +4,34 @@ Contract:
 - ``train_head(head, examples, cfg, out=None)`` minimises, over random mini-batches of examples,
   sum_j decay^j * mean soft cross-entropy(target distribution, head depth-j distribution) over the
   completion positions (the head at position i predicts token i+2; its target is
-  softmax(lm_head(final[i+1])) of the frozen target; depth j is valid from position j on). The
+  softmax(lm_head(final[i+1])) of the frozen target, restricted to the head's draft vocabulary
+  when it has one (not renormalised: the optimum is then q = p on the draft vocabulary,
+  renormalised, whose acceptance is p's mass there); depth j is valid from position j on). The
   target model is never updated (its trunk is detached by construction: only features go in).
   With ``out``, it writes ``out/train_state.pt`` (head + optimizer + step + losses) every
   ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
   ``specrl.models.heads.save_head``. Returns the per-step losses (of this and earlier runs).
-- ``acceptance(target, head, prompt_ids, k, temperature)`` is the engine's acceptance length
-  (tokens emitted per verify step per row) with that head drafting k tokens.
+- ``fit(module, examples, cfg, loss_fn, state_path)`` is the loop both drafter trainers share:
+  AdamW on ``module``'s trainable parameters, linear warmup + cosine (``lr_at``), bf16 autocast,
+  gradient clipping, a tqdm bar; the mini-batch of step s is drawn from ``cfg.seed`` and s
+  (``draw_batch``), and ``state_path`` (module + optimizer + step + losses) is written every
+  ``cfg.ckpt_every`` steps and resumed from, so a resumed run sees the same batches and losses.
+- ``acceptance(target, drafter, prompt_ids, k, temperature)`` is the engine's acceptance length
+  (tokens emitted per verify step per row) with ``drafter`` drafting k tokens: a ``DraftHead``
+  (spec method = its kind) or a small ``Transformer`` (spec method ``draft``).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from specrl.drafters.data import Example
@@ -78,8 +88,10 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
     feats, tokens, final, mask = batch
     w, lm = head.proj.weight, head.target.lm_head
     with torch.no_grad():
-        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)
-        target_p = target_lp.exp()  # [B, T, V]
+        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)  # [B, T, V]
+        if head.d2t is not None:
+            target_lp = target_lp.index_select(-1, head.d2t)  # [B, T, Vd], mass outside dropped
+        target_p = target_lp.exp()
     outs = head.unroll(feats.to(w.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32)
     for j, g in enumerate(outs):
@@ -87,10 +99,68 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
         m[:, :j] = False
         if not m.any():
             continue
-        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, V]
+        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, Vd]
         ce = -(target_p[m] * lp).sum(-1).mean()
         total = total + decay**j * ce
     return total
+
+
+def draw_batch(examples: list[Example], cfg: TrainConfig, step: int) -> list[Example]:
+    """The mini-batch of ``step``: a function of ``cfg.seed`` and the step only (resumable)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    return rng.sample(examples, min(cfg.batch_size, len(examples)))
+
+
+def fit(
+    module: nn.Module,
+    examples: list[Example],
+    cfg: TrainConfig,
+    loss_fn: Callable[[list[Example]], torch.Tensor],
+    state_path: Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Minimise ``loss_fn(batch)`` over ``module``'s trainable parameters (see the module
+    docstring); returns the loss of every step (of this and earlier runs). Leaves ``module`` in
+    eval mode with gradients off."""
+    module.train()
+    opt = torch.optim.AdamW(
+        [p for p in module.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+    )
+    step, losses = 0, []
+    if state_path is not None and state_path.exists():
+        state = torch.load(str(state_path))
+        module.load_state_dict(state["head"])  # key "head": the trained module, whatever it is
+        opt.load_state_dict(state["opt"])
+        step, losses = state["step"], state["losses"]
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss = loss_fn(draw_batch(examples, cfg, step))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if state_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            _save_state(state_path, module, opt, step, losses)
+    bar.close()
+    module.eval().requires_grad_(False)
+    return losses
+
+
+def _save_state(path: Path, module: nn.Module, opt, step: int, losses: list[float]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    state = {"head": module.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses}
+    torch.save(state, str(tmp))
+    tmp.replace(path)
 
 
 def train_head(
@@ -101,40 +171,14 @@ def train_head(
     progress: bool = True,
 ) -> list[float]:
     """Train ``head`` in place (see the module docstring); returns the loss of every step."""
-    head.train().requires_grad_(True)
+    head.requires_grad_(True)
     head.target.requires_grad_(False)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, losses = 0, []
     state_path = Path(out) / "train_state.pt" if out is not None else None
-    if state_path is not None and state_path.exists():
-        state = torch.load(str(state_path))
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, losses = state["step"], state["losses"]
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
-    while step < cfg.steps:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        rng = random.Random(cfg.seed * 1_000_003 + step)  # per step: resume gives same batches
-        batch = collate(rng.sample(examples, min(cfg.batch_size, len(examples))), cfg.max_len)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = ttt_loss(head, batch, cfg.unroll, cfg.decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        losses.append(float(loss.detach()))
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if state_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-            state_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = state_path.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "losses": losses}, str(tmp))  # fmt: skip
-            tmp.replace(state_path)
-    bar.close()
-    head.eval().requires_grad_(False)
+
+    def loss_fn(batch: list[Example]) -> torch.Tensor:
+        return ttt_loss(head, collate(batch, cfg.max_len), cfg.unroll, cfg.decay)
+
+    losses = fit(head, examples, cfg, loss_fn, state_path, progress)
     if out is not None:
         save_head(head, out, extra={"train": asdict(cfg), "final_loss": losses[-1:]})
     return losses
@@ -142,7 +186,7 @@ def train_head(
 
 def acceptance(
     target: Transformer,
-    head: DraftHead,
+    drafter: DraftHead | Transformer,
     prompt_ids: list[list[int]],
     k: int = 3,
     temperature: float = 0.0,
@@ -151,7 +195,7 @@ def acceptance(
     seed: int = 0,
     max_batch: int = 16,
 ) -> float:
-    """Engine acceptance length (emitted tokens per verify step per row) with ``head`` drafting."""
+    """Engine acceptance length (emitted tokens per verify step per row) with ``drafter``."""
     from specrl.engine import Engine, Request
     from specrl.sampling import SamplingParams
     from specrl.spec.config import SpecConfig
@@ -162,7 +206,10 @@ def acceptance(
         seed=seed,
         stop_token_ids=tuple(stop_token_ids),
     )
-    spec = SpecConfig(head.kind, k, options={"drafter": head})
-    engine = Engine(target, max_batch=max_batch, spec=spec, seed=seed)
+    if isinstance(drafter, Transformer):
+        spec, draft_model = SpecConfig("draft", k), drafter
+    else:
+        spec, draft_model = SpecConfig(drafter.kind, k, options={"drafter": drafter}), None
+    engine = Engine(target, max_batch=max_batch, spec=spec, draft_model=draft_model, seed=seed)
     engine.generate([Request(p, params) for p in prompt_ids])
     return engine.stats.acceptance_length

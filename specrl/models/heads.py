@@ -16,9 +16,17 @@ reads a feature h_i and the embedding of token x_{i+1} and outputs g_i (pre-norm
 Drafting feeds the head's own output back: after the features run out, position i+1 reads
 h_{i+1} := g_i (already H wide, no fc) with the embedding of the token just drafted.
 
+Reduced draft vocabulary (optional, as in EAGLE-3): ``draft_vocab`` is a sorted int64 tensor
+[Vd] of target token ids (the buffer ``d2t``, saved with the head). The head then predicts over
+those Vd tokens only, with the target LM head's rows ``lm_head.weight[d2t]`` (shared, frozen, a
+cached copy refreshed whenever the target's weight changes): ``logits`` is [..., Vd], ``to_target``
+maps draft indices to target ids and ``to_full`` scatters a draft distribution into the target
+vocabulary (zero elsewhere), which is what the verifier needs as q.
+
 Checkpoint format (see ``save_head``/``load_head``): a directory with ``head.safetensors`` (the
-head's own parameters) and ``head.json``: {"format": "specrl-draft-head", "version": 1, "kind",
-"feature_layers", "target": target ModelConfig as an HF dict}. ``check_compatible`` refuses a head
+head's own parameters, and ``d2t`` when the vocabulary is reduced) and ``head.json``: {"format":
+"specrl-draft-head", "version": 1, "kind", "feature_layers", "draft_vocab_size" (null = the
+target's), "target": target ModelConfig as an HF dict}. ``check_compatible`` refuses a head
 whose hidden size, vocabulary or layer count differs from the target's.
 """
 
@@ -58,6 +66,7 @@ class DraftHead(nn.Module):
         target: Transformer,
         kind: str = "eagle3",
         feature_layers: tuple[int, ...] | None = None,
+        draft_vocab: torch.Tensor | None = None,  # [Vd] sorted target ids; None = full vocab
     ) -> None:
         super().__init__()
         c = target.config
@@ -74,6 +83,9 @@ class DraftHead(nn.Module):
         self.block = Block(self.head_config, 0)
         self.norm = RMSNorm(h, c.rms_norm_eps)
         self._target = (target,)  # a tuple: not a submodule, so not in state_dict / parameters
+        vocab = None if draft_vocab is None else _check_vocab(draft_vocab, c.vocab_size)
+        self.register_buffer("d2t", vocab)  # [Vd] int64, or None (full vocabulary)
+        self._lm: tuple[Linear, tuple] | None = None  # reduced LM head, cache key
         self.to(target.embed.weight.dtype)
 
     @property
@@ -89,10 +101,39 @@ class DraftHead(nn.Module):
         e = self.target.embed(tokens).to(h.dtype)
         return self.proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] from head outputs g [..., H] (the target's LM head)."""
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.target_config.vocab_size if self.d2t is None else len(self.d2t)
+
+    def lm_head(self) -> Linear:
+        """The target's LM head, or its rows ``d2t`` (a copy rebuilt when the target changes)."""
         lm = self.target.lm_head
+        if self.d2t is None:
+            return lm
+        w = lm.weight
+        inference = torch.is_inference_mode_enabled()  # inference tensors can't enter autograd
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), inference)
+        if self._lm is None or self._lm[1] != key:
+            rows = Linear(w.shape[1], len(self.d2t), bias=False, device="meta")
+            rows.weight = nn.Parameter(w.detach().index_select(0, self.d2t), requires_grad=False)
+            self._lm = (rows, key)
+        return self._lm[0]
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Logits [..., Vd] from head outputs g [..., H] (Vd = V without a reduced vocab)."""
+        lm = self.lm_head()
         return lm(self.norm(g).to(lm.weight.dtype))
+
+    def to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (any shape) -> target token ids."""
+        return idx if self.d2t is None else self.d2t[idx]
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """A draft distribution [N, Vd] -> the same distribution over the target vocab [N, V]."""
+        if self.d2t is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.target_config.vocab_size)
+        return full.index_copy_(1, self.d2t, probs)
 
     def step(
         self,
@@ -158,6 +199,31 @@ class DraftHead(nn.Module):
         return outs
 
 
+def _check_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+    if len(ids) == 0 or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError("draft_vocab must be non-empty, sorted and without repeats")
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"draft_vocab ids must be in [0, {vocab_size}), got {int(ids[-1])}")
+    return ids
+
+
+def draft_vocab_by_frequency(token_lists: list[list[int]], size: int, vocab_size: int):
+    """The ``size`` most frequent ids in ``token_lists`` (ties: lower id first), sorted [Vd]."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for tokens in token_lists:
+        counts += torch.bincount(torch.as_tensor(tokens, dtype=torch.int64), minlength=vocab_size)
+    order = torch.sort(-counts, stable=True).indices[:size]  # stable: ties keep id order
+    return order.sort().values
+
+
+def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with floating tensors cast to ``dtype`` (index buffers like ``d2t`` kept)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [B, heads, T, D], k/v [B, kv_heads, T, D] with RoPE, as ``Attention.forward``."""
     q, k, v = attn.project(x, cos, sin)
@@ -203,6 +269,7 @@ def head_config(head: DraftHead) -> dict:
         "version": VERSION,
         "kind": head.kind,
         "feature_layers": list(head.feature_layers),
+        "draft_vocab_size": None if head.d2t is None else len(head.d2t),
         "target": head.target_config.to_hf_dict(),
     }
 
@@ -236,7 +303,7 @@ def load_head(path: str | Path, target: Transformer, kind: str | None = None) ->
     check_compatible(cfg, target.config)
     if kind is not None and cfg["kind"] != kind:
         raise ValueError(f"{path} holds a {cfg['kind']!r} head, not {kind!r}")
-    head = DraftHead(target, cfg["kind"], tuple(cfg["feature_layers"]))
     state = load_file(str(Path(path) / "head.safetensors"))
-    head.load_state_dict({k: v.to(head.proj.weight.dtype) for k, v in state.items()})
+    head = DraftHead(target, cfg["kind"], tuple(cfg["feature_layers"]), state.get("d2t"))
+    head.load_state_dict(cast_floats(state, head.proj.weight.dtype))
     return head.eval()

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.models.heads import DraftHead, default_layers, load_head, save_head
+from specrl.models.heads import (
+    DraftHead,
+    default_layers,
+    draft_vocab_by_frequency,
+    load_head,
+    save_head,
+)
 from specrl.spec.proposers.eagle3 import Eagle3Proposer
 from tests.conftest import make_tiny
 
@@ -85,3 +91,42 @@ def test_save_load_roundtrip_and_refusal(tmp_path):
         Eagle3Proposer(make_tiny(seed=1, num_layers=6), drafter_path=str(tmp_path / "h"))
     with pytest.raises(ValueError, match="not 'mtp'"):
         load_head(tmp_path / "h", target, kind="mtp")
+
+
+def test_reduced_vocab_head_is_the_full_head_restricted(tmp_path):
+    """Reduced-vocabulary logits are the full head's logits at d2t; q maps back into the target
+    vocabulary; the LM-head copy follows in-place changes of the target; checkpoints keep d2t."""
+    target = make_tiny(seed=1, num_layers=4)
+    full = random_head(target, "eagle3")
+    d2t = torch.tensor([0, 3, 4, 9, 31])
+    head = DraftHead(target, "eagle3", draft_vocab=d2t)
+    head.load_state_dict(full.state_dict() | {"d2t": d2t})
+    g = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(head.logits(g), full.logits(g)[..., d2t])
+        target.lm_head.weight.mul_(2.0)  # a refit changes the shared LM head in place
+        torch.testing.assert_close(head.logits(g), full.logits(g)[..., d2t])
+    assert head.draft_vocab_size == 5 and full.draft_vocab_size == 32
+    assert head.to_target(torch.tensor([[0, 4], [2, 1]])).tolist() == [[0, 31], [4, 3]]
+    q = torch.softmax(torch.randn(2, 5), -1)
+    wide = head.to_full(q)
+    assert wide.shape == (2, 32) and torch.equal(wide[:, d2t], q)
+    assert float(wide.sum(-1).sub(1).abs().max()) < 1e-6
+    assert float(wide[:, [1, 2, 30]].abs().sum()) == 0.0
+    again = load_head(save_head(head, tmp_path / "v"), target)
+    assert torch.equal(again.d2t, d2t) and again.d2t.dtype == torch.int64
+    with torch.no_grad():
+        torch.testing.assert_close(again.logits(g), head.logits(g))
+
+
+def test_draft_vocab_choice_and_refusals():
+    tokens = [[5, 5, 5, 2, 2, 7], [7, 9, 2]]
+    assert draft_vocab_by_frequency(tokens, 3, 10).tolist() == [2, 5, 7]  # counts 3, 3, 2
+    assert draft_vocab_by_frequency(tokens, 5, 10).tolist() == [0, 2, 5, 7, 9]  # tie 0: low id
+    target = make_tiny(seed=1, num_layers=4)
+    with pytest.raises(ValueError, match="must be in \\[1, 10\\], got 0"):
+        draft_vocab_by_frequency(tokens, 0, 10)
+    with pytest.raises(ValueError, match="sorted and without repeats"):
+        DraftHead(target, "eagle3", draft_vocab=torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="must be in \\[0, 32\\), got 40"):
+        DraftHead(target, "eagle3", draft_vocab=torch.tensor([1, 40]))

@@ -4,30 +4,37 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specrl.drafters.data import build_examples, load_examples, rollouts, save_examples
 from specrl.drafters.train import TrainConfig, acceptance, train_head
-from specrl.models.heads import DraftHead, load_head
+from specrl.models.heads import DraftHead, draft_vocab_by_frequency, load_head
 from tests.conftest import make_tiny
 
 torch.set_num_threads(1)
 
 
-def tiny_setup(kind: str = "eagle3"):
+def tiny_setup(kind: str = "eagle3", draft_vocab: int = 0):
     target = make_tiny(seed=7, vocab_size=32, num_layers=4)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 32, (6,), generator=gen).tolist() for _ in range(24)]
     seqs = rollouts(target, prompts[:16], samples_per_prompt=4, temperature=1.0,
                     max_new_tokens=24, seed=1)  # fmt: skip
+    vocab = (
+        draft_vocab_by_frequency([s.tokens[s.prompt_len :] for s in seqs], draft_vocab, 32)
+        if draft_vocab
+        else None
+    )
     torch.manual_seed(0)
-    head = DraftHead(target, kind)
+    head = DraftHead(target, kind, draft_vocab=vocab)
     examples = build_examples(target, seqs, head.feature_layers, dtype=torch.float32)
     return target, head, examples, prompts[16:]
 
 
-def test_loss_falls_and_trained_head_accepts_more(tmp_path):
-    target, head, examples, held_out = tiny_setup()
+@pytest.mark.parametrize("draft_vocab", [0, 20], ids=["full-vocab", "vocab20"])
+def test_loss_falls_and_trained_head_accepts_more(tmp_path, draft_vocab):
+    target, head, examples, held_out = tiny_setup(draft_vocab=draft_vocab)
     before = {t: acceptance(target, head, held_out, k=3, temperature=t, max_new_tokens=24)
               for t in (0.0, 1.0)}  # fmt: skip
     cfg = TrainConfig(steps=80, lr=3e-3, warmup=5, batch_size=8, bf16=False, ckpt_every=40)

@@ -12,7 +12,9 @@ slot per live row, plus one scratch slot that padding writes into); positions th
 head's own drafts are simply overwritten, since the true features replace them. The output at the
 last fed position gives the first draft; k-1 more steps feed the head's own output back. Tokens are
 sampled from the processed distribution (temperature/top-k/top-p of the row) of the head's logits
-with ``STREAM_DRAFT`` uniforms and that distribution is returned as q (``deterministic=False``).
+with ``STREAM_DRAFT`` uniforms and that distribution is returned as q (``deterministic=False``);
+a head with a reduced draft vocabulary samples over its Vd tokens and returns q scattered into the
+target vocabulary (zero outside it).
 ``check`` refuses a head built for a target of another hidden size, vocabulary or depth.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from specrl.models.heads import DraftHead, check_compatible, head_config, load_head
+from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config, load_head
 from specrl.models.transformer import Transformer
 from specrl.sampling import STREAM_DRAFT, processed_logprobs, sample, uniforms
 from specrl.spec.proposers import register_proposer
@@ -83,8 +85,7 @@ class Eagle3Proposer:
             self.free.append(slot)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        dtype = self.head.proj.weight.dtype
-        self.head.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        self.head.load_state_dict(cast_floats(state, self.head.proj.weight.dtype))
 
     # ------------------------------------------------------------------ drafting
 
@@ -102,10 +103,11 @@ class Eagle3Proposer:
         g, logits = self._catch_up(batch, slots, ends)
         tokens, probs = [], []
         for i in range(k):
-            lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)
-            tok = sample(lp, uniforms(batch.seeds, batch.counters + i, STREAM_DRAFT))
+            lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, Vd]
+            idx = sample(lp, uniforms(batch.seeds, batch.counters + i, STREAM_DRAFT))
+            tok = self.head.to_target(idx)  # [B] target ids
             tokens.append(tok)
-            probs.append(lp.exp())
+            probs.append(self.head.to_full(lp.exp()))  # [B, V]
             if i + 1 < k:
                 pos = torch.tensor(ends)[:, None] + i  # [B, 1]
                 g = self.head.step(
