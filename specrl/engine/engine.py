@@ -10,6 +10,8 @@ vocabulary) come back as completions with ``finish_reason == "error"`` and a one
 the others still run. Each decode step is plain (one token per row) or speculative (a
 ``spec.SpecStep`` drafts k tokens, the target verifies k+1 positions in one forward, each row
 advances by its own count; cache positions past a row's length are stale and masked).
+With ``record_steps=True`` every prefill, plain decode, draft and verify is also timed into
+``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from specrl.engine.stats import EngineStats, bump
+from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request
 from specrl.models.cache import KVCache
 from specrl.models.transformer import Transformer
@@ -99,6 +101,7 @@ class Engine:
         policy_version: int = 0,
         spec: SpecConfig | None = None,
         draft_model: Transformer | None = None,
+        record_steps: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -115,6 +118,8 @@ class Engine:
         self._next_row_id = 0
         self.stats = EngineStats()  # the last generate() call
         self.total_stats = EngineStats()  # every call since the engine was built
+        self.record_steps = record_steps  # time each forward into stats.step_records
+        self._shape: tuple[int, int, float] = (0, 0, 0.0)  # last forward: rows, T, mean context
         self.spec = (spec or SpecConfig()).validate()
         self.proposer = self.make_proposer(self.spec)
 
@@ -237,7 +242,10 @@ class Engine:
         if groups:
             t0 = time.perf_counter()
             self._prefill(rows, groups, start)
-            self.stats.prefill_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stats.prefill_s += elapsed
+            if self.record_steps:
+                self._record("prefill", elapsed)
 
     def _prefill(self, rows: list[Seq], groups: list, start: float) -> None:
         lens = [len(req.prompt_ids) for req, _ in groups]
@@ -289,16 +297,33 @@ class Engine:
         """One decode step for all live rows; returns indices of rows that finished."""
         if not rows:
             return []
-        t0 = time.perf_counter()
+        t0, draft0 = time.perf_counter(), self.stats.draft_s
         spec, proposer = self._active
         k = spec.k_for_batch(len(rows)) if proposer is not None else 0
         if k == 0:
             finished = self._plain_step(rows, start)
         else:
             finished = self._spec_step(rows, start, proposer, k)
-        self.stats.decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.decode_s += elapsed
         self.stats.steps += 1
+        if self.record_steps:
+            self._record_step(k, elapsed, self.stats.draft_s - draft0)
         return finished
+
+    def _record_step(self, k: int, elapsed: float, draft_s: float) -> None:
+        """A plain step is one decode record; a speculative one a draft and a verify record."""
+        if k == 0:
+            self._record("decode", elapsed)
+            return
+        self._record("draft", draft_s, tokens_per_seq=k)
+        self._record("verify", elapsed - draft_s)
+
+    def _record(self, kind: str, seconds: float, tokens_per_seq: int | None = None) -> None:
+        """Append a record of the last target forward's shape (``_shape``) and its time."""
+        rows, tokens, context = self._shape
+        rec = StepRecord(kind, rows, tokens_per_seq or tokens, context, seconds)
+        self.stats.step_records.append(rec)
 
     def _tensors(self, rows: list[Seq]) -> RowTensors:
         if self._row_tensors is None:
@@ -368,6 +393,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw):
         """Target forward on the engine cache; also the drafter's features [B, T, F] if any."""
         out = self.model(ids, positions, self._cache, capture=self._capture, **kw)
+        if self.record_steps:  # positions [B, T]: the first query position = tokens cached
+            self._shape = (ids.shape[0], ids.shape[1], float(positions[:, 0].float().mean()))
         feats = torch.cat(out.captured, dim=-1) if self._capture else None
         return out, feats
 

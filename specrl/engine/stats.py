@@ -1,7 +1,10 @@
 """Engine statistics: per-call and cumulative counters of speculation and time.
 
 Contract: ``EngineStats`` holds plain counters; ``add`` accumulates another call's counters;
-derived rates (acceptance length, per-position acceptance) are properties, never stored.
+derived rates (acceptance length, per-position acceptance) are properties, never stored. With
+``Engine(record_steps=True)`` it also keeps one ``StepRecord`` per engine forward (prefill, plain
+decode, draft, verify) in ``step_records``, in the trace format ``specrl.sim.calibrate`` reads;
+``add`` concatenates those records (per-position counters are summed element-wise).
 """
 
 from __future__ import annotations
@@ -14,6 +17,20 @@ def bump(counts: list[int], i: int) -> None:
     while len(counts) <= i:
         counts.append(0)
     counts[i] += 1
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One timed engine forward, as a calibration trace record (see specrl.sim.calibrate)."""
+
+    kind: str  # "prefill" | "decode" | "draft" | "verify"
+    batch_size: int  # rows in the forward (prompts for a prefill)
+    tokens_per_seq: int  # 1 decode, k+1 verify, k draft, padded prompt length prefill
+    context_len: float  # mean tokens already in the KV cache per row
+    step_time_s: float  # wall seconds, sampling and bookkeeping included
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -32,12 +49,15 @@ class EngineStats:
     per_position_drafted: list[int] = field(default_factory=list)
     emitted_per_row_step: int = 0  # sum over (row, step) of emitted tokens
     row_steps: int = 0
+    step_records: list[StepRecord] = field(default_factory=list, metadata={"concat": True})
 
     def add(self, other: EngineStats) -> None:
         """Accumulate another call's counters into these (cumulative statistics)."""
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, list):
+            if f.metadata.get("concat"):
+                mine.extend(theirs)
+            elif isinstance(mine, list):
                 mine.extend([0] * (len(theirs) - len(mine)))
                 for i, v in enumerate(theirs):
                     mine[i] += v

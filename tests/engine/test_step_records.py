@@ -1,0 +1,69 @@
+"""Engine step records (``record_steps=True``) describe the forwards the engine really ran."""
+
+from __future__ import annotations
+
+from specrl.engine import Engine, Request
+from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
+from tests.conftest import make_tiny
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15], [3, 3, 3, 3, 3, 3]]
+
+
+def kinds(engine: Engine, kind: str) -> list:
+    return [r for r in engine.stats.step_records if r.kind == kind]
+
+
+def test_off_by_default_records_nothing():
+    engine = Engine(make_tiny(), max_batch=2)
+    engine.generate([Request(p, SamplingParams(max_new_tokens=4, seed=1)) for p in PROMPTS])
+    assert engine.stats.step_records == [] and engine.stats.steps > 0
+
+
+def test_plain_decoding_one_decode_record_per_step_and_prefills_per_admission():
+    engine = Engine(make_tiny(), max_batch=2, record_steps=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    engine.generate([Request(p, params) for p in PROMPTS])  # refills: several prefills
+    st = engine.stats
+    decodes, prefills = kinds(engine, "decode"), kinds(engine, "prefill")
+    assert len(decodes) == st.steps and len(prefills) + len(decodes) == len(st.step_records)
+    assert all(r.tokens_per_seq == 1 and 1 <= r.batch_size <= 2 for r in decodes)
+    assert sum(r.batch_size for r in decodes) == st.row_steps - len(PROMPTS)  # prefill emits one
+    assert sum(r.batch_size for r in prefills) == len(PROMPTS)
+    assert all(r.context_len == 0 and r.step_time_s > 0 for r in prefills)
+    assert max(r.tokens_per_seq for r in prefills) == max(len(p) for p in PROMPTS)
+
+
+def test_decode_context_is_the_tokens_already_cached():
+    engine = Engine(make_tiny(), max_batch=1, record_steps=True)
+    prompt, new = [1, 2, 3, 4], 5
+    engine.generate([Request(prompt, SamplingParams(max_new_tokens=new, seed=2))])
+    contexts = [r.context_len for r in kinds(engine, "decode")]
+    assert contexts == [len(prompt) + i for i in range(new - 1)]
+
+
+def test_speculative_steps_record_a_draft_and_a_k_plus_1_verify():
+    k, prompt = 3, [1, 2, 3]
+    engine = Engine(make_tiny(seed=2, vocab_size=16), spec=SpecConfig("self", k), record_steps=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1 + 4 * (k + 1), n=4, seed=4)
+    engine.generate([Request(prompt, params)])  # self-drafting accepts all: k+1 per step
+    drafts, verifies = kinds(engine, "draft"), kinds(engine, "verify")
+    assert len(drafts) == len(verifies) == engine.stats.steps == 4
+    assert kinds(engine, "decode") == [] and len(kinds(engine, "prefill")) == 1
+    assert all(r.tokens_per_seq == k for r in drafts)
+    assert all(r.tokens_per_seq == k + 1 and r.batch_size == 4 for r in verifies)
+    assert [r.context_len for r in verifies] == [len(prompt) + i * (k + 1) for i in range(4)]
+
+
+def test_cumulative_stats_concatenate_records_and_sum_counters():
+    engine = Engine(make_tiny(), max_batch=4, spec=SpecConfig("ngram", 2), record_steps=True)
+    params = SamplingParams(max_new_tokens=5, seed=5)
+    lengths, drafted = [], []
+    for _ in range(2):
+        engine.generate([Request(p, params) for p in PROMPTS])
+        lengths.append(len(engine.stats.step_records))
+        drafted.append(engine.stats.per_position_drafted)
+    total = engine.total_stats
+    assert len(total.step_records) == sum(lengths)
+    assert len(total.per_position_drafted) == max(len(d) for d in drafted)
+    assert sum(total.per_position_drafted) == sum(sum(d) for d in drafted)
