@@ -4,7 +4,9 @@ Contract:
 - ``train_head(head, examples, cfg, out=None)`` minimises, over random mini-batches of examples,
   sum_j decay^j * mean soft cross-entropy(target distribution, head depth-j distribution) over the
   completion positions (the head at position i predicts token i+2; its target is
-  softmax(lm_head(final[i+1])) of the frozen target; depth j is valid from position j on). The
+  softmax(lm_head(final[i+1])) of the frozen target, restricted to the head's draft vocabulary
+  when it has one (not renormalised: the optimum is then q = p on the draft vocabulary,
+  renormalised, whose acceptance is p's mass there); depth j is valid from position j on). The
   target model is never updated (its trunk is detached by construction: only features go in).
   With ``out``, it writes ``out/train_state.pt`` (head + optimizer + step + losses) every
   ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
@@ -86,8 +88,10 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
     feats, tokens, final, mask = batch
     w, lm = head.proj.weight, head.target.lm_head
     with torch.no_grad():
-        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)
-        target_p = target_lp.exp()  # [B, T, V]
+        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)  # [B, T, V]
+        if head.d2t is not None:
+            target_lp = target_lp.index_select(-1, head.d2t)  # [B, T, Vd], mass outside dropped
+        target_p = target_lp.exp()
     outs = head.unroll(feats.to(w.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32)
     for j, g in enumerate(outs):
@@ -95,7 +99,7 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
         m[:, :j] = False
         if not m.any():
             continue
-        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, V]
+        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, Vd]
         ce = -(target_p[m] * lp).sum(-1).mean()
         total = total + decay**j * ce
     return total
