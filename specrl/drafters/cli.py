@@ -52,6 +52,14 @@ def train_drafter(
     ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 100,
     eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 32,
     k: Annotated[int, typer.Option("--num-spec-tokens", help="k for held-out acceptance")] = 3,
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            "--draft-vocab",
+            help="reduced draft vocabulary for a head: the N most frequent completion tokens "
+            "of the training rollouts (0 = the target's full vocabulary)",
+        ),
+    ] = 0,
     threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
@@ -61,7 +69,7 @@ def train_drafter(
     from specrl.drafters import data
     from specrl.drafters.train import TrainConfig, acceptance, train_head
     from specrl.models.checkpoints import load_model, load_tokenizer
-    from specrl.models.heads import DraftHead
+    from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
 
     if drafter == "draft":
         _fail("--drafter draft (a distilled small draft model) is not implemented yet")
@@ -70,6 +78,8 @@ def train_drafter(
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
             _fail(f"--{name} must be >= 1, got {value}")
+    if draft_vocab < 0:
+        _fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
     if prompts is not None and not prompts.exists():
         _fail(f"--prompts file {prompts} does not exist")
     if threads > 0:
@@ -80,7 +90,10 @@ def train_drafter(
     target = load_model(model, dtype=torch.bfloat16)
     tok = load_tokenizer(model)
     stops = tuple(tok.stop_token_ids)
-    head = DraftHead(target, drafter).float()  # fp32 master weights; the target stays bf16
+    if draft_vocab > target.config.vocab_size:
+        _fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
+              f"({target.config.vocab_size})")  # fmt: skip
+    feature_layers = default_layers(drafter, target.config.num_layers)
     ex_path = out / "examples.pt"
     if ex_path.exists():
         examples = data.load_examples(ex_path)
@@ -98,11 +111,20 @@ def train_drafter(
             seqs = data.rollouts(target, train_ids, samples_per_prompt, temperature,
                                  max_new_tokens, stops, seed, progress=True)  # fmt: skip
             seq_path.write_text(json.dumps([vars(s) for s in seqs]))
-        examples = data.build_examples(target, seqs, head.feature_layers, progress=True)
+        examples = data.build_examples(target, seqs, feature_layers, progress=True)
         data.save_examples(examples, ex_path)
         ntok = sum(len(e.tokens) for e in examples)
         typer.echo(f"{len(examples)} examples, {ntok} tokens in {time.perf_counter() - t0:.0f}s")
     eval_ids = data.task_prompt_ids(tok, task, "eval", eval_prompts, seed)
+    vocab = None
+    if draft_vocab:
+        completions = [e.tokens[e.prompt_len :].tolist() for e in examples]
+        vocab = draft_vocab_by_frequency(completions, draft_vocab, target.config.vocab_size)
+        covered = torch.isin(torch.cat([torch.tensor(c) for c in completions]), vocab)
+        typer.echo(f"draft vocabulary {draft_vocab}: covers {covered.float().mean():.4f} "
+                   "of training completion tokens")  # fmt: skip
+    torch.manual_seed(seed)
+    head = DraftHead(target, drafter, feature_layers, vocab).float()  # fp32 master weights
 
     def measure() -> dict[float, float]:
         return {t: acceptance(target, head, eval_ids, k, t, max_new_tokens, stops, seed)
