@@ -111,11 +111,13 @@ class DraftHead(nn.Module):
         if self.d2t is None:
             return lm
         w = lm.weight
-        inference = torch.is_inference_mode_enabled()  # inference tensors can't enter autograd
-        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), inference)
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr())
         if self._lm is None or self._lm[1] != key:
-            rows = Linear(w.shape[1], len(self.d2t), bias=False, device="meta")
-            rows.weight = nn.Parameter(w.detach().index_select(0, self.d2t), requires_grad=False)
+            # a normal tensor even in inference mode: usable in training, has a version counter
+            with torch.inference_mode(False), torch.no_grad():
+                rows = Linear(w.shape[1], len(self.d2t), bias=False, device="meta")
+                weight = w.detach().index_select(0, self.d2t.clone())
+                rows.weight = nn.Parameter(weight, requires_grad=False)
             self._lm = (rows, key)
         return self._lm[0]
 

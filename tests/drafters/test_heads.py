@@ -119,6 +119,20 @@ def test_reduced_vocab_head_is_the_full_head_restricted(tmp_path):
         torch.testing.assert_close(again.logits(g), head.logits(g))
 
 
+def test_reduced_vocab_head_in_bf16_inference_then_training():
+    """bf16 (prepacked LM-head rows): drafting in inference mode, then training, then drafting."""
+    target = make_tiny(seed=1, num_layers=4).to(torch.bfloat16)
+    head = DraftHead(target, "eagle3", draft_vocab=torch.tensor([0, 3, 4, 9, 31]))
+    g = torch.randn(2, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        first = head.logits(g)  # [2, 5]
+    head.requires_grad_(True)
+    head.logits(g).float().sum().backward()  # autograd through the cached rows works
+    assert head.norm.weight.grad is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(head.logits(g), first)
+
+
 def test_draft_vocab_choice_and_refusals():
     tokens = [[5, 5, 5, 2, 2, 7], [7, 9, 2]]
     assert draft_vocab_by_frequency(tokens, 3, 10).tolist() == [2, 5, 7]  # counts 3, 3, 2
