@@ -7,8 +7,10 @@ every ``--ckpt-every`` steps in ``--out``; rerunning the same command resumes, a
 rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt``), saves
 ``head.safetensors`` + ``head.json`` in ``--out`` (default
 ``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
-and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` (distilled small draft
-model) is not implemented yet and is refused. Bad values exit 2 with one ``error:`` line.
+and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` instead distills a
+small draft model, the target's first ``--draft-layers`` layers (``specrl.drafters.distill``),
+saved in ``--out`` as a model directory for ``--spec draft --drafter DIR``; untrained = the
+undistilled layer prefix. Bad values exit 2 with one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ def train_drafter(
             "of the training rollouts (0 = the target's full vocabulary)",
         ),
     ] = 0,
+    draft_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-layers",
+            help="--drafter draft: keep the target's first N layers (default: "
+            "specrl.drafters.distill.DEFAULT_LAYERS)",
+        ),
+    ] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
-    """Train an EAGLE-3 or MTP drafter for the target on its own rollouts."""
+    """Train an EAGLE-3 / MTP drafter or distill a draft model on the target's own rollouts."""
     import torch
 
     from specrl.drafters import data
+    from specrl.drafters.distill import distill, init_draft
     from specrl.drafters.train import TrainConfig, acceptance, train_head
-    from specrl.models.checkpoints import load_model, load_tokenizer
+    from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
     from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
 
-    if drafter == "draft":
-        _fail("--drafter draft (a distilled small draft model) is not implemented yet")
-    if drafter not in ("eagle3", "mtp"):
+    if drafter not in ("eagle3", "mtp", "draft"):
         _fail(f"unknown --drafter {drafter!r} (choose eagle3, mtp or draft)")
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
@@ -84,6 +93,8 @@ def train_drafter(
         _fail(f"--prompts file {prompts} does not exist")
     if threads > 0:
         torch.set_num_threads(threads)
+    if drafter == "draft":
+        draft_layers = _draft_options(model, draft_layers, draft_vocab)
     out = out or default_out(model, drafter)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -93,7 +104,7 @@ def train_drafter(
     if draft_vocab > target.config.vocab_size:
         _fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
               f"({target.config.vocab_size})")  # fmt: skip
-    feature_layers = default_layers(drafter, target.config.num_layers)
+    feature_layers = () if drafter == "draft" else default_layers(drafter, target.config.num_layers)
     ex_path = out / "examples.pt"
     if ex_path.exists():
         examples = data.load_examples(ex_path)
@@ -124,7 +135,10 @@ def train_drafter(
         typer.echo(f"draft vocabulary {draft_vocab}: covers {covered.float().mean():.4f} "
                    "of training completion tokens")  # fmt: skip
     torch.manual_seed(seed)
-    head = DraftHead(target, drafter, feature_layers, vocab).float()  # fp32 master weights
+    if drafter == "draft":  # ``head``: the drafter trained below, here a small model
+        head = init_draft(target, draft_layers)  # fp32 master weights; the target stays bf16
+    else:
+        head = DraftHead(target, drafter, feature_layers, vocab).float()  # fp32 master weights
 
     def measure() -> dict[float, float]:
         return {t: acceptance(target, head, eval_ids, k, t, max_new_tokens, stops, seed)
@@ -134,7 +148,10 @@ def train_drafter(
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, unroll=unroll,
                       ckpt_every=ckpt_every, seed=seed)  # fmt: skip
     t0 = time.perf_counter()
-    losses = train_head(head, examples, cfg, out=out)
+    if drafter == "draft":
+        losses = distill(head, target, examples, cfg, out=out, tokenizer_dir=resolve_model(model))
+    else:
+        losses = train_head(head, examples, cfg, out=out)
     typer.echo(f"trained {steps} steps in {time.perf_counter() - t0:.0f}s, loss "
                f"{losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f}")  # fmt: skip
     after = measure()
@@ -142,6 +159,24 @@ def train_drafter(
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
     for t in (0.0, 1.0):
         typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+
+
+def _draft_options(model: str, layers: int | None, draft_vocab: int) -> int:
+    """Checks the options of ``--drafter draft``; returns ``--draft-layers`` (default
+    ``DEFAULT_LAYERS``), which must fit in the target (its config is read, not its weights)."""
+    from specrl.drafters.distill import DEFAULT_LAYERS
+    from specrl.models.checkpoints import CheckpointError, load_config, resolve_model
+
+    if draft_vocab:
+        _fail("--draft-vocab applies to the eagle3 and mtp heads, not to --drafter draft")
+    layers = DEFAULT_LAYERS if layers is None else layers
+    try:
+        top = load_config(resolve_model(model)).num_layers
+    except CheckpointError as e:
+        _fail(str(e))
+    if not 1 <= layers <= top:
+        _fail(f"--draft-layers must be in [1, {top}] (the target's layer count), got {layers}")
+    return layers
 
 
 def _fail(message: str) -> None:

@@ -8,7 +8,8 @@ Contract:
   exactly the target's distribution) and returns ``Sequence``s (prompt + completion token ids).
 - ``build_examples(target, sequences, layers)`` runs one teacher-forced target forward per
   sequence and records, per position i: the captured layer outputs ``feats[i]`` (concatenated,
-  [T, F], what the engine hands a drafter for that position) and the final normed hidden
+  [T, F], what the engine hands a drafter for that position; F = 0 when ``layers`` is empty, as
+  for a draft model, which needs only the tokens and targets) and the final normed hidden
   ``final[i]`` ([T, H]; the target's distribution for token i+1 is softmax(lm_head(final[i])),
   recomputed during training instead of storing [T, V] probabilities).
 - ``save_examples``/``load_examples`` keep them in one ``torch.save`` file (resume without
@@ -113,7 +114,8 @@ def build_examples(
     for seq in tqdm(sequences, disable=not progress, desc="features", unit="seq"):
         ids = torch.tensor([seq.tokens])
         res = target(ids, torch.arange(ids.shape[1])[None], capture=layers, logits_at=ids[:, :0])
-        feats = torch.cat(res.captured, dim=-1)[0]  # [T, F]
+        captured = res.captured or [res.hidden.new_zeros(1, ids.shape[1], 0)]  # F = 0: no layers
+        feats = torch.cat(captured, dim=-1)[0]  # [T, F]
         out.append(Example(ids[0], seq.prompt_len, feats.to(dtype), res.hidden[0].to(dtype)))
     return out
 

@@ -1,0 +1,152 @@
+"""Distilling a small draft model (a layer prefix of the target) on the target's distributions.
+
+Contract:
+- ``init_draft(target, num_layers)`` is an fp32 copy of the target's embedding, first
+  ``num_layers`` layers, final norm and LM head (``layer_prefix_model``): same tokenizer and
+  vocabulary, so the ``draft`` proposer can use it unchanged. ``ValueError`` (naming the value)
+  unless 1 <= num_layers <= the target's layer count.
+- ``distill(draft, target, examples, cfg, out=None)`` minimises, over random mini-batches of
+  examples, the mean forward KL(target || draft) between next-token distributions on the
+  completion positions (position i with prompt_len - 1 <= i < len - 1 predicts completion token
+  i+1; the target's distribution is softmax(lm_head(final[i])) of the frozen target). Only the
+  draft's layers and final norm train; its (tied) embedding and LM head stay the target's. The
+  loop is ``specrl.drafters.train.fit`` (AdamW, warmup + cosine, bf16 autocast over fp32 master
+  weights, ``out/train_state.pt`` every ``cfg.ckpt_every`` steps, resume to the same losses).
+  With ``out`` it ends with ``save_draft_model``. Returns the per-step losses.
+- ``save_draft_model(draft, out, target_config, tokenizer_dir, extra)`` writes a Hugging Face
+  style model directory that ``specrl.models.checkpoints.load_model`` reads as is:
+  ``config.json`` (num_hidden_layers = the draft's), ``model.safetensors`` (fp32, HF tensor
+  names), the tokenizer files copied from ``tokenizer_dir`` (the target's model directory), and
+  ``distill.json`` = {"format": "specrl-distilled-draft", "version": 1, "num_layers",
+  "init", "trained", "target": target config as an HF dict, "extra"}.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specrl.drafters.data import Example
+from specrl.drafters.train import TrainConfig, fit
+from specrl.models.config import ModelConfig
+from specrl.models.transformer import Linear, Transformer, layer_prefix_model
+
+# 4 of SmolLM2-135M's 30 layers: a decode step costs ~0.2-0.25 of the target's (the tied
+# 49k-row LM head is a fixed ~0.1; each layer adds ~0.03), see docs/drafters.md.
+DEFAULT_LAYERS = 4
+FORMAT = "specrl-distilled-draft"
+VERSION = 1
+SPEC_FILE = "distill.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def init_draft(target: Transformer, num_layers: int = DEFAULT_LAYERS) -> Transformer:
+    """fp32 draft model: the target's embedding, first ``num_layers`` layers, norm and LM head."""
+    top = target.config.num_layers
+    if not 1 <= num_layers <= top:
+        raise ValueError(
+            f"draft layers must be in [1, {top}] (the target's layer count), got {num_layers}"
+        )
+    return layer_prefix_model(target, num_layers).float()
+
+
+def set_trainable(draft: Transformer) -> None:
+    """Layers and final norm train; the embedding and LM head (tied: the target's) stay frozen."""
+    draft.requires_grad_(True)
+    draft.embed.requires_grad_(False)
+    draft.lm_head.requires_grad_(False)
+
+
+def collate_tokens(
+    examples: list[Example], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded batch: tokens [B, T], target final hidden [B, T, H] (at the same position), mask
+    [B, T] (the position predicts a completion token; padding and prompt positions excluded)."""
+    lens = [min(len(e.tokens), max_len) for e in examples]
+    b, t = len(examples), max(lens)
+    final = torch.zeros(b, t, examples[0].final.shape[-1], dtype=examples[0].final.dtype)
+    tokens = torch.zeros(b, t, dtype=torch.int64)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, (e, n) in enumerate(zip(examples, lens, strict=True)):
+        tokens[i, :n] = e.tokens[:n]
+        final[i, :n] = e.final[:n]
+        mask[i, max(e.prompt_len - 1, 0) : n - 1] = True
+    return tokens, final, mask
+
+
+def distill_loss(
+    draft: Transformer,
+    target_lm: Linear,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Mean KL(target || draft) over the masked positions of ``batch`` (``collate_tokens``)."""
+    tokens, final, mask = batch
+    b, t = tokens.shape
+    h, _ = draft.hidden_states(tokens, torch.arange(t).expand(b, t))  # [B, T, H]
+    with torch.no_grad():
+        logits = target_lm(final[mask].to(target_lm.weight.dtype))  # [N, V]
+        target_lp = F.log_softmax(logits.float(), -1)  # [N, V]
+    lp = F.log_softmax(draft.lm_head(h[mask]).float(), -1)  # [N, V]
+    return (target_lp.exp() * (target_lp - lp)).sum(-1).mean()
+
+
+def distill(
+    draft: Transformer,
+    target: Transformer,
+    examples: list[Example],
+    cfg: TrainConfig,
+    out: str | Path | None = None,
+    tokenizer_dir: str | Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Distill ``target`` into ``draft`` in place (see the module docstring)."""
+    set_trainable(draft)
+    state_path = Path(out) / "train_state.pt" if out is not None else None
+
+    def loss_fn(batch: list[Example]) -> torch.Tensor:
+        return distill_loss(draft, target.lm_head, collate_tokens(batch, cfg.max_len))
+
+    losses = fit(draft, examples, cfg, loss_fn, state_path, progress)
+    if out is not None:
+        extra = {"train": vars(cfg), "final_loss": losses[-1:]}
+        save_draft_model(draft, out, target.config, tokenizer_dir, extra)
+    return losses
+
+
+def save_draft_model(
+    draft: Transformer,
+    out: str | Path,
+    target_config: ModelConfig,
+    tokenizer_dir: str | Path | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Write the model directory described in the module docstring; returns it."""
+    from safetensors.torch import save_file
+
+    from specrl.models.checkpoints import hf_state_dict
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.float() for k, v in hf_state_dict(draft).items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=1))
+    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copyfile(src, out / name)
+    n = draft.config.num_layers
+    spec = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_layers": n,
+        "init": f"target embedding, layers 0..{n - 1}, final norm, LM head",
+        "trained": ["layers", "norm"],
+        "target": target_config.to_hf_dict(),
+        "extra": extra or {},
+    }
+    (out / SPEC_FILE).write_text(json.dumps(spec, indent=1))
+    return out
