@@ -37,6 +37,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -112,21 +113,43 @@ def check_sampling(cfg: Config) -> None:
         raise ConfigError("bad value for rollout.group_size: GRPO needs >= 2 completions, got 1")
 
 
-def check_drafter(cfg: Config) -> None:
-    """A drafter that takes a draft model needs ``rollout.drafter_path`` (checked up front)."""
+def drafter_takes(spec: str, what: str) -> bool:
+    """Whether drafter ``spec``'s proposer takes ``what`` ('draft_model' or 'drafter_path')."""
     import inspect
 
     from specrl.spec.proposers import get_proposer_class
 
-    if cfg.rollout.spec == "none" or cfg.rollout.drafter_path is not None:
+    return what in inspect.signature(get_proposer_class(spec)).parameters
+
+
+def head_path(cfg: Config) -> str | None:
+    """The head directory a learned-head drafter (eagle3, mtp) reads: ``rollout.drafter_path``,
+    else the one ``specrl train-drafter`` caches for the model, if it exists."""
+    from specrl.drafters.cli import default_out
+
+    if cfg.rollout.drafter_path is not None:
+        return str(Path(cfg.rollout.drafter_path).expanduser())
+    cached = default_out(cfg.model.name, cfg.rollout.spec)
+    return str(cached) if (cached / "head.json").exists() else None
+
+
+def check_drafter(cfg: Config) -> None:
+    """A drafter that takes a draft model or a trained head needs one (checked up front)."""
+    spec = cfg.rollout.spec
+    if spec == "none":
         return
-    params = inspect.signature(get_proposer_class(cfg.rollout.spec)).parameters
-    if "draft_model" in params:
-        raise ConfigError(f"rollout.spec={cfg.rollout.spec!r} needs rollout.drafter_path")
+    if drafter_takes(spec, "draft_model") and cfg.rollout.drafter_path is None:
+        raise ConfigError(f"rollout.spec={spec!r} needs rollout.drafter_path")
+    if drafter_takes(spec, "drafter_path") and head_path(cfg) is None:
+        raise ConfigError(
+            f"rollout.spec={spec!r} needs rollout.drafter_path (a head directory; make one with "
+            f"`specrl train-drafter --drafter {spec}`)"
+        )
 
 
 def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
-    if cfg.rollout.drafter_path is None:
+    """The draft model of a ``draft``-style drafter (heads are loaded by their proposer)."""
+    if cfg.rollout.spec == "none" or not drafter_takes(cfg.rollout.spec, "draft_model"):
         return None
     from specrl.models.checkpoints import load_model
 
@@ -134,9 +157,11 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
+    heads = cfg.rollout.spec != "none" and drafter_takes(cfg.rollout.spec, "drafter_path")
     spec = SpecConfig(
         cfg.rollout.spec,
         cfg.rollout.num_spec_tokens,
+        options={"drafter_path": head_path(cfg)} if heads else {},
         max_tokens_per_forward=cfg.rollout.max_tokens_per_forward,
     )
     model = engine_copy(policy, DTYPES[cfg.model.dtype])

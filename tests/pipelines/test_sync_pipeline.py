@@ -56,6 +56,27 @@ def test_engine_learner_logprob_mismatch_fp32(tmp_path, spec):
     assert max(r["logprob_delta_max"] for r in rows) <= 1e-2
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
+    """A trained-head drafter from ``rollout.drafter_path`` (or the cached default) drafts the
+    rollouts of a GRPO run with engine/learner logprobs in agreement; no head -> clear error."""
+    from specrl.drafters.cli import default_out
+    from specrl.models.heads import DraftHead, save_head
+
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=f"specrl train-drafter --drafter {kind}"):
+        tiny_parts(tiny_config(f"rollout.spec={kind}"))
+    torch.manual_seed(0)
+    head = save_head(DraftHead(make_tiny(0), kind), tmp_path / "head")
+    parts = tiny_parts(tiny_config(f"rollout.spec={kind}", f"rollout.drafter_path={head}"))
+    rows = train(parts, str(tmp_path / "run"), progress=False)
+    assert all(r["acceptance_length"] >= 1.0 for r in rows)
+    assert max(r["logprob_delta_mean"] for r in rows) <= 1e-3
+    assert parts.engine.stats.drafted > 0  # the head drafted in the last rollout
+    save_head(DraftHead(make_tiny(0), kind), default_out(parts.cfg.model.name, kind))
+    tiny_parts(tiny_config(f"rollout.spec={kind}"))  # the cached default head is found
+
+
 def test_prompt_order_is_deterministic_and_cycles():
     cfg = tiny_config("rollout.prompts_per_step=5")
     a, b = tiny_parts(cfg), tiny_parts(cfg)
