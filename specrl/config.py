@@ -125,7 +125,9 @@ class RolloutCfg(_Section):
         "long tail, not at full batch). None = always k.",
     )
     drafter_path: str | None = Field(
-        None, description="Drafter weights for 'draft', 'eagle3' and 'mtp' (must exist)."
+        None,
+        description="Drafter weights (must exist): a model directory for 'draft', a head "
+        "directory for 'eagle3'/'mtp' (default: the head `specrl train-drafter` cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
 
