@@ -46,7 +46,14 @@ def train_drafter(
     num_prompts: Annotated[int, typer.Option("--num-prompts")] = 256,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt")] = 2,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
-    temperature: Annotated[float, typer.Option("--temperature", help="rollout T")] = 1.0,
+    temperature: Annotated[
+        str,
+        typer.Option(
+            "--temperature",
+            help="rollout temperature(s), comma list (e.g. 1,0: sampled and greedy "
+            "completions); T=0 takes one completion per prompt",
+        ),
+    ] = "1.0",
     steps: Annotated[int, typer.Option("--steps")] = 300,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 4,
@@ -89,6 +96,7 @@ def train_drafter(
             _fail(f"--{name} must be >= 1, got {value}")
     if draft_vocab < 0:
         _fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
+    temps = _temperatures(temperature)
     if prompts is not None and not prompts.exists():
         _fail(f"--prompts file {prompts} does not exist")
     if threads > 0:
@@ -119,8 +127,9 @@ def train_drafter(
         if seq_path.exists():
             seqs = [data.Sequence(**d) for d in json.loads(seq_path.read_text())]
         else:
-            seqs = data.rollouts(target, train_ids, samples_per_prompt, temperature,
-                                 max_new_tokens, stops, seed, progress=True)  # fmt: skip
+            seqs = [s for t in temps for s in data.rollouts(
+                target, train_ids, samples_per_prompt if t > 0 else 1, t, max_new_tokens, stops,
+                seed, progress=True)]  # fmt: skip
             seq_path.write_text(json.dumps([vars(s) for s in seqs]))
         examples = data.build_examples(target, seqs, feature_layers, progress=True)
         data.save_examples(examples, ex_path)
@@ -159,6 +168,17 @@ def train_drafter(
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
     for t in (0.0, 1.0):
         typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+
+
+def _temperatures(text: str) -> list[float]:
+    """``--temperature`` as a list of floats, each in [0, 10] (exit 2 otherwise)."""
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        temps = []
+    if not temps or not all(0 <= t <= 10 for t in temps):
+        _fail(f"--temperature must be a comma list of numbers in [0, 10], got {text!r}")
+    return temps
 
 
 def _draft_options(model: str, layers: int | None, draft_vocab: int) -> int:
