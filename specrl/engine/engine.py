@@ -446,15 +446,16 @@ class Engine:
         finished = []
         for i, (seq, toks) in enumerate(zip(rows, tokens, strict=True)):
             c = seq.comp
-            c.verify_steps += 1
-            self.stats.row_steps += 1
+            if not first:  # acceptance counts decode/verify steps; the prefill's token is apart
+                c.verify_steps += 1
+                self.stats.row_steps += 1
             for j, tok in enumerate(toks):
                 seq.history.append(tok)
                 c.token_ids.append(tok)
                 c.logprobs.append(lp[i][j])
                 c.raw_logprobs.append(raw[i][j])
                 self.stats.tokens += 1
-                self.stats.emitted_per_row_step += 1
+                self.stats.emitted_per_row_step += not first
                 if first and j == 0:
                     c.first_token_s = now
                 if tok in seq.stop:

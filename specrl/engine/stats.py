@@ -47,8 +47,8 @@ class EngineStats:
     accepted: int = 0
     per_position_accepted: list[int] = field(default_factory=list)
     per_position_drafted: list[int] = field(default_factory=list)
-    emitted_per_row_step: int = 0  # sum over (row, step) of emitted tokens
-    row_steps: int = 0
+    emitted_per_row_step: int = 0  # sum over (row, decode/verify step) of emitted tokens
+    row_steps: int = 0  # (row, decode/verify step) pairs; prefills are not counted
     step_records: list[StepRecord] = field(default_factory=list, metadata={"concat": True})
 
     def add(self, other: EngineStats) -> None:
@@ -74,4 +74,8 @@ class EngineStats:
 
     @property
     def acceptance_length(self) -> float:
-        return self.emitted_per_row_step / self.row_steps if self.row_steps else 0.0
+        """Tokens emitted per (row, decode/verify step): EAGLE's tau, 1.0 without speculation
+        (the token each prefill emits is not counted; 1.0 if there was no decode step)."""
+        if not self.row_steps:
+            return 1.0 if self.tokens else 0.0
+        return self.emitted_per_row_step / self.row_steps

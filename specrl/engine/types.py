@@ -33,11 +33,14 @@ class Completion:
     policy_version: int = 0
     first_token_s: float = 0.0  # seconds from generate() start to the first token
     latency_s: float = 0.0  # seconds from generate() start to the last token
-    verify_steps: int = 0  # forwards of the target that emitted tokens for this sequence
+    verify_steps: int = 0  # decode/verify forwards that emitted tokens (the prefill's excluded)
     drafted: int = 0
     accepted: int = 0
 
     @property
     def acceptance_length(self) -> float:
-        """Emitted tokens per target forward (1.0 without speculation)."""
-        return len(self.token_ids) / self.verify_steps if self.verify_steps else 0.0
+        """Tokens emitted per decode/verify step (EAGLE's tau: the first token, which the
+        prefill emits, is not counted); 1.0 without speculation or without any decode step."""
+        if not self.verify_steps:
+            return 1.0 if self.token_ids else 0.0
+        return (len(self.token_ids) - 1) / self.verify_steps

@@ -81,8 +81,9 @@ def test_self_drafter_accepts_everything():
     assert engine.stats.accepted == engine.stats.drafted > 0
     assert engine.stats.per_position_acceptance == [1.0] * k
     for c in out:  # 13 tokens = 1 from the prefill + 3 verify steps of k+1
-        assert c.acceptance_length == 13 / 4
-        assert c.verify_steps == 4
+        assert c.acceptance_length == k + 1
+        assert c.verify_steps == 3
+    assert engine.stats.acceptance_length == k + 1
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
@@ -118,7 +119,7 @@ def test_per_call_override_and_varying_k():
     for k in (1, 2, 5):
         c = engine.generate([Request([4, 5], params)], spec=SpecConfig("self", k))[0]
         assert c.token_ids == base.token_ids
-        assert c.verify_steps == 1 + -(-8 // (k + 1))  # prefill emits the first token
+        assert c.verify_steps == -(-8 // (k + 1))  # the prefill emits the first token
 
 
 @pytest.mark.parametrize(
@@ -207,4 +208,4 @@ def test_stats_per_call_and_cumulative():
         map(sum, zip(*calls, strict=True))
     )
     assert total.per_position_drafted == [sum(c[0] for c in calls) // 2] * 2
-    assert total.acceptance_length == 14 / total.row_steps
+    assert total.acceptance_length == (14 - 2) / total.row_steps  # two prefills: 1 token each
