@@ -1,0 +1,105 @@
+"""Held-out acceptance length of every drafter side by side (k=3, T=0 and T=1), with the ceiling.
+
+Acceptance length is EAGLE's tau: tokens emitted per decode/verify step per row (the prefill's
+token not counted). The ``self`` drafter (the target drafting for itself, q == p) accepts every
+draft, so its row is the ceiling the task's completion lengths allow: short completions end
+inside a verify step. Prompts are the task's eval split (disjoint from the train split the
+drafters were trained on). Learned drafters default to the cached ones of ``specrl
+train-drafter`` (``cache_dir()/drafters/<model>-<kind>``); a missing one is skipped. Extra heads
+or draft models can be compared with ``--extra NAME=KIND:DIR`` (KIND: eagle3, mtp or draft).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/drafter_acceptance.py --threads 1
+
+Writes benchmarks/results/drafter_acceptance.json (with ``specrl.bench.run_metadata()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from specrl.bench import run_metadata, write_result
+from specrl.drafters.cli import default_out
+from specrl.drafters.data import task_prompt_ids
+from specrl.engine import Engine, Request
+from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
+
+MODEL = "smollm2-135m-instruct"
+OUT = Path(__file__).parent / "results" / "drafter_acceptance.json"
+
+
+def drafters(args) -> dict[str, tuple[str, str | None]]:
+    """name -> (spec method, drafter dir or None) for every drafter that is available."""
+    out: dict[str, tuple[str, str | None]] = {"self": ("self", None), "ngram": ("ngram", None),
+                                              "suffix": ("suffix", None)}  # fmt: skip
+    for kind in ("eagle3", "mtp", "draft"):
+        path = default_out(MODEL, kind)
+        marker = "config.json" if kind == "draft" else "head.json"
+        if (path / marker).exists():
+            out[kind] = (kind, str(path))
+        else:
+            print(f"skipping {kind}: nothing at {path}", file=sys.stderr)
+    for item in args.extra:
+        name, _, rest = item.partition("=")
+        kind, _, path = rest.partition(":")
+        out[name] = (kind, path)
+    return out
+
+
+def engine_for(target, method: str, path: str | None, k: int, max_batch: int) -> Engine:
+    if method == "draft":
+        draft = load_model(path, dtype=target.embed.weight.dtype)
+        return Engine(target, max_batch=max_batch, spec=SpecConfig("draft", k), draft_model=draft)
+    if method == "self":
+        return Engine(target, max_batch=max_batch, spec=SpecConfig("self", k), draft_model=target)
+    options = {"drafter_path": path} if path else {}
+    return Engine(target, max_batch=max_batch, spec=SpecConfig(method, k, options=options))
+
+
+def measure(engine: Engine, prompts, params: SamplingParams) -> dict:
+    out = engine.generate([Request(p, params) for p in prompts])
+    st = engine.stats
+    return {
+        "acceptance_length": round(st.acceptance_length, 3),
+        "per_position_acceptance": [round(x, 3) for x in st.per_position_acceptance],
+        "mean_completion_tokens": round(sum(len(c.token_ids) for c in out) / len(out), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="basic_arithmetic")
+    ap.add_argument("--eval-prompts", type=int, default=24)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--extra", action="append", default=[], help="NAME=KIND:DIR (repeatable)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model(MODEL, dtype=torch.bfloat16)
+    tok = load_tokenizer(MODEL)
+    prompts = task_prompt_ids(tok, args.task, "eval", args.eval_prompts, seed=0)
+    rows = []
+    for name, (method, path) in drafters(args).items():
+        for t in (0.0, 1.0):
+            engine = engine_for(target, method, path, args.k, max_batch=16)  # fresh drafter state
+            params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=0,
+                                    stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
+            row = {"drafter": name, "path": path, "temperature": t} | measure(
+                engine, prompts, params
+            )
+            print(row, flush=True)
+            rows.append(row)
+    meta = run_metadata("benchmarks/drafter_acceptance.py " + " ".join(sys.argv[1:]))
+    write_result({"meta": meta, "args": vars(args) | {"out": str(args.out)}, "rows": rows},
+                 args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
