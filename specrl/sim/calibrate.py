@@ -1,24 +1,33 @@
 """Calibration: fit the cost model's efficiency terms to measured engine step times.
 
-Trace JSON format (written by the engine's benchmarks, read here)::
+Trace JSON format (written by benchmarks/sim_machine.py and benchmarks/gpu_calibrate.py from the
+engine's ``record_steps`` records, read here)::
 
     {"machine": str,                  # free text, e.g. "cpu-2core" or "1xH100"
      "model": str,                    # a model spec name, e.g. "smollm2-135m"
      "dtype": str,                    # e.g. "bf16" (informational; priced at 2 B/param)
-     "records": [{"batch_size": int,        # sequences in the forward
-                  "tokens_per_seq": int,    # 1 for plain decode, k+1 for verify, prompt for prefill
-                  "context_len": int,       # mean tokens already in the KV cache per sequence
-                  "step_time_s": float,     # measured seconds of the whole engine step
-                  "kind": "decode" | "verify" | "prefill" | "draft"}]}
+     "hardware": str,                 # optional: base hardware profile (default: the CLI's --base)
+     "drafter": str,                  # optional: drafter spec of the draft records, e.g. "ngram"
+     "records": [{"batch_size": int,        # sequences in the forward (prompts for a prefill)
+                  "tokens_per_seq": int,    # 1 decode, k+1 verify, k draft, prompt for prefill
+                  "context_len": float,     # mean tokens already in the KV cache per sequence
+                  "step_time_s": float,     # measured seconds (verify: the step minus the draft)
+                  "kind": "decode" | "verify" | "prefill" | "draft",
+                  "config": str}]}          # optional label of the run, to hold out whole runs
 
-Contract: every non-draft record is priced by the cost model's own features, bytes moved and FLOPs
-(cost.weight_bytes_read, kv_bytes_read, forward_flops on one device), and the fit solves
-``step_time = c0 + bytes / B_eff + flops / F_eff`` by non-negative least squares (numpy; a feature
-whose coefficient goes negative is dropped and the rest refitted). The result is written as a
-hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff / peak_flops,
-step_overhead_s = c0, keeping every other field of the base profile. Draft records, when
-present, set forward_overhead_s to their median time. Records are split into fit and held-out
-sets by a seeded permutation; the report gives the mean absolute percentage error on both.
+Contract: every non-draft record is priced by the cost model's own features, bytes moved, FLOPs
+(cost.weight_bytes_read, kv_bytes_read, forward_flops on one device) and, for verify records, the
+logits the rejection sampler processes (tokens x vocab), and the fit solves
+``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit`` by non-negative least
+squares (numpy; a feature whose coefficient goes negative is dropped and the rest refitted). The
+result is written as a hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff /
+peak_flops, step_overhead_s = c0, verify_s_per_logit = s_logit, keeping every other field of the
+base profile. Draft records of a model-free
+drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (least squares
+through the origin in the batch size); other draft records set forward_overhead_s to their median
+time. Records are split into fit and held-out sets by a seeded permutation, or by run when
+``heldout_configs`` names ``config`` labels; the report gives the mean absolute percentage error
+on both. Draft records of held-out runs are not fitted either.
 """
 
 from __future__ import annotations
@@ -31,7 +40,15 @@ from typing import Any
 import numpy as np
 
 from specrl.sim.cost import ForwardShape, forward_flops, kv_bytes_read, weight_bytes_read
-from specrl.sim.specs import HardwareSpec, ModelSpec, hardware_to_toml, load_model
+from specrl.sim.drafters import draft_forward
+from specrl.sim.specs import (
+    DrafterSpec,
+    HardwareSpec,
+    ModelSpec,
+    load_drafter,
+    load_model,
+    spec_to_toml,
+)
 
 KINDS = ("decode", "verify", "prefill", "draft")
 
@@ -43,6 +60,7 @@ class Record:
     context_len: float
     step_time_s: float
     kind: str
+    config: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,8 @@ class Trace:
     model: str
     dtype: str
     records: tuple[Record, ...]
+    hardware: str = ""
+    drafter: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,7 @@ class FitReport:
     heldout_error: float  # same on held-out records (nan if none)
     n_fit: int
     n_heldout: int
+    drafter: DrafterSpec | None = None  # fitted model-free drafter (cpu_s_per_seq)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +91,7 @@ class FitReport:
             "n_fit": self.n_fit,
             "n_heldout": self.n_heldout,
             "profile": self.profile.__dict__,
+            "drafter": self.drafter.__dict__ if self.drafter else None,
         }
 
 
@@ -85,10 +107,16 @@ def parse_trace(data: dict[str, Any]) -> Trace:
                 float(r["context_len"]),
                 float(r["step_time_s"]),
                 str(r["kind"]),
+                str(r.get("config", "")),
             )
         )
     return Trace(
-        str(data["machine"]), str(data["model"]), str(data.get("dtype", "bf16")), tuple(records)
+        str(data["machine"]),
+        str(data["model"]),
+        str(data.get("dtype", "bf16")),
+        tuple(records),
+        str(data.get("hardware", "")),
+        str(data.get("drafter", "")),
     )
 
 
@@ -97,18 +125,21 @@ def load_trace(path: Path) -> Trace:
 
 
 def features(model: ModelSpec, rec: Record) -> np.ndarray:
-    """[1, bytes moved, FLOPs] of one record's forward, as the cost model counts them."""
+    """[1, bytes moved, FLOPs, verified logits] of one record, as the cost model counts them."""
     shape = ForwardShape(rec.batch_size, rec.tokens_per_seq, rec.context_len)
     moved = weight_bytes_read(model, shape.tokens) + kv_bytes_read(model, shape)
-    return np.array([1.0, moved, forward_flops(model, shape)])
+    logits = shape.tokens * model.vocab if rec.kind == "verify" else 0.0
+    return np.array([1.0, moved, forward_flops(model, shape), logits])
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0 by dropping negative ones and refitting."""
-    keep = np.ones(x.shape[1], dtype=bool)
+    """Least squares with coefficients >= 0 by dropping negative ones and refitting (columns
+    scaled to unit norm first: the features span ~11 orders of magnitude)."""
+    norm = np.linalg.norm(x, axis=0)
+    keep = norm > 0
     while True:
         coef = np.zeros(x.shape[1])
-        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        coef[keep] = np.linalg.lstsq(x[:, keep] / norm[keep], y, rcond=None)[0] / norm[keep]
         if (coef >= 0).all():
             return coef
         keep &= coef > 0
@@ -124,15 +155,58 @@ def split(n: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.nd
     return np.sort(order[n_out:]), np.sort(order[:n_out])
 
 
+def split_records(
+    recs: list[Record], heldout_fraction: float, seed: int, heldout_configs: tuple[str, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fit and held-out indices: whole runs named in ``heldout_configs``, else a seeded split."""
+    if not heldout_configs:
+        return split(len(recs), heldout_fraction, seed)
+    out = np.array([r.config in heldout_configs for r in recs], dtype=bool)
+    return np.flatnonzero(~out), np.flatnonzero(out)
+
+
+def fit_drafter(drafter: DrafterSpec, drafts: list[Record]) -> DrafterSpec:
+    """A model-free drafter's CPU seconds per sequence: least squares t = c * batch_size."""
+    n = np.array([r.batch_size for r in drafts], dtype=float)
+    t = np.array([r.step_time_s for r in drafts])
+    return replace(drafter, name=f"{drafter.name}-calibrated", cpu_s_per_seq=float(n @ t / (n @ n)))
+
+
+def apply_drafts(
+    trace: Trace, model: ModelSpec, profile: HardwareSpec, drafts: list[Record]
+) -> tuple[HardwareSpec, DrafterSpec | None]:
+    """Fold draft records into the profile (model drafters) or a fitted model-free drafter."""
+    if not drafts:
+        return profile, None
+    if trace.drafter:
+        spec = load_drafter(trace.drafter)
+        if draft_forward(spec, model) is None:
+            return profile, fit_drafter(spec, drafts)
+    median = float(np.median([r.step_time_s for r in drafts]))
+    return replace(profile, forward_overhead_s=median), None
+
+
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
-    c0, per_byte, per_flop = (float(c) for c in coef)
+    c0, per_byte, per_flop, per_logit = (float(c) for c in coef)
     eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else base.eta_mem
     eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else base.eta_compute
-    return replace(base, name=name, eta_mem=eta_mem, eta_compute=eta_compute, step_overhead_s=c0)
+    return replace(
+        base,
+        name=name,
+        eta_mem=eta_mem,
+        eta_compute=eta_compute,
+        step_overhead_s=c0,
+        verify_s_per_logit=per_logit,
+    )
 
 
 def fit_trace(
-    trace: Trace, base: HardwareSpec, heldout_fraction: float = 0.25, seed: int = 0, name: str = ""
+    trace: Trace,
+    base: HardwareSpec,
+    heldout_fraction: float = 0.25,
+    seed: int = 0,
+    name: str = "",
+    heldout_configs: tuple[str, ...] = (),
 ) -> FitReport:
     """Fit c0, bytes and FLOP rates on one device to a trace; report fit and held-out error."""
     model = load_model(trace.model)
@@ -141,32 +215,47 @@ def fit_trace(
         raise ValueError("need at least 3 decode/verify/prefill records to fit")
     x = np.stack([features(model, r) for r in recs])
     y = np.array([r.step_time_s for r in recs])
-    fit_idx, out_idx = split(len(recs), heldout_fraction, seed)
+    fit_idx, out_idx = split_records(recs, heldout_fraction, seed, heldout_configs)
+    if len(fit_idx) < 3:
+        raise ValueError("need at least 3 decode/verify/prefill records outside the held-out runs")
     coef = nnls(x[fit_idx], y[fit_idx])
     profile = profile_from_coefficients(base, coef, name or f"{base.name}-calibrated")
-    drafts = [r.step_time_s for r in trace.records if r.kind == "draft"]
-    if drafts:
-        profile = replace(profile, forward_overhead_s=float(np.median(drafts)))
+    drafts = [r for r in trace.records if r.kind == "draft" and r.config not in heldout_configs]
+    profile, drafter = apply_drafts(trace, model, profile, drafts)
     return FitReport(
         profile=profile,
         coefficients={
             "c0_s": float(coef[0]),
             "s_per_byte": float(coef[1]),
             "s_per_flop": float(coef[2]),
+            "s_per_verify_logit": float(coef[3]),
         },
         fit_error=mape(x[fit_idx] @ coef, y[fit_idx]),
         heldout_error=mape(x[out_idx] @ coef, y[out_idx]),
         n_fit=len(fit_idx),
         n_heldout=len(out_idx),
+        drafter=drafter,
     )
 
 
-def write_profile(report: FitReport, path: Path, trace: Trace) -> Path:
-    header = (
+def _header(report: FitReport, trace: Trace) -> str:
+    return (
         f"Fitted by `specrl simulate calibrate` from a trace of {trace.model} ({trace.dtype}) on "
         f"{trace.machine}.\nFit MAPE {report.fit_error:.1%} on {report.n_fit} records, held-out "
         f"MAPE {report.heldout_error:.1%} on {report.n_heldout}."
     )
+
+
+def write_profile(report: FitReport, path: Path, trace: Trace) -> Path:
     path = Path(path)
-    path.write_text(hardware_to_toml(report.profile, header))
+    path.write_text(spec_to_toml(report.profile, _header(report, trace)))
+    return path
+
+
+def write_drafter(report: FitReport, path: Path, trace: Trace) -> Path | None:
+    """Write the fitted model-free drafter spec, if the fit produced one."""
+    if report.drafter is None:
+        return None
+    path = Path(path)
+    path.write_text(spec_to_toml(report.drafter, _header(report, trace)))
     return path

@@ -5,7 +5,9 @@ argument that is not a subcommand is taken as a scenario for ``run``, so ``specr
 paper-8b-sync --set speculation.k=5 --json`` works. ``run`` prints a summary (or JSON with
 ``rollout_speedup``, ``end_to_end_speedup`` and per-phase seconds) and, with ``--out DIR``, writes
 result.json, gantt.png and tornado.png there. ``calibrate TRACE.json`` fits a hardware profile from
-an engine trace (format in calibrate.py and docs/simulator.md). ``list`` names the bundled specs.
+an engine trace (format in calibrate.py and docs/simulator.md; written by benchmarks/sim_machine.py
+and benchmarks/gpu_calibrate.py), and a drafter spec when the trace's drafter is model-free.
+``list`` names the bundled specs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from specrl.sim.calibrate import fit_trace, load_trace, write_profile
+from specrl.sim.calibrate import fit_trace, load_trace, write_drafter, write_profile
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import field_help, load_scenario
@@ -98,11 +100,24 @@ def calibrate_command(
         Path, typer.Argument(exists=True, help="engine trace JSON (see docs/simulator.md)")
     ],
     base: Annotated[
-        str, typer.Option("--base", help="hardware profile whose peak/bandwidth the fit scales")
-    ] = "cpu-2core",
+        str,
+        typer.Option(
+            "--base",
+            help="hardware profile whose peak/bandwidth the fit scales (default: the trace's"
+            " 'hardware', else cpu-2core)",
+        ),
+    ] = "",
     out: Annotated[
         Path, typer.Option("--out", help="where to write the fitted hardware profile TOML")
     ] = Path("calibrated.toml"),
+    drafter_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--drafter-out",
+            help="model-free drafter traces: where to write the fitted drafter TOML"
+            " (default: OUT with a -drafter suffix)",
+        ),
+    ] = None,
     name: Annotated[
         str, typer.Option("--name", help="name of the fitted profile (default BASE-calibrated)")
     ] = "",
@@ -110,12 +125,23 @@ def calibrate_command(
         float, typer.Option("--heldout", help="fraction of records held out to report error")
     ] = 0.25,
     seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
+    heldout_configs: Annotated[
+        str,
+        typer.Option(
+            "--heldout-configs",
+            help="comma-separated record 'config' labels held out as whole runs (instead of"
+            " --heldout)",
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the fit report as JSON")] = False,
 ) -> None:
     """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace; write a hardware profile."""
     tr = load_trace(trace)
-    report = fit_trace(tr, load_hardware(base), heldout, seed, name)
+    held = tuple(c for c in heldout_configs.split(",") if c)
+    base_hw = load_hardware(base or tr.hardware or "cpu-2core")
+    report = fit_trace(tr, base_hw, heldout, seed, name, held)
     write_profile(report, out, tr)
+    drafter_path = write_drafter(report, drafter_out or out.with_stem(f"{out.stem}-drafter"), tr)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
         return
@@ -126,6 +152,9 @@ def calibrate_command(
         f"({report.n_fit} records), held-out MAPE {report.heldout_error:.1%} "
         f"({report.n_heldout} records)"
     )
+    if drafter_path is not None:
+        cpu = report.drafter.cpu_s_per_seq
+        typer.echo(f"wrote {drafter_path}: cpu_s_per_seq={cpu:.3g}")
 
 
 def list_command() -> None:

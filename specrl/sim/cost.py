@@ -6,6 +6,8 @@ Contract (all times in seconds, one replica of ``gpus`` GPUs holding one copy of
               + FLOPs / (gpus * P * eta_compute)                    compute term
               + T_comm                                              TP/EP collectives
     T_step    = step_overhead + [draft(k)] + T_forward(target, tokens_per_seq = 1 or k+1)
+              + [n_seqs * (k+1) * vocab * verify_s_per_logit]       rejection sampler
+    T_prefill = step_overhead + T_forward(target, n_seqs / prefill_group prompts, prompt tokens)
 
 W_read is every dense weight plus, for MoE, the expected number of distinct experts per layer for
 the T routed tokens of the forward, E * (1 - (1 - k_e/E)^T) (uniform routing; real routing is
@@ -16,10 +18,20 @@ token plus attention (4 * layers * heads * head_dim per token per context token)
 all-reduces per layer of the token activations, latency plus bytes over NVLink (or the scale-out
 link when a replica spans nodes). The form is additive (Vidur-style), matching the published vLLM
 Llama-3.1-8B step fit; calibrate.py fits its efficiency terms to measured traces.
+
+Three engine terms default to no effect (the GPU scenarios do not use them; this machine's
+calibration does): the hardware's ``verify_s_per_logit`` prices the rejection sampler's work over
+the vocabulary at every verified position beyond a plain step's sampling; ``prefill_group``
+sequences share one prompt, prefilled once and its cache forked (GRPO groups in specrl's engine;
+prefix caching in vLLM); ``draft_coverage`` gives, per draft position, the chance a sequence
+drafts there at all (n-gram / suffix drafters propose short or empty drafts), and the verify
+forward is as wide as the batch's longest draft, in expectation 1 + sum_i (1 - (1 - c_i)^n)
+tokens per sequence for n independent sequences (k+1 replaces this in the formula above).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -124,6 +136,8 @@ class StepCostModel:
     tokens per sequence describe tree speculation (SGLang EAGLE topk / num_draft_tokens); the
     defaults (1, 0) are chain speculation verifying k+1 tokens. ``routing_locality`` is the
     chance that a sequence's extra verify tokens reuse its experts (MoE only; 0 = uniform).
+    ``prefill_group`` and ``draft_coverage`` are the engine terms of the module docstring
+    (1 and () = every sequence prefills its own prompt and drafts all k positions).
     """
 
     target: ModelSpec
@@ -133,6 +147,8 @@ class StepCostModel:
     tree_width: int = 1
     tree_verify_tokens: int = 0
     routing_locality: float = 0.0
+    prefill_group: int = 1
+    draft_coverage: tuple[float, ...] = ()
 
     @cached_property
     def draft_model(self) -> ModelSpec | None:
@@ -148,12 +164,19 @@ class StepCostModel:
         """One plain decode step: overhead plus a one-token forward for every sequence."""
         return self.hw.step_overhead_s + self.target_forward(n_seqs, 1, context)
 
-    def verify_tokens(self, k: int) -> int:
-        return self.tree_verify_tokens or k + 1
+    def verify_tokens(self, k: int, n_seqs: float = 1.0) -> float:
+        """Query tokens per sequence of a verify forward (padded to the batch's longest draft)."""
+        if self.tree_verify_tokens or not self.draft_coverage:
+            return self.tree_verify_tokens or k + 1
+        cov = self.draft_coverage
+        return 1.0 + sum(1.0 - (1.0 - cov[min(i, len(cov) - 1)]) ** n_seqs for i in range(k))
 
     def verify(self, n_seqs: float, k: int, context: float) -> float:
-        """Target forward over the k drafts plus one position per sequence (no step overhead)."""
-        return self.target_forward(n_seqs, self.verify_tokens(k), context)
+        """Target forward over the k drafts plus one position per sequence, and the rejection
+        sampler over their logits (no step overhead)."""
+        tokens = self.verify_tokens(k, n_seqs)
+        sampler = n_seqs * tokens * self.target.vocab * self.hw.verify_s_per_logit
+        return self.target_forward(n_seqs, tokens, context) + sampler
 
     def draft(self, n_seqs: float, k: int, context: float) -> float:
         """Drafting k positions per sequence: k drafter forwards, or CPU time if model-free."""
@@ -174,10 +197,12 @@ class StepCostModel:
         return self.hw.step_overhead_s + draft + self.verify(n_seqs, k, context)
 
     def prefill(self, n_seqs: float, prompt_len: float, context: float = 0.0) -> float:
-        """Prefill of ``prompt_len`` new tokens for each of ``n_seqs`` sequences."""
+        """Prefill of ``prompt_len`` new tokens for each of ``n_seqs`` sequences (one forward per
+        group of ``prefill_group`` sequences sharing a prompt)."""
         if n_seqs <= 0:
             return 0.0
-        return self.hw.step_overhead_s + self.target_forward(n_seqs, prompt_len, context)
+        prompts = math.ceil(n_seqs / self.prefill_group)
+        return self.hw.step_overhead_s + self.target_forward(prompts, prompt_len, context)
 
     def kv_capacity_tokens(self) -> float:
         """Context tokens that fit in the KV cache after weights (target and drafter)."""

@@ -51,6 +51,8 @@ def step_costs(sc: Scenario, spec: bool) -> StepCostModel:
         tree_width=sc.speculation.tree_width,
         tree_verify_tokens=sc.speculation.tree_verify_tokens,
         routing_locality=sc.generation.routing_locality,
+        prefill_group=sc.generation.prefill_group,
+        draft_coverage=tuple(sc.speculation.draft_coverage),
     )
 
 

@@ -49,6 +49,9 @@ class Generation(_Strict):
     routing_locality: float = Field(
         0.0, ge=0, le=1, description="MoE: chance a verify token reuses its sequence's experts"
     )
+    prefill_group: int = Field(
+        1, ge=1, description="sequences sharing one prompt, prefilled once (1: each its own)"
+    )
 
 
 class Acceptance(_Strict):
@@ -76,6 +79,11 @@ class Speculation(_Strict):
     k: int = Field(3, ge=1, description="draft tokens per step (upper bound for cost_optimal)")
     tree_width: int = Field(1, ge=1, description="draft tokens per sequence per draft forward")
     tree_verify_tokens: int = Field(0, ge=0, description="tokens verified per sequence (0: k+1)")
+    draft_coverage: list[float] = Field(
+        default_factory=list,
+        description="per draft position, chance a sequence drafts there (n-gram/suffix may not);"
+        " verify is padded to the batch's longest draft ([]: all draft k)",
+    )
     acceptance: Acceptance = Field(default_factory=Acceptance)
 
 

@@ -88,6 +88,10 @@ class HardwareSpec:
     mem_fraction: float
     train_mfu_dense: float
     train_mfu_moe: float
+    # Extra seconds per logit the speculative verifier processes (target and residual
+    # distributions over the vocabulary at each of the k+1 positions) beyond a plain step's
+    # sampling: 0 where the fitted forward covers it (GPUs); fitted on CPUs, where it is large.
+    verify_s_per_logit: float = 0.0
 
     def train_mfu(self, model: ModelSpec) -> float:
         return self.train_mfu_moe if model.is_moe else self.train_mfu_dense
@@ -164,10 +168,10 @@ def with_overrides(spec: Any, **changes: Any) -> Any:
     return replace(spec, **changes)
 
 
-def hardware_to_toml(hw: HardwareSpec, header: str = "") -> str:
-    """Serialise a hardware profile in the same TOML layout the loaders read."""
+def spec_to_toml(spec: HardwareSpec | DrafterSpec, header: str = "") -> str:
+    """Serialise a hardware profile or drafter spec in the TOML layout the loaders read."""
     lines = [f"# {line}" for line in header.splitlines()] if header else []
-    for f in fields(HardwareSpec):
-        value = getattr(hw, f.name)
+    for f in fields(spec):
+        value = getattr(spec, f.name)
         lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
     return "\n".join(lines) + "\n"
