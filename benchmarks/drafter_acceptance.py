@@ -3,10 +3,11 @@
 Acceptance length is EAGLE's tau: tokens emitted per decode/verify step per row (the prefill's
 token not counted). The ``self`` drafter (the target drafting for itself, q == p) accepts every
 draft, so its row is the ceiling the task's completion lengths allow: short completions end
-inside a verify step. Prompts are the task's eval split (disjoint from the train split the
-drafters were trained on). Learned drafters default to the cached ones of ``specrl
-train-drafter`` (``cache_dir()/drafters/<model>-<kind>``); a missing one is skipped. Extra heads
-or draft models can be compared with ``--extra NAME=KIND:DIR`` (KIND: eagle3, mtp or draft).
+inside a verify step. T=1 takes ``--samples`` completions per prompt. Prompts are the task's eval
+split (disjoint from the train split the drafters were trained on). Learned drafters default to
+the cached ones of ``specrl train-drafter`` (``cache_dir()/drafters/<model>-<kind>``); a missing
+one is skipped. Extra heads or draft models can be compared with ``--extra NAME=KIND:DIR``
+(KIND: eagle3, mtp or draft).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/drafter_acceptance.py --threads 1
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--samples", type=int, default=4, help="completions per prompt at T=1")
     ap.add_argument("--extra", action="append", default=[], help="NAME=KIND:DIR (repeatable)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -90,6 +92,7 @@ def main() -> None:
         for t in (0.0, 1.0):
             engine = engine_for(target, method, path, args.k, max_batch=16)  # fresh drafter state
             params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=0,
+                                    n=args.samples if t > 0 else 1,
                                     stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
             row = {"drafter": name, "path": path, "temperature": t} | measure(
                 engine, prompts, params
