@@ -1,9 +1,10 @@
-"""Tokens/s with learned drafters (EAGLE-3, MTP) vs no speculation and the suffix drafter.
+"""Tokens/s with learned drafters (EAGLE-3, MTP, distilled draft model) vs no speculation and
+the suffix drafter.
 
 Usage: python benchmarks/learned_drafters.py [--batch-sizes 1,4,16,64] [--k 3] [--temperature 1]
-    [--eagle3 DIR] [--mtp DIR] [--threads 2]
-Heads default to ``cache_dir()/drafters/smollm2-135m-instruct-{eagle3,mtp}`` (made by
-``specrl train-drafter``); a missing head is skipped. Prompts come from the basic_arithmetic eval
+    [--eagle3 DIR] [--mtp DIR] [--draft DIR] [--threads 2]
+Drafters default to ``cache_dir()/drafters/smollm2-135m-instruct-{eagle3,mtp,draft}`` (made by
+``specrl train-drafter``); a missing one is skipped. Prompts come from the basic_arithmetic eval
 split (never used for training). Writes benchmarks/results/learned_drafters.json: per batch size
 and method, tokens/s, acceptance length and the ratio to no speculation, all in one run. Each
 engine runs once untimed first (warm-up; gives the suffix drafter one earlier epoch).
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specrl.cli import load_drafter
 from specrl.drafters.cli import default_out
 from specrl.drafters.data import task_prompt_ids
 from specrl.engine import Engine, Request
@@ -29,9 +31,9 @@ OUT = Path(__file__).parent / "results" / "learned_drafters.json"
 MODEL = "smollm2-135m-instruct"
 
 
-def run_one(target, spec: SpecConfig, prompts, params) -> tuple[float, float]:
+def run_one(target, spec: SpecConfig, prompts, params, draft=None) -> tuple[float, float]:
     """(tokens/s, acceptance length) of one engine on ``prompts`` (after one warm-up run)."""
-    engine = Engine(target, max_batch=len(prompts), spec=spec)
+    engine = Engine(target, max_batch=len(prompts), spec=spec, draft_model=draft)
     requests = [Request(p, params) for p in prompts]
     engine.generate(requests)
     t0 = time.perf_counter()
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--eagle3", type=Path, default=default_out(MODEL, "eagle3"))
     ap.add_argument("--mtp", type=Path, default=default_out(MODEL, "mtp"))
+    ap.add_argument("--draft", type=Path, default=default_out(MODEL, "draft"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -59,19 +62,23 @@ def main() -> None:
     pool = task_prompt_ids(tok, "basic_arithmetic", "eval", max(sizes), seed=0)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens,
                             stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
-    methods = {"none": SpecConfig(), "suffix": SpecConfig("suffix", args.k)}
+    methods = {"none": (SpecConfig(), None), "suffix": (SpecConfig("suffix", args.k), None)}
     for kind in ("eagle3", "mtp"):
         path = getattr(args, kind)
         if (path / "head.json").exists():
-            methods[kind] = SpecConfig(kind, args.k, options={"drafter_path": str(path)})
+            methods[kind] = (SpecConfig(kind, args.k, options={"drafter_path": str(path)}), None)
         else:
             print(f"skipping {kind}: no head at {path}")
+    if (args.draft / "config.json").exists():
+        methods["draft"] = (SpecConfig("draft", args.k), load_drafter(str(args.draft), target, tok))
+    else:
+        print(f"skipping draft: no draft model at {args.draft}")
     rows = []
     for b in sizes:
         prompts = [pool[i % len(pool)] for i in range(b)]
         base = None
-        for name, spec in methods.items():
-            tps, acc = run_one(target, spec, prompts, params)
+        for name, (spec, draft) in methods.items():
+            tps, acc = run_one(target, spec, prompts, params, draft)
             base = tps if name == "none" else base
             row = {"batch": b, "method": name, "tok_s": round(tps, 1),
                    "acceptance_length": round(acc, 3), "ratio": round(tps / base, 3)}  # fmt: skip
