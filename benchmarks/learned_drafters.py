@@ -5,20 +5,26 @@ Usage: python benchmarks/learned_drafters.py [--batch-sizes 1,4,16,64] [--k 3] [
     [--eagle3 DIR] [--mtp DIR] [--draft DIR] [--threads 2]
 Drafters default to ``cache_dir()/drafters/smollm2-135m-instruct-{eagle3,mtp,draft}`` (made by
 ``specrl train-drafter``); a missing one is skipped. Prompts come from the basic_arithmetic eval
-split (never used for training). Writes benchmarks/results/learned_drafters.json: per batch size
-and method, tokens/s, acceptance length and the ratio to no speculation, all in one run. Each
-engine runs once untimed first (warm-up; gives the suffix drafter one earlier epoch).
+split (never used for training). At batch size b the engine keeps b rows busy over
+max(b, --min-requests) requests (continuous batching). Every engine runs once untimed first
+(warm-up; gives the suffix drafter one earlier epoch), then --rounds timed rounds interleave the
+methods, and the median is reported. Writes benchmarks/results/learned_drafters.json (with
+``specrl.bench.run_metadata()``): per batch size and method, tokens/s, acceptance length and
+the ratio to no speculation, all in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from specrl.bench import run_metadata, write_result
 from specrl.cli import load_drafter
 from specrl.drafters.cli import default_out
 from specrl.drafters.data import task_prompt_ids
@@ -31,16 +37,38 @@ OUT = Path(__file__).parent / "results" / "learned_drafters.json"
 MODEL = "smollm2-135m-instruct"
 
 
-def run_one(target, spec: SpecConfig, prompts, params, draft=None) -> tuple[float, float]:
-    """(tokens/s, acceptance length) of one engine on ``prompts`` (after one warm-up run)."""
-    engine = Engine(target, max_batch=len(prompts), spec=spec, draft_model=draft)
-    requests = [Request(p, params) for p in prompts]
+def make_engine(target, spec: SpecConfig, draft, batch: int, requests) -> Engine:
+    """An engine with ``batch`` rows, run once untimed (warm-up; primes the suffix index)."""
+    engine = Engine(target, max_batch=batch, spec=spec, draft_model=draft)
     engine.generate(requests)
+    return engine
+
+
+def timed(engine: Engine, requests) -> tuple[float, float]:
+    """(tokens/s, acceptance length) of one generate call."""
     t0 = time.perf_counter()
     out = engine.generate(requests)
     wall = time.perf_counter() - t0
-    tokens = sum(len(c.token_ids) for c in out)
-    return tokens / wall, engine.stats.acceptance_length
+    return sum(len(c.token_ids) for c in out) / wall, engine.stats.acceptance_length
+
+
+def bench_batch(target, methods: dict, requests, batch: int, rounds: int) -> list[dict]:
+    """Rows for one batch size: median tokens/s over ``rounds`` interleaved rounds."""
+    engines = {name: make_engine(target, spec, draft, batch, requests)
+               for name, (spec, draft) in methods.items()}  # fmt: skip
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in range(rounds):  # interleaved: machine-load drift hits every method alike
+        for name, engine in engines.items():
+            runs[name].append(timed(engine, requests))
+    base = statistics.median(t for t, _ in runs["none"])
+    rows = []
+    for name, rs in runs.items():
+        tps = statistics.median(t for t, _ in rs)
+        acc = statistics.fmean(a for _, a in rs)
+        row = {"batch": batch, "method": name, "tok_s": round(tps, 1)}
+        rows.append(row | {"acceptance_length": round(acc, 3), "ratio": round(tps / base, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -53,13 +81,15 @@ def main() -> None:
     ap.add_argument("--mtp", type=Path, default=default_out(MODEL, "mtp"))
     ap.add_argument("--draft", type=Path, default=default_out(MODEL, "draft"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median reported)")
+    ap.add_argument("--min-requests", type=int, default=16, help="requests per batch size")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model(MODEL, dtype=torch.bfloat16)
     tok = load_tokenizer(MODEL)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    pool = task_prompt_ids(tok, "basic_arithmetic", "eval", max(sizes), seed=0)
+    pool = task_prompt_ids(tok, "basic_arithmetic", "eval", max(*sizes, args.min_requests), seed=0)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens,
                             stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
     methods = {"none": (SpecConfig(), None), "suffix": (SpecConfig("suffix", args.k), None)}
@@ -75,19 +105,15 @@ def main() -> None:
         print(f"skipping draft: no draft model at {args.draft}")
     rows = []
     for b in sizes:
-        prompts = [pool[i % len(pool)] for i in range(b)]
-        base = None
-        for name, (spec, draft) in methods.items():
-            tps, acc = run_one(target, spec, prompts, params, draft)
-            base = tps if name == "none" else base
-            row = {"batch": b, "method": name, "tok_s": round(tps, 1),
-                   "acceptance_length": round(acc, 3), "ratio": round(tps / base, 3)}  # fmt: skip
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"k": args.k, "temperature": args.temperature, "new_tokens": args.new_tokens,
-            "threads": args.threads, "dtype": "bfloat16"}  # fmt: skip
-    args.out.write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+        n = max(b, args.min_requests)  # more requests than rows: continuous batching at b rows
+        requests = [Request(pool[i % len(pool)], params.replace(seed=i)) for i in range(n)]
+        rows += bench_batch(target, methods, requests, b, args.rounds)
+    config = {"k": args.k, "temperature": args.temperature, "new_tokens": args.new_tokens,
+              "threads": args.threads, "dtype": "bfloat16", "rounds": args.rounds,
+              "min_requests": args.min_requests,
+              "drafters": {name: str(getattr(args, name, "")) for name in methods}}  # fmt: skip
+    meta = run_metadata("benchmarks/learned_drafters.py " + " ".join(sys.argv[1:]))
+    write_result({"meta": meta, "config": config, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
