@@ -10,7 +10,8 @@ rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt`
 and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` instead distills a
 small draft model, the target's first ``--draft-layers`` layers (``specrl.drafters.distill``),
 saved in ``--out`` as a model directory for ``--spec draft --drafter DIR``; untrained = the
-undistilled layer prefix. Bad values exit 2 with one ``error:`` line.
+undistilled layer prefix. The defaults are the recipe of the cached default drafters
+(docs/drafters.md). Bad values exit 2 with one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def register(app: typer.Typer) -> None:
     app.command("train-drafter")(train_drafter)
 
 
+HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
+
+
 def default_out(model: str, drafter: str) -> Path:
     from specrl.models.checkpoints import cache_dir
 
@@ -43,9 +47,9 @@ def train_drafter(
     ] = None,
     task: Annotated[str, typer.Option("--task", help="reasoning-gym task")] = "basic_arithmetic",
     out: Annotated[Path | None, typer.Option("--out", help="output dir")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 256,
+    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 400,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt")] = 2,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 96,
     temperature: Annotated[
         str,
         typer.Option(
@@ -53,22 +57,23 @@ def train_drafter(
             help="rollout temperature(s), comma list (e.g. 1,0: sampled and greedy "
             "completions); T=0 takes one completion per prompt",
         ),
-    ] = "1.0",
-    steps: Annotated[int, typer.Option("--steps")] = 300,
+    ] = "1,0",
+    steps: Annotated[int, typer.Option("--steps")] = 1200,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     unroll: Annotated[int, typer.Option("--unroll", help="training-time-test depth")] = 3,
     ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 100,
-    eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 32,
+    eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 24,
     k: Annotated[int, typer.Option("--num-spec-tokens", help="k for held-out acceptance")] = 3,
     draft_vocab: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--draft-vocab",
             help="reduced draft vocabulary for a head: the N most frequent completion tokens "
-            "of the training rollouts (0 = the target's full vocabulary)",
+            f"of the training rollouts (0 = the target's full vocabulary; default "
+            f"{HEAD_DRAFT_VOCAB} for eagle3/mtp, not available for draft)",
         ),
-    ] = 0,
+    ] = None,
     draft_layers: Annotated[
         int | None,
         typer.Option(
@@ -94,6 +99,8 @@ def train_drafter(
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
             _fail(f"--{name} must be >= 1, got {value}")
+    if draft_vocab is None:
+        draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
     if draft_vocab < 0:
         _fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
     temps = _temperatures(temperature)
