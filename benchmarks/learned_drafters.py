@@ -35,6 +35,9 @@ from specrl.spec.config import SpecConfig
 
 OUT = Path(__file__).parent / "results" / "learned_drafters.json"
 MODEL = "smollm2-135m-instruct"
+EVAL_POOL = (
+    48  # distinct eval prompts (the default task's eval split holds ~59); larger batches cycle
+)
 
 
 def make_engine(target, spec: SpecConfig, draft, batch: int, requests) -> Engine:
@@ -89,7 +92,7 @@ def main() -> None:
     target = load_model(MODEL, dtype=torch.bfloat16)
     tok = load_tokenizer(MODEL)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    pool = task_prompt_ids(tok, "basic_arithmetic", "eval", max(*sizes, args.min_requests), seed=0)
+    pool = task_prompt_ids(tok, "basic_arithmetic", "eval", EVAL_POOL, seed=0)  # cycled
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens,
                             stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
     methods = {"none": (SpecConfig(), None), "suffix": (SpecConfig("suffix", args.k), None)}
