@@ -56,8 +56,6 @@ def engine_for(target, method: str, path: str | None, k: int, max_batch: int) ->
     if method == "draft":
         draft = load_model(path, dtype=target.embed.weight.dtype)
         return Engine(target, max_batch=max_batch, spec=SpecConfig("draft", k), draft_model=draft)
-    if method == "self":
-        return Engine(target, max_batch=max_batch, spec=SpecConfig("self", k), draft_model=target)
     options = {"drafter_path": path} if path else {}
     return Engine(target, max_batch=max_batch, spec=SpecConfig(method, k, options=options))
 

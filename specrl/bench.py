@@ -169,9 +169,9 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
 
 def default_drafter_path(model: str, method: str) -> str | None:
     """The cached trained head of ``specrl train-drafter`` for this model, if there is one."""
-    from specrl.models.checkpoints import cache_dir
+    from specrl.drafters.cli import default_out
 
-    path = cache_dir() / "drafters" / f"{model}-{method}"
+    path = default_out(model, method)
     return str(path) if path.exists() else None
 
 

@@ -61,3 +61,13 @@ PROMPTS = [
     "Count from one to five.",
     "Why do leaves change color in the fall?",
 ]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (tiny models: thread start-up costs more than it saves,
+    and two threads crawl on a busy 2-core box); the previous count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from specrl.pipelines.sync import TIMING_KEYS, train
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(path) -> list[dict]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 from specrl.pipelines.sync import train
@@ -16,12 +15,7 @@ SEEDS = range(8)
 STEPS = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _curves(tmp_path, *overrides: str) -> np.ndarray:  # [seeds, steps] reward means

@@ -13,13 +13,7 @@ from specrl.pipelines.sync import METRIC_KEYS, build_run, draw_prompts, run_trai
 from tests.conftest import make_tiny
 from tests.pipelines.pipeline_fakes import IdCodec, ModFourEnv, tiny_config, tiny_parts
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("spec", ["none", "suffix", "self"])

@@ -5,23 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from specrl.config import load_config
 from specrl.pipelines.report import write_report
 from specrl.pipelines.sync import METRIC_KEYS, build_run, run_training, train
 
-pytestmark = pytest.mark.slow
 TINY = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "env.num_eval=4", "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_default_run_two_steps(tmp_path):

@@ -18,14 +18,7 @@ from specrl.rl.learner import (
     token_logprobs,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: thread start-up costs more than it saves, and two threads crawl on a busy box
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0, embed_std: float = 1.0) -> Transformer:
