@@ -86,23 +86,29 @@ def collate(examples: list[Example], max_len: int):
 def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
     """Weighted soft cross-entropy over unroll depths (see the module docstring)."""
     feats, tokens, final, mask = batch
-    w, lm = head.proj.weight, head.target.lm_head
-    with torch.no_grad():
-        target_lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)  # [B, T, V]
-        if head.d2t is not None:
-            target_lp = target_lp.index_select(-1, head.d2t)  # [B, T, Vd], mass outside dropped
-        target_p = target_lp.exp()
-    outs = head.unroll(feats.to(w.dtype), tokens, unroll)
+    target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
+    outs = head.unroll(feats.to(head.proj.weight.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32)
     for j, g in enumerate(outs):
         m = mask.clone()
         m[:, :j] = False
         if not m.any():
             continue
-        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [N, Vd]
-        ce = -(target_p[m] * lp).sum(-1).mean()
+        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [Nj, Vd]
+        ce = -(target_p[m[mask]] * lp).sum(-1).mean()
         total = total + decay**j * ce
     return total
+
+
+@torch.no_grad()
+def target_probs(head: DraftHead, final: torch.Tensor) -> torch.Tensor:
+    """The frozen target's next-token distribution [N, Vd] from its final hidden states [N, H],
+    restricted to the head's draft vocabulary (mass outside it dropped, not renormalised)."""
+    lm = head.target.lm_head
+    lp = torch.log_softmax(lm(final.to(lm.weight.dtype)).float(), -1)  # [N, V]
+    if head.d2t is not None:
+        lp = lp.index_select(-1, head.d2t)  # [N, Vd]
+    return lp.exp()
 
 
 def draw_batch(examples: list[Example], cfg: TrainConfig, step: int) -> list[Example]:
