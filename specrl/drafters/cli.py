@@ -3,7 +3,8 @@
 Contract: ``register(app)`` adds the command. It generates the target's own completions on the
 train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the target features
 (``specrl.drafters.data``), trains the head (``specrl.drafters.train``; progress bar, checkpoint
-every ``--ckpt-every`` steps in ``--out``; rerunning the same command resumes, and reuses the
+every ``--ckpt-every`` steps in ``--out``; heads are then fine-tuned ``--tv-steps`` steps on the
+total-variation loss, checkpointed apart; rerunning the same command resumes, and reuses the
 rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt``), saves
 ``head.safetensors`` + ``head.json`` in ``--out`` (default
 ``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +32,7 @@ def register(app: typer.Typer) -> None:
 
 
 HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
+TV_STEPS = 600  # total-variation fine-tuning steps of the default head recipe
 
 
 def default_out(model: str, drafter: str) -> Path:
@@ -60,6 +63,15 @@ def train_drafter(
     ] = "1,0",
     steps: Annotated[int, typer.Option("--steps")] = 1200,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    tv_steps: Annotated[
+        int,
+        typer.Option(
+            "--tv-steps",
+            help="eagle3/mtp: then fine-tune this many steps on the total-variation loss "
+            "(the rejection probability; raises sampled acceptance); 0 = off",
+        ),
+    ] = TV_STEPS,
+    tv_lr: Annotated[float, typer.Option("--tv-lr", help="learning rate of the TV phase")] = 3e-4,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     unroll: Annotated[int, typer.Option("--unroll", help="training-time-test depth")] = 3,
     ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 100,
@@ -99,6 +111,8 @@ def train_drafter(
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
             _fail(f"--{name} must be >= 1, got {value}")
+    if tv_steps < 0:
+        _fail(f"--tv-steps must be >= 0, got {tv_steps}")
     if draft_vocab is None:
         draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
     if draft_vocab < 0:
@@ -168,13 +182,23 @@ def train_drafter(
         losses = distill(head, target, examples, cfg, out=out, tokenizer_dir=resolve_model(model))
     else:
         losses = train_head(head, examples, cfg, out=out)
-    typer.echo(f"trained {steps} steps in {time.perf_counter() - t0:.0f}s, loss "
-               f"{losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f}")  # fmt: skip
+    _report("trained", steps, t0, losses)
+    if tv_steps and drafter != "draft":
+        tv = replace(cfg, steps=tv_steps, lr=tv_lr, warmup=min(10, tv_steps), loss="tv")
+        t0 = time.perf_counter()
+        losses = train_head(head, examples, tv, out=out, state_name="train_state_tv.pt")
+        _report("fine-tuned (total variation)", tv_steps, t0, losses)
     after = measure()
     typer.echo(f"saved {drafter} drafter to {out}")
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
     for t in (0.0, 1.0):
         typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+
+
+def _report(what: str, steps: int, t0: float, losses: list[float]) -> None:
+    tail = losses[-10:]
+    typer.echo(f"{what} {steps} steps in {time.perf_counter() - t0:.0f}s, loss "
+               f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f}")  # fmt: skip
 
 
 def _temperatures(text: str) -> list[float]:

@@ -2,13 +2,15 @@
 
 Contract:
 - ``train_head(head, examples, cfg, out=None)`` minimises, over random mini-batches of examples,
-  sum_j decay^j * mean soft cross-entropy(target distribution, head depth-j distribution) over the
-  completion positions (the head at position i predicts token i+2; its target is
-  softmax(lm_head(final[i+1])) of the frozen target, restricted to the head's draft vocabulary
-  when it has one (not renormalised: the optimum is then q = p on the draft vocabulary,
-  renormalised, whose acceptance is p's mass there); depth j is valid from position j on). The
+  sum_j decay^j * mean loss(target distribution, head depth-j distribution) over the completion
+  positions. The head at position i predicts token i+2; its target is softmax(lm_head(final[i+1]))
+  of the frozen target, restricted to the head's draft vocabulary when it has one (not
+  renormalised: the optimum is then q = p on the draft vocabulary, renormalised, whose acceptance
+  is p's mass there); depth j is valid from position j on. The loss is ``HEAD_LOSSES[cfg.loss]``:
+  soft cross-entropy ("ce"), or total variation ("tv": the probability that speculative sampling
+  rejects a draft, the quantity acceptance depends on; used to fine-tune after "ce"). The
   target model is never updated (its trunk is detached by construction: only features go in).
-  With ``out``, it writes ``out/train_state.pt`` (head + optimizer + step + losses) every
+  With ``out``, it writes ``out/<state_name>`` (head + optimizer + step + losses) every
   ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
   ``specrl.models.heads.save_head``. Returns the per-step losses (of this and earlier runs).
 - ``fit(module, examples, cfg, loss_fn, state_path)`` is the loop both drafter trainers share:
@@ -53,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     ckpt_every: int = 100
     bf16: bool = True  # autocast the forward to bfloat16 (AMX on CPU)
+    loss: str = "ce"  # a key of HEAD_LOSSES (heads only; the draft model distils with KL)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -83,8 +86,8 @@ def collate(examples: list[Example], max_len: int):
     return feats, tokens, final, mask
 
 
-def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
-    """Weighted soft cross-entropy over unroll depths (see the module docstring)."""
+def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce") -> torch.Tensor:
+    """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see the module docstring)."""
     feats, tokens, final, mask = batch
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
     outs = head.unroll(feats.to(head.proj.weight.dtype), tokens, unroll)
@@ -95,9 +98,25 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float) -> torch.Tensor:
         if not m.any():
             continue
         lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [Nj, Vd]
-        ce = -(target_p[m[mask]] * lp).sum(-1).mean()
-        total = total + decay**j * ce
+        total = total + decay**j * HEAD_LOSSES[loss](target_p[m[mask]], lp)
     return total
+
+
+def soft_cross_entropy(p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum p log q (p [N, Vd] target probabilities, lp [N, Vd] log q)."""
+    return -(p * lp).sum(-1).mean()
+
+
+def total_variation(p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of 1/2 sum |p - q|: on the draft vocabulary, 1 - sum min(p, q) up to a
+    constant, i.e. the probability that speculative sampling rejects a draft from q."""
+    return 0.5 * (p - lp.exp()).abs().sum(-1).mean()
+
+
+HEAD_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "ce": soft_cross_entropy,
+    "tv": total_variation,
+}
 
 
 @torch.no_grad()
@@ -175,14 +194,16 @@ def train_head(
     cfg: TrainConfig,
     out: str | Path | None = None,
     progress: bool = True,
+    state_name: str = "train_state.pt",
 ) -> list[float]:
-    """Train ``head`` in place (see the module docstring); returns the loss of every step."""
+    """Train ``head`` in place (see the module docstring); returns the loss of every step.
+    ``state_name``: the checkpoint file in ``out`` (one per training phase)."""
     head.requires_grad_(True)
     head.target.requires_grad_(False)
-    state_path = Path(out) / "train_state.pt" if out is not None else None
+    state_path = Path(out) / state_name if out is not None else None
 
     def loss_fn(batch: list[Example]) -> torch.Tensor:
-        return ttt_loss(head, collate(batch, cfg.max_len), cfg.unroll, cfg.decay)
+        return ttt_loss(head, collate(batch, cfg.max_len), cfg.unroll, cfg.decay, cfg.loss)
 
     losses = fit(head, examples, cfg, loss_fn, state_path, progress)
     if out is not None:

@@ -148,8 +148,9 @@ class DraftHead(nn.Module):
         kv_len: int | None = None,
     ) -> torch.Tensor:
         """Run the decoder layer; returns g [B, T, H]. Without a cache: causal over T."""
-        ctx = self.target.attn_context(positions, None, None)
-        if cache is not None:
+        if cache is None:
+            ctx = self.target.attn_context(positions, None, None)
+        else:
             kv_len = kv_len or int(positions.max()) + 1
             keys = torch.arange(kv_len, device=positions.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]

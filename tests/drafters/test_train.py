@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from specrl.drafters.data import build_examples, load_examples, rollouts, save_examples
-from specrl.drafters.train import TrainConfig, acceptance, train_head
+from specrl.drafters.train import (
+    TrainConfig,
+    acceptance,
+    collate,
+    total_variation,
+    train_head,
+    ttt_loss,
+)
 from specrl.models.heads import DraftHead, draft_vocab_by_frequency, load_head
 from tests.conftest import make_tiny
 
@@ -67,3 +74,28 @@ def test_resume_continues_where_it_stopped(tmp_path):
     assert len(resumed) == 6
     assert resumed[:3] == full[:3]
     torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]))
+
+
+def test_total_variation_is_the_rejection_probability():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(3 * torch.randn(5, 11, generator=gen), -1)
+    lq = torch.log_softmax(3 * torch.randn(5, 11, generator=gen), -1)
+    reject = 1 - torch.minimum(p, lq.exp()).sum(-1)  # speculative sampling rejects a q-draft
+    torch.testing.assert_close(total_variation(p, lq), reject.mean())
+
+
+def test_tv_phase_after_ce_lowers_the_rejection_probability_more_than_ce(tmp_path):
+    target, head, examples, _ = tiny_setup()
+    ce = TrainConfig(steps=60, lr=3e-3, warmup=5, batch_size=8, bf16=False)
+    train_head(head, examples, ce, progress=False)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    batch = collate(examples, 512)
+    before = float(ttt_loss(head, batch, 3, 0.8, loss="tv"))
+    after = {}
+    for loss in ("ce", "tv"):
+        head.load_state_dict(start)
+        more = TrainConfig(steps=40, lr=1e-3, warmup=5, batch_size=8, bf16=False, loss=loss)
+        losses = train_head(head, examples, more, out=tmp_path, progress=False, state_name=loss)
+        assert len(losses) == 40 and (tmp_path / loss).exists()
+        after[loss] = float(ttt_loss(head, batch, 3, 0.8, loss="tv"))
+    assert after["tv"] < min(before, after["ce"]), (before, after)

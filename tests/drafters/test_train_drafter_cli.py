@@ -22,6 +22,7 @@ def app() -> typer.Typer:
     [
         (["--draft-vocab", "-1"], "--draft-vocab must be >= 0 (0 = full vocabulary), got -1"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--tv-steps", "-5"], "--tv-steps must be >= 0, got -5"),
         (["--temperature", "1,x"], "--temperature must be a comma list of numbers"),
         (["--temperature", "-1"], "in [0, 10], got '-1'"),
         (["--drafter", "medusa"], "unknown --drafter 'medusa'"),
