@@ -5,7 +5,7 @@ recording, training, held-out acceptance) in a fresh output directory, so nothin
 reused, and records the total wall time, the per-phase times the command prints and its
 held-out acceptance lengths. Issue target: <= 30 minutes on 2 CPU cores.
 
-    .venv/bin/python benchmarks/train_drafter_time.py --threads 2 [--drafter eagle3]
+    .venv/bin/python benchmarks/train_drafter_time.py --threads 2 [--drafter eagle3] [--keep DIR]
 
 Writes benchmarks/results/train_drafter_time.json (with ``specrl.bench.run_metadata()``).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ OUT = Path(__file__).parent / "results" / "train_drafter_time.json"
 PATTERNS = {
     "data_s": r"examples, \d+ tokens in (\d+)s",
     "train_s": r"trained \d+ steps in (\d+)s",
+    "tv_s": r"fine-tuned \(total variation\) \d+ steps in (\d+)s",
     "acceptance_t0": r"T=0: untrained [\d.]+\s+trained ([\d.]+)",
     "acceptance_t1": r"T=1: untrained [\d.]+\s+trained ([\d.]+)",
 }
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--keep", type=Path, help="copy the trained drafter's directory here")
     args, extra = ap.parse_known_args()  # anything else goes to train-drafter
     specrl = Path(sys.executable).with_name("specrl")
     load_before = os.getloadavg()
@@ -47,6 +50,8 @@ def main() -> None:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         wall = time.perf_counter() - t0
+        if args.keep and proc.returncode == 0:
+            shutil.copytree(d, args.keep, dirs_exist_ok=True)
     print(proc.stdout)
     if proc.returncode:
         sys.exit(f"train-drafter failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

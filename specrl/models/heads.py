@@ -155,7 +155,7 @@ class DraftHead(nn.Module):
             keys = torch.arange(kv_len, device=positions.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
             ctx = AttnContext(positions, mask, cache, rows, kv_len, slots=slots)
-        cos, sin = self.target.rope(positions)
+        cos, sin = self.target.rope(positions, like=self.proj.weight)
         return self.block(self.inputs(h, tokens), cos, sin, ctx)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
@@ -180,7 +180,7 @@ class DraftHead(nn.Module):
         """
         b, t, _ = feats.shape
         positions = torch.arange(t, device=feats.device).expand(b, t)
-        cos, sin = self.target.rope(positions)
+        cos, sin = self.target.rope(positions, like=self.proj.weight)
         blk, attn = self.block, self.block.attn
         h = self.features_in(feats)
         keys: list[torch.Tensor] = []

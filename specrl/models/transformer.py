@@ -103,6 +103,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+FP32_ATTENTION_ROWS = 4  # batch rows up to which grouped_attention computes in float32
+
+
 def grouped_attention(
     q: torch.Tensor,  # [B, H, T, D]
     k: torch.Tensor,  # [B, KV, L, D] (a strided view of the cache)
@@ -112,17 +115,24 @@ def grouped_attention(
     """Attention for few queries over a long cache, as batched GEMMs per KV head.
 
     The H/KV query heads sharing a KV head are stacked as rows, so each KV head's keys are read
-    once; on CPU in bf16 this is several times faster than the fused kernel at T <= 8.
+    once; on CPU in bf16 this is several times faster than the fused kernel at T <= 8. Up to
+    ``FP32_ATTENTION_ROWS`` rows it computes in float32 (tiny bf16 batched GEMMs are slow on CPU:
+    ~3x at batch 1, conversions included); the result has q's dtype either way.
     """
     b, h, t, d = q.shape
+    dtype = q.dtype
     kv = k.shape[1]
     g = h // kv
     qg = q.reshape(b, kv, g * t, d)
-    scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2).float()  # [B, KV, gT, L]
+    if b <= FP32_ATTENTION_ROWS:
+        qg, k, v = qg.float(), k.float(), v.float()
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, KV, gT, L]
+    else:
+        scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2).float()
     scores = scores.view(b, kv, g, t, -1).mul_(d**-0.5)
     scores.masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, g * t, -1)
-    return torch.matmul(probs, v).view(b, h, t, d)
+    return torch.matmul(probs, v).view(b, h, t, d).to(dtype)
 
 
 class Attention(nn.Module):
@@ -139,27 +149,29 @@ class Attention(nn.Module):
     def project(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [B, T, head_dim]
-        sin: torch.Tensor,  # [B, T, head_dim]
+        cos: torch.Tensor,  # [B, T, 1, head_dim]
+        sin: torch.Tensor,  # [B, T, 1, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, T, heads, D], k and v [B, T, kv_heads, D]; q/k normed (Qwen3) and rotated."""
+        """q [B, T, heads, D], k and v [B, T, kv_heads, D]; q/k normed (Qwen3) and rotated
+        (q and k in one go: the same elementwise ops, fewer of them)."""
         c = self.c
         b, t, _ = x.shape
-        hq, hk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = self.qkv(x).split([hq, hk, hk], dim=-1)
-        q = q.view(b, t, c.num_heads, c.head_dim)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        heads = (c.num_heads, c.num_kv_heads)
+        qk, v = self.qkv(x).split([sum(heads) * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
+        qk = qk.view(b, t, sum(heads), c.head_dim)
         v = v.view(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+            q, k = qk.split(heads, dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # no-ops when rope() made them in it
+        q, k = (qk * cos + rotate_half(qk) * sin).split(heads, dim=2)
+        return q, k, v
 
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [B, T, head_dim]
-        sin: torch.Tensor,  # [B, T, head_dim]
+        cos: torch.Tensor,  # [B, T, 1, head_dim]
+        sin: torch.Tensor,  # [B, T, 1, head_dim]
         ctx: AttnContext,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -236,11 +248,17 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, T, head_dim] (float32) for integer positions [B, T]."""
+    def rope(
+        self, positions: torch.Tensor, like: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, 1, head_dim] for integer positions [B, T], computed in float32 and
+        rounded once to the dtype of ``like`` (default: this model's weights), which attention
+        would round them to anyway; under autocast they stay float32 (rounded per use)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
+        weights = self.embed.weight if like is None else like
+        dtype = torch.float32 if torch.is_autocast_enabled("cpu") else weights.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attn_context(
         self,
