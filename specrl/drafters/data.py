@@ -6,10 +6,11 @@ Contract:
   ``jsonl_prompt_ids(tokenizer, path)`` reads a JSONL of {"prompt": str} or {"messages": [...]}.
 - ``rollouts(target, prompt_ids, ...)`` samples completions with the ``Engine`` (plain decoding:
   exactly the target's distribution) and returns ``Sequence``s (prompt + completion token ids).
-- ``build_examples(target, sequences, layers)`` runs one teacher-forced target forward per
-  sequence and records, per position i: the captured layer outputs ``feats[i]`` (concatenated,
-  [T, F], what the engine hands a drafter for that position; F = 0 when ``layers`` is empty, as
-  for a draft model, which needs only the tokens and targets) and the final normed hidden
+- ``build_examples(target, sequences, layers)`` runs the target teacher-forced over every
+  sequence (a prompt shared by several sequences runs once, into a KV cache) and records, per
+  position i: the captured layer outputs ``feats[i]`` (concatenated, [T, F], what the engine
+  hands a drafter for that position; F = 0 when ``layers`` is empty, as for a draft model, which
+  needs only the tokens and targets) and the final normed hidden
   ``final[i]`` ([T, H]; the target's distribution for token i+1 is softmax(lm_head(final[i])),
   recomputed during training instead of storing [T, V] probabilities).
 - ``save_examples``/``load_examples`` keep them in one ``torch.save`` file (resume without
@@ -109,15 +110,53 @@ def build_examples(
     progress: bool = False,
 ) -> list[Example]:
     """Record the target's features and final hidden states for every sequence (stored in
-    ``dtype`` to halve memory)."""
-    out = []
-    for seq in tqdm(sequences, disable=not progress, desc="features", unit="seq"):
-        ids = torch.tensor([seq.tokens])
-        res = target(ids, torch.arange(ids.shape[1])[None], capture=layers, logits_at=ids[:, :0])
-        captured = res.captured or [res.hidden.new_zeros(1, ids.shape[1], 0)]  # F = 0: no layers
-        feats = torch.cat(captured, dim=-1)[0]  # [T, F]
-        out.append(Example(ids[0], seq.prompt_len, feats.to(dtype), res.hidden[0].to(dtype)))
+    ``dtype`` to halve memory), in input order. Sequences with the same prompt share one prompt
+    forward: the prompt is run once into a KV cache and their completions continue from it."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, seq in enumerate(sequences):
+        groups.setdefault(tuple(seq.tokens[: seq.prompt_len]), []).append(i)
+    out: list[Example | None] = [None] * len(sequences)
+    bar = tqdm(total=len(sequences), disable=not progress, desc="features", unit="seq")
+    for members in groups.values():
+        made = _group_examples(target, [sequences[i] for i in members], layers)
+        for i, (feats, final) in zip(members, made, strict=True):
+            seq = sequences[i]
+            out[i] = Example(torch.tensor(seq.tokens), seq.prompt_len, feats.to(dtype, copy=True),
+                             final.to(dtype, copy=True))  # fmt: skip
+        bar.update(len(members))
+    bar.close()
     return out
+
+
+def _group_examples(
+    target: Transformer, seqs: list[Sequence], layers: tuple[int, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(feats [T, F], final [T, H]) per sequence of ``seqs``, which all share one prompt."""
+    n, p = len(seqs), seqs[0].prompt_len
+    lens = [len(s.tokens) - p for s in seqs]  # completion lengths
+    width = max(max(lens), 1)
+    cache = target.new_cache(n, p + width)
+    prompt = torch.tensor([seqs[0].tokens[:p]])  # [1, P]
+    pre = _forward(target, prompt, torch.arange(p)[None], layers, cache=cache,
+                   slots=torch.tensor([0]), prefill=True)  # fmt: skip
+    for j in range(1, n):
+        cache.copy_slot(0, j, p)
+    ids = torch.zeros(n, width, dtype=torch.int64)  # [n, C], right-padded
+    for j, s in enumerate(seqs):
+        ids[j, : lens[j]] = torch.tensor(s.tokens[p:])
+    positions = p + torch.arange(width).expand(n, width)
+    rest = _forward(target, ids, positions, layers, cache=cache, kv_len=p + width)
+    return [
+        tuple(torch.cat([a[0], b[j, : lens[j]]]) for a, b in zip(pre, rest, strict=True))
+        for j in range(n)
+    ]
+
+
+def _forward(target: Transformer, ids: torch.Tensor, positions: torch.Tensor, layers, **kw):
+    """(feats [B, T, F], final [B, T, H]) of a forward that computes no logits."""
+    res = target(ids, positions, capture=layers, logits_at=ids[:, :0], **kw)
+    captured = res.captured or [res.hidden.new_zeros(*ids.shape, 0)]  # F = 0: no layers
+    return torch.cat(captured, dim=-1), res.hidden
 
 
 def save_examples(examples: list[Example], path: str | Path) -> None:

@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from specrl.drafters.data import build_examples, load_examples, rollouts, save_examples
+from specrl.drafters.data import (
+    Sequence,
+    build_examples,
+    load_examples,
+    rollouts,
+    save_examples,
+)
 from specrl.drafters.train import (
     TrainConfig,
     acceptance,
@@ -99,3 +105,23 @@ def test_tv_phase_after_ce_lowers_the_rejection_probability_more_than_ce(tmp_pat
         assert len(losses) == 40 and (tmp_path / loss).exists()
         after[loss] = float(ttt_loss(head, batch, 3, 0.8, loss="tv"))
     assert after["tv"] < min(before, after["ce"]), (before, after)
+
+
+def test_shared_prompt_examples_equal_teacher_forcing():
+    """Sequences sharing a prompt reuse one prompt forward; features equal a plain forward."""
+    target = make_tiny(seed=3, vocab_size=32, num_layers=4)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 32, (5,), generator=gen).tolist()
+    other = torch.randint(0, 32, (3,), generator=gen).tolist()
+    seqs = [
+        Sequence(prompt + torch.randint(0, 32, (n,), generator=gen).tolist(), len(prompt))
+        for n in (4, 9, 1)
+    ] + [Sequence(other + [7, 8], len(other))]
+    layers = (0, 2, 3)
+    examples = build_examples(target, seqs, layers, dtype=torch.float32)
+    for seq, ex in zip(seqs, examples, strict=True):
+        ids = torch.tensor([seq.tokens])
+        ref = target(ids, torch.arange(ids.shape[1])[None], capture=layers)
+        assert ex.tokens.tolist() == seq.tokens and ex.prompt_len == seq.prompt_len
+        torch.testing.assert_close(ex.feats, torch.cat(ref.captured, -1)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ex.final, ref.hidden[0], atol=1e-5, rtol=1e-5)
