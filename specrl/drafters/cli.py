@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
 
 HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
-TV_STEPS = 600  # total-variation fine-tuning steps of the default head recipe
+TV_STEPS = 300  # total-variation fine-tuning steps of the default head recipe
 
 
 def default_out(model: str, drafter: str) -> Path:
@@ -50,7 +50,7 @@ def train_drafter(
     ] = None,
     task: Annotated[str, typer.Option("--task", help="reasoning-gym task")] = "basic_arithmetic",
     out: Annotated[Path | None, typer.Option("--out", help="output dir")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 400,
+    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 800,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt")] = 2,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 96,
     temperature: Annotated[
@@ -61,7 +61,7 @@ def train_drafter(
             "completions); T=0 takes one completion per prompt",
         ),
     ] = "1,0",
-    steps: Annotated[int, typer.Option("--steps")] = 1200,
+    steps: Annotated[int, typer.Option("--steps")] = 1500,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     tv_steps: Annotated[
         int,
