@@ -68,7 +68,7 @@ def train_drafter(
         typer.Option(
             "--tv-steps",
             help="eagle3/mtp: then fine-tune this many steps on the total-variation loss "
-            "(the rejection probability; raises sampled acceptance); 0 = off",
+            "(the rejection probability, which sampled acceptance depends on); 0 = off",
         ),
     ] = TV_STEPS,
     tv_lr: Annotated[float, typer.Option("--tv-lr", help="learning rate of the TV phase")] = 3e-4,
