@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -70,6 +71,19 @@ def measure(engine: Engine, prompts, params: SamplingParams) -> dict:
     }
 
 
+def temperature_rows(make_engine, prompts, args, stops: tuple[int, ...], label: dict) -> list[dict]:
+    """``label`` + a T=0 row (one completion per prompt) and a T=1 row (``args.samples`` each),
+    each measured on a fresh engine from ``make_engine()`` (fresh drafter state)."""
+    rows = []
+    for t in (0.0, 1.0):
+        params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=0,
+                                n=args.samples if t > 0 else 1, stop_token_ids=stops)  # fmt: skip
+        row = label | {"temperature": t} | measure(make_engine(), prompts, params)
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="basic_arithmetic")
@@ -85,18 +99,11 @@ def main() -> None:
     target = load_model(MODEL, dtype=torch.bfloat16)
     tok = load_tokenizer(MODEL)
     prompts = task_prompt_ids(tok, args.task, "eval", args.eval_prompts, seed=0)
+    stops = tuple(tok.stop_token_ids)
     rows = []
     for name, (method, path) in drafters(args).items():
-        for t in (0.0, 1.0):
-            engine = engine_for(target, method, path, args.k, max_batch=16)  # fresh drafter state
-            params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=0,
-                                    n=args.samples if t > 0 else 1,
-                                    stop_token_ids=tuple(tok.stop_token_ids))  # fmt: skip
-            row = {"drafter": name, "path": path, "temperature": t} | measure(
-                engine, prompts, params
-            )
-            print(row, flush=True)
-            rows.append(row)
+        make = partial(engine_for, target, method, path, args.k, max_batch=16)
+        rows += temperature_rows(make, prompts, args, stops, {"drafter": name, "path": path})
     meta = run_metadata("benchmarks/drafter_acceptance.py " + " ".join(sys.argv[1:]))
     write_result({"meta": meta, "args": vars(args) | {"out": str(args.out)}, "rows": rows},
                  args.out)  # fmt: skip

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
-from drafter_acceptance import MODEL, measure
+from drafter_acceptance import MODEL, temperature_rows
 
 from specrl.bench import run_metadata, write_result
 from specrl.drafters.cli import default_out
@@ -29,23 +30,16 @@ from specrl.drafters.train import TrainConfig, train_head
 from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
 from specrl.models.heads import load_head
-from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 
 OUT = Path(__file__).parent / "results" / "drafter_loss_ablation.json"
 
 
 def acceptance_rows(target, head, name: str, prompts, args, stops) -> list[dict]:
-    rows = []
-    for t in (0.0, 1.0):
-        spec = SpecConfig(head.kind, args.k, options={"drafter": head})
-        engine = Engine(target, max_batch=16, spec=spec)
-        params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=0,
-                                n=args.samples if t > 0 else 1, stop_token_ids=stops)  # fmt: skip
-        row = {"arm": name, "temperature": t} | measure(engine, prompts, params)
-        print(row, flush=True)
-        rows.append(row)
-    return rows
+    """T=0 and T=1 rows of ``head`` (``drafter_acceptance.temperature_rows``)."""
+    spec = SpecConfig(head.kind, args.k, options={"drafter": head})
+    make = partial(Engine, target, max_batch=16, spec=spec)
+    return temperature_rows(make, prompts, args, stops, {"arm": name})
 
 
 def main() -> None:
