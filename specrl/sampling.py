@@ -30,6 +30,11 @@ STREAM_SAMPLE = 1
 STREAM_ACCEPT = 2
 STREAM_RECOVER = 3
 STREAM_DRAFT = 4
+# Sibling j of a first draft token (``specrl.spec.siblings``): drawn with stream
+# STREAM_SIBLING_DRAFT + j, tested with STREAM_SIBLING_ACCEPT + j (j < MAX_SIBLINGS).
+MAX_SIBLINGS = 16
+STREAM_SIBLING_DRAFT = 64
+STREAM_SIBLING_ACCEPT = STREAM_SIBLING_DRAFT + MAX_SIBLINGS
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class EngineStats:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    sibling_accepted: int = 0  # row steps where a sibling replaced the rejected first draft
     per_position_accepted: list[int] = field(default_factory=list)
     per_position_drafted: list[int] = field(default_factory=list)
     emitted_per_row_step: int = 0  # sum over (row, decode/verify step) of emitted tokens

@@ -177,7 +177,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if ctx.cache is not None:
-            ctx.cache.write(self.layer, ctx.rows, ctx.positions, k, v)
+            at = ctx.positions if ctx.store is None else ctx.store
+            ctx.cache.write(self.layer, ctx.rows, at, k, v)
         if ctx.cache is not None and ctx.read_cache:
             keys, values = ctx.cache.read(self.layer, b, ctx.kv_len, ctx.slots)
         else:
@@ -222,6 +223,7 @@ class AttnContext:
     kv_len: int = 0
     read_cache: bool = True  # False: prefill, attend only within the new tokens
     slots: torch.Tensor | None = None  # [B] slots read (None: slots 0..B-1, a view)
+    store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
 
 
 @dataclass
@@ -268,6 +270,7 @@ class Transformer(nn.Module):
         segments: torch.Tensor | None = None,  # [B, T] packed-sequence ids (no cache)
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         prefill: bool = False,
+        tree: torch.Tensor | None = None,  # [T, T] bool ancestor-or-self mask (cache only)
     ) -> AttnContext:
         b, t = positions.shape
         if cache is None or prefill:
@@ -279,12 +282,37 @@ class Transformer(nn.Module):
                 return AttnContext(positions=positions, mask=mask[:, None])
             rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
             return AttnContext(positions, mask[:, None], cache, rows, t, read_cache=False)
+        if tree is not None:
+            return self._tree_context(positions, cache, kv_len, slots, tree)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
         rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
         return AttnContext(positions, mask[:, None], cache, rows, kv_len, slots=slots)
+
+    @staticmethod
+    def _tree_context(
+        positions: torch.Tensor,  # [B, T] RoPE positions
+        cache: KVCache,
+        kv_len: int | None,
+        slots: torch.Tensor | None,
+        tree: torch.Tensor,  # [T, T] bool: tree[i, j] = token j is token i or its ancestor
+    ) -> AttnContext:
+        """Token i of row b is stored at cache position ``positions[b, 0] + i`` and attends to
+        everything cached before the first token plus its ancestors (and itself) in ``tree``."""
+        b, t = positions.shape
+        start = positions[:, :1]  # [B, 1] cache position of the first (root) token
+        store = start + torch.arange(t, device=positions.device)[None, :]  # [B, T]
+        if kv_len is None:
+            kv_len = int(store.max()) + 1
+        keys = torch.arange(kv_len, device=positions.device)
+        rel = keys[None, :] - start  # [B, kv_len] key index relative to the root
+        inside = (rel >= 0) & (rel < t)  # [B, kv_len]
+        in_tree = tree[:, rel.clamp(0, t - 1)].permute(1, 0, 2) & inside[:, None, :]
+        mask = (rel < 0)[:, None, :] | in_tree  # [B, T, kv_len]
+        rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
+        return AttnContext(positions, mask[:, None], cache, rows, kv_len, slots=slots, store=store)
 
     def hidden_states(
         self,
@@ -296,14 +324,18 @@ class Transformer(nn.Module):
         segments: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
         prefill: bool = False,
+        tree: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [B, T, H] and the outputs of layers in ``capture``.
 
         With a cache, row b writes its keys/values into slot ``slots[b]`` (default b) at its
         positions and attends to that slot's positions <= its own; with ``prefill`` it attends
-        only within the given tokens (no cache read).
+        only within the given tokens (no cache read). With ``tree`` ([T, T] ancestor-or-self,
+        a draft tree) the T tokens are stored at consecutive cache positions from
+        ``positions[:, 0]`` while RoPE uses ``positions`` (a token's depth), and each token
+        attends to the cache before the root and to its ancestors only.
         """
-        ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill)
+        ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
         captured = []
@@ -323,9 +355,10 @@ class Transformer(nn.Module):
         capture: tuple[int, ...] = (),
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         prefill: bool = False,  # write the cache, attend only within ids
+        tree: torch.Tensor | None = None,  # [T, T] draft tree (see ``hidden_states``)
     ) -> ForwardOutput:
         h, captured = self.hidden_states(
-            ids, positions, cache, kv_len, capture, slots=slots, prefill=prefill
+            ids, positions, cache, kv_len, capture, slots=slots, prefill=prefill, tree=tree
         )
         sel = h if logits_at is None else h.gather(1, _expand_idx(logits_at, h.shape[-1]))
         return ForwardOutput(self.lm_head(sel), h, captured)

@@ -1,9 +1,10 @@
 """Speculation settings and building a proposer from them.
 
 Contract: ``SpecConfig(method, k)`` names a registered drafter (``none`` = plain decoding) and
-the number of draft tokens per step, 0 <= k <= ``MAX_SPEC_TOKENS``. ``build_proposer`` returns a
-ready ``Proposer`` or raises ``ValueError`` with a one-line reason (unknown method, bad k, a
-drafter that needs weights and got none).
+the number of draft tokens per step, 0 <= k <= ``MAX_SPEC_TOKENS``, and ``siblings`` extra
+candidates for the first draft token of a stochastic drafter (``specrl.spec.siblings``).
+``build_proposer`` returns a ready ``Proposer`` or raises ``ValueError`` with a one-line reason
+(unknown method, bad k, a drafter that needs weights and got none).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specrl.sampling import MAX_SIBLINGS
 from specrl.spec.proposers import available_proposers, get_proposer_class
 
 MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
@@ -25,12 +27,27 @@ class SpecConfig:
     batch of B live rows, and runs plain decoding when that is < 1: verification stays in the
     memory-bound regime where it is nearly free (about 16 tokens per forward for SmolLM2 on 2
     CPU cores), so speculation turns itself off for large batches and back on in the tail.
+    siblings: extra first-token candidates per row (a draft tree: the chain plus ``siblings``
+    leaves under the root), drawn without replacement from the drafter's first distribution and
+    verified in the same forward by recursive rejection sampling. Only stochastic drafters (those
+    returning q) get them; a step drops them when B * (k + 1 + siblings) would pass
+    ``max_tokens_per_forward``.
     """
 
     method: str = "none"
     k: int = 3
     options: dict[str, Any] = field(default_factory=dict)
     max_tokens_per_forward: int | None = None
+    siblings: int = 0
+
+    def siblings_for_batch(self, batch: int, k: int) -> int:
+        """Sibling candidates for a step of ``batch`` rows drafting ``k`` tokens (0 = none)."""
+        if k < 1 or self.siblings == 0:
+            return 0
+        cap = self.max_tokens_per_forward
+        if cap is not None and batch * (k + 1 + self.siblings) > cap:
+            return 0
+        return self.siblings
 
     def k_for_batch(self, batch: int) -> int:
         """Draft tokens for a step with ``batch`` live rows (0 = plain step)."""
@@ -47,6 +64,8 @@ class SpecConfig:
     def validate(self) -> SpecConfig:
         if not 0 <= self.k <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_spec_tokens must be in [0, {MAX_SPEC_TOKENS}], got {self.k}")
+        if not 0 <= self.siblings <= MAX_SIBLINGS:
+            raise ValueError(f"siblings must be in [0, {MAX_SIBLINGS}], got {self.siblings}")
         cap = self.max_tokens_per_forward
         if cap is not None and cap < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1 or unset, got {cap}")

@@ -164,35 +164,35 @@ def test_k_adapts_to_batch_size():
         SpecConfig("ngram", 3, max_tokens_per_forward=0).validate()
 
 
-def test_engine_hands_verification_features_to_learned_drafters():
+@pytest.mark.parametrize(
+    "method, siblings, temperature", [("ngram", 0, 0.0), ("eagle3", 3, 1.0)], ids=["chain", "tree"]
+)
+def test_engine_hands_verification_features_to_learned_drafters(method, siblings, temperature):
     """A drafter asking for hidden layers gets, each step, exactly the features of the positions
-    that became history, taken from the verification forward itself."""
-    from specrl.spec.proposers.ngram import NgramProposer
-
+    that became history, taken from the verification forward itself (also after an accepted
+    sibling, whose features were computed at its place in the draft tree)."""
     target = make_tiny(seed=3, vocab_size=32)
+    engine = Engine(target, spec=SpecConfig(method, 3, siblings=siblings))
+    proposer, seen = engine.proposer, []
+    if not getattr(proposer, "hidden_layers", None):  # a model-free drafter made to ask
+        proposer.hidden_layers = (0, 1)
+    propose = proposer.propose
 
-    class Recorder(NgramProposer):
-        hidden_layers = (0, 1)
+    def recording(batch, k):
+        seen.extend(zip([list(h) for h in batch.histories], batch.hidden, strict=True))
+        return propose(batch, k)
 
-        def __init__(self):
-            super().__init__()
-            self.seen: list[tuple[list[int], torch.Tensor]] = []
-
-        def propose(self, batch, k):
-            self.seen += list(zip([list(h) for h in batch.histories], batch.hidden, strict=True))
-            return super().propose(batch, k)
-
-    engine = Engine(target, spec=SpecConfig("ngram", 3))
-    engine.proposer = rec = Recorder()  # an unregistered drafter, plugged in directly
-    params = SamplingParams(temperature=0, max_new_tokens=12)
+    proposer.propose = recording
+    params = SamplingParams(temperature=temperature, max_new_tokens=16, n=4, seed=1)
     engine.generate([Request([1, 2, 3, 1, 2, 3], params)])
-    assert rec.seen
-    for history, feats in rec.seen:
+    assert seen
+    assert (engine.stats.sibling_accepted > 0) == (siblings > 0)
+    for history, feats in seen:
         n = feats.shape[0]
         ids = torch.tensor([history])
-        full = target(ids, torch.arange(len(history))[None], capture=(0, 1)).captured
-        want = torch.cat(full, -1)[0, len(history) - 1 - n : len(history) - 1]
-        torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)
+        full = target(ids, torch.arange(len(history))[None], capture=proposer.hidden_layers)
+        want = torch.cat(full.captured, -1)[0, len(history) - 1 - n : len(history) - 1]
+        torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
 
 
 def test_stats_per_call_and_cumulative():
@@ -209,3 +209,47 @@ def test_stats_per_call_and_cumulative():
     )
     assert total.per_position_drafted == [sum(c[0] for c in calls) // 2] * 2
     assert total.acceptance_length == (14 - 2) / total.row_steps  # two prefills: 1 token each
+
+
+def sibling_engine(method: str, target, siblings: int) -> Engine:
+    vocab = target.config.vocab_size
+    draft = make_tiny(seed=5, vocab_size=vocab) if method == "draft" else None
+    spec = SpecConfig(method, 3, siblings=siblings)
+    return Engine(target, max_batch=512, spec=spec, draft_model=draft)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_siblings_sequence_distribution_matches_exact(method):
+    """First-token siblings (a draft tree) leave whole-sequence distributions exact."""
+    target = tiny_target()
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=NEW, n=3000, seed=3)
+    engine = sibling_engine(method, target, siblings=2)
+    out = engine.generate([Request(PROMPT, params)])
+    assert_matches_exact(out, target, params)
+    assert engine.stats.sibling_accepted > 0
+
+
+def test_sibling_acceptance_keeps_cache_and_logprobs_exact():
+    """After a sibling is accepted its cache entries move to the first draft position: every
+    later token's raw logprob equals a full forward of the finished sequence (fp32)."""
+    target = make_tiny(seed=3, vocab_size=32)
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, n=6, seed=9)
+    engine = sibling_engine("draft", target, siblings=3)
+    out = engine.generate([Request(prompt, params)])
+    assert engine.stats.sibling_accepted > 0
+    for c in out:
+        ids = torch.tensor([prompt + c.token_ids])
+        logits = target(ids, torch.arange(ids.shape[1])[None]).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(c.raw_logprobs), ref[:, 0], atol=1e-4, rtol=0)
+
+
+def test_greedy_rows_get_no_siblings():
+    target = make_tiny(seed=3, vocab_size=32)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    plain = Engine(target, max_batch=2).generate([Request([1, 2, 3], params)])
+    engine = sibling_engine("draft", target, siblings=2)
+    spec = engine.generate([Request([1, 2, 3], params)])
+    assert plain[0].token_ids == spec[0].token_ids
+    assert engine.stats.sibling_accepted == 0

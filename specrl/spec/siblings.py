@@ -1,0 +1,182 @@
+"""Sibling drafts: extra candidates for the first draft token, verified losslessly.
+
+Contract:
+- A stochastic drafter drew its first draft token ``x`` from ``q0`` (``Draft.probs[:, 0]``).
+  ``draw_siblings(q0, x, s, seeds, counters)`` draws ``s`` more candidates without replacement:
+  sibling j ~ ``q_j`` = ``q0`` with ``x`` and siblings ``0 .. j-1`` removed, renormalised
+  (``without``), using ``uniforms(seeds, counters, STREAM_SIBLING_DRAFT + j)``. Sibling j is
+  valid iff ``q_j`` had mass left (a greedy row's one-hot ``q0`` has no valid sibling).
+- The target verifies them in the same forward as the chain (a draft tree: each sibling is a
+  leaf under the root). ``resolve_siblings`` changes only rows whose chain drafted ``x`` and
+  rejected it (round 0, done by ``verify``). Round j + 1 tests sibling j against the residual
+  left by the previous round: with ``r_1 = norm(max(0, p - q0))`` accept it iff
+  ``u < min(1, r_{j+1}(y_j) / q_j(y_j))`` with ``u = uniforms(seeds, counters,
+  STREAM_SIBLING_ACCEPT + j)``, else ``r_{j+2} = norm(max(0, r_{j+1} - q_j))``. Each round is a
+  speculative-sampling step whose output is distributed as its own target, so the emitted token
+  is distributed as ``p`` (recursive rejection sampling: SpecInfer, arXiv 2305.09781; Jeon et
+  al. 2024, arXiv 2402.14160).
+- Accepting sibling j emits it and then a bonus token from the target's processed distribution
+  at the sibling's node (``uniforms(seeds, counters + 1, STREAM_SAMPLE)``); if every round
+  rejects, one token from the last residual (``uniforms(seeds, counters, STREAM_RECOVER)``).
+  Log-probabilities are those of the processed/raw target distributions, as in ``verify``.
+
+``p`` is the root's processed distribution, never modified in place. No Python loop over the batch
+or the vocabulary; the loop over siblings is short (``s <= MAX_SIBLINGS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from specrl.sampling import (
+    MAX_SIBLINGS,
+    STREAM_RECOVER,
+    STREAM_SAMPLE,
+    STREAM_SIBLING_ACCEPT,
+    STREAM_SIBLING_DRAFT,
+    processed_logprobs,
+    raw_logprobs,
+    sample_probs,
+    uniforms,
+)
+from specrl.spec.verify import PAD_TOKEN, Verified
+
+
+def without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``q`` [B, V] with ``tokens`` [B] removed, renormalised; an emptied row is all zero."""
+    q = q.scatter(-1, tokens[:, None], 0.0)
+    total = q.sum(-1, keepdim=True)  # [B, 1]
+    return torch.where(total > 0, q / total.clamp(min=torch.finfo(q.dtype).tiny), 0.0)
+
+
+def sibling_tree(chain: int, siblings: int) -> torch.Tensor:
+    """Ancestor-or-self mask [T, T] of the root, a chain of ``chain`` drafts and ``siblings``
+    leaves under the root, in that token order (T = 1 + chain + siblings)."""
+    t = 1 + chain + siblings
+    tree = torch.ones(t, t, dtype=torch.bool).tril()
+    tree[1 + chain :, 1:] = torch.eye(t, dtype=torch.bool)[1 + chain :, 1:]
+    return tree
+
+
+def draw_siblings(
+    q0: torch.Tensor,  # [B, V] distribution the first draft token was drawn from
+    first: torch.Tensor,  # [B] int64 first draft token
+    count: int,
+    seeds: torch.Tensor,  # [B] int64
+    counters: torch.Tensor,  # [B] int64 counter of the step's first token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Siblings [B, count] int64 drawn without replacement after ``first``, and valid [B, count]."""
+    if not 0 <= count <= MAX_SIBLINGS:
+        raise ValueError(f"siblings must be in [0, {MAX_SIBLINGS}], got {count}")
+    q = without(q0, first)
+    tokens, valid = [], []
+    for j in range(count):
+        has = q.sum(-1) > 0  # [B]
+        u = uniforms(seeds, counters, STREAM_SIBLING_DRAFT + j)
+        y = sample_probs(torch.where(has[:, None], q, q0), u)  # [B]
+        tokens.append(torch.where(has, y, 0))
+        valid.append(has)
+        q = without(q, y)
+    b = q0.shape[0]
+    if not tokens:
+        return torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.bool)
+    return torch.stack(tokens, 1), torch.stack(valid, 1)
+
+
+def resolve_siblings(
+    chain: Verified,  # verify() of the root and the chain
+    chain_lengths: torch.Tensor,  # [B] drafts the chain verified
+    first: torch.Tensor,  # [B] the chain's first draft token
+    q0: torch.Tensor,  # [B, V] its draft distribution
+    siblings: torch.Tensor,  # [B, s] int64
+    valid: torch.Tensor,  # [B, s] bool
+    root_logits: torch.Tensor,  # [B, V] target logits at the root
+    sibling_logits: torch.Tensor,  # [B, s, V] target logits at each sibling
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    seeds: torch.Tensor,  # [B]
+    counters: torch.Tensor,  # [B]
+) -> tuple[Verified, torch.Tensor]:
+    """The step's result with sibling rounds applied, and the accepted sibling [B] (-1: none)."""
+    b, s = siblings.shape
+    chosen = torch.full((b,), -1, dtype=torch.int64)
+    active = (chain.num_accepted == 0) & (chain_lengths >= 1) & valid.any(-1)  # [B]
+    if s == 0 or not bool(active.any()):
+        return chain, chosen
+    logp = processed_logprobs(root_logits.float(), temperature, top_k, top_p)  # [B, V]
+    p = logp.exp()
+    cur, q = _residual(p, q0.to(p.dtype)), without(q0.to(p.dtype), first)
+    for j in range(s):
+        y = siblings[:, j]
+        live = active & valid[:, j] & (chosen < 0)  # [B]
+        u = uniforms(seeds, counters, STREAM_SIBLING_ACCEPT + j)
+        ok = live & (u < _threshold(cur, q, y))
+        chosen = torch.where(ok, j, chosen)
+        rejected = (live & ~ok)[:, None]
+        cur = torch.where(rejected, _residual(cur, q), cur)
+        q = torch.where(rejected, without(q, y), q)
+    return _merge(chain, active, chosen, cur, logp, siblings, sibling_logits, root_logits,
+                  (temperature, top_k, top_p, seeds, counters)), chosen  # fmt: skip
+
+
+def _threshold(cur: torch.Tensor, q: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """min(1, cur(y) / q(y)) [B] in float64 (0 where cur(y) = 0)."""
+    r_y = cur.gather(1, y[:, None])[:, 0].double()
+    q_y = q.gather(1, y[:, None])[:, 0].double()
+    ratio = r_y / torch.where(q_y > 0, q_y, 1.0)
+    return torch.where(r_y <= 0, 0.0, torch.where(r_y >= q_y, 1.0, ratio))
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) [B, V]; ``p`` where that is all zero (then rejection had chance 0)."""
+    r = (p - q).clamp(min=0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def _merge(chain, active, chosen, cur, logp, siblings, sibling_logits, root_logits, rows):
+    """Replace the outcome of ``active`` rows: [sibling, bonus] where one was accepted, else
+    [token from the last residual]."""
+    temperature, top_k, top_p, seeds, counters = rows
+    b = siblings.shape[0]
+    took = chosen >= 0  # [B]
+    pick = chosen.clamp(min=0)
+    at = sibling_logits[torch.arange(b), pick].float()  # [B, V] logits at the chosen sibling
+    at_logp = processed_logprobs(at, temperature, top_k, top_p)  # [B, V]
+    bonus = sample_probs(at_logp.exp(), uniforms(seeds, counters + 1, STREAM_SAMPLE))
+    recovered = sample_probs(cur, uniforms(seeds, counters, STREAM_RECOVER))
+    first = torch.where(took, siblings.gather(1, pick[:, None])[:, 0], recovered)  # [B]
+    second = torch.where(took, bonus, 0)[:, None]  # [B, 1]
+    zero = torch.zeros((), dtype=logp.dtype)
+    proc = (_at(logp, first), torch.where(took, at_logp.gather(1, second)[:, 0], zero))
+    raw = (_at(raw_logprobs(root_logits.float()), first),
+           torch.where(took, raw_logprobs(at).gather(1, second)[:, 0], zero))  # fmt: skip
+    tokens = torch.stack([first, torch.where(took, bonus, PAD_TOKEN)], 1)  # [B, 2]
+    accepted = took.to(torch.int64)
+    return replace(
+        chain,
+        tokens=_rows_where(active, tokens, chain.tokens, PAD_TOKEN),
+        num_emitted=torch.where(active, accepted + 1, chain.num_emitted),
+        logprobs_processed=_rows_where(active, torch.stack(proc, 1), chain.logprobs_processed, 0),
+        logprobs_raw=_rows_where(active, torch.stack(raw, 1), chain.logprobs_raw, 0),
+        num_accepted=torch.where(active, accepted, chain.num_accepted),
+    )
+
+
+def _at(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logp [B, V] at tokens [B] -> [B]."""
+    return logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _rows_where(
+    rows: torch.Tensor,  # [B] bool
+    new: torch.Tensor,  # [B, 2]
+    old: torch.Tensor,  # [B, W], W >= 2
+    fill: float,
+) -> torch.Tensor:
+    """``old`` with the selected rows replaced by ``new`` padded with ``fill`` to width W."""
+    padded = torch.nn.functional.pad(new, (0, old.shape[1] - new.shape[1]), value=fill)
+    return torch.where(rows[:, None], padded.to(old.dtype), old)
