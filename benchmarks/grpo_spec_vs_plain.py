@@ -7,11 +7,13 @@ time, acceptance length and step time, plus ratios against ``none``. Then, on ea
 variant's final weights and drafter state, it rolls out the next step's prompts plain and
 speculative at each ``--batches`` max batch (same weights, same seeds): the speedup by batch
 regime (speculation pays while decode is memory-bound, i.e. at small batches on this CPU).
-Steps before ``--warmup`` are left out of the means. Prints a table, writes JSON with
+Steps before ``--warmup`` are left out of the means. A drafter written ``NAME/S`` runs with
+``rollout.spec_siblings=S`` (S extra first-token candidates). Prints a table, writes JSON with
 ``specrl.bench.run_metadata()``.
 
     .venv/bin/python benchmarks/grpo_spec_vs_plain.py --steps 4 --warmup 1
     .venv/bin/python benchmarks/grpo_spec_vs_plain.py --steps 2 --set rollout.prompts_per_step=4
+    .venv/bin/python benchmarks/grpo_spec_vs_plain.py --drafters eagle3,eagle3/3 --batches 1,4
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ KEYS = ("rollout_tokens_per_s", "gen_time_s", "gen_tokens", "acceptance_length",
 
 def run_variant(spec: str, args) -> tuple[dict, list[dict]]:
     """Train ``--steps`` steps with ``rollout.spec=spec``; mean metrics and the batch sweep."""
-    cfg = load_config(args.config, [*args.set, f"rollout.spec={spec}", f"run.steps={args.steps}",
+    method, _, siblings = spec.partition("/")
+    cfg = load_config(args.config, [*args.set, f"rollout.spec={method}", f"run.steps={args.steps}",
+                                    f"rollout.spec_siblings={siblings or 0}",
                                     "run.eval_every=0", "run.checkpoint_every=0"])  # fmt: skip
     torch.manual_seed(cfg.run.seed)
     parts = build_run(cfg)
@@ -79,7 +83,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="RL steps per variant")
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
-    ap.add_argument("--drafters", default="ngram,suffix", help="comma-separated drafters")
+    ap.add_argument("--drafters", default="ngram,suffix",
+                    help="comma-separated drafters; NAME/S adds S sibling candidates")  # fmt: skip
     ap.add_argument("--batches", default="4,16,64", help="max batches of the rollout sweep")
     ap.add_argument("--config", default=None, help="TOML run config (default: embedded)")
     ap.add_argument("--set", action="append", default=[], help="config override key=value")

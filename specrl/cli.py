@@ -7,6 +7,7 @@ and call library functions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,14 @@ SpecOpt = Annotated[
     str, typer.Option("--spec", help="drafter: none, ngram, suffix, draft, self (test device)")
 ]
 KOpt = Annotated[int, typer.Option("--num-spec-tokens", help="draft tokens per step (k)")]
+SiblingsOpt = Annotated[
+    int,
+    typer.Option(
+        "--spec-siblings",
+        help="extra first-token candidates per step for a stochastic drafter (eagle3, mtp, "
+        "draft), verified losslessly in the same forward; raises acceptance at T > 0",
+    ),
+]
 DrafterOpt = Annotated[
     str | None,
     typer.Option(
@@ -102,6 +111,7 @@ def generate(
     max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences")] = 64,
     spec: SpecOpt = "none",
     num_spec_tokens: KOpt = 3,
+    spec_siblings: SiblingsOpt = 0,
     drafter: DrafterOpt = None,
 ) -> None:
     """Generate completions with the native engine (optionally speculative)."""
@@ -123,6 +133,7 @@ def generate(
         ).validate()
         net = load_model(model, dtype=parse_dtype(dtype))
         spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
+        spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings).validate()
         engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
     except (CheckpointError, ValueError) as e:
         fail(str(e))

@@ -124,6 +124,14 @@ class RolloutCfg(_Section):
         "decoding when < 1, so verification stays memory-bound (speculation works in the "
         "long tail, not at full batch). None = always k.",
     )
+    spec_siblings: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Extra candidates for the first draft token of a stochastic drafter "
+        "(eagle3, mtp, draft), verified in the same forward by recursive rejection sampling "
+        "(lossless); used only while live_rows * (k + 1 + this) <= max_tokens_per_forward.",
+    )
     drafter_path: str | None = Field(
         None,
         description="Drafter weights (must exist): a model directory for 'draft', a head "

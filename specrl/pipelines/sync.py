@@ -163,6 +163,7 @@ def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | N
         cfg.rollout.num_spec_tokens,
         options={"drafter_path": head_path(cfg)} if heads else {},
         max_tokens_per_forward=cfg.rollout.max_tokens_per_forward,
+        siblings=cfg.rollout.spec_siblings,
     )
     model = engine_copy(policy, DTYPES[cfg.model.dtype])
     try:
