@@ -10,7 +10,9 @@ max(b, --min-requests) requests (continuous batching). Every engine runs once un
 (warm-up; gives the suffix drafter one earlier epoch), then --rounds timed rounds interleave the
 methods, and the median is reported. Writes benchmarks/results/learned_drafters.json (with
 ``specrl.bench.run_metadata()``): per batch size and method, tokens/s, acceptance length and
-the ratio to no speculation, all in one run.
+the ratio to no speculation, all in one run. With ``--siblings S`` (default 3; 0 = off) the
+EAGLE-3 head also runs as ``eagle3+sS``: S extra first-token candidates per step
+(``SpecConfig.siblings``), at every batch size (no adaptive rule here).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--eagle3", type=Path, default=default_out(MODEL, "eagle3"))
     ap.add_argument("--mtp", type=Path, default=default_out(MODEL, "mtp"))
     ap.add_argument("--draft", type=Path, default=default_out(MODEL, "draft"))
+    ap.add_argument("--siblings", type=int, default=3, help="eagle3 first-token siblings (0: off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median reported)")
     ap.add_argument("--min-requests", type=int, default=16, help="requests per batch size")
@@ -100,6 +103,10 @@ def main() -> None:
         path = getattr(args, kind)
         if (path / "head.json").exists():
             methods[kind] = (SpecConfig(kind, args.k, options={"drafter_path": str(path)}), None)
+            if kind == "eagle3" and args.siblings:
+                spec = SpecConfig(kind, args.k, options={"drafter_path": str(path)},
+                                  siblings=args.siblings)  # fmt: skip
+                methods[f"eagle3+s{args.siblings}"] = (spec, None)
         else:
             print(f"skipping {kind}: no head at {path}")
     if (args.draft / "config.json").exists():
@@ -114,6 +121,7 @@ def main() -> None:
     config = {"k": args.k, "temperature": args.temperature, "new_tokens": args.new_tokens,
               "threads": args.threads, "dtype": "bfloat16", "rounds": args.rounds,
               "min_requests": args.min_requests,
+              "siblings": args.siblings,
               "drafters": {name: str(getattr(args, name, "")) for name in methods}}  # fmt: skip
     meta = run_metadata("benchmarks/learned_drafters.py " + " ".join(sys.argv[1:]))
     write_result({"meta": meta, "config": config, "rows": rows}, args.out)
