@@ -81,14 +81,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow."""
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow (tensor or int)."""
     lo, hi = c & 0xFFFF, c >> 16
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32): bijective, good avalanche."""
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer hash (lowbias32): bijective, good avalanche (tensor or Python int)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -106,7 +106,7 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.
     while seeds.dim() < counters.dim():
         seeds = seeds.unsqueeze(-1)
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
-    h = _mix32((counters.to(torch.int64) & MASK32) ^ _mix32(torch.full_like(lo, stream)))
+    h = _mix32((counters.to(torch.int64) & MASK32) ^ _mix32(stream))  # stream: a Python int
     h = _mix32(h ^ lo)
     h = _mix32(h ^ _mix32(hi ^ 0x9E3779B9))
     return h.to(torch.float64) / float(1 << 32)

@@ -92,10 +92,10 @@ class DraftModelProposer:
         logits = self._catch_up(rows, batch.histories)  # [B, V]
         slots = torch.tensor([r.slot for r in rows])
         tokens, probs = [], []
+        u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
         for i in range(k):
             lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)
-            u = uniforms(batch.seeds, batch.counters + i, STREAM_DRAFT)
-            tok = sample(lp, u)
+            tok = sample(lp, u[:, i])  # [B]
             tokens.append(tok)
             probs.append(lp.exp())
             if i + 1 < k:

@@ -102,9 +102,10 @@ class Eagle3Proposer:
         ends = [len(h) - 1 for h in batch.histories]  # next head position per row
         g, logits = self._catch_up(batch, slots, ends)
         tokens, probs = [], []
+        u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
         for i in range(k):
             lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, Vd]
-            idx = sample(lp, uniforms(batch.seeds, batch.counters + i, STREAM_DRAFT))
+            idx = sample(lp, u[:, i])
             tok = self.head.to_target(idx)  # [B] target ids
             tokens.append(tok)
             probs.append(self.head.to_full(lp.exp()))  # [B, V]
