@@ -46,6 +46,7 @@ def test_overrides_parse_types_and_bare_strings():
         ("rollout.top_p=0", ["rollout.top_p", "0"]),
         ("rollout.spec=medusa", ["rollout.spec", "medusa", "suffix"]),
         ("rollout.spec=sufix", ["rollout.spec", "did you mean suffix"]),
+        ("rollout.spec_siblings=17", ["rollout.spec_siblings", "16", "17"]),
         ("learner.betas=[0.9, 1.5]", ["learner.betas", "[0, 1)"]),
         ("learner.loss=grpoo", ["learner.loss", "grpoo", "did you mean grpo"]),
         ("learner.advantage=rlo", ["learner.advantage", "rloo"]),

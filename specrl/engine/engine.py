@@ -9,7 +9,10 @@ tokens alone or batched. Bad requests (empty prompt, too long, bad sampling valu
 vocabulary) come back as completions with ``finish_reason == "error"`` and a one-line message;
 the others still run. Each decode step is plain (one token per row) or speculative (a
 ``spec.SpecStep`` drafts k tokens, the target verifies k+1 positions in one forward, each row
-advances by its own count; cache positions past a row's length are stale and masked).
+advances by its own count; cache positions past a row's length are stale and masked). With
+``SpecConfig.siblings`` a stochastic draft also gets first-token siblings, read as leaves of a
+draft tree in the same forward; an accepted sibling's cache entries and features move to the
+first draft position.
 With ``record_steps=True`` every prefill, plain decode, draft and verify is also timed into
 ``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
 """

@@ -2,7 +2,8 @@
 
 Contract: ``Transformer(config)`` maps token ids at explicit positions to logits, optionally
 reading and writing a ``KVCache`` (row b of the batch uses cache slot b) and optionally returning
-the hidden states of chosen layers (for EAGLE-3 / MTP drafters). Weights use Hugging Face
+the hidden states of chosen layers (for EAGLE-3 / MTP drafters); a draft tree (``tree``) is read
+in one forward with RoPE by depth and an ancestor mask. Weights use Hugging Face
 semantics (rotate-half RoPE, q/k/v and gate/up projections), stored fused (qkv, gate_up) for fewer
 GEMMs. No sampling, no RL.
 """
