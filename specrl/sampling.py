@@ -254,3 +254,17 @@ def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Log-softmax at temperature 1, no truncation: [N, V] -> [N, V] float32."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def raw_logprobs_reusing(
+    logits: torch.Tensor,  # [N, V]
+    processed: torch.Tensor,  # [N, V] processed_logprobs(logits, temperature, top_k, top_p)
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N]
+    top_p: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """``raw_logprobs(logits)``; when every row samples at temperature 1 untruncated that is
+    ``processed`` itself (bit for bit: the same log-softmax of logits / 1.0), so no second pass."""
+    if bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all()):
+        return processed
+    return raw_logprobs(logits)

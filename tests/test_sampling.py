@@ -11,6 +11,8 @@ from specrl.sampling import (
     STREAM_SAMPLE,
     SamplingParams,
     processed_logprobs,
+    raw_logprobs,
+    raw_logprobs_reusing,
     sample,
     uniforms,
 )
@@ -118,3 +120,16 @@ def test_two_level_inverse_cdf_equals_full_float64_cdf():
     mismatch = (got != want).float().mean().item()
     assert mismatch < 1e-3  # only float rounding exactly at a CDF step may differ
     assert not (got == vocab // 2).any()
+
+
+def test_raw_logprobs_reusing_is_raw_bit_for_bit():
+    """Reusing the processed log-probs of plain rows gives exactly raw_logprobs; any other row
+    (temperature, top-k, top-p) makes it compute them."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    plain = (torch.ones(3), torch.zeros(3, dtype=torch.int64), torch.ones(3))
+    lp = processed_logprobs(logits, *plain)
+    assert torch.equal(raw_logprobs_reusing(logits, lp, *plain), raw_logprobs(logits))
+    for t, k, p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.0, 0, 1.0)]:
+        mixed = (torch.tensor([1.0, t, 1.0]), torch.tensor([0, k, 0]), torch.tensor([1.0, p, 1.0]))
+        lp = processed_logprobs(logits, *mixed)
+        assert torch.equal(raw_logprobs_reusing(logits, lp, *mixed), raw_logprobs(logits))

@@ -37,7 +37,7 @@ from specrl.sampling import (
     STREAM_SIBLING_ACCEPT,
     STREAM_SIBLING_DRAFT,
     processed_logprobs,
-    raw_logprobs,
+    raw_logprobs_reusing,
     sample_probs,
     uniforms,
 )
@@ -152,8 +152,10 @@ def _merge(chain, active, chosen, cur, logp, siblings, sibling_logits, root_logi
     second = torch.where(took, bonus, 0)[:, None]  # [B, 1]
     zero = torch.zeros((), dtype=logp.dtype)
     proc = (_at(logp, first), torch.where(took, at_logp.gather(1, second)[:, 0], zero))
-    raw = (_at(raw_logprobs(root_logits.float()), first),
-           torch.where(took, raw_logprobs(at).gather(1, second)[:, 0], zero))  # fmt: skip
+    settings = (temperature, top_k, top_p)
+    raw_root = raw_logprobs_reusing(root_logits.float(), logp, *settings)
+    raw_at = raw_logprobs_reusing(at, at_logp, *settings)
+    raw = (_at(raw_root, first), torch.where(took, raw_at.gather(1, second)[:, 0], zero))
     tokens = torch.stack([first, torch.where(took, bonus, PAD_TOKEN)], 1)  # [B, 2]
     accepted = took.to(torch.int64)
     return replace(
