@@ -206,15 +206,17 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
 
 
 def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
-    from specrl.cli import HEAD_DRAFTERS, drafter_spec
+    from specrl.cli import drafter_spec
     from specrl.models.checkpoints import resolve_model
     from specrl.spec.config import SpecConfig
+    from specrl.spec.proposers import proposer_takes
 
     b = dataclasses.replace(b, group_size=group_for(batch, b.group_size))
     prompts = bench_prompts(tok, batch, b.group_size)
     runners = {"none": specrl_runner(model, prompts, b, SpecConfig("none", 0))}
     for method in b.methods:
-        path = default_drafter_path(b.model, method) if method in HEAD_DRAFTERS else b.drafter
+        head = proposer_takes(method, "drafter_path")
+        path = default_drafter_path(b.model, method) if head else b.drafter
         spec, draft = drafter_spec(method, b.k, path, model, tok)
         runners[method] = specrl_runner(model, prompts, b, spec, draft)
     if "hf" in b.compare:

@@ -158,14 +158,12 @@ def generate(
         raise typer.Exit(1)
 
 
-HEAD_DRAFTERS = ("eagle3", "mtp")  # learned heads: --drafter is a head directory
-
-
 def drafter_spec(method: str, k: int, drafter: str | None, target, tokenizer):
     """(SpecConfig, draft model or None): heads take a path option, 'draft' a model."""
     from specrl.spec.config import SpecConfig
+    from specrl.spec.proposers import proposer_takes
 
-    if method in HEAD_DRAFTERS:
+    if proposer_takes(method, "drafter_path"):  # a learned head: --drafter is its directory
         options = {"drafter_path": drafter} if drafter else {}
         return SpecConfig(method, k, options=options), None
     return SpecConfig(method, k), load_drafter(drafter, target, tokenizer)

@@ -52,6 +52,7 @@ from specrl.pipelines.refit import engine_copy, refit
 from specrl.rl import Learner, TrainSample, compute_advantages
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
+from specrl.spec.proposers import proposer_takes
 
 METRIC_KEYS = (
     "step", "reward_mean", "reward_std", "accuracy", "response_length", "gen_time_s",
@@ -113,15 +114,6 @@ def check_sampling(cfg: Config) -> None:
         raise ConfigError("bad value for rollout.group_size: GRPO needs >= 2 completions, got 1")
 
 
-def drafter_takes(spec: str, what: str) -> bool:
-    """Whether drafter ``spec``'s proposer takes ``what`` ('draft_model' or 'drafter_path')."""
-    import inspect
-
-    from specrl.spec.proposers import get_proposer_class
-
-    return what in inspect.signature(get_proposer_class(spec)).parameters
-
-
 def head_path(cfg: Config) -> str | None:
     """The head directory a learned-head drafter (eagle3, mtp) reads: ``rollout.drafter_path``,
     else the one ``specrl train-drafter`` caches for the model, if it exists."""
@@ -136,11 +128,9 @@ def head_path(cfg: Config) -> str | None:
 def check_drafter(cfg: Config) -> None:
     """A drafter that takes a draft model or a trained head needs one (checked up front)."""
     spec = cfg.rollout.spec
-    if spec == "none":
-        return
-    if drafter_takes(spec, "draft_model") and cfg.rollout.drafter_path is None:
+    if proposer_takes(spec, "draft_model") and cfg.rollout.drafter_path is None:
         raise ConfigError(f"rollout.spec={spec!r} needs rollout.drafter_path")
-    if drafter_takes(spec, "drafter_path") and head_path(cfg) is None:
+    if proposer_takes(spec, "drafter_path") and head_path(cfg) is None:
         raise ConfigError(
             f"rollout.spec={spec!r} needs rollout.drafter_path (a head directory; make one with "
             f"`specrl train-drafter --drafter {spec}`)"
@@ -149,7 +139,7 @@ def check_drafter(cfg: Config) -> None:
 
 def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
     """The draft model of a ``draft``-style drafter (heads are loaded by their proposer)."""
-    if cfg.rollout.spec == "none" or not drafter_takes(cfg.rollout.spec, "draft_model"):
+    if not proposer_takes(cfg.rollout.spec, "draft_model"):
         return None
     from specrl.models.checkpoints import load_model
 
@@ -157,7 +147,7 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
-    heads = cfg.rollout.spec != "none" and drafter_takes(cfg.rollout.spec, "drafter_path")
+    heads = proposer_takes(cfg.rollout.spec, "drafter_path")
     spec = SpecConfig(
         cfg.rollout.spec,
         cfg.rollout.num_spec_tokens,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrl.spec.proposers import Proposer, get_proposer_class
+from specrl.spec.proposers import Proposer, get_proposer_class, proposer_takes
 from specrl.spec.proposers.base import make_batch
 from specrl.spec.proposers.ngram import NgramProposer
 
@@ -112,3 +112,11 @@ def test_protocol_registry_and_bad_settings() -> None:
         NgramProposer(max_n=2, min_n=3)
     with pytest.raises(KeyError, match="ngram"):
         get_proposer_class("no-such-drafter")
+
+
+def test_proposer_takes_tells_what_a_drafter_needs() -> None:
+    assert proposer_takes("eagle3", "drafter_path") and proposer_takes("mtp", "drafter_path")
+    assert proposer_takes("draft", "draft_model") and not proposer_takes("draft", "drafter_path")
+    assert not proposer_takes("ngram", "drafter_path")
+    assert not proposer_takes("none", "drafter_path")
+    assert not proposer_takes("no-such-drafter", "draft_model")

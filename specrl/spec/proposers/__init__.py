@@ -4,7 +4,9 @@
 (and sets its ``name`` attribute); ``get_proposer_class(name)`` returns it. Modules in this
 package register themselves when imported; a lookup that misses imports every module of the
 package once, so a new drafter only needs a module here with a decorated class. Names are unique:
-registering a second class under a taken name raises ``ValueError``.
+registering a second class under a taken name raises ``ValueError``. ``proposer_takes(name, arg)``
+says whether a drafter's constructor takes ``arg`` (``drafter_path``: a trained head directory;
+``draft_model``: a draft model), the one test callers use to decide what a drafter needs.
 
 The registry dict is the only module-level mutable state.
 """
@@ -12,6 +14,7 @@ The registry dict is the only module-level mutable state.
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,6 +27,7 @@ __all__ = [
     "ProposerBatch",
     "available_proposers",
     "get_proposer_class",
+    "proposer_takes",
     "register_proposer",
 ]
 
@@ -57,6 +61,15 @@ def get_proposer_class(name: str) -> type:
     if name not in _REGISTRY:
         raise KeyError(f"unknown proposer {name!r}; known: {', '.join(available_proposers())}")
     return _REGISTRY[name]
+
+
+def proposer_takes(name: str, argument: str) -> bool:
+    """Whether the proposer registered as ``name`` takes constructor ``argument``; False for
+    'none' or an unknown name (which ``SpecConfig.validate`` reports)."""
+    if name not in _REGISTRY:
+        _import_all()
+    cls = _REGISTRY.get(name)
+    return cls is not None and argument in inspect.signature(cls).parameters
 
 
 def available_proposers() -> list[str]:
