@@ -19,6 +19,7 @@ from specrl.sampling import (
     sample_probs,
     uniforms,
 )
+from specrl.spec.config import SpecConfig
 from specrl.spec.siblings import draw_siblings, resolve_siblings, without
 from specrl.spec.verify import verify
 from tests.spec.test_verify import chi_square_pvalue, prefix_ids
@@ -122,3 +123,12 @@ def test_too_many_siblings_is_refused() -> None:
     with pytest.raises(ValueError, match="siblings must be in"):
         draw_siblings(torch.ones(1, VOCAB) / VOCAB, torch.zeros(1).long(), 99,
                       torch.zeros(1).long(), torch.zeros(1).long())  # fmt: skip
+
+
+def test_steps_drop_siblings_past_the_token_budget() -> None:
+    capped = SpecConfig("eagle3", 3, max_tokens_per_forward=16, siblings=3)
+    assert [capped.siblings_for_batch(b, 3) for b in (1, 2, 3)] == [3, 3, 0]  # 2 * 7 <= 16 < 21
+    assert capped.siblings_for_batch(1, 0) == 0  # nothing drafted: nothing to branch from
+    assert SpecConfig("eagle3", 3, siblings=3).siblings_for_batch(64, 3) == 3  # no budget
+    with pytest.raises(ValueError, match="siblings must be in"):
+        SpecConfig("eagle3", 3, siblings=17).validate()
