@@ -32,8 +32,6 @@ from pydantic import (
     model_validator,
 )
 
-from specrl.sampling import MAX_SIBLINGS
-
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the key and the offending value."""
@@ -129,7 +127,7 @@ class RolloutCfg(_Section):
     spec_siblings: int = Field(
         0,
         ge=0,
-        le=MAX_SIBLINGS,
+        le=16,  # specrl.sampling.MAX_SIBLINGS (this module stays torch-free; a test checks)
         description="Extra candidates for the first draft token of a stochastic drafter "
         "(eagle3, mtp, draft), verified in the same forward by recursive rejection sampling "
         "(lossless); used only while live_rows * (k + 1 + this) <= max_tokens_per_forward.",

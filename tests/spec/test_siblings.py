@@ -132,3 +132,12 @@ def test_steps_drop_siblings_past_the_token_budget() -> None:
     assert SpecConfig("eagle3", 3, siblings=3).siblings_for_batch(64, 3) == 3  # no budget
     with pytest.raises(ValueError, match="siblings must be in"):
         SpecConfig("eagle3", 3, siblings=17).validate()
+
+
+def test_rollout_config_bound_is_max_siblings() -> None:
+    from specrl.config import load_config
+    from specrl.sampling import MAX_SIBLINGS
+
+    assert load_config(None, [f"rollout.spec_siblings={MAX_SIBLINGS}"]).rollout.spec_siblings
+    with pytest.raises(ValueError, match="spec_siblings"):
+        load_config(None, [f"rollout.spec_siblings={MAX_SIBLINGS + 1}"])
