@@ -233,8 +233,9 @@ def sample_logits(
     rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
     """
     logits = logits.float()
-    plain = bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all())
-    if plain:  # one fused softmax pass; log of the sampled token's probability
+    if all_plain(
+        temperature, top_k, top_p
+    ):  # one fused softmax pass; log of the sampled token's probability
         probs = torch.softmax(logits, dim=-1)  # [N, V]
         tokens = sample_probs(probs, u)
         raw = probs.gather(1, tokens[:, None])[:, 0].log()
@@ -265,6 +266,9 @@ def raw_logprobs_reusing(
 ) -> torch.Tensor:
     """``raw_logprobs(logits)``; when every row samples at temperature 1 untruncated that is
     ``processed`` itself (bit for bit: the same log-softmax of logits / 1.0), so no second pass."""
-    if bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all()):
-        return processed
-    return raw_logprobs(logits)
+    return processed if all_plain(temperature, top_k, top_p) else raw_logprobs(logits)
+
+
+def all_plain(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Whether every row samples at temperature 1 without truncation (processed == raw)."""
+    return bool(((temperature == 1) & (top_k == 0) & (top_p >= 1)).all())

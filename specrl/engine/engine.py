@@ -34,7 +34,7 @@ from specrl.models.transformer import Transformer
 from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
 from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.proposers.base import ProposerBatch
-from specrl.spec.siblings import draw_siblings, resolve_siblings, sibling_tree
+from specrl.spec.siblings import SiblingDraft, resolve_siblings
 from specrl.spec.verify import verify
 
 
@@ -56,15 +56,6 @@ class Seq:
     def pos(self) -> int:
         """Cache position of the last emitted token (not yet in the cache)."""
         return len(self.history) - 1
-
-
-@dataclass(frozen=True)
-class SiblingDraft:
-    """First-token siblings of a speculative step (``specrl.spec.siblings``)."""
-
-    tokens: torch.Tensor  # [B, s] int64 candidates, drawn without replacement after draft 0
-    valid: torch.Tensor  # [B, s] bool
-    mask: torch.Tensor  # [1 + kk + s, 1 + kk + s] bool ancestor-or-self of the step's tokens
 
 
 @dataclass
@@ -374,15 +365,15 @@ class Engine:
         room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
         kk = int(lengths.max())
-        tree = self._sibling_draft(rows, draft, lengths, kk, t.seeds, counters)
+        count = self._active[0].siblings_for_batch(len(rows), kk)
+        tree = SiblingDraft.draw(draft, lengths, kk, count, t.seeds, counters)
         t1 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         pos = [s.pos for s in rows]
         ids = torch.cat([torch.tensor([[s.history[-1]] for s in rows]), draft.tokens[:, :kk]], 1)
         positions = torch.tensor(pos)[:, None] + torch.arange(kk + 1)[None, :]  # [B, kk+1]
         if tree is not None:  # siblings: leaves under the root, stored after the chain
-            ids = torch.cat([ids, tree.tokens], 1)
-            positions = torch.cat([positions, positions[:, 1:2].expand_as(tree.tokens)], 1)
+            ids, positions = tree.extend(ids, positions)
         width = ids.shape[1]
         out, feats = self._forward(
             ids.clamp(min=0),
@@ -398,7 +389,7 @@ class Engine:
             v, chosen = resolve_siblings(v, lengths, draft.tokens[:, 0], draft.probs[:, 0],
                                          tree.tokens, tree.valid, logits[:, 0],
                                          logits[:, kk + 1 :], *sampling)  # fmt: skip
-            self._adopt_siblings(pos, chosen, kk, feats)
+            self.stats.sibling_accepted += tree.adopt(self._cache, pos, chosen, feats)
         self.stats.verify_s += time.perf_counter() - t1
         self._count(rows, lengths, v.num_accepted)
         emitted = [
@@ -408,31 +399,6 @@ class Engine:
         self._keep_hidden(rows, feats, v.num_emitted.tolist())
         s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
         return self._emit(rows, emitted, s, start)
-
-    def _sibling_draft(self, rows, draft, lengths, kk, seeds, counters) -> SiblingDraft | None:
-        """Sibling candidates for the first draft token of each row (None: this step has none)."""
-        n = self._active[0].siblings_for_batch(len(rows), kk)
-        if n == 0 or draft.probs is None:
-            return None
-        tokens, valid = draw_siblings(draft.probs[:, 0], draft.tokens[:, 0], n, seeds, counters)
-        return SiblingDraft(tokens, valid & (lengths[:, None] >= 1), sibling_tree(kk, n))
-
-    def _adopt_siblings(
-        self, pos: list[int], chosen: torch.Tensor, kk: int, feats: torch.Tensor | None
-    ) -> None:
-        """Rows that accepted sibling j: move its cache entries (stored after the chain) and its
-        features to the first draft position, where the next step expects them."""
-        rows = torch.nonzero(chosen >= 0)[:, 0]
-        self.stats.sibling_accepted += len(rows)
-        if len(rows) == 0:
-            return
-        dst = torch.tensor(pos)[rows] + 1
-        src = dst + kk + chosen[rows]
-        cache = self._cache
-        cache.k[:, rows, :, dst] = cache.k[:, rows, :, src]
-        cache.v[:, rows, :, dst] = cache.v[:, rows, :, src]
-        if feats is not None:
-            feats[rows, 1] = feats[rows, 1 + kk + chosen[rows]]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw):
         """Target forward on the engine cache; also the drafter's features [B, T, F] if any."""

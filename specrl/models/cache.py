@@ -5,8 +5,9 @@ forward writes the keys/values of its tokens at the positions it is given; atten
 positions ``< kv_len`` and masks every key whose position is greater than the query's. A
 sequence's valid length is therefore owned by the caller: rolling back rejected draft tokens is
 just using a smaller position next time (stale entries are masked, then overwritten). Batch row b
-of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots and ``copy_slot`` forks a
-prompt's cache to GRPO siblings.
+of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots, ``copy_slot`` forks a
+prompt's cache to GRPO siblings and ``move_positions`` moves single entries inside slots (an
+accepted branch of a draft tree to where the sequence continues).
 """
 
 from __future__ import annotations
@@ -65,3 +66,9 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     copy_slot = move
+
+    def move_positions(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy position ``src[i]`` of slot ``slots[i]`` to position ``dst[i]`` (all layers;
+        slots, src, dst: [N] int64)."""
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]

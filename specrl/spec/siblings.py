@@ -20,16 +20,21 @@ Contract:
   rejects, one token from the last residual (``uniforms(seeds, counters, STREAM_RECOVER)``).
   Log-probabilities are those of the processed/raw target distributions, as in ``verify``.
 
+``SiblingDraft`` is the engine's side of one step: ``draw`` (None when the step has no
+siblings), ``extend`` (the tree's tokens and RoPE positions after the chain), ``adopt`` (move an
+accepted sibling's cache entries and features to the first draft position).
+
 ``p`` is the root's processed distribution, never modified in place. No Python loop over the batch
 or the vocabulary; the loop over siblings is short (``s <= MAX_SIBLINGS``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from specrl.models.cache import KVCache
 from specrl.sampling import (
     MAX_SIBLINGS,
     STREAM_RECOVER,
@@ -41,7 +46,64 @@ from specrl.sampling import (
     sample_probs,
     uniforms,
 )
+from specrl.spec.proposers.base import Draft
 from specrl.spec.verify import PAD_TOKEN, Verified
+
+
+@dataclass(frozen=True)
+class SiblingDraft:
+    """First-token siblings of one speculative step: leaves under the root, stored after a chain
+    of ``chain`` drafts."""
+
+    tokens: torch.Tensor  # [B, s] int64 candidates, drawn without replacement after draft 0
+    valid: torch.Tensor  # [B, s] bool
+    chain: int  # chain drafts verified this step (kk)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Ancestor-or-self mask [T, T] of the step's T = 1 + chain + s tokens."""
+        return sibling_tree(self.chain, self.tokens.shape[1])
+
+    @staticmethod
+    def draw(
+        draft: Draft,
+        lengths: torch.Tensor,  # [B] chain drafts each row verifies
+        chain: int,
+        count: int,
+        seeds: torch.Tensor,  # [B]
+        counters: torch.Tensor,  # [B]
+    ) -> SiblingDraft | None:
+        """``count`` siblings per row of a stochastic draft (None: no count or no q)."""
+        if count == 0 or draft.probs is None:
+            return None
+        tokens, valid = draw_siblings(draft.probs[:, 0], draft.tokens[:, 0], count, seeds, counters)
+        return SiblingDraft(tokens, valid & (lengths[:, None] >= 1), chain)
+
+    def extend(
+        self, ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Root + chain ids/positions [B, 1 + chain] -> the tree's [B, 1 + chain + s]: siblings
+        after the chain, each at the first draft's RoPE position."""
+        ids = torch.cat([ids, self.tokens], 1)
+        return ids, torch.cat([positions, positions[:, 1:2].expand_as(self.tokens)], 1)
+
+    def adopt(
+        self,
+        cache: KVCache,
+        pos: list[int],  # per row: cache position of the root
+        chosen: torch.Tensor,  # [B] accepted sibling, -1 = none
+        feats: torch.Tensor | None,  # [B, T, F] target features of the step's tokens
+    ) -> int:
+        """Move each accepted sibling's cache entries and features (stored after the chain) to
+        the first draft position, where the next step expects them; returns how many moved."""
+        rows = torch.nonzero(chosen >= 0)[:, 0]
+        if len(rows) == 0:
+            return 0
+        dst = torch.tensor(pos)[rows] + 1
+        cache.move_positions(rows, dst + self.chain + chosen[rows], dst)
+        if feats is not None:
+            feats[rows, 1] = feats[rows, 1 + self.chain + chosen[rows]]
+        return len(rows)
 
 
 def without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

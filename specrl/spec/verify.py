@@ -41,8 +41,9 @@ from specrl.sampling import (
     STREAM_ACCEPT,
     STREAM_RECOVER,
     STREAM_SAMPLE,
+    all_plain,
     processed_logprobs,
-    raw_logprobs_reusing,
+    raw_logprobs,
     sample,
     uniforms,
 )
@@ -84,8 +85,9 @@ def verify(
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
     emitted = tokens >= 0  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
-    rows = (temperature, top_k, top_p)
-    raw = _per_position(target_logits, *rows, logp=logp)  # [B, k+1, V] raw log-probs
+    raw = logp  # [B, k+1, V] raw log-probs: the processed ones when every row samples plainly
+    if not all_plain(temperature, top_k, top_p):
+        raw = raw_logprobs(target_logits.reshape(batch * (k + 1), -1)).view(logp.shape)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return Verified(
         tokens=tokens,
@@ -126,18 +128,12 @@ def _per_position(
     temperature: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
-    logp: torch.Tensor | None = None,  # [B, k+1, V] processed log-probs
 ) -> torch.Tensor:
-    """Processed log-probs [B, k+1, V] of every position, each row with its own settings; given
-    those (``logp``), the raw (temperature 1, untruncated) log-probs instead."""
+    """Processed log-probs [B, k+1, V] of every position, each row with its own settings."""
     batch, positions, vocab = target_logits.shape
-    flat = target_logits.reshape(batch * positions, vocab)
     rows = [x.repeat_interleave(positions) for x in (temperature, top_k, top_p)]
-    if logp is None:
-        out = processed_logprobs(flat, *rows)
-    else:
-        out = raw_logprobs_reusing(flat, logp.reshape(batch * positions, vocab), *rows)
-    return out.view(batch, positions, vocab)
+    logp = processed_logprobs(target_logits.reshape(batch * positions, vocab), *rows)
+    return logp.view(batch, positions, vocab)
 
 
 def _count_accepted(

@@ -245,7 +245,9 @@ def test_sibling_acceptance_keeps_cache_and_logprobs_exact():
         torch.testing.assert_close(torch.tensor(c.raw_logprobs), ref[:, 0], atol=1e-4, rtol=0)
 
 
-def test_greedy_rows_get_no_siblings():
+def test_greedy_output_unchanged_with_siblings():
+    """Greedy decoding with siblings on equals plain greedy (that a one-hot q yields no valid
+    sibling at all is tested on ``draw_siblings`` in tests/spec/test_siblings.py)."""
     target = make_tiny(seed=3, vocab_size=32)
     params = SamplingParams(temperature=0, max_new_tokens=12)
     plain = Engine(target, max_batch=2).generate([Request([1, 2, 3], params)])
