@@ -1,13 +1,15 @@
 """Where a batch-1 decode step goes: the weight GEMVs alone vs our engine step vs transformers.
 
 At batch 1 a decode step must stream every weight once. This times, in one process and
-interleaved rounds (median of ``--rounds``): the model's own 121 bf16 Linear calls (oneDNN
-prepacked: every layer's qkv/o/gate_up/down and the LM head) fed batch-1 inputs back to back,
-i.e. the step with zero non-GEMV work; a full engine decode step at batch 1 (``--new-tokens``
-sampled tokens, prefill excluded); and transformers' ``generate`` per token at batch 1. It
-reports ``hf_ms / gemv_ms``, the most any engine built on these GEMV kernels could be faster
-than transformers at batch 1, next to the ratio the engine reaches, and the copy bandwidth the
-GEMVs and the engine step achieve against the machine's measured copy bandwidth.
+interleaved rounds (median of ``--rounds``): the model's own 121 bf16 Linear calls (every
+layer's qkv/o/gate_up/down and the LM head) fed batch-1 inputs back to back, i.e. the step with
+zero non-GEMV work, once with our native GEMV kernel (``specrl.kernels.gemv``) and once with
+oneDNN's prepacked linear; a full engine decode step at batch 1 (``--new-tokens`` sampled
+tokens, prefill excluded) with each of the two; and transformers' ``generate`` per token at
+batch 1. It reports ``hf_ms / gemv_ms``, the most any engine built on those GEMVs could be faster
+than transformers at batch 1, next to the ratio the engine reaches, the bandwidth the GEMVs
+achieve against the machine's measured copy bandwidth, and the engine step against the
+REFERENCE floor (270 MB of bf16 weights at 25 GB/s = 10.8 ms per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batch1_floor.py --threads 1
 
@@ -27,10 +29,12 @@ import torch
 from specrl.bench import bench_prompts, hf_runner, measure_machine, run_metadata, write_result
 from specrl.engine import Engine, Request
 from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
-from specrl.models.transformer import Linear
+from specrl.models.transformer import Linear, set_native_gemv
 from specrl.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
+REFERENCE_FLOOR_MS = 10.8  # shared/REFERENCE.md: 270 MB of bf16 weights at ~25 GB/s
+PATHS = {"": True, "_onednn": False}  # key suffix -> Linear.native (our kernel or oneDNN)
 
 
 def gemv_step(model) -> callable:
@@ -77,10 +81,13 @@ def main() -> None:
     weight_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
     gemv, step = gemv_step(model), engine_step(model, prompt, args.new_tokens)
     hf = hf_runner(resolve_model(MODEL), torch.bfloat16, [prompt], args.new_tokens)
-    ms: dict[str, list[float]] = {"gemv": [], "engine": [], "hf": []}
+    ms: dict[str, list[float]] = {k: [] for k in ("gemv", "gemv_onednn", "engine",
+                                                   "engine_onednn", "hf")}  # fmt: skip
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
-        ms["gemv"].append(1e3 * statistics.median(timed(gemv) for _ in range(10)))
-        ms["engine"].append(1e3 * step())
+        for suffix, native in PATHS.items():
+            set_native_gemv(model, native)
+            ms["gemv" + suffix].append(1e3 * statistics.median(timed(gemv) for _ in range(10)))
+            ms["engine" + suffix].append(1e3 * step())
         full, one = timed(hf), timed(lambda: hf(1))  # per token: (full - prefill) / (n - 1)
         ms["hf"].append(1e3 * (full - one) / (args.new_tokens - 1))
     med = {k: statistics.median(v[1:]) for k, v in ms.items()}
@@ -90,8 +97,12 @@ def main() -> None:
         "linear_weight_bytes": weight_bytes,
         "gemv_share_of_engine_step": round(med["gemv"] / med["engine"], 3),
         "engine_vs_hf": round(med["hf"] / med["engine"], 3),
+        "engine_onednn_vs_hf": round(med["hf"] / med["engine_onednn"], 3),
+        "engine_native_vs_onednn": round(med["engine_onednn"] / med["engine"], 3),
         "max_possible_vs_hf_with_these_gemvs": round(med["hf"] / med["gemv"], 3),
         "gemv_bandwidth_gb_s": round(weight_bytes / med["gemv"] / 1e6, 2),
+        "gemv_onednn_bandwidth_gb_s": round(weight_bytes / med["gemv_onednn"] / 1e6, 2),
+        "engine_share_of_reference_floor": round(REFERENCE_FLOOR_MS / med["engine"], 3),
         "machine_copy_bandwidth_gb_s": round(copy / 1e9, 2),
     }
     print(result)

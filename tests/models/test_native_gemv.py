@@ -1,0 +1,135 @@
+"""The native bf16 GEMV kernel and the Linear path that uses it (specrl.kernels.gemv)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specrl.kernels import gemv
+from specrl.models.transformer import Linear, set_native_gemv
+
+KERNEL = gemv.gemv_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native GEMV kernel cannot run here")
+
+
+def within_bf16_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b=None) -> bool:
+    """y == x @ w.T (+ b) up to bf16 rounding of the result (twice with a bias: product, then
+    sum) plus float32 accumulation error: |y - exact| <= r * eps_bf16 * |exact| + 2^-20 *
+    (|x| @ |w|.T)."""
+    x, w = x.detach().double(), w.detach().double()
+    exact = x @ w.T + (0.0 if b is None else b.detach().double())
+    roundings = 1 if b is None else 2
+    eps = torch.finfo(torch.bfloat16).eps
+    bound = roundings * eps * exact.abs() + 2.0**-20 * (x.abs() @ w.abs().T)
+    return bool(((y.double() - exact).abs() <= bound).all())
+
+
+def test_kernel_is_available_where_the_cpu_and_a_compiler_allow():
+    """On a machine with the CPU flags and gcc (this project's), the kernel must build: a test
+    that silently skipped everywhere would prove nothing."""
+    if gemv.cpu_supported() and shutil.which("gcc"):
+        assert KERNEL is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(16, 4), (48, 36), (960, 576), (576, 1536)])
+def test_kernel_matches_float32_reference_to_bf16_rounding(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    y = KERNEL.matmul(x, KERNEL.pack(w), n)  # [rows, n]
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    assert within_bf16_rounding(y, x, w)
+
+
+@needs_kernel
+def test_kernel_refuses_shapes_it_cannot_take():
+    w = torch.randn(32, 8).to(torch.bfloat16)
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="M=5"):
+        KERNEL.matmul(x, KERNEL.pack(w), 32)
+    assert not KERNEL.fits(torch.zeros(20, 8, dtype=torch.bfloat16))  # N % 16
+    assert not KERNEL.fits(torch.zeros(32, 6, dtype=torch.bfloat16))  # K % 4
+    assert not KERNEL.fits(torch.zeros(32, 8))  # float32
+
+
+def _linear(n: int, k: int, bias: bool = False) -> Linear:
+    lin = Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    return lin
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_uses_the_kernel_up_to_four_rows_and_agrees_with_onednn(bias):
+    lin = _linear(64, 32, bias)
+    x = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16
+    )  # 4 rows
+    with torch.no_grad():
+        native = lin(x)
+        assert lin._native is not None and lin._packed is None  # only the native copy built
+        set_native_gemv(lin, False)
+        onednn = lin(x)
+    assert native.shape == onednn.shape == (2, 2, 64)
+    rows, w = x.reshape(4, 32), lin.weight
+    assert within_bf16_rounding(native.reshape(4, 64), rows, w, lin.bias)
+    assert within_bf16_rounding(onednn.reshape(4, 64), rows, w, lin.bias)
+
+
+@needs_kernel
+def test_linear_falls_back_past_four_rows_and_for_shapes_the_kernel_cannot_take():
+    lin = _linear(64, 32)
+    with torch.no_grad():
+        lin(torch.randn(5, 32).to(torch.bfloat16))
+    assert lin._native is None and lin._packed is not None
+    odd = _linear(20, 32)  # N % 16 != 0
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        y = odd(x)
+    assert odd._native is None
+    assert within_bf16_rounding(y, x, odd.weight)
+
+
+@needs_kernel
+def test_linear_repacks_after_the_weight_changes_in_place():
+    """A refit writes weights in place; the packed copy must follow (version counter)."""
+    lin = _linear(32, 16)
+    x = torch.randn(1, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(2)
+        after = lin(x)
+    assert torch.equal(after, (before.float() * 2).to(torch.bfloat16))
+
+
+def test_switch_off_by_environment(monkeypatch):
+    monkeypatch.setenv(gemv.ENV_SWITCH, "0")
+    gemv.gemv_kernel.cache_clear()
+    try:
+        assert gemv.gemv_kernel() is None
+        lin = _linear(32, 16)
+        with torch.no_grad():
+            lin(torch.randn(1, 16).to(torch.bfloat16))
+        assert lin._native is None and lin._packed is not None
+    finally:
+        monkeypatch.undo()
+        gemv.gemv_kernel.cache_clear()
+
+
+def test_build_goes_to_the_cache_directory(monkeypatch, tmp_path):
+    if not (gemv.cpu_supported() and shutil.which("gcc")):
+        pytest.skip("no AVX512-BF16 CPU or no gcc")
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path))
+    gemv.gemv_kernel.cache_clear()
+    try:
+        assert gemv.gemv_kernel() is not None
+        built = list((tmp_path / "kernels").glob("gemv_bf16-*.so"))
+        assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.tmp"))
+    finally:
+        monkeypatch.undo()
+        gemv.gemv_kernel.cache_clear()
