@@ -65,6 +65,10 @@ class GemvKernel:
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (M <= MAX_ROWS) times the packed [N, K] weight transposed -> [M, N]."""
         m, k = x.shape
+        if packed.shape[0] * 16 != n or packed.shape[1] * 2 != k:
+            raise ValueError(
+                f"x [{m}, {k}] does not match a packed [{n}, ...] weight {packed.shape}"
+            )
         x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.bfloat16)
         if self._fn(packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k) != 0:

@@ -37,11 +37,8 @@ class Linear(nn.Linear):
     native: bool = True  # use the native GEMV kernel where it applies (see set_native_gemv)
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
-    _native: tuple[torch.Tensor, tuple] | None = None  # native-packed weight, its key
-
-    def _pack_key(self) -> tuple:
-        w = self.weight
-        return (w.data_ptr(), w._version, w.dtype)
+    # native-packed weight, its key, the kernel, the most input elements it takes (MAX_ROWS * K)
+    _native: tuple[torch.Tensor, tuple, gemv.GemvKernel, int] | None = None
 
     def _use_packed(self) -> bool:
         w = self.weight
@@ -53,25 +50,45 @@ class Linear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        nat = self._native  # the decode hot path: a few checks, then the kernel
+        if (
+            nat is not None
+            and nat[1] == key
+            and self.native
+            and x.dtype == w.dtype
+            and x.shape[-1] == self.in_features
+            and x.numel() <= nat[3]
+        ):
+            return self._native_forward(x, nat)
+        return self._forward_packed(x, key)
+
+    def _forward_packed(self, x: torch.Tensor, key: tuple) -> torch.Tensor:
+        """Pick a path for x (packing the weight for it if needed) and run it."""
         if not self._use_packed():
             return F.linear(x, self.weight, self.bias)
-        key = self._pack_key()
         rows = x.numel() // x.shape[-1]
-        if self.native and rows <= gemv.MAX_ROWS and x.dtype == self.weight.dtype:
+        fits = x.dtype == self.weight.dtype and x.shape[-1] == self.in_features
+        if self.native and rows <= gemv.MAX_ROWS and fits:
             kernel = gemv.gemv_kernel()
             if kernel is not None and kernel.fits(self.weight):
-                return self._native_forward(kernel, x, key)
+                if self._native is None or self._native[1] != key:
+                    packed = kernel.pack(self.weight)
+                    self._native = (packed, key, kernel, gemv.MAX_ROWS * self.in_features)
+                return self._native_forward(x, self._native)
         if self._packed_key != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
-    def _native_forward(self, kernel: gemv.GemvKernel, x: torch.Tensor, key: tuple) -> torch.Tensor:
+    def _native_forward(self, x: torch.Tensor, nat: tuple) -> torch.Tensor:
         """x [..., K] (at most MAX_ROWS rows) through the native kernel -> [..., N]."""
-        if self._native is None or self._native[1] != key:
-            self._native = (kernel.pack(self.weight), key)
+        packed, _, kernel, _ = nat
         n = self.out_features
-        y = kernel.matmul(x.reshape(-1, x.shape[-1]), self._native[0], n).view(*x.shape[:-1], n)
+        y = kernel.matmul(x.reshape(-1, x.shape[-1]), packed, n).view(*x.shape[:-1], n)
         return y if self.bias is None else y + self.bias
 
 

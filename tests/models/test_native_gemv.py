@@ -51,6 +51,8 @@ def test_kernel_refuses_shapes_it_cannot_take():
     x = torch.randn(5, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="M=5"):
         KERNEL.matmul(x, KERNEL.pack(w), 32)
+    with pytest.raises(ValueError, match="does not match"):  # K of x != K of the weight
+        KERNEL.matmul(torch.randn(1, 4).to(torch.bfloat16), KERNEL.pack(w), 32)
     assert not KERNEL.fits(torch.zeros(20, 8, dtype=torch.bfloat16))  # N % 16
     assert not KERNEL.fits(torch.zeros(32, 6, dtype=torch.bfloat16))  # K % 4
     assert not KERNEL.fits(torch.zeros(32, 8))  # float32
@@ -92,6 +94,8 @@ def test_linear_falls_back_past_four_rows_and_for_shapes_the_kernel_cannot_take(
     with torch.no_grad():
         y = odd(x)
     assert odd._native is None
+    with torch.no_grad(), pytest.raises(RuntimeError):  # a wrong width is refused, as F.linear
+        lin(torch.randn(1, 16).to(torch.bfloat16))  # does (16 * 4 rows would fit in numel)
     assert within_bf16_rounding(y, x, odd.weight)
 
 
