@@ -96,20 +96,34 @@ def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
     return x ^ (x >> 16)
 
 
+SMALL_DRAW = 16  # up to this many uniforms, hash with Python ints (fewer, cheaper ops)
+
+
 def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniforms in [0, 1), a pure function of (seed, counter, stream).
 
     seeds: [N] int64 (any value); counters: [N, ...] int64 >= 0, broadcast against seeds' rows.
-    Returns float64 with the shape of counters.
+    Returns float64 with the shape of counters. Small draws (<= ``SMALL_DRAW`` values, e.g. one
+    decode step at batch 1) run the same integer hash on Python ints: bit for bit the same
+    values, ~10x cheaper than ~80 tensor ops on a handful of elements.
     """
     seeds = seeds.to(torch.int64)
     while seeds.dim() < counters.dim():
         seeds = seeds.unsqueeze(-1)
+    if counters.numel() <= SMALL_DRAW:
+        flat = seeds.expand_as(counters).flatten().tolist(), counters.flatten().tolist()
+        pairs = zip(*flat, strict=True)
+        values = [_hash(seed, counter, stream) / float(1 << 32) for seed, counter in pairs]
+        return torch.tensor(values, dtype=torch.float64).view(counters.shape)
+    return _hash(seeds, counters.to(torch.int64), stream).to(torch.float64) / float(1 << 32)
+
+
+def _hash(seeds: torch.Tensor | int, counters: torch.Tensor | int, stream: int):
+    """The 32-bit hash of (seed, counter, stream) behind ``uniforms`` (tensors or Python ints)."""
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
-    h = _mix32((counters.to(torch.int64) & MASK32) ^ _mix32(stream))  # stream: a Python int
+    h = _mix32((counters & MASK32) ^ _mix32(stream))
     h = _mix32(h ^ lo)
-    h = _mix32(h ^ _mix32(hi ^ 0x9E3779B9))
-    return h.to(torch.float64) / float(1 << 32)
+    return _mix32(h ^ _mix32(hi ^ 0x9E3779B9))
 
 
 def _apply_top_k_top_p(

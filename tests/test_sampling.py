@@ -8,6 +8,7 @@ import torch
 from scipy import stats
 
 from specrl.sampling import (
+    SMALL_DRAW,
     STREAM_SAMPLE,
     SamplingParams,
     processed_logprobs,
@@ -89,6 +90,22 @@ def test_uniforms_are_uniform_and_stream_independent():
     # pure function of (seed, counter, stream)
     again = uniforms(seeds[:10], torch.zeros(10, dtype=torch.int64), 1).numpy()
     assert np.array_equal(again, a[:10])
+
+
+def test_small_draws_hash_with_python_ints_bit_for_bit():
+    """Draws of <= SMALL_DRAW values take the Python-int path; they must equal the tensor path
+    (negative and 64-bit seeds, 2-D counters broadcast against seeds, every stream kind)."""
+    seeds = torch.tensor([0, -5, 2**62 + 12345, 7919, -(2**63), 42])
+    counters = torch.arange(6 * 5).view(6, 5) * 104729
+    for stream in (STREAM_SAMPLE, 3, 77):
+        big = uniforms(seeds, counters, stream)  # 30 values: tensor path
+        assert counters.numel() > SMALL_DRAW
+        for rows, cols in ((1, 1), (2, 3), (6, 2), (3, 5)):
+            small = uniforms(seeds[:rows], counters[:rows, :cols], stream)
+            assert small.dtype == torch.float64 and small.shape == (rows, cols)
+            assert torch.equal(small, big[:rows, :cols])
+        one = uniforms(seeds[:4], counters[:4, 0], stream)  # [N] counters
+        assert torch.equal(one, big[:4, 0])
 
 
 @pytest.mark.parametrize(
