@@ -47,6 +47,8 @@ def test_overrides_parse_types_and_bare_strings():
         ("rollout.spec=medusa", ["rollout.spec", "medusa", "suffix"]),
         ("rollout.spec=sufix", ["rollout.spec", "did you mean suffix"]),
         ("rollout.spec_siblings=17", ["rollout.spec_siblings", "16", "17"]),
+        ("rollout.max_tokens_per_forward=0", ["rollout.max_tokens_per_forward", "'auto'", "0"]),
+        ("rollout.max_tokens_per_forward=autox", ["rollout.max_tokens_per_forward", "autox"]),
         ("learner.betas=[0.9, 1.5]", ["learner.betas", "[0, 1)"]),
         ("learner.loss=grpoo", ["learner.loss", "grpoo", "did you mean grpo"]),
         ("learner.advantage=rlo", ["learner.advantage", "rloo"]),

@@ -51,7 +51,7 @@ from specrl.pipelines.checkpoint import RunDir, load_checkpoint, save_checkpoint
 from specrl.pipelines.refit import engine_copy, refit
 from specrl.rl import Learner, TrainSample, compute_advantages
 from specrl.sampling import SamplingParams
-from specrl.spec.config import SpecConfig
+from specrl.spec.config import SpecConfig, auto_tokens_per_forward
 from specrl.spec.proposers import proposer_takes
 
 METRIC_KEYS = (
@@ -148,11 +148,14 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
     heads = proposer_takes(cfg.rollout.spec, "drafter_path")
+    cap = cfg.rollout.max_tokens_per_forward
     spec = SpecConfig(
         cfg.rollout.spec,
         cfg.rollout.num_spec_tokens,
         options={"drafter_path": head_path(cfg)} if heads else {},
-        max_tokens_per_forward=cfg.rollout.max_tokens_per_forward,
+        max_tokens_per_forward=auto_tokens_per_forward(DTYPES[cfg.model.dtype])
+        if cap == "auto"
+        else cap,
         siblings=cfg.rollout.spec_siblings,
     )
     model = engine_copy(policy, DTYPES[cfg.model.dtype])

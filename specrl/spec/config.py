@@ -12,10 +12,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from specrl.sampling import MAX_SIBLINGS
 from specrl.spec.proposers import available_proposers, get_proposer_class
 
 MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
+# Tokens per forward up to which a bf16 verification costs about one decode step on this
+# project's 2-core CPU: 16 with oneDNN's linears, but only the native kernel's rows with it
+# (a 4-token forward ~1.1x a 1-token one, 5 tokens ~1.7x: oneDNN takes over there).
+ONEDNN_TOKENS_PER_FORWARD = 16
+
+
+def auto_tokens_per_forward(dtype: torch.dtype) -> int:
+    """The ``max_tokens_per_forward`` that 'auto' means for an engine of this dtype here."""
+    from specrl.kernels.gemv import MAX_ROWS, gemv_kernel
+
+    native = dtype == torch.bfloat16 and gemv_kernel() is not None
+    return MAX_ROWS if native else ONEDNN_TOKENS_PER_FORWARD
 
 
 @dataclass(frozen=True)

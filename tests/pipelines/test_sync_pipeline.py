@@ -127,3 +127,20 @@ def test_used_run_dir_is_not_overwritten(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="not empty"):
         train(tiny_parts(tiny_config()), str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_auto_tokens_per_forward_follows_the_engine_dtype(dtype):
+    """'auto' (the default) caps a step at the native kernel's rows for bf16 where the kernel
+    runs (larger forwards cost ~1.7x there) and at 16 tokens otherwise; an integer is kept."""
+    from specrl.kernels.gemv import MAX_ROWS, gemv_kernel
+
+    cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=auto",
+                      "rollout.spec=ngram")  # fmt: skip
+    spec = tiny_parts(cfg).engine.spec
+    native = dtype == "bf16" and gemv_kernel() is not None
+    assert spec.max_tokens_per_forward == (MAX_ROWS if native else 16)
+    assert spec.k_for_batch(1) == 3
+    assert spec.k_for_batch(2) == (1 if native else 3)  # 2 rows x (1 + 1) tokens = 4
+    cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=8")
+    assert tiny_parts(cfg).engine.spec.max_tokens_per_forward == 8
