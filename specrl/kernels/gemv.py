@@ -2,8 +2,8 @@
 
 Contract. ``gemv_kernel()`` returns a ``GemvKernel`` or ``None`` when it cannot run here: not
 Linux/x86 with the ``avx512f avx512bw avx512vl avx512_bf16`` flags, no C compiler (``$CC`` or
-``gcc``), a failed build, or ``SPECRL_NATIVE_KERNELS=0`` in the environment. Callers then use
-PyTorch's ops; nothing else changes. The shared library is compiled once from
+``gcc``), a failed build (a warning says why), or ``SPECRL_NATIVE_KERNELS=0`` in the environment.
+Callers then use PyTorch's ops; nothing else changes. The shared library is compiled once from
 ``gemv_bf16.c`` (shipped with the package) into ``$SPECRL_CACHE/kernels/`` under a name that
 hashes the source and flags, written atomically, and loaded with ctypes (no torch headers, ~0.3 s
 to build). The result is cached per process (``functools.cache``).
@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,7 +87,8 @@ def gemv_kernel() -> GemvKernel | None:
         return None
     try:
         return GemvKernel(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, subprocess.SubprocessError, AttributeError):
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        warnings.warn(f"specrl: native GEMV kernel unavailable ({e}); using oneDNN", stacklevel=2)
         return None
 
 
