@@ -50,37 +50,37 @@ class Linear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype)
         nat = self._native  # the decode hot path: a few checks, then the kernel
         if (
             nat is not None
-            and nat[1] == key
             and self.native
-            and x.dtype == w.dtype
+            and not torch.is_grad_enabled()
+            and x.dtype == nat[0].dtype
             and x.shape[-1] == self.in_features
             and x.numel() <= nat[3]
         ):
-            return self._native_forward(x, nat)
-        return self._forward_packed(x, key)
-
-    def _forward_packed(self, x: torch.Tensor, key: tuple) -> torch.Tensor:
-        """Pick a path for x (packing the weight for it if needed) and run it."""
+            w = self.weight
+            if nat[1] == (w.data_ptr(), w._version, w.dtype):
+                return self._native_forward(x, nat)
         if not self._use_packed():
             return F.linear(x, self.weight, self.bias)
+        return self._forward_packed(x)
+
+    def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference with a packed weight: pick the path for x, (re)pack the weight for it."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
         rows = x.numel() // x.shape[-1]
-        fits = x.dtype == self.weight.dtype and x.shape[-1] == self.in_features
+        fits = x.dtype == w.dtype and x.shape[-1] == self.in_features
         if self.native and rows <= gemv.MAX_ROWS and fits:
             kernel = gemv.gemv_kernel()
-            if kernel is not None and kernel.fits(self.weight):
+            if kernel is not None and kernel.fits(w):
                 if self._native is None or self._native[1] != key:
-                    packed = kernel.pack(self.weight)
+                    packed = kernel.pack(w)
                     self._native = (packed, key, kernel, gemv.MAX_ROWS * self.in_features)
                 return self._native_forward(x, self._native)
         if self._packed_key != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 

@@ -149,13 +149,13 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
     heads = proposer_takes(cfg.rollout.spec, "drafter_path")
     cap = cfg.rollout.max_tokens_per_forward
+    if cap == "auto":
+        cap = auto_tokens_per_forward(DTYPES[cfg.model.dtype])
     spec = SpecConfig(
         cfg.rollout.spec,
         cfg.rollout.num_spec_tokens,
         options={"drafter_path": head_path(cfg)} if heads else {},
-        max_tokens_per_forward=auto_tokens_per_forward(DTYPES[cfg.model.dtype])
-        if cap == "auto"
-        else cap,
+        max_tokens_per_forward=cap,
         siblings=cfg.rollout.spec_siblings,
     )
     model = engine_copy(policy, DTYPES[cfg.model.dtype])
