@@ -10,9 +10,11 @@ to build). The result is cached per process (``functools.cache``).
 
 ``GemvKernel.pack(weight [N, K] bf16) -> [N/16, K/2, 16, 2]`` lays the weight out once;
 ``GemvKernel.matmul(x [M, K] bf16, packed, n) -> [M, N] bf16`` computes ``x @ weight.T`` with
-float32 accumulation for M <= ``MAX_ROWS``, reading the weight once per call. Why: one core
-streams these small-batch products at ~25-28 GB/s against ~12-16 GB/s for oneDNN's prepacked
-bf16 linear on this project's (non-AMX) CPU, and batch-1 decoding is nearly all such products.
+float32 accumulation for M <= ``MAX_ROWS``, reading the weight once per call, its output rows
+split over ``torch.get_num_threads()`` OpenMP threads (the same values for any thread count).
+Why: one core streams these small-batch products at ~25-28 GB/s against ~12-16 GB/s for oneDNN's
+prepacked bf16 linear on this project's (non-AMX) CPU, and batch-1 decoding is nearly all such
+products.
 The sum order differs from oneDNN's, so results agree to bf16 rounding, not bit for bit.
 """
 
@@ -32,7 +34,16 @@ import torch
 
 MAX_ROWS = 4  # input rows per call the kernel takes (it reads the weight once for all)
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-shared",
+    "-fPIC",
+)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 ENV_SWITCH = "SPECRL_NATIVE_KERNELS"
 
@@ -42,7 +53,7 @@ class GemvKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.specrl_gemv_bf16
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -72,7 +83,12 @@ class GemvKernel:
             )
         x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._fn(packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k) != 0:
+        if (
+            self._fn(
+                packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
+            )
+            != 0
+        ):
             raise ValueError(f"gemv kernel refused shapes M={m}, N={n}, K={k}")
         return y
 

@@ -6,11 +6,17 @@
  * them into 16 float32 accumulators, one per output row: no horizontal sums, and the weights
  * stream through memory exactly once per call whatever M (<= 4) is. Accumulation in float32
  * (two partial sums per row over even/odd k-pairs), output rounded to bf16 (nearest even).
- * Requires N % 16 == 0 and K % 4 == 0 (the caller checks).
+ * Requires N % 16 == 0 and K % 4 == 0 (the caller checks). With threads > 1 and N >= MIN_SPLIT
+ * the 16-row blocks are split over OpenMP threads (torch's own libgomp, shared by soname): each
+ * output row is still computed by one thread in the same order, so results do not depend on the
+ * thread count.
  */
 #include <immintrin.h>
 #include <stdint.h>
 
+#ifndef MIN_SPLIT
+#define MIN_SPLIT 512 /* output rows from which a call is split over the threads */
+#endif
 #define ZERO _mm512_setzero_ps()
 #define BCAST(p, k) ((__m512bh)_mm512_set1_epi32((int)(p)[k]))
 #define DP(acc, w, p, k) acc = _mm512_dpbf16_ps(acc, w, BCAST(p, k))
@@ -46,15 +52,18 @@ BLOCK(4)
 
 typedef void (*block_fn)(const uint16_t *, const uint32_t *const *, uint16_t *, int64_t, int64_t);
 
-/* wp: packed weights [N/16][K/2][16][2]; x: [M, K] row-major; y: [M, N] row-major; M in 1..4. */
+/* wp: packed weights [N/16][K/2][16][2]; x: [M, K] row-major; y: [M, N] row-major; M in 1..4;
+ * threads: OpenMP threads to split the output rows over (1 = this thread only). */
 int specrl_gemv_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
-                     int64_t K) {
+                     int64_t K, int threads) {
     static const block_fn blocks[4] = {block_1, block_2, block_3, block_4};
     if (M < 1 || M > 4 || N % 16 != 0 || K % 4 != 0) return 1;
     const uint32_t *xs[4];
     for (int64_t m = 0; m < M; m++) xs[m] = (const uint32_t *)(x + m * K);
     block_fn fn = blocks[M - 1];
     int64_t kp = K / 2;
-    for (int64_t nb = 0; nb < N / 16; nb++) fn(wp + nb * kp * 32, xs, y + nb * 16, N, kp);
+    int64_t blocks_n = N / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N >= MIN_SPLIT)
+    for (int64_t nb = 0; nb < blocks_n; nb++) fn(wp + nb * kp * 32, xs, y + nb * 16, N, kp);
     return 0;
 }

@@ -48,6 +48,23 @@ def test_kernel_matches_float32_reference_to_bf16_rounding(rows, n, k):
 
 
 @needs_kernel
+def test_kernel_results_do_not_depend_on_the_thread_count():
+    """Rows are split over threads, never a row's sum: bit-identical for 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(1024, 64, generator=gen).to(torch.bfloat16)  # N >= the split threshold
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    packed, before = KERNEL.pack(w), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL.matmul(x, packed, 1024)
+        torch.set_num_threads(2)
+        two = KERNEL.matmul(x, packed, 1024)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two) and within_bf16_rounding(two, x, w)
+
+
+@needs_kernel
 def test_kernel_refuses_shapes_it_cannot_take():
     w = torch.randn(32, 8).to(torch.bfloat16)
     x = torch.randn(5, 8).to(torch.bfloat16)
