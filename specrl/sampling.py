@@ -247,9 +247,8 @@ def sample_logits(
     rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
     """
     logits = logits.float()
-    if all_plain(
-        temperature, top_k, top_p
-    ):  # one fused softmax pass; log of the sampled token's probability
+    if all_plain(temperature, top_k, top_p):
+        # one fused softmax pass; log of the sampled token's probability
         probs = torch.softmax(logits, dim=-1)  # [N, V]
         tokens = sample_probs(probs, u)
         raw = probs.gather(1, tokens[:, None])[:, 0].log()

@@ -41,9 +41,8 @@ from specrl.sampling import (
     STREAM_ACCEPT,
     STREAM_RECOVER,
     STREAM_SAMPLE,
-    all_plain,
     processed_logprobs,
-    raw_logprobs,
+    raw_logprobs_reusing,
     sample,
     uniforms,
 )
@@ -74,7 +73,7 @@ def verify(
     counters: torch.Tensor,  # [B] int64; counter of the first token emitted this step
 ) -> Verified:
     """Accept a prefix of each row's drafts and emit one recovered or bonus token after it."""
-    batch, k = _check_shapes(draft_tokens, draft_lengths, draft_probs, target_logits)
+    _, k = _check_shapes(draft_tokens, draft_lengths, draft_probs, target_logits)
     lengths = draft_lengths.to(torch.int64)
     counters = counters.to(torch.int64)
     logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
@@ -85,9 +84,7 @@ def verify(
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
     emitted = tokens >= 0  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
-    raw = logp  # [B, k+1, V] raw log-probs: the processed ones when every row samples plainly
-    if not all_plain(temperature, top_k, top_p):
-        raw = raw_logprobs(target_logits.reshape(batch * (k + 1), -1)).view(logp.shape)
+    raw = raw_logprobs_reusing(target_logits, logp, temperature, top_k, top_p)  # [B, k+1, V]
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return Verified(
         tokens=tokens,
