@@ -167,8 +167,11 @@ def processed_logprobs(
     """
     logits = logits.float()
     greedy = temperature <= 0
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    scaled = logits / safe_t[:, None]
+    if bool((temperature == 1).all()):  # x / 1.0 == x exactly: skip a vocabulary pass
+        scaled = logits
+    else:
+        safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+        scaled = logits / safe_t[:, None]
     if bool(((top_k > 0) | (top_p < 1)).any()):
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)
     logp = torch.log_softmax(scaled, dim=-1)
@@ -196,6 +199,20 @@ def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Tokens of probability 0 are never drawn.
     """
     return sample_probs(logprobs.exp(), u)
+
+
+def draw(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N]
+    top_p: torch.Tensor,  # [N]
+    u: torch.Tensor,  # [N] uniforms
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's draw: tokens [N] from the processed distribution and that distribution as
+    probabilities [N, V] (its q), bit for bit ``sample(processed_logprobs(...), u)`` and
+    ``processed_logprobs(...).exp()`` with one exponential pass instead of two."""
+    probs = processed_logprobs(logits, temperature, top_k, top_p).exp()
+    return sample_probs(probs, u), probs
 
 
 CHUNK = 1024

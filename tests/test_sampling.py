@@ -11,6 +11,7 @@ from specrl.sampling import (
     SMALL_DRAW,
     STREAM_SAMPLE,
     SamplingParams,
+    draw,
     processed_logprobs,
     raw_logprobs,
     raw_logprobs_reusing,
@@ -150,3 +151,28 @@ def test_raw_logprobs_reusing_is_raw_bit_for_bit():
         mixed = (torch.tensor([1.0, t, 1.0]), torch.tensor([0, k, 0]), torch.tensor([1.0, p, 1.0]))
         lp = processed_logprobs(logits, *mixed)
         assert torch.equal(raw_logprobs_reusing(logits, lp, *mixed), raw_logprobs(logits))
+
+
+def test_plain_rows_are_processed_the_same_alone_or_mixed():
+    """All rows at temperature 1 skip the division by 1.0; a plain row gets bit for bit the
+    log-probs it gets beside a row that needs the division (batch composition changes nothing)."""
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)) * 4
+    zero, one = torch.zeros(2, dtype=torch.int64), torch.ones(2)
+    alone = processed_logprobs(logits, one, zero, one)
+    mixed = processed_logprobs(logits, torch.tensor([1.0, 0.7]), zero, one)
+    assert torch.equal(alone[0], mixed[0])
+    assert torch.equal(alone, torch.log_softmax(logits, -1))
+    assert not torch.equal(alone[1], mixed[1])
+
+
+@pytest.mark.parametrize("t, k, p", [(1.0, 0, 1.0), (0.8, 5, 0.9), (0.0, 0, 1.0)])
+def test_draw_is_sample_of_processed_bit_for_bit(t, k, p):
+    """``draw`` returns what ``sample(processed_logprobs)`` draws and the exp of those log-probs."""
+    rows = 64
+    logits = torch.randn(rows, 40, generator=torch.Generator().manual_seed(5)) * 3
+    settings = (torch.full((rows,), t), torch.full((rows,), k), torch.full((rows,), p))
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(6)).double()
+    tokens, probs = draw(logits, *settings, u)
+    lp = processed_logprobs(logits, *settings)
+    assert torch.equal(tokens, sample(lp, u))
+    assert torch.equal(probs, lp.exp())

@@ -43,7 +43,7 @@ from specrl.sampling import (
     STREAM_SAMPLE,
     processed_logprobs,
     raw_logprobs_reusing,
-    sample,
+    sample_probs,
     uniforms,
 )
 
@@ -171,16 +171,17 @@ def _final_token(
     """The token [B] emitted at position j = num_accepted: recovered if j < lengths, else bonus."""
     j = num_accepted
     rows = torch.arange(j.shape[0], device=j.device)
-    logp_j = logp[rows, j]  # [B, V] (a copy)
-    rejected = j < lengths  # [B]
+    p_j = logp[rows, j].exp()  # [B, V]
     counter_j = counters + j
     u_bonus = uniforms(seeds, counter_j, STREAM_SAMPLE)  # [B]
-    if drafts.shape[1] == 0:
-        return sample(logp_j, u_bonus)
-    residual = _residual(drafts, draft_probs, logp_j.exp(), j)  # [B, V]
-    u_recover = uniforms(seeds, counter_j, STREAM_RECOVER)  # [B]
-    chosen = torch.where(rejected[:, None], residual.log(), logp_j)  # [B, V]
-    return sample(chosen, torch.where(rejected, u_recover, u_bonus))
+    rejected = j < lengths  # [B]
+    if not bool(rejected.any()):  # every row drew a bonus token (or had no draft slots)
+        return sample_probs(p_j, u_bonus)
+    residual = _residual(drafts, draft_probs, p_j, j)  # [B, V]
+    u = torch.where(rejected, uniforms(seeds, counter_j, STREAM_RECOVER), u_bonus)  # [B]
+    if bool(rejected.all()):  # the usual case at batch 1: no [B, V] select
+        return sample_probs(residual, u)
+    return sample_probs(torch.where(rejected[:, None], residual, p_j), u)
 
 
 def _residual(
@@ -200,7 +201,7 @@ def _residual(
         q_j = draft_probs[rows, jj].to(p_j.dtype)  # [B, V]
         residual = (p_j - q_j).clamp(min=0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # [B, 1]
-    return torch.where(empty, p_j, residual)
+    return torch.where(empty, p_j, residual) if bool(empty.any()) else residual
 
 
 def _assemble(

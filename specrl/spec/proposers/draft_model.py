@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from specrl.models.transformer import Transformer
-from specrl.sampling import STREAM_DRAFT, processed_logprobs, sample, uniforms
+from specrl.sampling import STREAM_DRAFT, draw, uniforms
 from specrl.spec.proposers import register_proposer
 from specrl.spec.proposers.base import Draft, ProposerBatch
 
@@ -94,10 +94,9 @@ class DraftModelProposer:
         tokens, probs = [], []
         u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
         for i in range(k):
-            lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)
-            tok = sample(lp, u[:, i])  # [B]
+            tok, q = draw(logits, batch.temperature, batch.top_k, batch.top_p, u[:, i])
             tokens.append(tok)
-            probs.append(lp.exp())
+            probs.append(q)
             if i + 1 < k:
                 logits = self._step(tok, [len(h) + i for h in batch.histories], slots)
         for row, hist, drafted in zip(

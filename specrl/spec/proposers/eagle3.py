@@ -24,7 +24,7 @@ import torch
 
 from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config, load_head
 from specrl.models.transformer import Transformer
-from specrl.sampling import STREAM_DRAFT, processed_logprobs, sample, uniforms
+from specrl.sampling import STREAM_DRAFT, draw, uniforms
 from specrl.spec.proposers import register_proposer
 from specrl.spec.proposers.base import Draft, ProposerBatch
 
@@ -103,22 +103,23 @@ class Eagle3Proposer:
         g, logits = self._catch_up(batch, slots, ends)
         tokens, probs = [], []
         u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
+        settings = (batch.temperature, batch.top_k, batch.top_p)
+        first = torch.tensor(ends)[:, None]  # [B, 1] head position of the first own step
         for i in range(k):
-            lp = processed_logprobs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, Vd]
-            idx = sample(lp, u[:, i])
+            idx, q = draw(logits, *settings, u[:, i])  # [B], [B, Vd]
             tok = self.head.to_target(idx)  # [B] target ids
             tokens.append(tok)
-            probs.append(self.head.to_full(lp.exp()))  # [B, V]
+            probs.append(q)
             if i + 1 < k:
-                pos = torch.tensor(ends)[:, None] + i  # [B, 1]
-                g = self.head.step(
-                    g, tok[:, None], pos, self.cache, slots[:, None], slots, int(pos.max()) + 1
-                )
+                kv_len = max(ends) + i + 1
+                g = self.head.step(g, tok[:, None], first + i, self.cache, slots[:, None], slots,
+                                   kv_len)  # fmt: skip
                 logits = self.head.logits(g[:, 0]).float()
+        q = torch.stack(probs, 1)  # [B, k, Vd]
         return Draft(
             tokens=torch.stack(tokens, 1),
             lengths=torch.full((b,), k, dtype=torch.int64),
-            probs=torch.stack(probs, 1),
+            probs=self.head.to_full(q.flatten(0, 1)).view(b, k, -1),  # [B, k, V]
         )
 
     def _slot(self, row_id: int) -> int:
