@@ -55,9 +55,13 @@ class KVCache:
     def read(
         self, layer: int, batch: int, kv_len: int, slots: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[batch, kv_heads, kv_len, head_dim]: views of slots 0..batch-1, or a gather of slots."""
+        """[batch, kv_heads, kv_len, head_dim]: views of slots 0..batch-1 (or of one given slot), or
+        a gather of the given slots."""
         if slots is None:
             return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+        if slots.numel() == 1:  # one slot: a view, no gather
+            s = int(slots)
+            return self.k[layer, s : s + 1, :, :kv_len], self.v[layer, s : s + 1, :, :kv_len]
         return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
 
     def move(self, src: int, dst: int, length: int) -> None:

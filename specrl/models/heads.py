@@ -40,7 +40,14 @@ from torch import nn
 
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
-from specrl.models.transformer import AttnContext, Block, Linear, RMSNorm, Transformer
+from specrl.models.transformer import (
+    AttnContext,
+    Block,
+    Linear,
+    RMSNorm,
+    Transformer,
+    cache_mask,
+)
 
 KINDS = ("eagle3", "mtp")
 FORMAT = "specrl-draft-head"
@@ -152,8 +159,7 @@ class DraftHead(nn.Module):
             ctx = self.target.attn_context(positions, None, None)
         else:
             kv_len = kv_len or int(positions.max()) + 1
-            keys = torch.arange(kv_len, device=positions.device)
-            mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+            mask = cache_mask(positions, kv_len)  # [B, 1, T, kv_len] or None
             ctx = AttnContext(positions, mask, cache, rows, kv_len, slots=slots)
         cos, sin = self.target.rope(positions, like=self.proj.weight)
         return self.block(self.inputs(h, tokens), cos, sin, ctx)

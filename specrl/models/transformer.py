@@ -143,8 +143,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """PyTorch's fused attention (q [B, H, T, D], k/v [B, KV, L, D], mask [B, 1, T, L])."""
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """PyTorch's fused attention (q [B, H, T, D], k/v [B, KV, L, D], mask [B, 1, T, L] or None
+    = every key visible)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -155,7 +158,7 @@ def grouped_attention(
     q: torch.Tensor,  # [B, H, T, D]
     k: torch.Tensor,  # [B, KV, L, D] (a strided view of the cache)
     v: torch.Tensor,  # [B, KV, L, D]
-    mask: torch.Tensor,  # [B, 1, T, L] bool, True = attend
+    mask: torch.Tensor | None,  # [B, 1, T, L] bool, True = attend; None = every key
 ) -> torch.Tensor:
     """Attention for few queries over a long cache, as batched GEMMs per KV head.
 
@@ -175,7 +178,8 @@ def grouped_attention(
     else:
         scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2).float()
     scores = scores.view(b, kv, g, t, -1).mul_(d**-0.5)
-    scores.masked_fill_(~mask[:, :, None], float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, g * t, -1)
     return torch.matmul(probs, v).view(b, h, t, d).to(dtype)
 
@@ -262,7 +266,7 @@ class AttnContext:
     """What attention needs besides activations: cache, slots, positions, mask."""
 
     positions: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, 1, T, kv_len] bool, True = attend
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, True = attend; None = every key
     cache: KVCache | None = None
     rows: torch.Tensor | None = None  # [B, T] cache slot of each token
     kv_len: int = 0
@@ -331,10 +335,10 @@ class Transformer(nn.Module):
             return self._tree_context(positions, cache, kv_len, slots, tree)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        keys = torch.arange(kv_len, device=positions.device)
-        mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
         rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
-        return AttnContext(positions, mask[:, None], cache, rows, kv_len, slots=slots)
+        return AttnContext(
+            positions, cache_mask(positions, kv_len), cache, rows, kv_len, slots=slots
+        )
 
     @staticmethod
     def _tree_context(
@@ -411,6 +415,15 @@ class Transformer(nn.Module):
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         c, p = self.config, self.embed.weight
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+
+def cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:
+    """[B, 1, T, kv_len] bool: cached key position <= query position (positions [B, T]); None
+    when that is every key (a single query at position kv_len - 1: batch-1 decoding)."""
+    if positions.numel() == 1 and int(positions) == kv_len - 1:
+        return None
+    keys = torch.arange(kv_len, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
 
 def layer_prefix_model(model: Transformer, num_layers: int) -> Transformer:

@@ -134,3 +134,30 @@ def test_matches_transformers_family(family, tmp_path):
     sd = hf.state_dict()
     for name, value in back.items():
         torch.testing.assert_close(value, sd[name])
+
+
+def test_cache_mask_is_none_only_for_one_query_seeing_every_key():
+    from specrl.models.transformer import cache_mask
+
+    assert cache_mask(torch.tensor([[6]]), 7) is None
+    hidden = cache_mask(torch.tensor([[6]]), 9)  # stale keys 7, 8 must stay masked
+    assert hidden.shape == (1, 1, 1, 9) and hidden[0, 0, 0].tolist() == [True] * 7 + [False] * 2
+    two = cache_mask(torch.tensor([[6], [4]]), 7)  # row 1 must not see keys 5, 6
+    assert two is not None and two[1, 0, 0].tolist() == [True] * 5 + [False] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unmasked_batch1_decode_equals_masked_over_stale_keys(tiny, dtype):
+    """A batch-1 decode step reads no mask (every key < kv_len is visible); it must equal the
+    same step with a longer kv_len whose extra (stale) keys the mask hides."""
+    model = tiny.to(dtype)
+    cache = model.new_cache(1, 16)
+    ids = torch.tensor([[3, 7, 1, 9, 4]])
+    model(ids, torch.arange(5)[None], cache, slots=torch.tensor([0]), prefill=True)
+    model(torch.tensor([[2, 5, 6]]), torch.arange(5, 8)[None], cache, kv_len=8)  # stale 6, 7
+    step = (torch.tensor([[8]]), torch.tensor([[5]]), cache)
+    unmasked = model(*step, kv_len=6).logits.float()
+    masked = model(*step, kv_len=8).logits.float()
+    torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+    polluted = model(*step, kv_len=8, slots=torch.tensor([0])).logits.float()  # one-slot view
+    torch.testing.assert_close(polluted, masked, atol=1e-5, rtol=1e-5)
