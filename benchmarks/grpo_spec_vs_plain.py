@@ -6,7 +6,8 @@ same prompts and request seeds, and reports per variant the mean rollout tokens/
 time, acceptance length and step time, plus ratios against ``none``. Then, on each speculative
 variant's final weights and drafter state, it rolls out the next step's prompts plain and
 speculative at each ``--batches`` max batch (same weights, same seeds): the speedup by batch
-regime (speculation pays while decode is memory-bound, i.e. at small batches on this CPU).
+regime (speculation pays while decode is memory-bound, i.e. at small batches on this CPU), and
+the free-drafter ceiling: the speedup had drafting cost nothing at the same acceptance.
 Steps before ``--warmup`` are left out of the means. A drafter written ``NAME/S`` runs with
 ``rollout.spec_siblings=S`` (S extra first-token candidates). Prints a table, writes JSON with
 ``specrl.bench.run_metadata()``.
@@ -72,11 +73,11 @@ def print_tables(results: list[dict], sweep: list[dict]) -> None:
               f"{r['acceptance_length']:8.2f} {r['step_time_s']:7.1f} "
               f"{r['rollout_speedup']:10.2f} {r['step_speedup']:7.2f}")  # fmt: skip
     print(f"\n{'spec':8} {'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'acc.len':>8} "
-          f"{'speedup':>8}")  # fmt: skip
+          f"{'speedup':>8} {'free-draft x':>13}")  # fmt: skip
     for s in sweep:
         print(f"{s['spec']:8} {s['max_batch']:6d} {s['plain_tokens_per_s']:12.1f} "
               f"{s['spec_tokens_per_s']:11.1f} {s['spec_acceptance_length']:8.2f} "
-              f"{s['rollout_speedup']:8.2f}")  # fmt: skip
+              f"{s['rollout_speedup']:8.2f} {s['free_draft_speedup']:13.2f}")  # fmt: skip
 
 
 def main() -> None:

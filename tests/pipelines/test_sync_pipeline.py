@@ -39,6 +39,7 @@ def test_run_writes_every_metric_key(tmp_path, spec):
         assert "speed_rollout_speedup" not in summary
     else:
         assert summary["speed_rollout_speedup"] > 0
+        assert summary["speed_free_draft_speedup"] >= summary["speed_rollout_speedup"]
     if spec == "self":  # q == p: every draft accepted
         assert all(r["acceptance_length"] > 1.5 for r in rows)
 
