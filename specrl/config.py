@@ -136,7 +136,7 @@ class RolloutCfg(_Section):
     drafter_path: str | None = Field(
         None,
         description="Drafter weights (must exist): a model directory for 'draft', a head "
-        "directory for 'eagle3'/'mtp' (default: the head `specrl train-drafter` cached).",
+        "directory for 'eagle3'/'mtp' (default: the one `specrl train-drafter` cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
 

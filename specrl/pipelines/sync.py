@@ -114,27 +114,29 @@ def check_sampling(cfg: Config) -> None:
         raise ConfigError("bad value for rollout.group_size: GRPO needs >= 2 completions, got 1")
 
 
-def head_path(cfg: Config) -> str | None:
-    """The head directory a learned-head drafter (eagle3, mtp) reads: ``rollout.drafter_path``,
-    else the one ``specrl train-drafter`` caches for the model, if it exists."""
+def drafter_dir(cfg: Config) -> str | None:
+    """The drafter directory a ``draft`` model or learned-head drafter (eagle3, mtp) reads:
+    ``rollout.drafter_path``, else the one ``specrl train-drafter --drafter SPEC`` cached for
+    the model, if it exists."""
     from specrl.drafters.cli import default_out
 
     if cfg.rollout.drafter_path is not None:
         return str(Path(cfg.rollout.drafter_path).expanduser())
-    cached = default_out(cfg.model.name, cfg.rollout.spec)
-    return str(cached) if (cached / "head.json").exists() else None
+    spec = cfg.rollout.spec
+    cached = default_out(cfg.model.name, spec)
+    marker = "config.json" if proposer_takes(spec, "draft_model") else "head.json"
+    return str(cached) if (cached / marker).exists() else None
 
 
 def check_drafter(cfg: Config) -> None:
     """A drafter that takes a draft model or a trained head needs one (checked up front)."""
     spec = cfg.rollout.spec
-    if proposer_takes(spec, "draft_model") and cfg.rollout.drafter_path is None:
-        raise ConfigError(f"rollout.spec={spec!r} needs rollout.drafter_path")
-    if proposer_takes(spec, "drafter_path") and head_path(cfg) is None:
-        raise ConfigError(
-            f"rollout.spec={spec!r} needs rollout.drafter_path (a head directory; make one with "
-            f"`specrl train-drafter --drafter {spec}`)"
-        )
+    for takes, what in (("draft_model", "a model directory"), ("drafter_path", "a head directory")):
+        if proposer_takes(spec, takes) and drafter_dir(cfg) is None:
+            raise ConfigError(
+                f"rollout.spec={spec!r} needs rollout.drafter_path ({what}; make one with "
+                f"`specrl train-drafter --drafter {spec}`)"
+            )
 
 
 def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
@@ -143,7 +145,7 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
         return None
     from specrl.models.checkpoints import load_model
 
-    return load_model(cfg.rollout.drafter_path, dtype=dtype)
+    return load_model(drafter_dir(cfg), dtype=dtype)
 
 
 def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | None) -> Engine:
@@ -154,7 +156,7 @@ def make_engine(cfg: Config, policy: torch.nn.Module, draft: torch.nn.Module | N
     spec = SpecConfig(
         cfg.rollout.spec,
         cfg.rollout.num_spec_tokens,
-        options={"drafter_path": head_path(cfg)} if heads else {},
+        options={"drafter_path": drafter_dir(cfg)} if heads else {},
         max_tokens_per_forward=cap,
         siblings=cfg.rollout.spec_siblings,
     )

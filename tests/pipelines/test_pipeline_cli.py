@@ -36,7 +36,8 @@ def app() -> typer.Typer:
         (["--resume", "/no/such/run"], "cannot resume"),
     ],
 )
-def test_bad_input_is_one_line_before_work(app, tmp_path, args, match):
+def test_bad_input_is_one_line_before_work(app, tmp_path, monkeypatch, args, match):
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))  # no cached drafters
     result = CliRunner().invoke(app, ["train", "--run-dir", str(tmp_path / "run"), *args])
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]

@@ -72,6 +72,24 @@ def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
     tiny_parts(tiny_config(f"rollout.spec={kind}"))  # the cached default head is found
 
 
+def test_draft_model_drafter_defaults_to_the_cached_one(tmp_path, monkeypatch):
+    """``rollout.spec=draft`` without a path: a clear error naming the command that makes one,
+    then the model ``specrl train-drafter --drafter draft`` caches is found and drafts."""
+    from specrl.drafters.cli import default_out
+    from specrl.drafters.distill import init_draft, save_draft_model
+
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="specrl train-drafter --drafter draft"):
+        tiny_parts(tiny_config("rollout.spec=draft"))
+    cfg = tiny_config("rollout.spec=draft")
+    target = make_tiny(0)
+    save_draft_model(init_draft(target, 1), default_out(cfg.model.name, "draft"), target.config)
+    parts = tiny_parts(cfg)
+    assert parts.engine.draft_model.config.num_layers == 1
+    train(parts, str(tmp_path / "run"), progress=False)
+    assert parts.engine.stats.drafted > 0
+
+
 def test_prompt_order_is_deterministic_and_cycles():
     cfg = tiny_config("rollout.prompts_per_step=5")
     a, b = tiny_parts(cfg), tiny_parts(cfg)
@@ -119,7 +137,8 @@ def test_refit_updates_engine_and_packed_cache():
         (["rollout.spec=draft"], "drafter_path"),
     ],
 )
-def test_bad_run_settings_fail_before_work(tmp_path, overrides, match):
+def test_bad_run_settings_fail_before_work(tmp_path, monkeypatch, overrides, match):
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))  # no cached drafters
     with pytest.raises(ConfigError, match=match):
         build_run(tiny_config(*overrides), model=make_tiny(), codec=IdCodec(), env=ModFourEnv())
 
