@@ -3,7 +3,8 @@
 Contract: ``Engine(model).generate(requests)`` returns ``n`` completions per request, in request
 order. Live sequences occupy cache slots 0..B-1 (batch row == slot); a finished sequence's slot is
 refilled from the pending queue at once, and when the queue is empty the last live row moves into
-the hole. A prompt is prefilled once and its cache copied to its GRPO siblings. Randomness is
+the hole. A prompt is prefilled once per call and its cache copied to its GRPO siblings, also to
+siblings admitted later when the batch is smaller than the group (``PromptStash``). Randomness is
 counter-based per request seed (``specrl.sampling.uniforms``), so a request samples the same
 tokens alone or batched. Bad requests (empty prompt, too long, bad sampling values, ids outside the
 vocabulary) come back as completions with ``finish_reason == "error"`` and a one-line message;
@@ -87,6 +88,16 @@ class Sampled:
     raw_logprobs: torch.Tensor  # [N]
 
 
+@dataclass
+class PromptStash:
+    """The prefill of a request whose samples still wait in the queue (batch smaller than its
+    group); its prompt cache is in the engine cache's last slot (``Engine._prefill``)."""
+
+    req: Request
+    logits: torch.Tensor  # [V] float32 at the last prompt position
+    feats: torch.Tensor | None  # [n, F] the drafter's features of the prompt positions
+
+
 def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
     """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
     u = uniforms(t.seeds, counters, STREAM_SAMPLE)
@@ -124,6 +135,7 @@ class Engine:
         self.total_stats = EngineStats()  # every call since the engine was built
         self.record_steps = record_steps  # time each forward into stats.step_records
         self._shape: tuple[int, int, float] = (0, 0, 0.0)  # last forward: rows, T, mean context
+        self._stash: PromptStash | None = None  # prefill of a request whose samples still wait
         self.spec = (spec or SpecConfig()).validate()
         self.proposer = self.make_proposer(self.spec)
 
@@ -145,6 +157,7 @@ class Engine:
         ``spec`` overrides the engine's speculation for this call.
         """
         self.stats = EngineStats()
+        self._stash = None  # never reuse a prefill across calls (weights may have changed)
         if spec is None or spec == self.spec:
             spec, proposer = self.spec, self.proposer
         else:
@@ -220,7 +233,8 @@ class Engine:
             min(len(r.prompt_ids) + r.sampling.max_new_tokens, self.max_context) for r, _ in pending
         )
         need_len += margin + 1
-        slots = min(self.max_batch, sum(len(c) for _, c in pending))
+        total = sum(len(c) for _, c in pending)
+        slots = min(self.max_batch, total) + (total > self.max_batch)  # + the stash slot
         cache = self._cache
         if cache is None or cache.slots < slots or cache.max_len < need_len:
             slots = max(slots, cache.slots if cache else 0)
@@ -231,7 +245,7 @@ class Engine:
     # ------------------------------------------------------------------ admission (prefill)
 
     def _admit(self, rows: list[Seq], pending: deque, start: float) -> None:
-        """Fill free slots from the queue; prefill each admitted prompt once."""
+        """Fill free slots from the queue; prefill each admitted prompt once per call."""
         groups: list[tuple[Request, list[Completion]]] = []
         free = self.max_batch - len(rows)
         while pending and free > 0:
@@ -245,36 +259,81 @@ class Engine:
                 pending.popleft()
         if groups:
             t0 = time.perf_counter()
-            self._prefill(rows, groups, start)
+            split = bool(pending) and pending[0][0] is groups[-1][0]  # its other samples wait
+            ran = self._prefill(rows, groups, start, split)
             elapsed = time.perf_counter() - t0
             self.stats.prefill_s += elapsed
-            if self.record_steps:
+            if self.record_steps and ran:
                 self._record("prefill", elapsed)
 
-    def _prefill(self, rows: list[Seq], groups: list, start: float) -> None:
+    def _prefill(self, rows: list[Seq], groups: list, start: float, split: bool) -> bool:
+        """Prefill the groups' prompts, fork them, sample each new row's first token. With
+        ``split`` the last group's request has samples left in the queue: its prompt cache goes
+        to the cache's last slot (never a live row's: the cache has one more slot than the
+        batch when groups can split) and its last-position logits and features to a
+        ``PromptStash``; its later samples copy those instead of prefilling again. Returns
+        whether a forward ran."""
         lens = [len(req.prompt_ids) for req, _ in groups]
-        width = max(lens)
-        ids = torch.zeros(len(groups), width, dtype=torch.int64)
-        for g, (req, _) in enumerate(groups):
-            ids[g, : lens[g]] = torch.tensor(req.prompt_ids)
         first_slot, slot = [], len(rows)
         for _, comps in groups:
             first_slot.append(slot)
             slot += len(comps)
-        positions = torch.arange(width).expand(len(groups), width)
+        stash = self._stash
+        fresh = [g for g, (req, _) in enumerate(groups) if stash is None or req is not stash.req]
+        logits: list[torch.Tensor | None] = [None] * len(groups)  # [V] each
+        feats: list[torch.Tensor | None] = [None] * len(groups)  # [n, F] each
+        if fresh:
+            out, f = self._prefill_forward(
+                [groups[g][0] for g in fresh], [first_slot[g] for g in fresh]
+            )
+            for i, g in enumerate(fresh):
+                logits[g] = out[i]
+                feats[g] = None if f is None else f[i, : lens[g]]
+        stash_slot = self._cache.slots - 1
+        for g in set(range(len(groups))) - set(fresh):
+            self._cache.copy_slot(stash_slot, first_slot[g], lens[g])
+            logits[g], feats[g] = stash.logits, stash.feats
+        if split and (stash is None or groups[-1][0] is not stash.req):
+            self._cache.copy_slot(first_slot[-1], stash_slot, lens[-1])
+            self._stash = PromptStash(groups[-1][0], logits[-1], feats[-1])
+        self._start_rows(rows, groups, first_slot, lens, torch.stack(logits), feats, start)
+        return bool(fresh)
+
+    def _prefill_forward(
+        self, reqs: list[Request], slots: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prefill forward of the prompts into ``slots``: last-position logits [G, V]
+        (float32) and the drafter's features [G, width, F] (or None)."""
+        lens = [len(req.prompt_ids) for req in reqs]
+        width = max(lens)
+        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
+        for g, req in enumerate(reqs):
+            ids[g, : lens[g]] = torch.tensor(req.prompt_ids)
+        positions = torch.arange(width).expand(len(reqs), width)
         last = torch.tensor(lens)[:, None] - 1
         out, feats = self._forward(
-            ids, positions, logits_at=last, slots=torch.tensor(first_slot), prefill=True
+            ids, positions, logits_at=last, slots=torch.tensor(slots), prefill=True
         )
-        logits = out.logits[:, 0].float()  # [G, V]
+        return out.logits[:, 0].float(), feats
+
+    def _start_rows(
+        self,
+        rows: list[Seq],
+        groups: list,
+        first_slot: list[int],
+        lens: list[int],
+        logits: torch.Tensor,  # [G, V] last prompt position of each group
+        feats: list[torch.Tensor | None],  # per group: [n, F] prompt features, or None
+        start: float,
+    ) -> None:
+        """Fork the groups into new rows and sample each row's first token."""
         new_rows = self._fork(groups, first_slot, lens)
-        if feats is not None:
-            group_rows = [g for g, (_, c) in enumerate(groups) for _ in c]
+        group_rows = [g for g, (_, c) in enumerate(groups) for _ in c]
+        if feats[0] is not None:
             for seq, g in zip(new_rows, group_rows, strict=True):
-                seq.hidden = [feats[g, : lens[g]]]
-        group_of = torch.tensor([g for g, (_, c) in enumerate(groups) for _ in c])
+                seq.hidden = [feats[g]]
         t = RowTensors.of(new_rows)
-        s = sample_rows(logits[group_of], t, torch.zeros(len(new_rows), dtype=torch.int64))
+        s = sample_rows(logits[group_rows], t, torch.zeros(len(new_rows), dtype=torch.int64))
         rows += new_rows
         self._emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
 

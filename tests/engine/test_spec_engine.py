@@ -165,14 +165,19 @@ def test_k_adapts_to_batch_size():
 
 
 @pytest.mark.parametrize(
-    "method, siblings, temperature", [("ngram", 0, 0.0), ("eagle3", 3, 1.0)], ids=["chain", "tree"]
+    "method, siblings, temperature, max_batch",
+    [("ngram", 0, 0.0, 64), ("eagle3", 3, 1.0, 64), ("eagle3", 0, 1.0, 1)],
+    ids=["chain", "tree", "stashed-prompt"],
 )
-def test_engine_hands_verification_features_to_learned_drafters(method, siblings, temperature):
+def test_engine_hands_verification_features_to_learned_drafters(
+    method, siblings, temperature, max_batch
+):
     """A drafter asking for hidden layers gets, each step, exactly the features of the positions
     that became history, taken from the verification forward itself (also after an accepted
-    sibling, whose features were computed at its place in the draft tree)."""
+    sibling, whose features were computed at its place in the draft tree, and for samples
+    admitted after the first, whose prompt features come from the stashed prefill)."""
     target = make_tiny(seed=3, vocab_size=32)
-    engine = Engine(target, spec=SpecConfig(method, 3, siblings=siblings))
+    engine = Engine(target, max_batch=max_batch, spec=SpecConfig(method, 3, siblings=siblings))
     proposer, seen = engine.proposer, []
     if not getattr(proposer, "hidden_layers", None):  # a model-free drafter made to ask
         proposer.hidden_layers = (0, 1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from specrl.engine import Engine, Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -67,3 +70,33 @@ def test_cumulative_stats_concatenate_records_and_sum_counters():
     assert len(total.step_records) == sum(lengths)
     assert len(total.per_position_drafted) == max(len(d) for d in drafted)
     assert sum(total.per_position_drafted) == sum(sum(d) for d in drafted)
+
+
+@pytest.mark.parametrize(
+    "max_batch, sizes, lengths",
+    [
+        (1, [1, 3, 2, 4, 1], [9, 3, 6, 4, 7]),
+        (2, [1, 3, 2, 4, 1], [9, 3, 6, 4, 7]),
+        (3, [1, 3, 2, 4, 1], [9, 3, 6, 4, 7]),
+        (3, [2, 2, 2, 2, 2], [5, 5, 5, 5, 5]),  # all rows end together: slots of other prompts
+    ],
+)
+def test_a_group_larger_than_the_batch_is_prefilled_once_per_call(max_batch, sizes, lengths):
+    """Samples of a request admitted after its first (batch < group) reuse its prefill: one
+    prefill per request per call, the same completions as a batch that forks them all at once
+    (groups of several sizes and lengths, so rows finish and compact in many orders, and a
+    later sample may land in a slot another prompt used last)."""
+    model = make_tiny()
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=m, n=n, seed=i))
+        for i, (p, n, m) in enumerate(zip(PROMPTS, sizes, lengths, strict=True))
+    ]
+    engine = Engine(model, max_batch=max_batch, record_steps=True)
+    out = engine.generate(reqs)
+    assert sum(r.batch_size for r in kinds(engine, "prefill")) == len(reqs)
+    forked = Engine(model, max_batch=64).generate(reqs)
+    assert [c.token_ids for c in out] == [c.token_ids for c in forked]
+    for a, b in zip(out, forked, strict=True):  # batch shapes round differently: close
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    engine.generate(reqs)  # a new call prefills again (the weights may have changed)
+    assert sum(r.batch_size for r in kinds(engine, "prefill")) == len(reqs)
