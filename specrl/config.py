@@ -184,6 +184,11 @@ class LearnerCfg(_Section):
         2048, ge=16, description="Token budget per micro-batch (gradient accumulation)."
     )
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL-to-reference coefficient (0 = off).")
+    share_prompts: bool = Field(
+        True,
+        description="Pack a GRPO group's completions after one copy of their prompt (the "
+        "prompt runs once per micro-batch, not once per sample; same logprobs and gradients).",
+    )
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower ratio clip epsilon.")
     clip_eps_high: float | None = Field(
         None, gt=0.0, description="Upper clip epsilon; None = the loss's default."

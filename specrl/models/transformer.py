@@ -320,13 +320,17 @@ class Transformer(nn.Module):
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         prefill: bool = False,
         tree: torch.Tensor | None = None,  # [T, T] bool ancestor-or-self mask (cache only)
+        parents: torch.Tensor | None = None,  # [B, T] segment a token also sees; -2 = none
     ) -> AttnContext:
         b, t = positions.shape
         if cache is None or prefill:
             mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key <= query
             mask = mask & torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
             if segments is not None:
-                mask = mask & (segments[:, None, :] == segments[:, :, None])
+                same = segments[:, None, :] == segments[:, :, None]  # [B, T, T]
+                if parents is not None:  # a shared prompt earlier in the row
+                    same = same | (segments[:, None, :] == parents[:, :, None])
+                mask = mask & same
             if cache is None:
                 return AttnContext(positions=positions, mask=mask[:, None])
             rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
@@ -374,8 +378,13 @@ class Transformer(nn.Module):
         slots: torch.Tensor | None = None,
         prefill: bool = False,
         tree: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [B, T, H] and the outputs of layers in ``capture``.
+
+        Without a cache, ``segments`` ([B, T] ids) packs sequences into rows: a token attends to
+        earlier tokens of its own segment, and (``parents``, [B, T]) to those of the segment its
+        parent id names (a prompt shared by several completions placed after it in the row).
 
         With a cache, row b writes its keys/values into slot ``slots[b]`` (default b) at its
         positions and attends to that slot's positions <= its own; with ``prefill`` it attends
@@ -384,7 +393,7 @@ class Transformer(nn.Module):
         ``positions[:, 0]`` while RoPE uses ``positions`` (a token's depth), and each token
         attends to the cache before the root and to its ancestors only.
         """
-        ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree)
+        ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree, parents)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
         captured = []

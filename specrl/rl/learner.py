@@ -4,9 +4,12 @@ Contract:
 - ``token_logprobs(model, sequences, ...)`` returns, for each ``(prompt_ids, completion_ids)``,
   the log-probabilities ``[len(completion)]`` the model assigns to the completion tokens given
   everything before them (raw logits / temperature, log-softmax, no top-k/top-p). Sequences are
-  packed into rows (``pack_sequences``): each sequence is one segment with positions restarting
-  at 0, and attention never crosses segments, so a packed sequence sees exactly what it would see
-  alone. The LM head and the float32 log-softmax run only at completion positions, in chunks of
+  packed into rows (``pack_sequences``): a prompt segment then a completion segment that sees it,
+  positions from 0, attention never crossing into other sequences, so a packed sequence sees
+  exactly what it would see alone; with ``share_prompts`` (the learner's default) consecutive
+  sequences with the same prompt (a GRPO group) share one copy of it, so the prompt's tokens run
+  once per micro-batch instead of once per sample (same values, fewer FLOPs). The LM head and
+  the float32 log-softmax run only at completion positions, in chunks of
   ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
   checkpointing), so the [positions, vocab] float32 logits never exist for more than one chunk.
 - ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
@@ -62,49 +65,93 @@ class PackedBatch:
     """Sequences packed into rows; completion-token coordinates listed in sequence order."""
 
     ids: torch.Tensor  # [R, L] token ids (padding: 0)
-    positions: torch.Tensor  # [R, L] position within the own segment
-    segments: torch.Tensor  # [R, L] segment id, unique per sequence; -1 = padding
+    positions: torch.Tensor  # [R, L] position within the own sequence
+    segments: torch.Tensor  # [R, L] segment id (a prompt or a completion); -1 = padding
+    parents: torch.Tensor  # [R, L] a completion's prompt segment; -2 = none
     rows: torch.Tensor  # [M] row of each completion token's *predicting* position
-    cols: torch.Tensor  # [M] column of the predicting position (token's column - 1)
+    cols: torch.Tensor  # [M] column of the predicting position
     targets: torch.Tensor  # [M] the completion token ids
     lengths: list[int]  # completion length per sequence (sum = M)
 
 
-def pack_sequences(
-    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], row_len: int = 256
-) -> PackedBatch:
-    """First-fit packing (in order) into rows of ``max(row_len, longest sequence)`` tokens."""
-    width = max([row_len] + [len(p) + len(c) for p, c in sequences])
-    rows_fill: list[int] = []
-    place: list[tuple[int, int]] = []  # (row, start column) per sequence
-    for p, c in sequences:
-        n = len(p) + len(c)
-        r = next((i for i, used in enumerate(rows_fill) if used + n <= width), len(rows_fill))
-        if r == len(rows_fill):
-            rows_fill.append(0)
-        place.append((r, rows_fill[r]))
-        rows_fill[r] += n
-    num_rows = len(rows_fill)
-    ids = torch.zeros(num_rows, width, dtype=torch.long)
-    positions = torch.zeros(num_rows, width, dtype=torch.long)
-    segments = torch.full((num_rows, width), -1, dtype=torch.long)
-    rows, cols, targets, lengths = [], [], [], []
-    for s, ((p, c), (r, start)) in enumerate(zip(sequences, place, strict=True)):
+@dataclass
+class _Block:
+    """A prompt and the (consecutive) sequences whose completions follow it in one row."""
+
+    prompt: list[int]
+    members: list[int]
+    size: int  # tokens: the prompt once + every member's completion
+
+
+def _blocks(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], width: int, share: bool
+) -> list[_Block]:
+    """One block per sequence, or with ``share`` consecutive sequences of the same prompt in
+    one block while it fits ``width`` tokens."""
+    blocks: list[_Block] = []
+    for i, (p, c) in enumerate(sequences):
         if len(p) == 0:
-            raise ValueError(f"sequence {s} has an empty prompt: nothing predicts its first token")
-        n = len(p) + len(c)
-        ids[r, start : start + n] = torch.tensor(list(p) + list(c), dtype=torch.long)
+            raise ValueError(f"sequence {i} has an empty prompt: nothing predicts its first token")
+        last = blocks[-1] if blocks else None
+        if share and last and last.size + len(c) <= width and last.prompt == list(p):
+            last.members.append(i)
+            last.size += len(c)
+        else:
+            blocks.append(_Block(list(p), [i], len(p) + len(c)))
+    return blocks
+
+
+def pack_sequences(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    row_len: int = 256,
+    share_prompts: bool = False,
+) -> PackedBatch:
+    """First-fit packing (in order) into rows of ``max(row_len, longest sequence)`` tokens.
+
+    Each sequence is a prompt segment followed by a completion segment that also sees that
+    prompt (``parents``), positions continuing after it. With ``share_prompts`` consecutive
+    sequences with the same prompt share one copy of it (a GRPO group: the prompt's tokens run
+    once, not G times); each completion still sees exactly the prompt and itself.
+    """
+    width = max([row_len] + [len(p) + len(c) for p, c in sequences])
+    blocks = _blocks(sequences, width, share_prompts)
+    fill: list[int] = []
+    place: list[tuple[int, int]] = []  # (row, start column) per block
+    for b in blocks:
+        r = next((i for i, used in enumerate(fill) if used + b.size <= width), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        place.append((r, fill[r]))
+        fill[r] += b.size
+    shape = (len(fill), width)
+    ids = torch.zeros(shape, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    segments = torch.full(shape, -1, dtype=torch.long)
+    parents = torch.full(shape, -2, dtype=torch.long)
+    rows, cols, targets, lengths = [], [], [], []
+    seg = 0
+    for b, (r, start) in zip(blocks, place, strict=True):
+        n = len(b.prompt)
+        ids[r, start : start + n] = torch.tensor(b.prompt, dtype=torch.long)
         positions[r, start : start + n] = torch.arange(n)
-        segments[r, start : start + n] = s
-        first = start + len(p) - 1  # predicts the first completion token
-        rows += [r] * len(c)
-        cols += range(first, first + len(c))
-        targets += list(c)
-        lengths.append(len(c))
+        segments[r, start : start + n] = prompt_seg = seg
+        col = start + n
+        for i in b.members:
+            c = list(sequences[i][1])
+            seg += 1
+            ids[r, col : col + len(c)] = torch.tensor(c, dtype=torch.long)
+            positions[r, col : col + len(c)] = torch.arange(n, n + len(c))
+            segments[r, col : col + len(c)] = seg
+            parents[r, col : col + len(c)] = prompt_seg
+            rows += [r] * len(c)
+            cols += [start + n - 1, *range(col, col + len(c) - 1)][: len(c)]
+            targets += c
+            lengths.append(len(c))
+            col += len(c)
+        seg += 1
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return PackedBatch(
-        ids, positions, segments, as_long(rows), as_long(cols), as_long(targets), lengths
-    )
+    return PackedBatch(ids, positions, segments, parents, as_long(rows), as_long(cols),
+                       as_long(targets), lengths)  # fmt: skip
 
 
 def _chunk_logprobs(
@@ -142,7 +189,9 @@ def head_logprobs(
 def packed_logprobs(
     model: nn.Module, batch: PackedBatch, temperature: float = 1.0, chunk: int = 256
 ) -> torch.Tensor:  # [M] flat, in sequence order
-    hidden, _ = model.hidden_states(batch.ids, batch.positions, segments=batch.segments)
+    hidden, _ = model.hidden_states(
+        batch.ids, batch.positions, segments=batch.segments, parents=batch.parents
+    )
     selected = hidden[batch.rows, batch.cols]  # [M, H]
     return head_logprobs(selected, model.lm_head.weight, batch.targets, temperature, chunk)
 
@@ -171,15 +220,21 @@ def raw_logprobs(
     return token_logprobs(model, sequences, 1.0, chunk, row_len)
 
 
-def micro_batches(samples: Sequence[TrainSample], token_budget: int) -> list[list[int]]:
-    """Consecutive groups of sample indices with at most ``token_budget`` tokens each (>= 1)."""
+def micro_batches(
+    samples: Sequence[TrainSample], token_budget: int, share_prompts: bool = False
+) -> list[list[int]]:
+    """Consecutive groups of sample indices with at most ``token_budget`` tokens each (>= 1);
+    with ``share_prompts`` a prompt repeated by consecutive samples counts once per group."""
     groups: list[list[int]] = []
     used = token_budget + 1
     for i, s in enumerate(samples):
-        n = len(s.prompt_ids) + len(s.completion_ids)
-        if used + n > token_budget:
+        shared = share_prompts and i > 0 and list(s.prompt_ids) == list(samples[i - 1].prompt_ids)
+        n = len(s.completion_ids) + len(s.prompt_ids)
+        if used + n - len(s.prompt_ids) * shared > token_budget:
             groups.append([])
             used = 0
+        elif shared:
+            n -= len(s.prompt_ids)
         groups[-1].append(i)
         used += n
     return groups
@@ -217,6 +272,7 @@ class Learner:
         temperature: float = 1.0,
         chunk: int = 256,
         row_len: int = 256,
+        share_prompts: bool = True,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -232,6 +288,7 @@ class Learner:
             max_grad_norm, micro_batch_tokens, dtype,
         )  # fmt: skip
         self.temperature, self.chunk, self.row_len = temperature, chunk, row_len
+        self.share_prompts = share_prompts  # a GRPO group's prompt runs once per micro-batch
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
@@ -253,6 +310,7 @@ class Learner:
             micro_batch_tokens=cfg.micro_batch_tokens, dtype=cfg.dtype, eps_low=cfg.clip_eps_low,
             eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, ref_model=ref_model,
             max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
+            share_prompts=cfg.share_prompts,
         )  # fmt: skip
 
     def _autocast(self):
@@ -266,7 +324,7 @@ class Learner:
     ) -> list[torch.Tensor]:
         """Temperature-1 completion logprobs with the learner's own precision (for the
         engine-vs-learner mismatch metric)."""
-        batch = pack_sequences(sequences, self.row_len)
+        batch = pack_sequences(sequences, self.row_len, self.share_prompts)
         with self._autocast():
             flat = packed_logprobs(self.model, batch, 1.0, self.chunk)
         return list(flat.split(batch.lengths))
@@ -276,7 +334,8 @@ class Learner:
             return packed_logprobs(model, batch, self.temperature, self.chunk)
 
     def _micro_step(self, samples: list[TrainSample], norm: LossNorm) -> dict[str, float]:
-        batch = pack_sequences([(s.prompt_ids, s.completion_ids) for s in samples], self.row_len)
+        pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
+        batch = pack_sequences(pairs, self.row_len, self.share_prompts)
         width = max(batch.lengths)
         logprobs = _padded(list(self._logprobs(self.model, batch).split(batch.lengths)), width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
@@ -323,7 +382,7 @@ class Learner:
             raise ValueError("a training batch needs at least one non-empty completion")
         tokens = sum(len(s.completion_ids) for s in samples)
         norm = LossNorm(len(samples), tokens)
-        groups = micro_batches(samples, self.micro_batch_tokens)
+        groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
         parts = [self._micro_step([samples[i] for i in g], norm) for g in groups]
         metrics = _combine(parts)
         metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))

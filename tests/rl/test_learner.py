@@ -14,6 +14,7 @@ from specrl.rl.learner import (
     head_logprobs,
     micro_batches,
     pack_sequences,
+    packed_logprobs,
     raw_logprobs,
     token_logprobs,
 )
@@ -62,6 +63,54 @@ def test_packing_equals_one_sequence_per_row():
     assert pack_sequences(seqs, 1).ids.shape[0] == len(seqs)
     for a, b in zip(packed, alone, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _groups(seed: int = 5, groups: int = 3, size: int = 4) -> list[tuple[list[int], list[int]]]:
+    """GRPO-like sequences: ``size`` consecutive completions per prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(groups):
+        prompt = torch.randint(0, 32, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
+        for _ in range(size):
+            n = int(torch.randint(1, 7, (1,), generator=g))
+            out.append((prompt.tolist(), torch.randint(0, 32, (n,), generator=g).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("row_len", [64, 12])
+def test_shared_prompts_run_once_and_give_the_same_logprobs(row_len):
+    """A group's prompt is packed once per block (twice or more when the group does not fit a
+    row); every completion's logprobs still equal its own full forward."""
+    model, seqs = _model(), _groups()
+    shared = pack_sequences(seqs, row_len, share_prompts=True)
+    alone = pack_sequences(seqs, row_len)
+    copies = int((shared.segments >= 0).sum()) - sum(len(c) for _, c in seqs)  # prompt tokens
+    prompts = sum(len(p) for p, _ in seqs[::4])
+    assert (copies == prompts) if row_len == 64 else (prompts < copies < 4 * prompts)
+    assert int((alone.segments >= 0).sum()) == sum(len(p) + len(c) for p, c in seqs)
+    got = packed_logprobs(model, shared, chunk=5).split(shared.lengths)
+    for (p, c), lp in zip(seqs, got, strict=True):  # float32 rounding of logits ~ -40
+        assert torch.allclose(lp.double(), _naive(model, p, c), atol=1e-5)
+
+
+def test_shared_prompts_give_the_same_gradient():
+    samples = _samples(_groups(seed=6))
+    grads = []
+    for share in (True, False):
+        learner = Learner(_model(), micro_batch_tokens=40, dtype="fp32", share_prompts=share)
+        learner.accumulate_gradients(samples)
+        grads.append([p.grad.clone() for p in learner.model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_micro_batches_count_a_shared_prompt_once():
+    samples = [TrainSample([1] * 10, [2, 3], 1.0) for _ in range(4)]
+    assert micro_batches(samples, 20, share_prompts=True) == [[0, 1, 2, 3]]  # 10 + 4 x 2
+    assert micro_batches(samples, 20) == [[0], [1], [2], [3]]  # 12 each
+    other = [*samples[:2], TrainSample([5] * 10, [2, 3], 1.0)]  # a new prompt counts in full
+    assert micro_batches(other, 20, share_prompts=True) == [[0, 1], [2]]
 
 
 def test_head_logprobs_temperature_and_grad_match_unchunked():
