@@ -257,11 +257,16 @@ def score(
     return rewards.view(len(prompts), -1), correct.view(len(prompts), -1)
 
 
-def logprob_delta(learner: Learner, comps: Sequence[Completion]) -> dict[str, float]:
-    """Mean and max |engine raw logprob - learner raw logprob| over all completion tokens."""
+def logprob_delta(
+    learner: Learner, comps: Sequence[Completion], ours: list[torch.Tensor] | None = None
+) -> dict[str, float]:
+    """Mean and max |engine raw logprob - learner raw logprob| over all completion tokens;
+    ``ours``: the learner's raw logprobs of the non-empty completions if already computed (the
+    training forward at temperature 1), else a no-grad forward computes them."""
     t0 = time.perf_counter()
     live = [c for c in comps if c.token_ids]
-    ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
+    if ours is None:
+        ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
     delta = torch.cat(
         [(o.float() - torch.tensor(c.raw_logprobs)).abs() for o, c in zip(ours, live, strict=True)]
     )  # [M]
@@ -320,8 +325,14 @@ def run_step(parts: RunParts, step: int) -> dict[str, Any]:
         "accuracy": float(correct.mean()),
         "score_time_s": time.perf_counter() - t1,
     }
-    row |= logprob_delta(parts.learner, comps)
-    stats = parts.learner.train_step(train_samples(comps, adv, uses_engine_logprobs(cfg)))
+    samples = train_samples(comps, adv, uses_engine_logprobs(cfg))
+    if parts.learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
+        kept: list[torch.Tensor] = []
+        stats = parts.learner.train_step(samples, keep=kept)
+        row |= logprob_delta(parts.learner, comps, kept)
+    else:
+        row |= logprob_delta(parts.learner, comps)
+        stats = parts.learner.train_step(samples)
     row |= {"train_time_s": stats.pop("time_s")} | {f"learner_{k}": v for k, v in stats.items()}
     row["refit_time_s"] = refit(parts.engine, dict(parts.learner.model.named_parameters()))
     row["policy_version"] = parts.engine.policy_version

@@ -333,11 +333,16 @@ class Learner:
         with self._autocast():
             return packed_logprobs(model, batch, self.temperature, self.chunk)
 
-    def _micro_step(self, samples: list[TrainSample], norm: LossNorm) -> dict[str, float]:
+    def _micro_step(
+        self, samples: list[TrainSample], norm: LossNorm, keep: list[torch.Tensor] | None
+    ) -> dict[str, float]:
         pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
         batch = pack_sequences(pairs, self.row_len, self.share_prompts)
         width = max(batch.lengths)
-        logprobs = _padded(list(self._logprobs(self.model, batch).split(batch.lengths)), width)
+        per_sample = list(self._logprobs(self.model, batch).split(batch.lengths))
+        if keep is not None:
+            keep.extend(lp.detach() for lp in per_sample)
+        logprobs = _padded(per_sample, width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
         old = self._old_logprobs(samples, logprobs, width)
         ref = None
@@ -365,25 +370,33 @@ class Learner:
                 old[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=old.dtype)
         return old
 
-    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (gradient accumulated over micro-batches)."""
+    def train_step(
+        self, samples: Sequence[TrainSample], keep: list[torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on ``samples`` (gradient accumulated over micro-batches). With
+        ``keep`` (a list), the logprobs of the step's forward (before the update, at the
+        learner's temperature) are appended to it, one [len(completion)] tensor per sample
+        with a non-empty completion, in order."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(samples)
+        metrics = self.accumulate_gradients(samples, keep)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         metrics.update(grad_norm=float(grad_norm), time_s=time.perf_counter() - t0)
         return metrics
 
-    def accumulate_gradients(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch); no step."""
+    def accumulate_gradients(
+        self, samples: Sequence[TrainSample], keep: list[torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch); no step
+        (``keep``: see ``train_step``)."""
         samples = [s for s in samples if len(s.completion_ids) > 0]
         if not samples:
             raise ValueError("a training batch needs at least one non-empty completion")
         tokens = sum(len(s.completion_ids) for s in samples)
         norm = LossNorm(len(samples), tokens)
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
-        parts = [self._micro_step([samples[i] for i in g], norm) for g in groups]
+        parts = [self._micro_step([samples[i] for i in g], norm, keep) for g in groups]
         metrics = _combine(parts)
         metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))
         return metrics

@@ -105,6 +105,21 @@ def test_shared_prompts_give_the_same_gradient():
     assert any(g.abs().sum() > 0 for g in grads[0])
 
 
+def test_train_step_keeps_the_logprobs_of_its_forward():
+    """``keep`` gets each non-empty sample's logprobs from the step's own forward (before the
+    update), in order, across micro-batches: what a separate no-grad pass would give."""
+    seqs = _groups(seed=7)
+    seqs.insert(3, (seqs[3][0], []))  # an empty completion is skipped
+    model = _model()
+    want = [lp for lp in raw_logprobs(model, seqs) if len(lp)]
+    learner = Learner(copy.deepcopy(model), micro_batch_tokens=30, dtype="fp32")
+    kept: list[torch.Tensor] = []
+    learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs], keep=kept)
+    assert len(kept) == len(want) == len(seqs) - 1 and not kept[0].requires_grad
+    for a, b in zip(kept, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_micro_batches_count_a_shared_prompt_once():
     samples = [TrainSample([1] * 10, [2, 3], 1.0) for _ in range(4)]
     assert micro_batches(samples, 20, share_prompts=True) == [[0, 1, 2, 3]]  # 10 + 4 x 2
