@@ -229,14 +229,13 @@ def micro_batches(
     used = token_budget + 1
     for i, s in enumerate(samples):
         shared = share_prompts and i > 0 and list(s.prompt_ids) == list(samples[i - 1].prompt_ids)
-        n = len(s.completion_ids) + len(s.prompt_ids)
-        if used + n - len(s.prompt_ids) * shared > token_budget:
+        extra = len(s.completion_ids) + (0 if shared else len(s.prompt_ids))
+        if used + extra > token_budget:  # a new group, where the prompt counts again
             groups.append([])
-            used = 0
-        elif shared:
-            n -= len(s.prompt_ids)
+            used = len(s.prompt_ids) + len(s.completion_ids)
+        else:
+            used += extra
         groups[-1].append(i)
-        used += n
     return groups
 
 
