@@ -278,8 +278,9 @@ class Engine:
         for _, comps in groups:
             first_slot.append(slot)
             slot += len(comps)
-        stash = self._stash
-        fresh = [g for g, (req, _) in enumerate(groups) if stash is None or req is not stash.req]
+        stash, stash_slot = self._stash, self._cache.slots - 1
+        stashed = [stash is not None and req is stash.req for req, _ in groups]
+        fresh = [g for g, hit in enumerate(stashed) if not hit]
         logits: list[torch.Tensor | None] = [None] * len(groups)  # [V] each
         feats: list[torch.Tensor | None] = [None] * len(groups)  # [n, F] each
         if fresh:
@@ -289,10 +290,10 @@ class Engine:
             for i, g in enumerate(fresh):
                 logits[g] = out[i]
                 feats[g] = None if f is None else f[i, : lens[g]]
-        stash_slot = self._cache.slots - 1
-        for g in set(range(len(groups))) - set(fresh):
-            self._cache.copy_slot(stash_slot, first_slot[g], lens[g])
-            logits[g], feats[g] = stash.logits, stash.feats
+        for g, hit in enumerate(stashed):
+            if hit:
+                self._cache.copy_slot(stash_slot, first_slot[g], lens[g])
+                logits[g], feats[g] = stash.logits, stash.feats
         if split and (stash is None or groups[-1][0] is not stash.req):
             self._cache.copy_slot(first_slot[-1], stash_slot, lens[-1])
             self._stash = PromptStash(groups[-1][0], logits[-1], feats[-1])
