@@ -16,6 +16,8 @@ draft tree in the same forward; an accepted sibling's cache entries and features
 first draft position.
 With ``record_steps=True`` every prefill, plain decode, draft and verify is also timed into
 ``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
+``stage_weights`` (from any thread) swaps the weights between two decode steps of a running call;
+unfinished rows keep, discard or re-verify their older tokens (``specrl.engine.inflight``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from specrl.engine.inflight import InflightUpdates, WeightStage
 from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request
 from specrl.models.cache import KVCache
@@ -36,7 +39,7 @@ from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, unifor
 from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
-from specrl.spec.verify import verify
+from specrl.spec.verify import Verified, verify
 
 
 @dataclass
@@ -104,7 +107,7 @@ def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> 
     return Sampled(*sample_logits(logits, t.temperature, t.top_k, t.top_p, u))
 
 
-class Engine:
+class Engine(InflightUpdates):
     """Batched generation with continuous batching (plain decoding; speculation plugs in)."""
 
     def __init__(
@@ -138,6 +141,8 @@ class Engine:
         self._stash: PromptStash | None = None  # prefill of a request whose samples still wait
         self.spec = (spec or SpecConfig()).validate()
         self.proposer = self.make_proposer(self.spec)
+        self._active = (self.spec, None)  # (speculation, proposer) of the running call
+        self._weight_stage = WeightStage()  # in-flight weight updates (``stage_weights``)
 
     def make_proposer(self, spec: SpecConfig):
         """Build and check a drafter for this engine (errors here, never mid-generation)."""
@@ -157,6 +162,7 @@ class Engine:
         ``spec`` overrides the engine's speculation for this call.
         """
         self.stats = EngineStats()
+        self._apply_staged([], 0.0)  # an update staged while idle
         self._stash = None  # never reuse a prefill across calls (weights may have changed)
         if spec is None or spec == self.spec:
             spec, proposer = self.spec, self.proposer
@@ -174,10 +180,12 @@ class Engine:
         rows: list[Seq] = []
         while pending or rows:
             self._admit(rows, pending, start)
+            self._retire(rows, self._apply_staged(rows, start))
             finished = self._step(rows, start)
             bar.update(len(finished))
             self._retire(rows, finished)
         bar.close()
+        self._active = (self.spec, None)
         self.total_stats.add(self.stats)
         return completions
 
@@ -335,8 +343,10 @@ class Engine:
                 seq.hidden = [feats[g]]
         t = RowTensors.of(new_rows)
         s = sample_rows(logits[group_rows], t, torch.zeros(len(new_rows), dtype=torch.int64))
+        base = len(rows)
         rows += new_rows
-        self._emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
+        done = self._emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
+        self._retire(rows, [base + i for i in done])  # a stop or the limit at the first token
 
     def _fork(self, groups: list, first_slot: list[int], lens: list[int]) -> list[Seq]:
         """Make Seq records; copy each prompt's cache to its siblings' slots."""
@@ -452,13 +462,9 @@ class Engine:
             self.stats.sibling_accepted += tree.adopt(self._cache, pos, chosen, feats)
         self.stats.verify_s += time.perf_counter() - t1
         self._count(rows, lengths, v.num_accepted)
-        emitted = [
-            row[:n] for row, n in zip(v.tokens.tolist(), v.num_emitted.tolist(), strict=True)
-        ]
         proposer.observe(batch.row_ids, v.num_emitted)
         self._keep_hidden(rows, feats, v.num_emitted.tolist())
-        s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
-        return self._emit(rows, emitted, s, start)
+        return self._emit_verified(rows, v, start)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw):
         """Target forward on the engine cache; also the drafter's features [B, T, F] if any."""
@@ -498,6 +504,16 @@ class Engine:
                 if i < a:
                     bump(st.per_position_accepted, i)
 
+    def _emit_verified(
+        self, rows: list[Seq], v: Verified, start: float, first: bool = False
+    ) -> list[int]:
+        """``_emit`` the tokens ``verify`` emitted per row (``first``: no decode step counted)."""
+        emitted = [
+            row[:n] for row, n in zip(v.tokens.tolist(), v.num_emitted.tolist(), strict=True)
+        ]
+        s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
+        return self._emit(rows, emitted, s, start, first=first)
+
     def _emit(
         self,
         rows: list[Seq],
@@ -524,6 +540,7 @@ class Engine:
                 c.token_ids.append(tok)
                 c.logprobs.append(lp[i][j])
                 c.raw_logprobs.append(raw[i][j])
+                c.token_versions.append(self.policy_version)
                 self.stats.tokens += 1
                 self.stats.emitted_per_row_step += not first
                 if first and j == 0:
@@ -537,6 +554,7 @@ class Engine:
             else:
                 continue
             c.latency_s = now
+            c.policy_version = self.policy_version
             finished.append(i)
             proposer = self._active[1]
             if proposer is not None:

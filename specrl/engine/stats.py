@@ -4,7 +4,9 @@ Contract: ``EngineStats`` holds plain counters; ``add`` accumulates another call
 derived rates (acceptance length, per-position acceptance) are properties, never stored. With
 ``Engine(record_steps=True)`` it also keeps one ``StepRecord`` per engine forward (prefill, plain
 decode, draft, verify) in ``step_records``, in the trace format ``specrl.sim.calibrate`` reads;
-``add`` concatenates those records (per-position counters are summed element-wise).
+``add`` concatenates those records (per-position counters are summed element-wise). The
+in-flight update counters (``weight_updates`` .. ``reverify_s``) are defined in
+``specrl.engine.inflight``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class EngineStats:
     per_position_drafted: list[int] = field(default_factory=list)
     emitted_per_row_step: int = 0  # sum over (row, decode/verify step) of emitted tokens
     row_steps: int = 0  # (row, decode/verify step) pairs; prefills are not counted
+    # in-flight weight updates (``specrl.engine.inflight``)
+    weight_updates: int = 0  # updates applied between decode steps with live rows
+    reverified_tokens: int = 0  # older-version tokens checked by a re-verification forward
+    reused_tokens: int = 0  # older-version tokens kept (accepted by reverify, or by keep)
+    discarded_tokens: int = 0  # older-version tokens thrown away (discard; rejected in reverify)
+    reverify_s: float = 0.0  # seconds in re-verification forwards (and their sampling)
     step_records: list[StepRecord] = field(default_factory=list, metadata={"concat": True})
 
     def add(self, other: EngineStats) -> None:

@@ -3,7 +3,8 @@
 Contract: a ``Request`` is a prompt (token ids) plus ``SamplingParams``; ``Engine.generate`` returns
 ``n`` ``Completion`` objects per request, in request order, each carrying the sampled token ids,
 their log-probabilities under the processed (sampled-from) and raw (T=1) distributions, the
-finish reason ("stop", "length", or "error" with a message), timings and speculation counts.
+finish reason ("stop", "length", or "error" with a message), the policy version that produced
+each token, timings and speculation counts.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Completion:
     finish_reason: str = "length"  # "stop" | "length" | "error"
     error: str | None = None
     seed: int = 0
-    policy_version: int = 0
+    policy_version: int = 0  # the engine's weights version when the completion finished
+    token_versions: list[int] = field(default_factory=list)  # per token: version that sampled it
     first_token_s: float = 0.0  # seconds from generate() start to the first token
     latency_s: float = 0.0  # seconds from generate() start to the last token
     verify_steps: int = 0  # decode/verify forwards that emitted tokens (the prefill's excluded)

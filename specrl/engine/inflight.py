@@ -1,0 +1,289 @@
+"""In-flight weight updates: new weights between two decode steps of a running ``generate``.
+
+Contract:
+- ``Engine.stage_weights(named, version, mode)`` may be called from any thread (e.g. a learner's)
+  while another thread is inside ``Engine.generate``. ``named`` maps our parameter names to
+  snapshots in the engine's dtype (the engine keeps the mapping, not a copy); the shapes are
+  checked at once (``ValueError``). Only the latest update is kept: a newer one replaces an older
+  one not yet applied, mode included.
+- The generating thread applies it between forwards: in each iteration of the decode loop, after
+  admission and before the decode step; one staged while no ``generate`` runs is applied at the
+  start of the next call (before any prefill); one older than the engine's ``policy_version``
+  by then (newer weights were written directly meanwhile) is dropped. Applying =
+  ``copy_weights`` into the engine's
+  model, ``policy_version = version``, dropping the stashed prompt prefill (old weights), then
+  the live (unfinished) rows' tokens, all sampled under older versions, meet their ``mode``:
+  - ``keep``: nothing changes: old tokens keep their versions and the row's KV cache (computed
+    with the old weights) stays. Cheap and stale: later tokens are tagged with the new version
+    but read an old cache; the learner corrects them (importance sampling) or not.
+  - ``discard``: the row restarts from its prompt (tokens, logprobs, versions cleared): each
+    distinct prompt is prefilled once under the new weights into its first row's slot and copied
+    to its siblings' slots, and a new first token is sampled.
+  - ``reverify``: the row's completion so far becomes a deterministic (one-hot q) draft for the
+    new weights. The prompts are re-prefilled as for ``discard`` (their keys/values and the
+    logits at position prompt_len-1), then ONE padded forward over all live rows' completions
+    (right-padded, reading the new prompt cache, writing the completion's keys/values) gives the
+    logits at prompt_len .. len(history)-1; ``spec.verify.verify`` keeps the accepted prefix
+    plus one recovered/bonus token, with the token ids and processed/raw logprobs of those
+    forwards; every kept token is tagged with the new version. With ``reverify_max_tokens`` set
+    (an engine attribute; None = all) only a row's first that many old tokens are the draft and
+    the rest are discarded: still exact (a shorter fixed draft), and a smaller forward. Each old
+    token is accepted with probability p_new(token) (one-hot q), however close the weights.
+- Randomness: ``reverify`` and ``discard`` rows switch to ``fresh_seed(seed, version)`` (also
+  written to ``Completion.seed``) from counter 0, for the verification and all later sampling,
+  so the new randomness is independent of what produced the old tokens (and of which rows were
+  still live). Then a ``reverify`` row's final sequence is distributed exactly as the new
+  policy's sequence distribution: the old tokens are a fixed draft (no stop token, shorter than
+  the limit) and one-hot verification is exact for any fixed draft. The same holds for
+  ``discard``. ``keep`` rows keep their seed.
+- Drafters: ``keep`` works with every drafter. The modes that rewrite history work with plain
+  decoding and the ``ngram`` (its index re-indexes a history that is not an extension), ``suffix``
+  (stateless per row), ``eagle3`` and ``mtp`` drafters (the rewrite forwards' captured
+  features of every kept history position are handed over, so the head's cache is refilled
+  from position 0); ``stage_weights`` refuses them for ``draft``/``self`` (per-row draft-model
+  caches that assume histories only grow) with ``ValueError``.
+- Statistics (``EngineStats``): ``weight_updates`` (applied with live rows), ``reverified_tokens``
+  (old tokens checked), ``reused_tokens`` (kept by reverify or keep), ``discarded_tokens``
+  (thrown away by discard, or rejected / past the rejection in reverify), ``reverify_s``.
+  ``tokens`` counts generated tokens, so ``tokens == sum(completion lengths) + discarded_tokens``.
+  A rewritten completion's ``verify_steps``/``drafted``/``accepted`` keep counting the engine's
+  work on the row (old steps included).
+
+``InflightUpdates`` is a mixin of ``Engine`` (it uses the engine's model, cache, statistics,
+``_forward``, ``_prefill_forward``, ``_tensors``, ``_record`` and ``_emit_verified``); the rest
+are plain functions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specrl.engine.types import Request
+from specrl.models.weights import check_weights, copy_weights
+from specrl.spec.verify import Verified, verify
+
+if TYPE_CHECKING:
+    from specrl.engine.engine import Seq
+
+MODES = ("reverify", "keep", "discard")
+REWRITE_MODES = frozenset({"reverify", "discard"})
+REWRITE_DRAFTERS = frozenset({"none", "ngram", "suffix", "eagle3", "mtp"})
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """One weight update waiting for the next safe point."""
+
+    named: Mapping[str, torch.Tensor]
+    version: int
+    mode: str
+
+
+class WeightStage:
+    """The latest staged update (a newer one replaces an older one not yet taken); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: StagedWeights | None = None
+
+    def put(self, update: StagedWeights) -> None:
+        with self._lock:
+            self._staged = update
+
+    def take(self) -> StagedWeights | None:
+        with self._lock:
+            update, self._staged = self._staged, None
+        return update
+
+
+def check_mode(mode: str, drafters: Iterable[str]) -> None:
+    """``ValueError`` for an unknown mode or a drafter that cannot follow a rewritten history."""
+    if mode not in MODES:
+        raise ValueError(f"in-flight weight update mode must be one of {MODES}, got {mode!r}")
+    if mode in REWRITE_MODES:
+        for name in drafters:
+            if name not in REWRITE_DRAFTERS:
+                raise ValueError(
+                    f"in-flight weight updates with mode={mode!r} are not supported with the "
+                    f"{name!r} drafter"
+                )
+
+
+def fresh_seed(seed: int, version: int) -> int:
+    """A 63-bit seed mixed from (seed, version) (splitmix64 finalizer): the randomness of a row
+    after a switch to ``version``, independent of the randomness under ``seed``."""
+    x = (seed + 0x9E3779B97F4A7C15 * (version + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class CompletionBatch:
+    """R right-padded completions, the drafts of one re-verification forward over the cache."""
+
+    ids: torch.Tensor  # [R, M] int64: each row's draft (its old completion), padding 0
+    positions: torch.Tensor  # [R, M] int64: prompt_len + i, padding clamped into the cache
+    lengths: torch.Tensor  # [R] int64: draft tokens per row
+    kv_len: int
+
+
+def completion_batch(
+    drafts: list[list[int]], prompt_lens: list[int], max_len: int
+) -> CompletionBatch:
+    """Pad the drafts to one width M; token i of row b sits at cache position prompt_len + i
+    (padding positions are clamped to ``max_len - 1``: past every row's history, so masked)."""
+    rows, width = len(drafts), max(len(d) for d in drafts)
+    ids = torch.zeros(rows, width, dtype=torch.int64)
+    for b, d in enumerate(drafts):
+        ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    positions = torch.tensor(prompt_lens)[:, None] + torch.arange(width)[None, :]  # [R, M]
+    positions = positions.clamp(max=max_len - 1)
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+    return CompletionBatch(ids, positions, lengths, int(positions.max()) + 1)
+
+
+def restart(seq: Seq) -> None:
+    """Clear a row's completion (tokens, logprobs, versions); its history is its prompt again."""
+    c = seq.comp
+    del seq.history[len(c.prompt_ids) :]
+    c.token_ids, c.logprobs, c.raw_logprobs, c.token_versions = [], [], [], []
+    seq.hidden = []
+
+
+class InflightUpdates:
+    """Mixin of ``Engine``: staging and applying in-flight weight updates (module docstring)."""
+
+    # reverify checks at most this many old tokens per row (None: all); later ones are discarded
+    reverify_max_tokens: int | None = None
+
+    def stage_weights(
+        self, named_tensors: Mapping[str, torch.Tensor], version: int, mode: str
+    ) -> None:
+        """Stage new weights for the next safe point (thread-safe; see the module docstring)."""
+        drafters = {s.method if s.enabled else "none" for s in (self.spec, self._active[0])}
+        check_mode(mode, drafters)
+        check_weights(self.model, named_tensors)
+        self._weight_stage.put(StagedWeights(named_tensors, version, mode))
+
+    def _apply_staged(self, rows: list[Seq], start: float) -> list[int]:
+        """Apply a staged update, if any, to the model and the live rows; indices of the rows
+        the rewrite finished (a stop or the length limit in their new tokens)."""
+        update = self._weight_stage.take()
+        if update is None or update.version < self.policy_version:  # older than what is served
+            return []
+        copy_weights(self.model, update.named)
+        self.policy_version = update.version
+        self._stash = None  # its prompt cache and logits came from the old weights
+        if not rows:
+            return []
+        st = self.stats
+        st.weight_updates += 1
+        old = sum(len(s.comp.token_ids) for s in rows)
+        if update.mode == "keep":
+            st.reused_tokens += old
+            return []
+        for seq in rows:
+            seq.comp.seed = fresh_seed(seq.comp.seed, update.version)
+        self._row_tensors = None
+        if update.mode == "discard":
+            st.discarded_tokens += old
+            return self._restart_rows(rows, start)
+        return self._reverify_rows(rows, start)
+
+    def _reverify_rows(self, rows: list[Seq], start: float) -> list[int]:
+        """Re-prefill the prompts under the new weights, then one forward over every row's
+        completion (read from the cache) verifies it as a one-hot draft; the accepted prefix and
+        a recovered/bonus token replace the completion."""
+        t0 = time.perf_counter()
+        cap = self.reverify_max_tokens
+        drafts = [list(s.comp.token_ids[:cap]) for s in rows]
+        prompt_lens = [len(s.comp.prompt_ids) for s in rows]
+        old = sum(len(s.comp.token_ids) for s in rows)
+        firsts = [s.comp.first_token_s for s in rows]
+        for seq in rows:
+            restart(seq)
+        prompt_logits, prompt_feats = self._prefill_prompts(rows)  # [R, V], per row [n, F]
+        cb = completion_batch(drafts, prompt_lens, self._cache.max_len)
+        out, feats = self._forward(cb.ids, cb.positions, kv_len=cb.kv_len)
+        logits = torch.cat([prompt_logits[:, None], out.logits.float()], 1)  # [R, M+1, V]
+        t = self._tensors(rows)  # the fresh seeds
+        counters = torch.zeros(len(rows), dtype=torch.int64)
+        sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
+        v = verify(cb.ids, cb.lengths, None, logits, *sampling)
+        accepted = v.num_accepted.tolist()
+        if feats is not None:  # kept history positions 0 .. n+a-1 (feats [R, M, F])
+            for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):
+                seq.hidden = [prompt_feats[b], feats[b, :a]]
+        finished = self._emit_verified(rows, v, start, first=True)
+        for seq, a, first in zip(rows, accepted, firsts, strict=True):
+            if a:  # the completion still starts with its old first token
+                seq.comp.first_token_s = first
+        self._count_reverified(int(cb.lengths.sum()), old, sum(accepted))
+        elapsed = time.perf_counter() - t0
+        self.stats.reverify_s += elapsed
+        if self.record_steps:
+            self._record("prefill", elapsed)
+        return finished
+
+    def _count_reverified(self, checked: int, old: int, kept: int) -> None:
+        """Of the rows' ``old`` completion tokens, ``checked`` were verified (the rest lay past
+        ``reverify_max_tokens``) and ``kept`` accepted."""
+        st = self.stats
+        st.reverified_tokens += checked
+        st.reused_tokens += kept
+        st.discarded_tokens += old - kept
+        st.tokens -= kept  # emitted again, but not generated again
+
+    def _restart_rows(self, rows: list[Seq], start: float) -> list[int]:
+        """Re-prefill the prompts under the new weights and sample every row's first token."""
+        t0 = time.perf_counter()
+        for seq in rows:
+            restart(seq)
+        logits, feats = self._prefill_prompts(rows)  # [R, V], per row [n, F]
+        if feats is not None:
+            for seq, f in zip(rows, feats, strict=True):
+                seq.hidden = [f]
+        v = self._first_tokens(rows, logits[:, None])
+        finished = self._emit_verified(rows, v, start, first=True)
+        elapsed = time.perf_counter() - t0
+        self.stats.prefill_s += elapsed
+        if self.record_steps:
+            self._record("prefill", elapsed)
+        return finished
+
+    def _prefill_prompts(self, rows: list[Seq]) -> tuple[torch.Tensor, list | None]:
+        """Prefill each distinct prompt once into its first row's slot and copy it to the
+        other rows' slots: per row the logits [R, V] (float32) at the last prompt position and
+        the drafter's prompt features [n, F] (None without a learned drafter)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, seq in enumerate(rows):
+            groups.setdefault(tuple(seq.comp.prompt_ids), []).append(i)
+        heads = [members[0] for members in groups.values()]
+        logits, feats = self._prefill_forward([Request(list(p)) for p in groups], heads)
+        row_logits = torch.empty(len(rows), logits.shape[-1])  # [R, V]
+        row_feats: list | None = None if feats is None else [None] * len(rows)
+        for g, (prompt, members) in enumerate(groups.items()):
+            for i in members:
+                if i != members[0]:
+                    self._cache.copy_slot(members[0], i, len(prompt))
+                row_logits[i] = logits[g]
+                if row_feats is not None:
+                    row_feats[i] = feats[g, : len(prompt)]
+        return row_logits, row_feats
+
+    def _first_tokens(self, rows: list[Seq], logits: torch.Tensor) -> Verified:
+        """Sample each row's first token from logits [R, 1, V] (an empty draft: bit for bit
+        plain sampling at counter 0)."""
+        t = self._tensors(rows)
+        zeros = torch.zeros(len(rows), dtype=torch.int64)  # draft lengths and counters
+        no_draft = torch.zeros(len(rows), 0, dtype=torch.int64)  # [R, 0]
+        sampling = (t.temperature, t.top_k, t.top_p, t.seeds, zeros)
+        return verify(no_draft, zeros, None, logits, *sampling)
