@@ -10,6 +10,7 @@ GEMMs. No sampling, no RL.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,19 @@ from torch import nn
 from specrl.kernels import gemv
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a ``dtype`` linear weight on this CPU (its bf16 path needs
+    AVX512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU ``F.linear`` runs instead)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear(nn.Linear):
@@ -46,7 +60,7 @@ class Linear(nn.Linear):
             not torch.is_grad_enabled()
             and w.device.type == "cpu"
             and w.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available()
+            and onednn_packs(w.dtype)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
