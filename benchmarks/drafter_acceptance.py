@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from specrl.bench import run_metadata, write_result
-from specrl.drafters.cli import default_out
 from specrl.drafters.data import task_prompt_ids
 from specrl.engine import Engine, Request
 from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.paths import drafter_cache_dir
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 
@@ -44,7 +44,7 @@ def drafters(args) -> dict[str, tuple[str, str | None]]:
     out: dict[str, tuple[str, str | None]] = {"self": ("self", None), "ngram": ("ngram", None),
                                               "suffix": ("suffix", None)}  # fmt: skip
     for kind in ("eagle3", "mtp", "draft"):
-        path = default_out(MODEL, kind)
+        path = drafter_cache_dir(MODEL, kind)
         marker = "config.json" if kind == "draft" else "head.json"
         if (path / marker).exists():
             out[kind] = (kind, str(path))

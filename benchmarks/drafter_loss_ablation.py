@@ -24,12 +24,12 @@ import torch
 from drafter_acceptance import MODEL, temperature_rows
 
 from specrl.bench import run_metadata, write_result
-from specrl.drafters.cli import default_out
 from specrl.drafters.data import load_examples, task_prompt_ids
 from specrl.drafters.train import TrainConfig, train_head
 from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
 from specrl.models.heads import load_head
+from specrl.paths import drafter_cache_dir
 from specrl.spec.config import SpecConfig
 
 OUT = Path(__file__).parent / "results" / "drafter_loss_ablation.json"
@@ -44,7 +44,7 @@ def acceptance_rows(target, head, name: str, prompts, args, stops) -> list[dict]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head", type=Path, default=default_out(MODEL, "eagle3"))
+    ap.add_argument("--head", type=Path, default=drafter_cache_dir(MODEL, "eagle3"))
     ap.add_argument("--losses", default="ce,tv")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-4)

@@ -29,7 +29,9 @@ import torch
 
 from specrl.bench import run_metadata
 from specrl.config import load_config
-from specrl.pipelines.sync import build_run, measure_speedup, train
+from specrl.pipelines.build import build_run
+from specrl.pipelines.speed import measure_speedup
+from specrl.pipelines.train import train
 
 KEYS = ("rollout_tokens_per_s", "gen_time_s", "gen_tokens", "acceptance_length", "train_time_s",
         "step_time_s", "reward_mean")  # fmt: skip
@@ -50,7 +52,7 @@ def run_variant(spec: str, args) -> tuple[dict, list[dict]]:
     sweep = []
     if spec != "none":
         for i, batch in enumerate(args.batches):  # new prompts each time: no self-made history
-            parts.engine.max_batch = batch
+            parts.backend.engine.max_batch = batch
             speed = measure_speedup(parts, args.steps + i)
             sweep.append({"spec": spec, "max_batch": batch} | speed)
     return {"spec": spec, "steps_measured": len(kept)} | means, sweep

@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 
 from specrl.bench import run_metadata, write_result
-from specrl.cli import load_drafter
-from specrl.drafters.cli import default_out
 from specrl.drafters.data import task_prompt_ids
 from specrl.engine import Engine, Request
-from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.models.checkpoints import load_draft_model, load_model, load_tokenizer
+from specrl.paths import drafter_cache_dir
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 
@@ -82,9 +81,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--eagle3", type=Path, default=default_out(MODEL, "eagle3"))
-    ap.add_argument("--mtp", type=Path, default=default_out(MODEL, "mtp"))
-    ap.add_argument("--draft", type=Path, default=default_out(MODEL, "draft"))
+    ap.add_argument("--eagle3", type=Path, default=drafter_cache_dir(MODEL, "eagle3"))
+    ap.add_argument("--mtp", type=Path, default=drafter_cache_dir(MODEL, "mtp"))
+    ap.add_argument("--draft", type=Path, default=drafter_cache_dir(MODEL, "draft"))
     ap.add_argument("--siblings", type=int, default=3, help="eagle3 first-token siblings (0: off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median reported)")
@@ -110,7 +109,8 @@ def main() -> None:
         else:
             print(f"skipping {kind}: no head at {path}")
     if (args.draft / "config.json").exists():
-        methods["draft"] = (SpecConfig("draft", args.k), load_drafter(str(args.draft), target, tok))
+        draft = load_draft_model(str(args.draft), target, tok)
+        methods["draft"] = (SpecConfig("draft", args.k), draft)
     else:
         print(f"skipping draft: no draft model at {args.draft}")
     rows = []

@@ -101,7 +101,8 @@ def _instrument(trainer, rows: list[dict], callback_base) -> None:
 
 
 def specrl_run(cfg: Config, steps: int) -> list[dict]:
-    from specrl.pipelines.sync import build_run, train
+    from specrl.pipelines.build import build_run
+    from specrl.pipelines.train import train
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": steps})})
     with tempfile.TemporaryDirectory() as d:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specrl.paths import drafter_cache_dir
+
 # This machine class, from shared/REFERENCE.md: copy bandwidth and AMX bf16 GEMM peak.
 CPU_BANDWIDTH_BYTES_S = 25e9
 CPU_PEAK_FLOPS = {torch.bfloat16: 2.36e12, torch.float32: 0.38e12}
@@ -172,9 +174,7 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
 
 def default_drafter_path(model: str, method: str) -> str | None:
     """The cached trained head of ``specrl train-drafter`` for this model, if there is one."""
-    from specrl.drafters.cli import default_out
-
-    path = default_out(model, method)
+    path = drafter_cache_dir(model, method)
     return str(path) if path.exists() else None
 
 
@@ -209,9 +209,8 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
 
 
 def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
-    from specrl.cli import drafter_spec
     from specrl.models.checkpoints import resolve_model
-    from specrl.spec.config import SpecConfig
+    from specrl.spec.config import SpecConfig, drafter_spec
     from specrl.spec.proposers import proposer_takes
 
     b = dataclasses.replace(b, group_size=group_for(batch, b.group_size))

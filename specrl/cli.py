@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from specrl.cli_util import fail
 from specrl.drafters.cli import register as register_drafters
 from specrl.pipelines.cli import register as register_pipelines
 from specrl.sim.cli import register as register_simulate
@@ -54,12 +55,6 @@ DrafterOpt = Annotated[
         "--drafter", help="draft model: a model dir/.gguf, or prefix:N (target's first N layers)"
     ),
 ]
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print a one-line error and exit."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 def parse_dtype(name: str):
@@ -118,6 +113,7 @@ def generate(
     from specrl.engine import Engine, Request
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
     from specrl.sampling import SamplingParams
+    from specrl.spec.config import drafter_spec
 
     texts = read_prompts(prompts or [], prompts_file)
     try:
@@ -156,35 +152,6 @@ def generate(
             )
     if failed:
         raise typer.Exit(1)
-
-
-def drafter_spec(method: str, k: int, drafter: str | None, target, tokenizer):
-    """(SpecConfig, draft model or None): heads take a path option, 'draft' a model."""
-    from specrl.spec.config import SpecConfig
-    from specrl.spec.proposers import proposer_takes
-
-    if proposer_takes(method, "drafter_path"):  # a learned head: --drafter is its directory
-        options = {"drafter_path": drafter} if drafter else {}
-        return SpecConfig(method, k, options=options), None
-    return SpecConfig(method, k), load_drafter(drafter, target, tokenizer)
-
-
-def load_drafter(spec: str | None, target, tokenizer):
-    """A draft model from a path (same tokenizer required) or ``prefix:N`` of the target."""
-    from specrl.models.checkpoints import load_model, load_tokenizer
-    from specrl.models.transformer import layer_prefix_model
-
-    if spec is None:
-        return None
-    if spec.startswith("prefix:"):
-        try:
-            layers = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise ValueError(f"--drafter prefix:N needs an integer N, got {spec!r}") from None
-        return layer_prefix_model(target, layers)
-    if tokenizer.tok.get_vocab() != load_tokenizer(spec).tok.get_vocab():
-        raise ValueError(f"drafter {spec} uses a different tokenizer than the target")
-    return load_model(spec, dtype=target.embed.weight.dtype)
 
 
 def completion_json(c, text: str) -> dict:

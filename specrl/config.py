@@ -2,21 +2,21 @@
 
 Contract:
 - ``Config()`` is the complete embedded default run (every field has a default); sections are
-  ``model``, ``env``, ``rollout``, ``learner`` and ``run``. Every field carries a description and
-  its bounds; unknown keys are rejected.
+  ``model``, ``env``, ``rollout``, ``learner``, ``pipeline`` and ``run``. Every field carries a
+  description and its bounds; unknown keys are rejected.
 - ``load_config(path | None, overrides)`` reads a TOML file (optional), applies overrides of the
   form ``section.key=value`` (``value`` is parsed as a TOML value when it parses, else taken as a
   string, so ``env.task=leg_counting`` and ``learner.betas=[0.9, 0.95]`` both work), and
   validates. Any problem raises ``ConfigError`` (a ``ValueError``) with one line naming the bad
   key and value.
 - ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config.
-Names of tasks, templates, losses and advantage estimators are checked against their registries,
-so a typo fails here, before any work starts.
+Only types and bounds are checked here: this module is a leaf (it imports nothing from specrl).
+Names (task, template, drafter, loss, advantage estimator) are checked against their registries
+by ``specrl.pipelines.validate.check_names``, before any work starts.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import tomllib
@@ -29,7 +29,6 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
-    model_validator,
 )
 
 
@@ -48,8 +47,10 @@ class ModelCfg(_Section):
         "smollm2-135m-instruct",
         description="Bundled model name, a Hugging Face-style directory or a .gguf file.",
     )
-    dtype: Literal["fp32", "bf16"] = Field(
-        "bf16", description="Rollout engine precision (bf16 uses AMX matmuls on CPU)."
+    dtype: Literal["fp32", "bf16", "auto"] = Field(
+        "auto",
+        description="Rollout engine precision; 'auto': bf16 where the CPU multiplies bf16 "
+        "natively (AVX512-BF16/AMX), else fp32 (emulated bf16 is ~8x slower).",
     )
 
 
@@ -74,30 +75,6 @@ class EnvCfg(_Section):
         0.0, ge=0.0, le=1.0, description="Reward added when an answer could be extracted at all."
     )
     seed: int = Field(0, ge=0, description="Seed of the train split (eval uses a derived seed).")
-
-    @field_validator("task")
-    @classmethod
-    def _known_task(cls, v: str) -> str:
-        from specrl.envs.reasoning_gym_env import _unknown, task_names
-
-        if v not in task_names():
-            raise ValueError(_unknown("reasoning-gym task", v, task_names()))
-        return v
-
-    @model_validator(mode="after")
-    def _task_accepts_config(self) -> EnvCfg:
-        from specrl.envs.reasoning_gym_env import check_task_config, task_config_with_preset
-
-        check_task_config(self.task, task_config_with_preset(self.task, self.task_config))
-        return self
-
-    @field_validator("template")
-    @classmethod
-    def _known_template(cls, v: str) -> str:
-        from specrl.envs.reasoning_gym_env import get_template
-
-        get_template(v)
-        return v
 
 
 class RolloutCfg(_Section):
@@ -139,6 +116,19 @@ class RolloutCfg(_Section):
         "directory for 'eagle3'/'mtp' (default: the one `specrl train-drafter` cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
+    placement: Literal["auto", "inline", "process"] = Field(
+        "auto",
+        description="Where the native engine runs: 'inline' (in the trainer's process) or "
+        "'process' (its own worker process with its own torch threads; weights are pushed "
+        "through shared memory, so rollouts and the learner can run on different cores); "
+        "'auto': process for pipeline.mode='async', inline for sync.",
+    )
+    threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Torch threads of a 'process' engine worker (0 = half the cores, >= 1).",
+    )
 
     @field_validator("max_tokens_per_forward", mode="before")
     @classmethod
@@ -146,18 +136,6 @@ class RolloutCfg(_Section):
         ok = v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
         if not ok:
             raise ValueError("must be 'auto', an integer >= 1 or unset")
-        return v
-
-    @field_validator("spec")
-    @classmethod
-    def _known_spec(cls, v: str) -> str:
-        from specrl.spec.proposers import available_proposers
-
-        known = ["none", *available_proposers()]
-        if v not in known:
-            close = difflib.get_close_matches(v, known, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"unknown speculation method {v!r}{hint} (known: {', '.join(known)})")
         return v
 
     @field_validator("drafter_path")
@@ -193,26 +171,22 @@ class LearnerCfg(_Section):
     clip_eps_high: float | None = Field(
         None, gt=0.0, description="Upper clip epsilon; None = the loss's default."
     )
-    dtype: Literal["fp32", "bf16"] = Field(
-        "bf16", description="Trainer precision: bf16 autocast with fp32 master weights, or fp32."
+    dtype: Literal["fp32", "bf16", "auto"] = Field(
+        "auto",
+        description="Trainer precision: bf16 autocast with fp32 master weights, or fp32; "
+        "'auto': bf16 where the CPU multiplies bf16 natively, else fp32.",
     )
     logprob_chunk: int = Field(256, ge=1, description="Positions per LM-head/log-softmax chunk.")
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        from specrl.rl.losses import get_loss
-
-        get_loss(v)
-        return v
-
-    @field_validator("advantage")
-    @classmethod
-    def _known_advantage(cls, v: str) -> str:
-        from specrl.rl.advantages import get_advantage
-
-        get_advantage(v)
-        return v
+    correction: str = Field(
+        "ppo",
+        description="Off-policy correction (registered): 'ppo' clips the ratio to the "
+        "behaviour logprobs the engine returned; 'tis' (decoupled PPO) clips against the "
+        "learner's own pre-update logprobs and weights each token by the truncated importance "
+        "ratio min(pi_learner / pi_behaviour, is_cap).",
+    )
+    is_cap: float = Field(
+        2.0, gt=0.0, le=1000.0, description="'tis': cap of the per-token importance weight."
+    )
 
     @field_validator("betas")
     @classmethod
@@ -220,6 +194,34 @@ class LearnerCfg(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
+
+
+class PipelineCfg(_Section):
+    """How rollouts and learning are scheduled."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="'sync': generate, then learn, one step at a time; 'async': a producer "
+        "keeps generating groups with the newest weights it has while the learner trains.",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="async: a group is admitted only if learner_version - behaviour_version "
+        "<= this (0 = on-policy: exactly the sync pipeline).",
+    )
+    update: Literal["between_steps", "in_flight"] = Field(
+        "between_steps",
+        description="async: new weights reach the engine between its generate calls, or "
+        "'in_flight' between decode steps (unfinished sequences continue under them).",
+    )
+    in_flight_tokens: Literal["reverify", "keep", "discard"] = Field(
+        "reverify",
+        description="in_flight: what happens to an unfinished sequence's tokens from older "
+        "weights: 'reverify' (a draft the new weights verify with the exact rejection rule), "
+        "'keep' (stale, off-policy), 'discard' (regenerate).",
+    )
 
 
 class RunCfg(_Section):
@@ -239,6 +241,7 @@ class Config(_Section):
     env: EnvCfg = Field(default_factory=EnvCfg, description="Task and prompts.")
     rollout: RolloutCfg = Field(default_factory=RolloutCfg, description="Generation.")
     learner: LearnerCfg = Field(default_factory=LearnerCfg, description="Learning.")
+    pipeline: PipelineCfg = Field(default_factory=PipelineCfg, description="Scheduling.")
     run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
 
     def to_toml(self) -> str:

@@ -1,8 +1,11 @@
-"""Run configuration: defaults, TOML round trip, overrides and one-line errors naming the key."""
+"""Run configuration: defaults, TOML round trip, overrides and one-line errors naming the key;
+registered names (task, template, drafter, loss, advantage, correction) checked by
+``pipelines.validate.check_names``."""
 
 import pytest
 
 from specrl.config import Config, ConfigError, load_config, parse_override
+from specrl.pipelines.validate import check_names
 
 
 def test_default_config_is_complete_and_documented():
@@ -44,18 +47,10 @@ def test_overrides_parse_types_and_bare_strings():
         ("learner.lr=fast", ["learner.lr", "fast"]),
         ("rollout.group_size=2.5", ["rollout.group_size", "2.5"]),
         ("rollout.top_p=0", ["rollout.top_p", "0"]),
-        ("rollout.spec=medusa", ["rollout.spec", "medusa", "suffix"]),
-        ("rollout.spec=sufix", ["rollout.spec", "did you mean suffix"]),
         ("rollout.spec_siblings=17", ["rollout.spec_siblings", "16", "17"]),
         ("rollout.max_tokens_per_forward=0", ["rollout.max_tokens_per_forward", "'auto'", "0"]),
         ("rollout.max_tokens_per_forward=autox", ["rollout.max_tokens_per_forward", "autox"]),
         ("learner.betas=[0.9, 1.5]", ["learner.betas", "[0, 1)"]),
-        ("learner.loss=grpoo", ["learner.loss", "grpoo", "did you mean grpo"]),
-        ("learner.advantage=rlo", ["learner.advantage", "rloo"]),
-        ("env.task=leg_countin", ["env.task", "leg_counting"]),
-        ("env.template=tags", ["env.template", "answer_tag"]),
-        ("env.task_config.max_digitz=2", ["env", "max_digitz"]),
-        ("env.task_config.max_digits=0", ["env", "basic_arithmetic"]),
         ("learner.lrr=1e-5", ["unknown config key", "learner.lrr"]),
         ("trainer.lr=1e-5", ["unknown config key", "trainer"]),
         ("rollout.drafter_path=/no/such/file.safetensors", ["rollout.drafter_path", "not found"]),
@@ -68,6 +63,38 @@ def test_bad_values_name_the_key(override, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.spec=medusa", ["rollout.spec", "medusa", "suffix"]),
+        ("rollout.spec=sufix", ["rollout.spec", "did you mean suffix"]),
+        ("learner.loss=grpoo", ["learner.loss", "grpoo", "did you mean grpo"]),
+        ("learner.advantage=rlo", ["learner.advantage", "rloo"]),
+        ("learner.correction=tiss", ["learner.correction", "did you mean tis"]),
+        ("env.task=leg_countin", ["env.task", "leg_counting"]),
+        ("env.template=tags", ["env.template", "answer_tag"]),
+        ("env.task_config.max_digitz=2", ["env.task_config", "max_digitz"]),
+        ("env.task_config.max_digits=0", ["env.task_config", "basic_arithmetic"]),
+    ],
+)
+def test_unknown_names_name_the_key(override, words):
+    cfg = load_config(None, [override])  # config.py checks types and bounds, not registries
+    with pytest.raises(ConfigError) as e:
+        check_names(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_check_names_accepts_the_defaults_and_reports_every_bad_name():
+    check_names(Config())
+    check_names(load_config(None, ["env.task=leg_counting", "rollout.spec=none"]))
+    cfg = load_config(None, ["learner.loss=grpoo", "env.template=tags"])
+    with pytest.raises(ConfigError, match="env.template.*; bad value for learner.loss"):
+        check_names(cfg)
 
 
 def test_bad_override_syntax_and_files(tmp_path):

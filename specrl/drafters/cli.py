@@ -6,7 +6,7 @@ train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the targ
 every ``--ckpt-every`` steps in ``--out``; heads are then fine-tuned ``--tv-steps`` steps on the
 total-variation loss, checkpointed apart; rerunning the same command resumes, and reuses the
 rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt``), saves
-``head.safetensors`` + ``head.json`` in ``--out`` (default
+``head.safetensors`` + ``head.json`` in ``--out`` (default ``specrl.paths.drafter_cache_dir``:
 ``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
 and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` instead distills a
 small draft model, the target's first ``--draft-layers`` layers (``specrl.drafters.distill``),
@@ -25,6 +25,9 @@ from typing import Annotated
 
 import typer
 
+from specrl.cli_util import fail
+from specrl.paths import drafter_cache_dir
+
 
 def register(app: typer.Typer) -> None:
     """Add ``train-drafter`` to ``app``."""
@@ -33,13 +36,6 @@ def register(app: typer.Typer) -> None:
 
 HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
 TV_STEPS = 300  # total-variation fine-tuning steps of the default head recipe
-
-
-def default_out(model: str, drafter: str) -> Path:
-    from specrl.models.checkpoints import cache_dir
-
-    name = Path(str(model)).name.replace(".gguf", "").lower()
-    return cache_dir() / "drafters" / f"{name}-{drafter}"
 
 
 def train_drafter(
@@ -107,31 +103,31 @@ def train_drafter(
     from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
 
     if drafter not in ("eagle3", "mtp", "draft"):
-        _fail(f"unknown --drafter {drafter!r} (choose eagle3, mtp or draft)")
+        fail(f"unknown --drafter {drafter!r} (choose eagle3, mtp or draft)")
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
-            _fail(f"--{name} must be >= 1, got {value}")
+            fail(f"--{name} must be >= 1, got {value}")
     if tv_steps < 0:
-        _fail(f"--tv-steps must be >= 0, got {tv_steps}")
+        fail(f"--tv-steps must be >= 0, got {tv_steps}")
     if draft_vocab is None:
         draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
     if draft_vocab < 0:
-        _fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
+        fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
     temps = _temperatures(temperature)
     if prompts is not None and not prompts.exists():
-        _fail(f"--prompts file {prompts} does not exist")
+        fail(f"--prompts file {prompts} does not exist")
     if threads > 0:
         torch.set_num_threads(threads)
     if drafter == "draft":
         draft_layers = _draft_options(model, draft_layers, draft_vocab)
-    out = out or default_out(model, drafter)
+    out = out or drafter_cache_dir(model, drafter)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     target = load_model(model, dtype=torch.bfloat16)
     tok = load_tokenizer(model)
     stops = tuple(tok.stop_token_ids)
     if draft_vocab > target.config.vocab_size:
-        _fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
+        fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
               f"({target.config.vocab_size})")  # fmt: skip
     feature_layers = () if drafter == "draft" else default_layers(drafter, target.config.num_layers)
     ex_path = out / "examples.pt"
@@ -208,7 +204,7 @@ def _temperatures(text: str) -> list[float]:
     except ValueError:
         temps = []
     if not temps or not all(0 <= t <= 10 for t in temps):
-        _fail(f"--temperature must be a comma list of numbers in [0, 10], got {text!r}")
+        fail(f"--temperature must be a comma list of numbers in [0, 10], got {text!r}")
     return temps
 
 
@@ -219,17 +215,12 @@ def _draft_options(model: str, layers: int | None, draft_vocab: int) -> int:
     from specrl.models.checkpoints import CheckpointError, load_config, resolve_model
 
     if draft_vocab:
-        _fail("--draft-vocab applies to the eagle3 and mtp heads, not to --drafter draft")
+        fail("--draft-vocab applies to the eagle3 and mtp heads, not to --drafter draft")
     layers = DEFAULT_LAYERS if layers is None else layers
     try:
         top = load_config(resolve_model(model)).num_layers
     except CheckpointError as e:
-        _fail(str(e))
+        fail(str(e))
     if not 1 <= layers <= top:
-        _fail(f"--draft-layers must be in [1, {top}] (the target's layer count), got {layers}")
+        fail(f"--draft-layers must be in [1, {top}] (the target's layer count), got {layers}")
     return layers
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)

@@ -181,12 +181,17 @@ def task_names() -> list[str]:
     return sorted(DATASETS)
 
 
+def check_task(task: str) -> None:
+    """Raise ``ValueError`` (known names, did-you-mean hint) unless ``task`` is a task."""
+    if task not in task_names():
+        raise ValueError(_unknown("reasoning-gym task", task, task_names()))
+
+
 def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
     """``reasoning_gym.create_dataset`` with errors turned into one-line ``ValueError``s."""
     import reasoning_gym
 
-    if task not in task_names():
-        raise ValueError(_unknown("reasoning-gym task", task, task_names()))
+    check_task(task)
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config))
     except (TypeError, AssertionError, ValueError) as e:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from specrl.paths import cache_dir
+
 MAX_ROWS = 4  # input rows per call the kernel takes (it reads the weight once for all)
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 FLAGS = (
@@ -123,8 +125,6 @@ def cpu_supported() -> bool:
 
 def _build(compiler: str) -> Path:
     """Compile ``SOURCE`` into the cache (once per source and flags); return the library path."""
-    from specrl.models.checkpoints import cache_dir
-
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"gemv_bf16-{digest}.so"
     if out.exists():

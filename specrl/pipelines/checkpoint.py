@@ -11,14 +11,14 @@ Layout of a run directory::
         optimizer.safetensors   AdamW state tensors, keys "<param index>.<name>"
         optimizer.json          AdamW param groups and the state keys (no pickle anywhere)
         state.json              step, policy version, torch RNG state (hex), data-order state
-        drafter.json            the drafter's cross-step state (suffix history), if it has any
+        backend.json            the rollout backend's cross-step state (e.g. the suffix
+                                drafter's history), if it has any
 
 Contract:
 - ``save_checkpoint`` writes into a temporary sibling and renames it, so a checkpoint directory
   is complete or absent; ``latest_checkpoint`` returns the one with the most updates.
-- ``load_checkpoint`` restores policy, optimizer and drafter in place and returns ``state.json``.
-- Drafter state is handled by codecs registered per proposer name (``DRAFTER_STATE``); a drafter
-  without a codec is treated as stateless across steps (ngram, draft models are).
+- ``load_checkpoint`` restores policy and optimizer in place and returns ``state.json`` plus the
+  backend state (``{}`` if none) for ``RolloutBackend.load_state_dict``.
 - ``RunDir.truncate`` drops metric/eval rows a resumed run will produce again.
 """
 
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -64,9 +62,19 @@ class RunDir:
             f.write(json.dumps(dict(row)) + "\n")
 
     def rows(self, log: Path) -> list[dict[str, Any]]:
+        """The log's rows; a last line cut mid-write (a killed run) is dropped, any other
+        unreadable line is a ``ValueError`` naming it."""
         if not log.exists():
             return []
-        return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        out = []
+        for i, line in enumerate(lines):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise ValueError(f"{log}: line {i + 1} is not JSON") from None
+        return out
 
     def truncate(self, step: int) -> None:
         """Drop metric rows of steps >= ``step`` and eval rows at >= ``step`` updates."""
@@ -78,8 +86,11 @@ class RunDir:
         return self.checkpoints / f"{CKPT_PREFIX}{step:06d}"
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.checkpoints.glob(f"{CKPT_PREFIX}[0-9]*")) if self.path.exists() else []
-        return found[-1] if found else None
+        """The complete checkpoint with the most updates (an interrupted save's ``.tmp``
+        directory is never one)."""
+        found = self.checkpoints.glob(f"{CKPT_PREFIX}[0-9]*") if self.path.exists() else []
+        done = sorted(p for p in found if p.name[len(CKPT_PREFIX) :].isdigit())
+        return done[-1] if done else None
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -113,48 +124,6 @@ def restore_optimizer(
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-# --------------------------------------------------------------------------- drafter state
-
-
-def _suffix_dump(proposer: Any) -> dict:
-    groups = [
-        {"key": key, "prompt_tail": g.prompt_tail, "docs": [d.tolist() for d in g.docs]}
-        for key, g in proposer._groups.items()  # least recently used first
-    ]
-    return {"groups": groups}
-
-
-def _suffix_load(proposer: Any, state: dict) -> None:
-    from specrl.spec.proposers.suffix import _Group
-
-    groups: OrderedDict[int, _Group] = OrderedDict()
-    for item in state["groups"]:
-        g = _Group(proposer.max_tokens_per_group)
-        g.prompt_tail = item["prompt_tail"]
-        g.docs = deque(np.asarray(d, dtype=np.int32) for d in item["docs"])
-        g.tokens = sum(len(d) for d in item["docs"])
-        groups[int(item["key"])] = g
-    proposer._groups = groups
-
-
-DrafterCodec = tuple[Callable[[Any], dict], Callable[[Any, dict], None]]
-DRAFTER_STATE: Mapping[str, DrafterCodec] = MappingProxyType(
-    {"suffix": (_suffix_dump, _suffix_load)}
-)
-
-
-def drafter_state(proposer: Any) -> dict | None:
-    codec = DRAFTER_STATE.get(getattr(proposer, "name", ""))
-    return None if codec is None else {"name": proposer.name, **codec[0](proposer)}
-
-
-def load_drafter_state(proposer: Any, state: dict) -> None:
-    name = getattr(proposer, "name", None)
-    if state.get("name") != name:
-        raise ValueError(f"checkpoint holds {state.get('name')!r} drafter state, run uses {name!r}")
-    DRAFTER_STATE[name][1](proposer, state)
-
-
 # --------------------------------------------------------------------------- save / load
 
 
@@ -171,7 +140,7 @@ def save_checkpoint(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     state: Mapping[str, Any],
-    proposer: Any = None,
+    backend_state: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint directory atomically (temp dir + rename)."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
@@ -182,9 +151,8 @@ def save_checkpoint(
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "optimizer.json").write_text(json.dumps(meta))
     (tmp / "state.json").write_text(json.dumps(dict(state) | {"torch_rng": rng_state()}))
-    drafter = drafter_state(proposer) if proposer is not None else None
-    if drafter is not None:
-        (tmp / "drafter.json").write_text(json.dumps(drafter))
+    if backend_state:
+        (tmp / "backend.json").write_text(json.dumps(dict(backend_state)))
     shutil.rmtree(ckpt, ignore_errors=True)
     tmp.rename(ckpt)
     return ckpt
@@ -194,15 +162,13 @@ def load_checkpoint(
     ckpt: Path,
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    proposer: Any = None,
-) -> dict[str, Any]:
-    """Restore policy, optimizer, torch RNG and drafter from ``ckpt``; return its state."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore policy, optimizer and torch RNG from ``ckpt``; return (its state, the backend
+    state)."""
     load_state(policy, load_file(str(ckpt / "policy.safetensors")))
     meta = json.loads((ckpt / "optimizer.json").read_text())
     restore_optimizer(optimizer, load_file(str(ckpt / "optimizer.safetensors")), meta)
     state = json.loads((ckpt / "state.json").read_text())
     set_rng_state(state.pop("torch_rng"))
-    drafter = ckpt / "drafter.json"
-    if proposer is not None and drafter.exists():
-        load_drafter_state(proposer, json.loads(drafter.read_text()))
-    return state
+    backend = ckpt / "backend.json"
+    return state, json.loads(backend.read_text()) if backend.exists() else {}

@@ -20,13 +20,9 @@ from typing import Annotated
 
 import typer
 
+from specrl.cli_util import fail
 from specrl.config import Config, ConfigError, load_config
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print a one-line error and exit."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+from specrl.pipelines.checkpoint import RunDir
 
 
 def free_run_dir(path: Path) -> Path:
@@ -47,7 +43,7 @@ def resolve_config(
             raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
         if not (resume / "config.toml").exists():
             raise ConfigError(f"cannot resume {resume}: no config.toml there")
-        if not any((resume / "checkpoints").glob("step_[0-9]*")):
+        if RunDir(resume).latest_checkpoint() is None:
             raise ConfigError(f"cannot resume {resume}: it holds no checkpoint")
         return with_run_dir(load_config(resume / "config.toml", sets), resume), resume
     cfg = load_config(config, sets)
@@ -57,6 +53,19 @@ def resolve_config(
 
 def with_run_dir(cfg: Config, run_dir: Path) -> Config:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
+
+
+def share_cores(cfg: Config) -> None:
+    """With the engine in a worker process, the learner takes the cores the worker leaves."""
+    import os
+
+    import torch
+
+    from specrl.backends import placement
+    from specrl.backends.process import worker_threads
+
+    if placement(cfg) == "process":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - worker_threads(cfg.rollout.threads)))
 
 
 def train_command(
@@ -75,15 +84,18 @@ def train_command(
 ) -> None:
     """Post-train the policy with GRPO; rollouts are generated speculatively (lossless)."""
     from specrl.models.checkpoints import CheckpointError
+    from specrl.pipelines.build import build_run
     from specrl.pipelines.report import summary_text
-    from specrl.pipelines.sync import build_run, run_training
+    from specrl.pipelines.train import run_training
 
     try:
         cfg, target = resolve_config(config, sets or [], run_dir, resume)
+        share_cores(cfg)
         parts = build_run(cfg)
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))
-    typer.echo(f"run dir: {target}  (spec={cfg.rollout.spec}, k={cfg.rollout.num_spec_tokens})")
+    typer.echo(f"run dir: {target}  (spec={cfg.rollout.spec}, k={cfg.rollout.num_spec_tokens}, "
+               f"pipeline={cfg.pipeline.mode})")  # fmt: skip
     from tqdm import tqdm
 
     summary = run_training(parts, str(target), resume=resume is not None, compare_plain=compare,

@@ -5,10 +5,12 @@ Contract:
   (``eval.jsonl``) and an optional rollout speed check (``sync.measure_speedup``) into a flat
   dict: first/last-window means of reward and accuracy (window = min(5, max(1, steps // 3))),
   first/last eval accuracies, mean rollout tokens/s, acceptance length, logprob mismatch, and
-  the mean step-time breakdown (generation, learner, logprob check, refit, other).
+  the mean step-time breakdown (generation, learner, logprob check, refit, other), mean idle
+  times of learner and generator, mean token staleness and in-flight tokens reused.
 - ``summary_markdown(summary)`` renders it as a markdown table; ``summary_text`` as console lines.
 - ``write_report(run_dir, out=None)`` writes ``reward_accuracy.png``, ``rollout_throughput.png``,
-  ``acceptance_length.png``, ``step_time.png`` and ``summary.md`` (into ``out``, default the run
+  ``acceptance_length.png``, ``step_time.png``, ``pipeline.png`` (learner and generator idle
+  time, token staleness, reused in-flight tokens) and ``summary.md`` (into ``out``, default the run
   dir) with matplotlib's Agg backend, and returns the written paths. A run dir without metrics
   raises ``ValueError``.
 Reads files only; never touches models.
@@ -69,6 +71,10 @@ def summarize(
         "logprob_delta_mean": _mean(rows, "logprob_delta_mean"),
         "step_time_s": _mean(rows, "step_time_s"),
         "total_step_time_s": sum(r["step_time_s"] for r in rows),
+        "learner_idle_s": _mean(rows, "learner_idle_s"),
+        "generator_idle_s": _mean(rows, "generator_idle_s"),
+        "staleness_mean": _mean(rows, "staleness_mean"),
+        "reused_tokens": sum(r.get("reused_tokens", 0) for r in rows),
     }
     out |= {f"time_{k.replace(' ', '_')}_s": v for k, v in step_breakdown(rows).items()}
     for e, tag in ((evals[:1], "first"), (evals[-1:], "last")):
@@ -175,6 +181,24 @@ def plot_step_time(rows: Sequence[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_pipeline(rows: Sequence[dict], path: Path) -> Path:
+    """Idle time of the learner and the generator per step, and token staleness (right axis);
+    in-flight tokens reused by re-verification when there were any."""
+    fig, ax = _figure("Pipeline: idle time and staleness", "seconds idle")
+    for key in ("learner_idle_s", "generator_idle_s"):
+        ax.plot(*_series(rows, key), label=key.removesuffix("_s").replace("_", " "))
+    right = ax.twinx()
+    right.set_ylabel("tokens' staleness (versions)")
+    right.plot(*_series(rows, "staleness_mean"), "k:", label="mean staleness")
+    right.plot(*_series(rows, "staleness_max"), "k.", label="max staleness")
+    if any(r.get("reused_tokens") for r in rows):
+        right.plot(*_series(rows, "reused_tokens"), "g--", label="reused in-flight tokens")
+    handles = ax.get_legend_handles_labels()
+    extra = right.get_legend_handles_labels()
+    ax.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8)
+    return _save(fig, path)
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Plots and summary.md of the run in ``run_dir`` (see the module docstring)."""
     run = RunDir(run_dir)
@@ -191,6 +215,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plot_key(rows, "acceptance_length", "Acceptance length (tokens per verify step)",
                  "tokens", dest / "acceptance_length.png"),
         plot_step_time(rows, dest / "step_time.png"),
+        plot_pipeline(rows, dest / "pipeline.png"),
     ]  # fmt: skip
     md = summary_markdown(summarize(rows, evals, speed), f"Run {run.path}")
     (dest / "summary.md").write_text(md)

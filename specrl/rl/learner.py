@@ -25,8 +25,10 @@ Contract:
   the LM head and log-softmax always run in float32, because bf16 logits (8-bit mantissa) would
   shift log-probabilities by several hundredths. Autocast was chosen over bf16 parameters with
   a float32 master copy: it gives the same matmul speed here with no weight copies to keep in sync.
-- Without behaviour logprobs a sample is on-policy: ``old_logprobs`` are the current logprobs
-  detached (ratio 1, one step per batch), which costs no extra forward pass.
+- Behaviour logprobs reach the loss through the registered off-policy correction
+  (``rl.corrections``, ``correction=``): 'ppo' clips against them, 'tis' weights each token by
+  the truncated importance ratio. Without behaviour logprobs a sample is on-policy: the current
+  logprobs detached (ratio 1, one step per batch), which costs no extra forward pass.
 The learner knows nothing about how rollouts were produced.
 """
 
@@ -42,6 +44,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from specrl.models.precision import resolve_precision
+from specrl.rl.corrections import get_correction
 from specrl.rl.losses import LossNorm, get_loss
 
 if TYPE_CHECKING:
@@ -272,6 +276,8 @@ class Learner:
         chunk: int = 256,
         row_len: int = 256,
         share_prompts: bool = True,
+        correction: str = "ppo",
+        is_cap: float = 2.0,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -279,6 +285,7 @@ class Learner:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
         self.model = model.float().requires_grad_(True)
         self.loss_fn, self.loss_name = get_loss(loss), loss
+        self.correction, self.is_cap = get_correction(correction), is_cap
         self.loss_kwargs = dict(eps_low=eps_low, kl_coef=kl_coef, max_len=max_len)
         if eps_high is not None:
             self.loss_kwargs["eps_high"] = eps_high
@@ -306,10 +313,11 @@ class Learner:
         return cls(
             model, loss=cfg.loss, lr=cfg.lr, betas=tuple(cfg.betas),
             weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-            micro_batch_tokens=cfg.micro_batch_tokens, dtype=cfg.dtype, eps_low=cfg.clip_eps_low,
+            micro_batch_tokens=cfg.micro_batch_tokens, dtype=resolve_precision(cfg.dtype),
+            eps_low=cfg.clip_eps_low,
             eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, ref_model=ref_model,
             max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
-            share_prompts=cfg.share_prompts,
+            share_prompts=cfg.share_prompts, correction=cfg.correction, is_cap=cfg.is_cap,
         )  # fmt: skip
 
     def _autocast(self):
@@ -343,22 +351,28 @@ class Learner:
             keep.extend(lp.detach() for lp in per_sample)
         logprobs = _padded(per_sample, width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
-        old = self._old_logprobs(samples, logprobs, width)
+        behaviour, has = self._behaviour(samples, logprobs)
+        corr = self.correction(logprobs.detach(), behaviour, has, self.is_cap)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_flat = self._logprobs(self.ref_model, batch)
             ref = _padded(list(ref_flat.split(batch.lengths)), width)
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        out = self.loss_fn(logprobs, old, adv, mask, ref_logprobs=ref, norm=norm,
-                           **self.loss_kwargs)  # fmt: skip
+        out = self.loss_fn(logprobs, corr.old, adv, mask, ref_logprobs=ref, norm=norm,
+                           is_weight=corr.weight, **self.loss_kwargs)  # fmt: skip
         out.loss.backward()
         return out.metrics | {"loss": float(out.loss.detach())}
 
-    def _old_logprobs(
-        self, samples: list[TrainSample], logprobs: torch.Tensor, width: int
-    ) -> torch.Tensor:  # [N, T]
+    @staticmethod
+    def _behaviour(
+        samples: list[TrainSample],
+        logprobs: torch.Tensor,  # [N, T]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Behaviour logprobs [N, T] (the current ones where a sample has none, and at
+        padding) and which samples have them [N]."""
         old = logprobs.detach().clone()
+        has = torch.tensor([s.old_logprobs is not None for s in samples])
         for i, s in enumerate(samples):
             if s.old_logprobs is not None:
                 if len(s.old_logprobs) != len(s.completion_ids):
@@ -367,7 +381,7 @@ class Learner:
                         f"{len(s.completion_ids)} completion tokens"
                     )
                 old[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=old.dtype)
-        return old
+        return old, has
 
     def train_step(
         self, samples: Sequence[TrainSample], keep: list[torch.Tensor] | None = None
@@ -405,6 +419,6 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum losses and token counts; token-weighted means of the per-token metrics."""
     tokens = sum(p["tokens"] for p in parts)
     out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
-    for key in ("clip_frac", "ratio_mean", "kl"):
+    for key in ("clip_frac", "ratio_mean", "kl", "is_weight_mean"):
         out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
     return out

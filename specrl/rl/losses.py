@@ -2,14 +2,15 @@
 
 Contract: every registered loss has the signature
 ``fn(logprobs [N, T], old_logprobs [N, T], advantages [N], mask [N, T], *, eps_low, eps_high,
-ref_logprobs=None, kl_coef=0.0, max_len=None, norm=None) -> LossOutput`` where N counts
-completions, T completion positions (right-padded; ``mask`` is 1 on real tokens). All share one
-per-token objective and differ only in how tokens are aggregated:
+ref_logprobs=None, kl_coef=0.0, max_len=None, norm=None, is_weight=None) -> LossOutput``
+where N counts completions, T completion positions (right-padded; ``mask`` is 1 on real
+tokens). All share one per-token objective and differ only in how tokens are aggregated:
 
     ratio_t   = exp(logprobs_t - old_logprobs_t)
     pg_t      = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
     kl_t      = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1        (k3, >= 0)
-    term_t    = pg_t + kl_coef * kl_t
+    term_t    = w_t * pg_t + kl_coef * kl_t      (w_t: ``is_weight``, an off-policy
+                                                 importance weight, 1 by default)
 
 - ``grpo``: mean over each sequence's tokens, then mean over sequences (long completions get a
   smaller per-token weight); symmetric clip unless ``eps_high`` is given.
@@ -96,12 +97,15 @@ def _token_terms(
     eps_high: float,
     ref_logprobs: torch.Tensor | None,  # [N, T]
     kl_coef: float,
+    is_weight: torch.Tensor | None = None,  # [N, T] detached
 ) -> _Terms:
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)[:, None]  # [N, 1]
     ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         kl = k3_kl(logprobs, ref_logprobs)
@@ -113,6 +117,7 @@ def _token_terms(
             "clip_frac": float((active * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
+            "is_weight_mean": float((is_weight * mask).sum() / n) if is_weight is not None else 1.0,
             "tokens": float(mask.sum()),
         }
     return _Terms(per_token * mask, metrics)
@@ -133,13 +138,13 @@ def _check(logprobs, old_logprobs, advantages, mask) -> None:
 @register_loss("grpo")
 def grpo_loss(
     logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=None, ref_logprobs=None,
-    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None, is_weight=None,
 ) -> LossOutput:  # fmt: skip
     _check(logprobs, old_logprobs, advantages, mask)
     norm = norm or LossNorm.of(mask)
     eps_high = eps_low if eps_high is None else eps_high
     t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
-                     kl_coef)  # fmt: skip
+                     kl_coef, is_weight)  # fmt: skip
     lengths = mask.sum(dim=1).clamp(min=1).to(logprobs.dtype)  # [N]
     loss = (t.per_token.sum(dim=1) / lengths).sum() / norm.num_sequences
     return LossOutput(loss, t.metrics)
@@ -148,14 +153,14 @@ def grpo_loss(
 @register_loss("dr_grpo")
 def dr_grpo_loss(
     logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=None, ref_logprobs=None,
-    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None, is_weight=None,
 ) -> LossOutput:  # fmt: skip
     _check(logprobs, old_logprobs, advantages, mask)
     norm = norm or LossNorm.of(mask)
     eps_high = eps_low if eps_high is None else eps_high
     max_len = mask.shape[1] if max_len is None else max_len
     t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
-                     kl_coef)  # fmt: skip
+                     kl_coef, is_weight)  # fmt: skip
     loss = t.per_token.sum() / (norm.num_sequences * max_len)
     return LossOutput(loss, t.metrics)
 
@@ -163,12 +168,12 @@ def dr_grpo_loss(
 @register_loss("dapo")
 def dapo_loss(
     logprobs, old_logprobs, advantages, mask, *, eps_low=0.2, eps_high=0.28, ref_logprobs=None,
-    kl_coef=0.0, max_len=None, norm: LossNorm | None = None,
+    kl_coef=0.0, max_len=None, norm: LossNorm | None = None, is_weight=None,
 ) -> LossOutput:  # fmt: skip
     _check(logprobs, old_logprobs, advantages, mask)
     norm = norm or LossNorm.of(mask)
     eps_high = 0.28 if eps_high is None else eps_high
     t = _token_terms(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, ref_logprobs,
-                     kl_coef)  # fmt: skip
+                     kl_coef, is_weight)  # fmt: skip
     loss = t.per_token.sum() / norm.num_tokens
     return LossOutput(loss, t.metrics)

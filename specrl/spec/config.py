@@ -4,7 +4,8 @@ Contract: ``SpecConfig(method, k)`` names a registered drafter (``none`` = plain
 the number of draft tokens per step, 0 <= k <= ``MAX_SPEC_TOKENS``, and ``siblings`` extra
 candidates for the first draft token of a stochastic drafter (``specrl.spec.siblings``).
 ``build_proposer`` returns a ready ``Proposer`` or raises ``ValueError`` with a one-line reason
-(unknown method, bad k, a drafter that needs weights and got none).
+(unknown method, bad k, a drafter that needs weights and got none). ``drafter_spec`` turns
+command-line style options (method, k, ``--drafter``) into a ``SpecConfig`` and a draft model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from specrl.sampling import MAX_SIBLINGS
-from specrl.spec.proposers import available_proposers, get_proposer_class
+from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
 
 MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
 # Tokens per forward up to which a bf16 verification costs about one decode step on this
@@ -87,6 +88,17 @@ class SpecConfig:
         if self.method not in known:
             raise ValueError(f"unknown speculation method {self.method!r}; known: {known}")
         return self
+
+
+def drafter_spec(method: str, k: int, drafter: str | None, target, tokenizer):
+    """(SpecConfig, draft model or None): a learned head (eagle3, mtp) takes ``drafter`` as its
+    directory option, a ``draft`` drafter a model (``models.checkpoints.load_draft_model``)."""
+    if proposer_takes(method, "drafter_path"):
+        options = {"drafter_path": drafter} if drafter else {}
+        return SpecConfig(method, k, options=options), None
+    from specrl.models.checkpoints import load_draft_model
+
+    return SpecConfig(method, k), load_draft_model(drafter, target, tokenizer)
 
 
 def build_proposer(spec: SpecConfig, **extra: Any):

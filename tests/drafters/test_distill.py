@@ -10,10 +10,10 @@ import torch
 from tokenizers import Tokenizer, models
 from typer.testing import CliRunner
 
-from specrl.cli import app, load_drafter
+from specrl.cli import app
 from specrl.drafters.distill import distill, init_draft, save_draft_model
 from specrl.drafters.train import TrainConfig, acceptance
-from specrl.models.checkpoints import load_model
+from specrl.models.checkpoints import load_draft_model, load_model
 from specrl.models.tokenizer import TextTokenizer
 from tests.conftest import make_tiny
 from tests.drafters.test_train import tiny_setup
@@ -66,15 +66,15 @@ def word_tokenizer(words: list[str]) -> TextTokenizer:
     return TextTokenizer(Tokenizer(models.WordLevel(vocab, unk_token=words[0])), {})
 
 
-def test_cli_loader_takes_the_directory_and_checks_the_tokenizer(tmp_path):
+def test_draft_loader_takes_the_directory_and_checks_the_tokenizer(tmp_path):
     target = make_tiny(seed=3, vocab_size=32, num_layers=4)
     tok = word_tokenizer([f"w{i}" for i in range(32)])
     tok.save(tmp_path)
     save_draft_model(init_draft(target, 1), tmp_path / "d", target.config, tokenizer_dir=tmp_path)
-    draft = load_drafter(str(tmp_path / "d"), target, tok)
+    draft = load_draft_model(str(tmp_path / "d"), target, tok)
     assert draft.config.num_layers == 1 and draft.embed.weight.dtype == target.embed.weight.dtype
     with pytest.raises(ValueError, match="different tokenizer"):
-        load_drafter(str(tmp_path / "d"), target, word_tokenizer([f"v{i}" for i in range(32)]))
+        load_draft_model(str(tmp_path / "d"), target, word_tokenizer([f"v{i}" for i in range(32)]))
 
 
 @pytest.mark.parametrize("layers", [0, 5])

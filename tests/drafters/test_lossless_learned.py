@@ -81,11 +81,11 @@ def test_engine_refuses_head_of_another_target():
 def test_greedy_equal_plain_smollm2(kind, smollm2, smollm2_tok):
     """SmolLM2 (fp32): greedy output with a learned drafter equals plain decoding. Uses the
     trained head from the user cache when present (``specrl train-drafter``), else a random one."""
-    from specrl.drafters.cli import default_out
     from specrl.models.heads import load_head
+    from specrl.paths import drafter_cache_dir
     from tests.conftest import PROMPTS
 
-    path = default_out("smollm2-135m-instruct", kind)
+    path = drafter_cache_dir("smollm2-135m-instruct", kind)
     torch.manual_seed(0)
     head = load_head(path, smollm2) if (path / "head.json").exists() else DraftHead(smollm2, kind)
     prompts = [smollm2_tok.encode_chat(p) for p in PROMPTS[:6]]

@@ -2,11 +2,13 @@
 
 Reward of a completion = the share of its tokens (stop token excluded) that are multiples of 4;
 ``correct`` = reward >= 0.5. A tiny random model starts near 1/4 and GRPO can raise it quickly.
-Texts are space-separated ids, so the codec round-trips exactly.
+Texts are space-separated ids, so the codec round-trips exactly. ``FakeBackend`` generates
+without an engine: pipelines run on it, which shows they know only the ``RolloutBackend`` seam.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +17,7 @@ import torch
 
 from specrl.config import Config, load_config
 from specrl.envs.reasoning_gym_env import Prompt
-from specrl.pipelines.sync import RunParts, build_run
+from specrl.pipelines.build import RunParts, build_run
 from tests.conftest import make_tiny
 
 STOP = 1
@@ -65,6 +67,7 @@ TINY_OVERRIDES = [
     "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8",
     "rollout.spec=none", "run.steps=4", "run.eval_every=2", "run.checkpoint_every=2",
     "rollout.max_tokens_per_forward=1024",  # speculate at every step (tests exercise it)
+    "rollout.placement=inline",  # no worker process per test (tests of 'process' set it)
 ]  # fmt: skip
 
 
@@ -76,3 +79,73 @@ def tiny_parts(cfg: Config, model_seed: int = 0, num_train: int = 24) -> RunPart
     torch.manual_seed(0)
     env = ModFourEnv(num_train=num_train)
     return build_run(cfg, model=make_tiny(model_seed), codec=IdCodec(), env=env)
+
+
+class FakeBackend:
+    """A ``RolloutBackend`` without an engine: completions are seeded random ids in [2, 32)
+    (a stop token with probability 1/8 per position) with uniform logprobs over 30 tokens.
+    It records every call, and a checksum of each weight update, so tests can see what a
+    pipeline asked of it."""
+
+    features: frozenset[str] = frozenset()
+
+    def __init__(self) -> None:
+        from specrl.spec.config import SpecConfig
+
+        self.spec = SpecConfig("none", 0)
+        self.version = 0
+        self.calls: list[tuple[str, int]] = []  # (what, version at the call)
+        self.checksums: list[tuple[int, float]] = []  # (version, sum of all pushed weights)
+        self.state: dict = {}
+        self.prompts: list[tuple[str, list[list[int]]]] = []  # ("train"/"eval", prompt ids)
+
+    def generate(self, requests, spec=None):
+        from specrl.backends import Rollout
+        from specrl.engine.types import Completion
+
+        self.calls.append(("generate", self.version))
+        kind = "eval" if requests and requests[0].sampling.n == 1 else "train"
+        self.prompts.append((kind, [list(r.prompt_ids) for r in requests]))
+        comps = []
+        for i, req in enumerate(requests):
+            for j in range(req.sampling.n):
+                rng = random.Random(f"{req.sampling.seed}/{j}")
+                ids = [rng.randrange(2, 32) for _ in range(req.sampling.max_new_tokens)]
+                cut = next((k for k in range(len(ids)) if rng.random() < 1 / 8), len(ids))
+                ids = ids[:cut] + [STOP] if cut < len(ids) else ids
+                lp = [-math.log(30.0)] * len(ids)
+                comps.append(Completion(i, j, list(req.prompt_ids), ids, lp, list(lp),
+                                        "stop", seed=req.sampling.seed or 0,
+                                        policy_version=self.version,
+                                        token_versions=[self.version] * len(ids)))  # fmt: skip
+        return Rollout(comps, seconds=1e-3)
+
+    def update_weights(self, named_tensors, version):
+        total = float(sum(t.detach().double().sum() for t in named_tensors.values()))
+        self.checksums.append((version, total))
+        self.calls.append(("update", version))
+        self.version = version
+        return 0.0
+
+    def update_drafter(self, state, version):
+        raise ValueError("the fake backend runs no drafter")
+
+    def versions(self):
+        from specrl.backends import Versions
+
+        return Versions(self.version)
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+    def close(self):
+        self.calls.append(("close", self.version))
+
+
+def fake_parts(cfg: Config, backend: FakeBackend | None = None) -> RunParts:
+    torch.manual_seed(0)
+    return build_run(cfg, model=make_tiny(0), codec=IdCodec(), env=ModFourEnv(),
+                     backend=backend or FakeBackend())  # fmt: skip

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from specrl.pipelines.cli import free_run_dir, register
 from specrl.pipelines.report import summarize, summary_text
-from specrl.pipelines.sync import run_training
+from specrl.pipelines.train import run_training
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 
 
@@ -63,7 +63,7 @@ def test_report_writes_plots_and_summary(app, tmp_path):
     result = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     names = {"reward_accuracy.png", "rollout_throughput.png", "acceptance_length.png",
-             "step_time.png", "summary.md"}  # fmt: skip
+             "step_time.png", "pipeline.png", "summary.md"}  # fmt: skip
     assert {p.name for p in (tmp_path / "out").iterdir()} == names
     for name in names - {"summary.md"}:
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"

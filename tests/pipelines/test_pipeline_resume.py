@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from specrl.pipelines.sync import TIMING_KEYS, train
+from specrl.pipelines.loop import TIMING_KEYS
+from specrl.pipelines.train import train
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,6 +42,6 @@ def test_resume_continues_exactly(tmp_path, spec):
     a = (full / "checkpoints/step_000004/policy.safetensors").read_bytes()
     assert a == (part / "checkpoints/step_000004/policy.safetensors").read_bytes()
     if spec == "suffix":
-        drafter = json.loads((part / "checkpoints/step_000002/drafter.json").read_text())
-        assert drafter["name"] == "suffix" and drafter["groups"]
+        backend = json.loads((part / "checkpoints/step_000002/backend.json").read_text())
+        assert backend["drafter"]["name"] == "suffix" and backend["drafter"]["groups"]
         assert max(r["acceptance_length"] for r in rows) > 1.0  # drafts were accepted

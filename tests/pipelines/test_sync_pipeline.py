@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from specrl.config import ConfigError
-from specrl.pipelines.refit import copy_weights, refit
-from specrl.pipelines.sync import METRIC_KEYS, build_run, draw_prompts, run_training, train
+from specrl.models.weights import copy_weights
+from specrl.pipelines.build import build_run
+from specrl.pipelines.loop import METRIC_KEYS
+from specrl.pipelines.step import draw_prompts
+from specrl.pipelines.train import run_training, train
 from tests.conftest import make_tiny
 from tests.pipelines.pipeline_fakes import IdCodec, ModFourEnv, tiny_config, tiny_parts
 
@@ -55,8 +58,8 @@ def test_engine_learner_logprob_mismatch_fp32(tmp_path, spec):
 def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
     """A trained-head drafter from ``rollout.drafter_path`` (or the cached default) drafts the
     rollouts of a GRPO run with engine/learner logprobs in agreement; no head -> clear error."""
-    from specrl.drafters.cli import default_out
     from specrl.models.heads import DraftHead, save_head
+    from specrl.paths import drafter_cache_dir as default_out
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=f"specrl train-drafter --drafter {kind}"):
@@ -67,7 +70,7 @@ def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
     rows = train(parts, str(tmp_path / "run"), progress=False)
     assert all(r["acceptance_length"] >= 1.0 for r in rows)
     assert max(r["logprob_delta_mean"] for r in rows) <= 1e-3
-    assert parts.engine.stats.drafted > 0  # the head drafted in the last rollout
+    assert parts.backend.engine.stats.drafted > 0  # the head drafted in the last rollout
     save_head(DraftHead(make_tiny(0), kind), default_out(parts.cfg.model.name, kind))
     tiny_parts(tiny_config(f"rollout.spec={kind}"))  # the cached default head is found
 
@@ -75,8 +78,8 @@ def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
 def test_draft_model_drafter_defaults_to_the_cached_one(tmp_path, monkeypatch):
     """``rollout.spec=draft`` without a path: a clear error naming the command that makes one,
     then the model ``specrl train-drafter --drafter draft`` caches is found and drafts."""
-    from specrl.drafters.cli import default_out
     from specrl.drafters.distill import init_draft, save_draft_model
+    from specrl.paths import drafter_cache_dir as default_out
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match="specrl train-drafter --drafter draft"):
@@ -85,9 +88,9 @@ def test_draft_model_drafter_defaults_to_the_cached_one(tmp_path, monkeypatch):
     target = make_tiny(0)
     save_draft_model(init_draft(target, 1), default_out(cfg.model.name, "draft"), target.config)
     parts = tiny_parts(cfg)
-    assert parts.engine.draft_model.config.num_layers == 1
+    assert parts.backend.engine.draft_model.config.num_layers == 1
     train(parts, str(tmp_path / "run"), progress=False)
-    assert parts.engine.stats.drafted > 0
+    assert parts.backend.engine.stats.drafted > 0
 
 
 def test_prompt_order_is_deterministic_and_cycles():
@@ -105,15 +108,16 @@ def test_prompt_order_is_deterministic_and_cycles():
 
 def test_refit_updates_engine_and_packed_cache():
     parts = tiny_parts(tiny_config("model.dtype=bf16"))
-    engine = parts.engine
+    engine = parts.backend.engine
     x = torch.tensor([[3, 4, 5]])
     pos = torch.arange(3)[None]
     with torch.no_grad():
         before = engine.model(x, pos).logits.clone()  # builds the packed bf16 weights
         for p in parts.learner.model.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    seconds = refit(engine, dict(parts.learner.model.named_parameters()))
-    assert seconds >= 0 and engine.policy_version == 1
+    parts.version = 1
+    seconds = parts.push_weights()
+    assert seconds >= 0 and engine.policy_version == 1 and parts.backend.versions().policy == 1
     with torch.no_grad():
         after = engine.model(x, pos).logits
         fresh = make_tiny().to(torch.bfloat16)
@@ -157,10 +161,10 @@ def test_auto_tokens_per_forward_follows_the_engine_dtype(dtype):
 
     cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=auto",
                       "rollout.spec=ngram")  # fmt: skip
-    spec = tiny_parts(cfg).engine.spec
+    spec = tiny_parts(cfg).backend.spec
     native = dtype == "bf16" and gemv_kernel() is not None
     assert spec.max_tokens_per_forward == (MAX_ROWS if native else 16)
     assert spec.k_for_batch(1) == 3
     assert spec.k_for_batch(2) == (1 if native else 3)  # 2 rows x (1 + 1) tokens = 4
     cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=8")
-    assert tiny_parts(cfg).engine.spec.max_tokens_per_forward == 8
+    assert tiny_parts(cfg).backend.spec.max_tokens_per_forward == 8

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from specrl.config import load_config
+from specrl.pipelines.build import build_run
+from specrl.pipelines.loop import METRIC_KEYS
 from specrl.pipelines.report import write_report
-from specrl.pipelines.sync import METRIC_KEYS, build_run, run_training, train
+from specrl.pipelines.train import run_training, train
 
 TINY = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "env.num_eval=4", "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2"]  # fmt: skip
@@ -23,8 +25,9 @@ def test_default_run_two_steps(tmp_path):
     assert len(rows) == 2 and all(set(METRIC_KEYS) <= set(r) for r in rows)
     assert all(r["logprob_delta_mean"] < 0.1 for r in rows)  # bf16 engine vs bf16 autocast
     assert summary["speed_rollout_speedup"] > 0
-    assert (tmp_path / "checkpoints/step_000002/drafter.json").exists()
-    assert len(write_report(tmp_path)) == 5
+    backend = json.loads((tmp_path / "checkpoints/step_000002/backend.json").read_text())
+    assert backend["drafter"]["name"] == "suffix"
+    assert len(write_report(tmp_path)) == 6
 
 
 @pytest.mark.parametrize("spec", ["none", "suffix"])

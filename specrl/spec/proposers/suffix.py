@@ -131,6 +131,27 @@ class SuffixProposer:
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Model-free: nothing to load."""
 
+    def state_dict(self) -> dict:
+        """The index as JSON-able data (least recently used prompt first), for resumes."""
+        groups = [
+            {"key": key, "prompt_tail": g.prompt_tail, "docs": [d.tolist() for d in g.docs]}
+            for key, g in self._groups.items()
+        ]
+        return {"name": self.name, "groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the index with one from ``state_dict``."""
+        if state.get("name") != self.name:
+            raise ValueError(f"drafter state of {state.get('name')!r}, this drafter is 'suffix'")
+        groups: OrderedDict[int, _Group] = OrderedDict()
+        for item in state["groups"]:
+            g = _Group(self.max_tokens_per_group)
+            g.prompt_tail = item["prompt_tail"]
+            g.docs = deque(np.asarray(d, dtype=np.int32) for d in item["docs"])
+            g.tokens = sum(len(d) for d in item["docs"])
+            groups[int(item["key"])] = g
+        self._groups = groups
+
     # -- index management ----------------------------------------------------------------------
 
     def add_completion(

@@ -1,0 +1,220 @@
+"""The native rollout backend: specrl's own engine behind the ``RolloutBackend`` seam.
+
+Contract:
+- ``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``. ``generate`` returns the call's
+  completions with a copy of the engine's per-call statistics. ``update_weights`` copies the
+  tensors into the engine's own model at once when no generate call is running; during one it
+  snapshots them (engine dtype) and applies them before the next call, or, with ``in_flight``
+  ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
+  decode steps of the running call (``Engine.stage_weights``). ``update_drafter`` loads a learned
+  drafter's tensors into the engine's proposer. ``state_dict`` holds the drafter's cross-call
+  state (the suffix drafter's history); during a generate call it waits for the call to end.
+  Thread-safe for one generating thread plus one updating thread (the async pipeline's producer
+  and learner).
+- ``build_native(cfg, policy)`` resolves everything from a run ``Config``: the drafter (a
+  ``draft`` model or a head directory: ``rollout.drafter_path`` or the one ``specrl
+  train-drafter`` cached; missing -> ``ConfigError`` naming that command), the ``auto`` token
+  cap, the engine's own copy of ``policy`` in ``model.dtype`` ('auto' resolved for this CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrl.backends.base import IN_FLIGHT, Rollout, Versions
+from specrl.config import Config, ConfigError
+from specrl.engine.engine import Engine
+from specrl.engine.inflight import check_mode
+from specrl.engine.types import Request
+from specrl.models.precision import torch_dtype
+from specrl.models.weights import copy_weights, engine_copy, snapshot
+from specrl.paths import drafter_cache_dir
+from specrl.spec.config import SpecConfig, auto_tokens_per_forward
+from specrl.spec.proposers import proposer_takes
+
+
+class NativeBackend:
+    """See the module docstring."""
+
+    def __init__(self, engine: Engine, in_flight: str | None = None) -> None:
+        self.engine = engine
+        self.in_flight = in_flight
+        self.features = frozenset({IN_FLIGHT}) if in_flight else frozenset()
+        self._lock = threading.Lock()  # guards _busy, _pending and the engine's weights
+        self._idle = threading.Condition(self._lock)  # notified when a generate call ends
+        self._busy = False
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._newest = engine.policy_version  # the newest version received
+        self._drafter_version = 0
+        if in_flight:
+            check_mode(in_flight, [engine.spec.method])
+
+    @property
+    def spec(self) -> SpecConfig:
+        return self.engine.spec
+
+    def generate(self, requests: Sequence[Request], spec: SpecConfig | None = None) -> Rollout:
+        with self._lock:
+            self._apply_pending()
+            self._busy = True
+        try:
+            t0 = time.perf_counter()
+            comps = self.engine.generate(list(requests), spec=spec)
+            seconds = time.perf_counter() - t0
+        finally:
+            with self._lock:
+                self._busy = False
+                self._apply_pending()
+                self._idle.notify_all()
+        return Rollout(comps, copy.deepcopy(self.engine.stats), seconds)
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> float:
+        t0 = time.perf_counter()
+        with self._lock:
+            self._newest = max(self._newest, version)
+            if not self._busy:
+                copy_weights(self.engine.model, named_tensors)
+                self.engine.policy_version = version
+                self._pending = None
+            else:
+                staged = snapshot(named_tensors, self._dtype())
+                if self.in_flight:
+                    self.engine.stage_weights(staged, version, self.in_flight)
+                else:
+                    self._pending = (staged, version)
+        return time.perf_counter() - t0
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            staged, version = self._pending
+            copy_weights(self.engine.model, staged)
+            self.engine.policy_version = version
+            self._pending = None
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.engine.model.parameters()).dtype
+
+    def update_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        proposer = self.engine.proposer
+        if proposer is None or not hasattr(proposer, "load_weights"):
+            raise ValueError("update_drafter: this backend runs no learned drafter")
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._busy:
+                raise RuntimeError("update_drafter during a generate call is not supported")
+            proposer.load_weights(dict(state))
+            self._drafter_version = version
+        return time.perf_counter() - t0
+
+    def versions(self) -> Versions:
+        with self._lock:
+            return Versions(max(self._newest, self.engine.policy_version), self._drafter_version)
+
+    def served_version(self) -> int:
+        """The version of the weights in the engine right now (pending ones not yet applied)."""
+        return self.engine.policy_version
+
+    def state_dict(self) -> dict[str, Any]:
+        proposer = self.engine.proposer
+        if proposer is None or not hasattr(proposer, "state_dict"):
+            return {}
+        with self._lock:
+            self._idle.wait_for(lambda: not self._busy)  # the generating thread mutates it
+            return {"drafter": proposer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "drafter" not in state:
+            return
+        proposer = self.engine.proposer
+        if proposer is None or not hasattr(proposer, "load_state_dict"):
+            name = state["drafter"].get("name")
+            raise ValueError(f"saved drafter state of {name!r}, but this run's drafter keeps none")
+        proposer.load_state_dict(state["drafter"])
+
+    def close(self) -> None:
+        self.engine._cache = None  # free the KV cache; the engine stays usable
+
+
+# --------------------------------------------------------------------------- building
+
+
+def drafter_dir(cfg: Config) -> str | None:
+    """The drafter directory a ``draft`` model or learned-head drafter (eagle3, mtp) reads:
+    ``rollout.drafter_path``, else the one ``specrl train-drafter --drafter SPEC`` cached for
+    the model, if it exists."""
+    if cfg.rollout.drafter_path is not None:
+        return str(Path(cfg.rollout.drafter_path).expanduser())
+    spec = cfg.rollout.spec
+    cached = drafter_cache_dir(cfg.model.name, spec)
+    marker = "config.json" if proposer_takes(spec, "draft_model") else "head.json"
+    return str(cached) if (cached / marker).exists() else None
+
+
+def check_drafter(cfg: Config) -> None:
+    """A drafter that takes a draft model or a trained head needs one (checked up front)."""
+    spec = cfg.rollout.spec
+    for takes, what in (("draft_model", "a model directory"), ("drafter_path", "a head directory")):
+        if proposer_takes(spec, takes) and drafter_dir(cfg) is None:
+            raise ConfigError(
+                f"rollout.spec={spec!r} needs rollout.drafter_path ({what}; make one with "
+                f"`specrl train-drafter --drafter {spec}`)"
+            )
+
+
+def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The draft model of a ``draft``-style drafter (heads are loaded by their proposer)."""
+    if not proposer_takes(cfg.rollout.spec, "draft_model"):
+        return None
+    from specrl.models.checkpoints import load_model
+
+    return load_model(drafter_dir(cfg), dtype=dtype)
+
+
+def spec_config(cfg: Config) -> SpecConfig:
+    """The engine's speculation settings from ``rollout.*`` ('auto' cap resolved)."""
+    cap = cfg.rollout.max_tokens_per_forward
+    if cap == "auto":
+        cap = auto_tokens_per_forward(torch_dtype(cfg.model.dtype))
+    heads = proposer_takes(cfg.rollout.spec, "drafter_path")
+    return SpecConfig(
+        cfg.rollout.spec,
+        cfg.rollout.num_spec_tokens,
+        options={"drafter_path": drafter_dir(cfg)} if heads else {},
+        max_tokens_per_forward=cap,
+        siblings=cfg.rollout.spec_siblings,
+    )
+
+
+def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:
+    """An engine over its own copy of ``policy`` with the configured drafter."""
+    check_drafter(cfg)
+    dtype = torch_dtype(cfg.model.dtype)
+    draft = load_drafter(cfg, dtype)
+    try:
+        return Engine(engine_copy(policy, dtype), max_batch=cfg.rollout.max_batch,
+                      seed=cfg.run.seed, spec=spec_config(cfg), draft_model=draft)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"bad value for rollout.spec: {e}") from None
+
+
+def in_flight_mode(cfg: Config) -> str | None:
+    """The in-flight token policy when the async pipeline updates weights between decode steps."""
+    p = cfg.pipeline
+    return p.in_flight_tokens if p.mode == "async" and p.update == "in_flight" else None
+
+
+def build_native(cfg: Config, policy: torch.nn.Module) -> NativeBackend:
+    """The inline native backend of a run (see the module docstring)."""
+    try:
+        return NativeBackend(make_engine(cfg, policy), in_flight=in_flight_mode(cfg))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"bad value for pipeline.in_flight_tokens: {e}") from None

@@ -1,0 +1,153 @@
+"""The asynchronous GRPO loop: a producer thread generates while the learner trains.
+
+Contract: ``train_async(parts, run, start, end, log)`` runs steps ``start .. end-1`` with
+staleness bound ``s = pipeline.max_staleness``:
+- the producer (a thread) handles steps in order; before step ``t`` it waits until the learner
+  has pushed version ``>= t - s``, evaluates when ``eval_due(cfg, t)`` (with the weights it has;
+  the eval row records ``policy_version``), then ``collect(parts, t)`` with the newest weights
+  the backend serves, and puts the batch into a buffer of ``s + 1`` slots. Its waiting time
+  (for a version, and for buffer space after the previous batch) is the batch's
+  ``generator_idle_s``.
+- the learner (the calling thread) takes batches in step order, admits one only if
+  ``learner_version - behaviour_version <= s`` (the bound holds by construction; a violation
+  raises rather than training on it), learns (which pushes version ``t + 1`` to the backend:
+  between generate calls, or between decode steps with ``pipeline.update = "in_flight"``) and
+  tells the producer. ``learner_idle_s`` is its wait for the batch; ``step_time_s`` the wall
+  time since the previous step ended, so the sum of step times is the loop's wall time.
+- ``s = 0`` runs exactly the sync loop's sequence (eval, collect t under version t, learn t):
+  same seeds, same metrics except timings. An exception in either thread stops both and is
+  raised here; nothing is left running.
+Resume (``loop.open_run``) restarts at the last checkpoint: prompts are a function of the step,
+so batches generated but not learned before a kill are generated again, never lost or learned
+twice.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from specrl.pipelines.build import RunParts
+from specrl.pipelines.checkpoint import RunDir
+from specrl.pipelines.evaluate import eval_due
+from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.step import Batch, collect, learn
+
+_POLL_S = 0.1  # how often a waiting thread checks whether the other one stopped
+
+
+class Producer(threading.Thread):
+    """Generates the batches of steps ``start .. end-1`` within the staleness bound."""
+
+    def __init__(self, parts: RunParts, run: RunDir, start: int, end: int, log: Log) -> None:
+        super().__init__(name="specrl-producer", daemon=True)
+        self.parts, self.run_dir, self.steps, self.log = parts, run, range(start, end), log
+        self.bound = parts.cfg.pipeline.max_staleness
+        self.buffer: queue.Queue[Batch | None] = queue.Queue(maxsize=self.bound + 1)
+        self.pushed = parts.version  # newest version the learner has pushed
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            blocked = 0.0  # the previous batch's wait for buffer space
+            for step in self.steps:
+                t0 = time.perf_counter()
+                if not self._wait_version(step - self.bound):
+                    return
+                idle = blocked + time.perf_counter() - t0
+                if eval_due(self.parts.cfg, step):
+                    log_eval(self.parts, self.run_dir, step, self.log)
+                batch = collect(self.parts, step)
+                batch.metrics["generator_idle_s"] = idle
+                t1 = time.perf_counter()
+                if not self._put(batch):
+                    return
+                blocked = time.perf_counter() - t1
+        except BaseException as e:  # handed to the learner thread
+            self.error = e
+            self._put(None)
+
+    def _wait_version(self, version: int) -> bool:
+        with self.cond:
+            while self.pushed < version:
+                if self.stopping.is_set():
+                    return False
+                self.cond.wait(_POLL_S)
+        return not self.stopping.is_set()
+
+    def _put(self, batch: Batch | None) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.buffer.put(batch, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def published(self, version: int) -> None:
+        """The learner pushed ``version`` to the backend."""
+        with self.cond:
+            self.pushed = version
+            self.cond.notify_all()
+
+    def take(self) -> Batch:
+        """The next batch, in step order (re-raises the producer's error)."""
+        while True:
+            try:
+                batch = self.buffer.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.is_alive() and self.buffer.empty():
+                    raise RuntimeError("the rollout producer stopped without a batch") from None
+                continue
+            if batch is None:
+                raise RuntimeError(f"rollout producer failed: {self.error}") from self.error
+            return batch
+
+    def stop(self) -> None:
+        self.stopping.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.join()
+
+
+def admit(parts: RunParts, batch: Batch) -> None:
+    """Refuse a batch older than the staleness bound (never happens by construction)."""
+    lag = parts.version - batch.behaviour_version
+    if lag > parts.cfg.pipeline.max_staleness:
+        raise RuntimeError(
+            f"staleness bound broken: batch of step {batch.step} from version "
+            f"{batch.behaviour_version}, learner at {parts.version} "
+            f"(pipeline.max_staleness={parts.cfg.pipeline.max_staleness})"
+        )
+
+
+def train_async(
+    parts: RunParts, run: RunDir, start: int, end: int, log: Log
+) -> list[dict[str, Any]]:
+    """See the module docstring."""
+    producer = Producer(parts, run, start, end, log)
+    producer.start()
+    rows: list[dict[str, Any]] = []
+    last = time.perf_counter()
+    try:
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            batch = producer.take()
+            idle = time.perf_counter() - t0
+            if batch.step != step:
+                raise RuntimeError(f"expected the batch of step {step}, got step {batch.step}")
+            admit(parts, batch)
+            row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
+            producer.published(parts.version)
+            now = time.perf_counter()
+            row |= {"learner_idle_s": idle, "step_time_s": now - last}
+            last = now
+            finish_step(parts, run, row, log)
+            rows.append(row)
+    finally:
+        producer.stop()
+    return rows

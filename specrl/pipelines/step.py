@@ -1,0 +1,237 @@
+"""One RL step, split in two: ``collect(parts, step) -> Batch`` and ``learn(parts, batch)``.
+
+Contract:
+- ``draw_prompts(parts, step)``: prompts ``step*P .. step*P+P-1`` of the train stream (the train
+  split in a seeded permutation per epoch, cycled): a pure function of (seed, step), so a resume
+  or an asynchronous producer needs no data-order state.
+- ``collect(parts, step)``: G completions per prompt from the backend (temperature/top-k/top-p
+  from the config, the codec's stop tokens, a request seed derived from (run seed, step,
+  prompt)), env rewards, group advantages (registered estimator). The ``Batch`` carries its
+  behaviour version (the oldest policy version of any of its tokens) and its rollout metrics.
+- ``learn(parts, batch)``: the engine/learner mismatch of raw (T=1) logprobs, one learner step
+  with the behaviour logprobs the correction needs (``learner.correction``: 'ppo' clips against
+  the engine's processed logprobs when no top-k/top-p truncation is on and the learner's own
+  detached logprobs otherwise; 'tis' always hands the processed logprobs to the truncated
+  importance weight, see ``specrl.rl.corrections``), then ``parts.version += 1`` and the new
+  weights pushed to the backend. Returns the metrics of the learning half, including the
+  staleness of the batch's tokens (``learner version - token version``: mean, max, histogram).
+No pipeline module touches engine internals: all generation goes through ``parts.backend``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specrl.backends import Rollout
+from specrl.config import Config
+from specrl.engine.types import Completion, Request
+from specrl.envs.reasoning_gym_env import Prompt
+from specrl.pipelines.build import RunParts, truncated
+from specrl.rl import Learner, TrainSample, compute_advantages
+from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
+
+STREAM_TRAIN, STREAM_GREEDY, STREAM_SAMPLED = 0, 1, 2
+
+
+@dataclass
+class Batch:
+    """What ``collect`` produced for one step; ``learn`` consumes it."""
+
+    step: int
+    prompts: list[Prompt]
+    completions: list[Completion]  # G per prompt, prompt-major
+    rewards: torch.Tensor  # [P, G]
+    advantages: torch.Tensor  # [P, G]
+    behaviour_version: int  # the oldest policy version of any token
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def prompt_order(parts: RunParts, epoch: int) -> list[Prompt]:
+    """The train split in epoch ``epoch``'s seeded order (cached on ``parts``)."""
+    if epoch not in parts.orders:
+        seed = random.Random(f"{parts.cfg.run.seed}/{epoch}").getrandbits(32)
+        parts.orders[epoch] = parts.env.prompts("train", seed=seed)
+    return parts.orders[epoch]
+
+
+def draw_prompts(parts: RunParts, step: int) -> list[Prompt]:
+    """Prompts of step ``step``: positions step*P .. step*P+P-1 of the cycled train stream."""
+    p, n = parts.cfg.rollout.prompts_per_step, len(prompt_order(parts, 0))
+    return [prompt_order(parts, i // n)[i % n] for i in range(step * p, step * p + p)]
+
+
+def request_seed(run_seed: int, step: int, index: int, stream: int) -> int:
+    return ((run_seed * 1_000_003 + step) * 8191 + index) * 4 + stream
+
+
+# --------------------------------------------------------------------------- collect
+
+
+def rollout(
+    parts: RunParts,
+    prompts: Sequence[Prompt],
+    step: int,
+    stream: int = STREAM_TRAIN,
+    n: int | None = None,
+    temperature: float | None = None,
+    spec: SpecConfig | None = None,
+) -> Rollout:
+    """n completions per prompt (request order) from the backend; a failed request raises."""
+    r, codec = parts.cfg.rollout, parts.codec
+    t = r.temperature if temperature is None else temperature
+    reqs = [
+        Request(codec.prompt_ids(p), SamplingParams(
+            temperature=t, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+            stop_token_ids=codec.stop_token_ids, n=n or r.group_size,
+            seed=request_seed(parts.cfg.run.seed, step, i, stream)))
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    out = parts.backend.generate(reqs, spec=spec)
+    bad = out.first_error()
+    if bad is not None:
+        raise RuntimeError(f"generation failed for prompt {bad.request_index}: {bad.error}")
+    return out
+
+
+def score(
+    parts: RunParts, prompts: Sequence[Prompt], comps: Sequence[Completion]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards and correctness ``[num_prompts, n]`` (completions are grouped per prompt)."""
+    texts = [parts.codec.decode(c.token_ids) for c in comps]
+    metas = [prompts[c.request_index].meta for c in comps]
+    pairs = list(zip(texts, metas, strict=True))
+    rewards = torch.tensor([parts.env.reward(t, m) for t, m in pairs], dtype=torch.float32)
+    correct = torch.tensor([float(parts.env.correct(t, m)) for t, m in pairs])
+    return rewards.view(len(prompts), -1), correct.view(len(prompts), -1)
+
+
+def rollout_metrics(out: Rollout) -> dict[str, Any]:
+    """Throughput, acceptance and phase times of one rollout (its own statistics)."""
+    st, comps, gen_s = out.stats, out.completions, out.seconds
+    tokens = out.tokens
+    return {
+        "gen_time_s": gen_s,
+        "gen_tokens": tokens,
+        "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+        "acceptance_length": st.acceptance_length,
+        "draft_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,
+        "response_length": tokens / max(len(comps), 1),
+        "truncated_frac": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
+        "prefill_s": st.prefill_s,
+        "draft_s": st.draft_s,
+        "verify_s": st.verify_s,
+        "weight_updates_in_flight": getattr(st, "weight_updates", 0),
+        "reverified_tokens": getattr(st, "reverified_tokens", 0),
+        "reused_tokens": getattr(st, "reused_tokens", 0),
+        "discarded_tokens": getattr(st, "discarded_tokens", 0),
+    }
+
+
+def behaviour_version(comps: Sequence[Completion]) -> int:
+    """The oldest policy version that produced any token (or finished any completion)."""
+    versions = [v for c in comps for v in c.token_versions] or [c.policy_version for c in comps]
+    return min(versions) if versions else 0
+
+
+def collect(parts: RunParts, step: int) -> Batch:
+    """Generate, score and compute advantages for step ``step`` (see the module docstring)."""
+    cfg = parts.cfg
+    prompts = draw_prompts(parts, step)
+    out = rollout(parts, prompts, step)
+    t0 = time.perf_counter()
+    rewards, correct = score(parts, prompts, out.completions)  # [P, G]
+    adv = compute_advantages(cfg.learner.advantage, rewards, **_adv_kwargs(cfg))
+    metrics = rollout_metrics(out) | {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(correct.mean()),
+        "score_time_s": time.perf_counter() - t0,
+        "prompts": [p.id for p in prompts],
+    }
+    return Batch(step, prompts, out.completions, rewards, adv,
+                 behaviour_version(out.completions), metrics)  # fmt: skip
+
+
+def _adv_kwargs(cfg: Config) -> dict[str, Any]:
+    return {"normalize_std": cfg.learner.normalize_std} if cfg.learner.advantage == "grpo" else {}
+
+
+# --------------------------------------------------------------------------- learn
+
+
+def logprob_delta(
+    learner: Learner, comps: Sequence[Completion], ours: list[torch.Tensor] | None = None
+) -> dict[str, float]:
+    """Mean and max |engine raw logprob - learner raw logprob| over all completion tokens;
+    ``ours``: the learner's raw logprobs of the non-empty completions if already computed (the
+    training forward at temperature 1), else a no-grad forward computes them."""
+    t0 = time.perf_counter()
+    live = [c for c in comps if c.token_ids]
+    if ours is None:
+        ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
+    delta = torch.cat(
+        [(o.float() - torch.tensor(c.raw_logprobs)).abs() for o, c in zip(ours, live, strict=True)]
+    )  # [M]
+    return {
+        "logprob_delta_mean": float(delta.mean()) if delta.numel() else 0.0,
+        "logprob_delta_max": float(delta.max()) if delta.numel() else 0.0,
+        "logprob_time_s": time.perf_counter() - t0,
+    }
+
+
+def uses_behaviour_logprobs(cfg: Config) -> bool:
+    """Whether the learner gets the engine's processed logprobs as behaviour logprobs."""
+    return cfg.learner.correction != "ppo" or not truncated(cfg)
+
+
+def train_samples(
+    comps: Sequence[Completion], advantages: torch.Tensor, behaviour: bool
+) -> list[TrainSample]:
+    """One ``TrainSample`` per completion; ``advantages`` is ``[num_prompts, G]``."""
+    flat = advantages.flatten().tolist()
+    return [
+        TrainSample(c.prompt_ids, c.token_ids, a, list(c.logprobs) if behaviour else None)
+        for c, a in zip(comps, flat, strict=True)
+    ]
+
+
+def staleness(version: int, comps: Sequence[Completion]) -> dict[str, Any]:
+    """Token staleness (learner version - token version) of a batch: mean, max, histogram."""
+    counts = Counter(version - v for c in comps for v in c.token_versions)
+    total = sum(counts.values())
+    return {
+        "staleness_mean": sum(k * n for k, n in counts.items()) / total if total else 0.0,
+        "staleness_max": max(counts, default=0),
+        "staleness_hist": {str(k): counts[k] for k in sorted(counts)},
+    }
+
+
+def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
+    """One learner step on ``batch``, then push the new weights (see the module docstring)."""
+    learner, comps = parts.learner, batch.completions
+    row: dict[str, Any] = {"behaviour_version": batch.behaviour_version}
+    row |= staleness(parts.version, comps)
+    samples = train_samples(comps, batch.advantages, uses_behaviour_logprobs(parts.cfg))
+    if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
+        kept: list[torch.Tensor] = []
+        stats = learner.train_step(samples, keep=kept)
+        row |= logprob_delta(learner, comps, kept)
+    else:
+        row |= logprob_delta(learner, comps)
+        stats = learner.train_step(samples)
+    row |= {"train_time_s": stats.pop("time_s")} | {f"learner_{k}": v for k, v in stats.items()}
+    parts.version += 1
+    row["refit_time_s"] = parts.push_weights()
+    row["policy_version"] = parts.version
+    return row

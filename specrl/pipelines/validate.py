@@ -1,0 +1,70 @@
+"""The names a run config holds, checked against their registries before any work starts.
+
+Contract: ``check_names(cfg)`` returns None when every name in ``cfg`` is registered, else raises
+``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``, several
+joined by ``; ``). Checked: ``env.task`` (a reasoning-gym task; did-you-mean hint),
+``env.task_config`` (merged over the task's preset, accepted by the task), ``env.template``,
+``rollout.spec`` ('none' or a registered drafter; did-you-mean hint), ``learner.loss``,
+``learner.advantage`` and ``learner.correction``. ``specrl.config`` checks only types and bounds
+and imports no registry (it stays a leaf); ``build_run`` calls this before any work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from specrl.config import Config, ConfigError
+from specrl.envs.reasoning_gym_env import (
+    check_task,
+    check_task_config,
+    get_template,
+    task_config_with_preset,
+    task_names,
+)
+from specrl.rl.advantages import get_advantage
+from specrl.rl.corrections import get_correction
+from specrl.rl.losses import get_loss
+from specrl.spec.proposers import available_proposers
+
+
+def check_names(cfg: Config) -> None:
+    """Raise ``ConfigError`` naming every unregistered name in ``cfg`` (see the module doc)."""
+    env, learner = cfg.env, cfg.learner
+    checks: list[tuple[str, Any, Callable[[], object]]] = [
+        ("env.task", env.task, lambda: check_task(env.task)),
+        ("env.task_config", env.task_config, lambda: _check_task_config(env.task, env.task_config)),
+        ("env.template", env.template, lambda: get_template(env.template)),
+        ("rollout.spec", cfg.rollout.spec, lambda: check_spec(cfg.rollout.spec)),
+        ("learner.loss", learner.loss, lambda: get_loss(learner.loss)),
+        ("learner.advantage", learner.advantage, lambda: get_advantage(learner.advantage)),
+        ("learner.correction", learner.correction, lambda: get_correction(learner.correction)),
+    ]
+    problems = [p for key, value, check in checks if (p := _problem(key, value, check))]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_spec(method: str) -> None:
+    """Raise ``ValueError`` unless ``method`` is 'none' or a registered drafter."""
+    known = ["none", *available_proposers()]
+    if method not in known:
+        close = difflib.get_close_matches(method, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown speculation method {method!r}{hint} (known: {', '.join(known)})")
+
+
+def _check_task_config(task: str, config: dict[str, Any]) -> None:
+    """The task accepts ``config`` merged over its preset (an unknown task is reported apart)."""
+    if task in task_names():
+        check_task_config(task, task_config_with_preset(task, config))
+
+
+def _problem(key: str, value: Any, check: Callable[[], object]) -> str | None:
+    try:
+        check()
+    except ValueError as e:
+        return f"bad value for {key}: {e} (got {json.dumps(value, default=str)})"
+    return None

@@ -1,0 +1,120 @@
+"""Import layering: dependencies between specrl's parts point one way (../shared/DESIGN.md).
+
+Every module's imports are read with ``ast`` (including imports inside functions and under
+``TYPE_CHECKING``: a deferred import is still an arrow). A *unit* is a top-level module or
+package of specrl (``specrl/<unit>``); a *CLI module* is ``specrl/cli.py`` or
+``specrl/<unit>/cli.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import specrl
+
+ROOT = Path(specrl.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The specrl modules ``name`` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            for alias in node.names:  # ``from specrl import cli`` imports the module specrl.cli
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in known else base)
+    return {m for m in out if m.split(".")[0] == "specrl"}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _is_cli(module: str) -> bool:
+    parts = module.split(".")
+    return parts[-1] == "cli" and len(parts) in (2, 3)
+
+
+def test_leaf_modules_import_nothing_from_specrl():
+    graph = _graph()
+    for leaf in ("specrl.config", "specrl.paths"):
+        assert graph[leaf] == set(), f"{leaf} must be a leaf, imports {sorted(graph[leaf])}"
+
+
+def test_no_cycles_between_units():
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for module, targets in _graph().items():
+        for target in targets:
+            a, b = _unit(module), _unit(target)
+            if a and b and a != b:
+                arrows.setdefault((a, b), []).append(f"{module} -> {target}")
+    succ: dict[str, set[str]] = {}
+    for a, b in arrows:
+        succ.setdefault(a, set()).add(b)
+
+    def path(start: str, goal: str) -> list[str] | None:
+        todo, came = [start], {start: start}
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                out = [goal]
+                while out[-1] != start:
+                    out.append(came[out[-1]])
+                return out[::-1]
+            for nxt in succ.get(node, ()):
+                if nxt not in came:
+                    came[nxt] = node
+                    todo.append(nxt)
+        return None
+
+    cycles = []
+    for (a, b), why in sorted(arrows.items()):
+        back = path(b, a)
+        if back is not None:
+            cycles.append(f"{' -> '.join([a, *back])} (first arrow: {sorted(why)[0]})")
+    assert not cycles, "import cycles between specrl units:\n" + "\n".join(cycles)
+
+
+def test_library_code_never_imports_a_cli_module():
+    bad = {
+        (module, target)
+        for module, targets in _graph().items()
+        for target in targets
+        if _is_cli(target) and not _is_cli(module)
+    }
+    assert not bad, f"library modules import CLI modules: {sorted(bad)}"
+
+
+def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
+    src = tmp_path / "specrl" / "pkg" / "mod.py"
+    src.parent.mkdir(parents=True)
+    src.write_text(
+        "def f():\n    from specrl.cli import app\n    from . import sibling\n"
+        "    from ..other import thing\n    import specrl.sim.cli\n"
+    )
+    known = {"specrl.cli", "specrl.pkg.sibling", "specrl.other", "specrl.sim.cli"}
+    assert _imports("specrl.pkg.mod", src, known) == known
+    assert _is_cli("specrl.cli") and _is_cli("specrl.sim.cli") and not _is_cli("specrl.clix")
