@@ -107,12 +107,23 @@ def train_command(
 def report_command(
     run_dir: Annotated[Path, typer.Argument(help="a run directory")],
     out: Annotated[Path | None, typer.Option("--out", help="output dir (default RUN_DIR)")] = None,
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--compare",
+            help="another run dir: reward curves of all runs on one plot "
+            "(compare.png), x = completions trained on (repeatable)",
+        ),
+    ] = None,
 ) -> None:
     """Write PNG plots and summary.md for a training run."""
-    from specrl.pipelines.report import write_report
+    from specrl.pipelines.report import write_comparison, write_report
 
     try:
         paths = write_report(run_dir, out)
+        if compare:
+            dest = out if out is not None else run_dir
+            paths.append(write_comparison([run_dir, *compare], dest / "compare.png"))
     except ValueError as e:
         fail(str(e))
     for p in paths:

@@ -13,6 +13,9 @@ Contract:
   time, token staleness, reused in-flight tokens) and ``summary.md`` (into ``out``, default the run
   dir) with matplotlib's Agg backend, and returns the written paths. A run dir without metrics
   raises ``ValueError``.
+- ``write_comparison(run_dirs, path)``: train reward per step of several runs on one plot, x =
+  completions trained on so far (the same samples at the same x, whatever the pipeline), each
+  labelled with its run dir and pipeline mode; ``specrl report RUN --compare OTHER``.
 Reads files only; never touches models.
 """
 
@@ -220,3 +223,37 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
     md = summary_markdown(summarize(rows, evals, speed), f"Run {run.path}")
     (dest / "summary.md").write_text(md)
     return [*paths, dest / "summary.md"]
+
+
+def samples_axis(rows: Sequence[dict]) -> list[int]:
+    """Completions trained on after each step (``gen_tokens / response_length`` per step)."""
+    total, out = 0, []
+    for r in rows:
+        n = r["gen_tokens"] / r["response_length"] if r.get("response_length") else 0
+        total += round(n)
+        out.append(total)
+    return out
+
+
+def _mode(run: RunDir) -> str:
+    import tomllib
+
+    if not run.config.exists():
+        return "?"
+    cfg = tomllib.loads(run.config.read_text())
+    return str(cfg.get("pipeline", {}).get("mode", "sync"))
+
+
+def write_comparison(run_dirs: Sequence[str | Path], path: str | Path) -> Path:
+    """Reward curves of several runs on one plot (see the module docstring)."""
+    fig, ax = _figure("Train reward", "reward (mean over the step's completions)")
+    ax.set_xlabel("completions trained on")
+    for d in run_dirs:
+        run = RunDir(d)
+        rows = run.rows(run.metrics)
+        if not rows:
+            raise ValueError(f"no metrics in {run.metrics}: is {run.path} a run directory?")
+        ax.plot(samples_axis(rows), [r["reward_mean"] for r in rows], "o-", markersize=3,
+                label=f"{run.path.name} ({_mode(run)})")  # fmt: skip
+    ax.legend()
+    return _save(fig, Path(path))

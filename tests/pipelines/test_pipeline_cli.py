@@ -3,13 +3,15 @@ bad input fails with one line before any work; report writes the plots and summa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import typer
 from typer.testing import CliRunner
 
 from specrl.pipelines.cli import free_run_dir, register
-from specrl.pipelines.report import summarize, summary_text
+from specrl.pipelines.report import samples_axis, summarize, summary_text
 from specrl.pipelines.train import run_training
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 
@@ -54,6 +56,10 @@ def test_used_run_dir_gets_a_fresh_sibling(tmp_path):
     assert free_run_dir(tmp_path / "run") == tmp_path / "run-2"
 
 
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def test_report_writes_plots_and_summary(app, tmp_path):
     torch.set_num_threads(1)
     run = tmp_path / "run"
@@ -69,6 +75,15 @@ def test_report_writes_plots_and_summary(app, tmp_path):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
     assert "reward_first" in (tmp_path / "out" / "summary.md").read_text()
     bad = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert bad.exit_code == 2 and "error: no metrics" in bad.output
+    other = tmp_path / "async"
+    run_training(tiny_parts(tiny_config("pipeline.mode=async")), str(other), progress=False,
+                 compare_plain=False)  # fmt: skip
+    both = CliRunner().invoke(app, ["report", str(run), "--compare", str(other)])
+    assert both.exit_code == 0, both.output
+    assert (run / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert samples_axis(_rows(run / "metrics.jsonl")) == [16, 32, 48, 64]  # 4 prompts x G=4
+    bad = CliRunner().invoke(app, ["report", str(run), "--compare", str(tmp_path / "empty")])
     assert bad.exit_code == 2 and "error: no metrics" in bad.output
 
 
