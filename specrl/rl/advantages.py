@@ -15,35 +15,16 @@ completion's tokens. Estimators are pure functions looked up by name with ``get_
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
 import torch
 
+from specrl.rl.registry import Registry
+
 AdvantageFn = Callable[..., torch.Tensor]
-ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register ``fn(rewards [num_groups, G], **kw) -> [num_groups, G]`` as ``name``."""
-
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_advantage(name: str) -> AdvantageFn:
-    if name not in ADVANTAGES:
-        close = difflib.get_close_matches(name, list(ADVANTAGES), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(
-            f"unknown advantage estimator {name!r}{hint} (known: {', '.join(sorted(ADVANTAGES))})"
-        )
-    return ADVANTAGES[name]
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage = ADVANTAGES.register  # fn(rewards [num_groups, G], **kw) -> [num_groups, G]
+get_advantage = ADVANTAGES.get
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, **kwargs) -> torch.Tensor:

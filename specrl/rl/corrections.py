@@ -23,11 +23,12 @@ in its clip and multiplies each token's term by ``weight`` (1 where None).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specrl.rl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -37,28 +38,9 @@ class Correction:
 
 
 CorrectionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], Correction]
-CORRECTIONS: dict[str, CorrectionFn] = {}
-
-
-def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
-    """Decorator: make an off-policy correction known as ``name``."""
-
-    def wrap(fn: CorrectionFn) -> CorrectionFn:
-        if name in CORRECTIONS:
-            raise ValueError(f"off-policy correction {name!r} is already registered")
-        CORRECTIONS[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_correction(name: str) -> CorrectionFn:
-    if name not in CORRECTIONS:
-        close = difflib.get_close_matches(name, list(CORRECTIONS), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        known = ", ".join(sorted(CORRECTIONS))
-        raise ValueError(f"unknown off-policy correction {name!r}{hint} (known: {known})")
-    return CORRECTIONS[name]
+CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
+register_correction = CORRECTIONS.register
+get_correction = CORRECTIONS.get
 
 
 @register_correction("ppo")

@@ -27,11 +27,12 @@ gradient the clip removes), ``ratio_mean``, ``kl`` (mean k3, 0 without a referen
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specrl.rl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -53,27 +54,9 @@ class LossOutput:
 
 
 LossFn = Callable[..., LossOutput]
-LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator: make a loss with the module's common signature known as ``name``."""
-
-    def wrap(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        close = difflib.get_close_matches(name, list(LOSSES), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown policy loss {name!r}{hint} (known: {', '.join(sorted(LOSSES))})")
-    return LOSSES[name]
+LOSSES: Registry[LossFn] = Registry("policy loss")
+register_loss = LOSSES.register  # a loss with the module's common signature
+get_loss = LOSSES.get
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
