@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specrl.backends import IN_FLIGHT, RolloutBackend, build_backend
+from specrl.backends import IN_FLIGHT, RolloutBackend, build_backend, placement
 from specrl.config import Config, ConfigError
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.pipelines.validate import check_names
@@ -79,9 +79,27 @@ def truncated(cfg: Config) -> bool:
     return cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0
 
 
+def _ignored(cfg: Config) -> str | None:
+    """A setting (changed from its default) that the rest of the config would ignore."""
+    p, default = cfg.pipeline, type(cfg.pipeline)()
+    if p.mode == "sync" and p.max_staleness not in (0, default.max_staleness):
+        return f"pipeline.max_staleness={p.max_staleness} needs pipeline.mode='async'"
+    if p.update != "in_flight" and p.in_flight_tokens != default.in_flight_tokens:
+        return f"pipeline.in_flight_tokens={p.in_flight_tokens!r} needs pipeline.update='in_flight'"
+    if cfg.rollout.threads and placement(cfg) != "process":
+        return (
+            f"rollout.threads={cfg.rollout.threads} needs the engine in a worker process "
+            "(rollout.placement='process', or 'auto' with pipeline.mode='async')"
+        )
+    return None
+
+
 def check_pipeline(cfg: Config) -> None:
-    """Pipeline options that contradict each other, refused rather than ignored."""
+    """Pipeline options that contradict each other, or would be ignored, refused."""
     p = cfg.pipeline
+    ignored = _ignored(cfg)
+    if ignored:
+        raise ConfigError(f"{ignored}: it would be ignored")
     if p.mode == "sync":
         if p.update != "between_steps":
             raise ConfigError(

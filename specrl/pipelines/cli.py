@@ -55,19 +55,6 @@ def with_run_dir(cfg: Config, run_dir: Path) -> Config:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
 
 
-def share_cores(cfg: Config) -> None:
-    """With the engine in a worker process, the learner takes the cores the worker leaves."""
-    import os
-
-    import torch
-
-    from specrl.backends import placement
-    from specrl.backends.process import worker_threads
-
-    if placement(cfg) == "process":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - worker_threads(cfg.rollout.threads)))
-
-
 def train_command(
     config: Annotated[Path | None, typer.Option("--config", help="TOML run config")] = None,
     sets: Annotated[
@@ -90,7 +77,6 @@ def train_command(
 
     try:
         cfg, target = resolve_config(config, sets or [], run_dir, resume)
-        share_cores(cfg)
         parts = build_run(cfg)
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))

@@ -131,10 +131,10 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
         "prefill_s": st.prefill_s,
         "draft_s": st.draft_s,
         "verify_s": st.verify_s,
-        "weight_updates_in_flight": getattr(st, "weight_updates", 0),
-        "reverified_tokens": getattr(st, "reverified_tokens", 0),
-        "reused_tokens": getattr(st, "reused_tokens", 0),
-        "discarded_tokens": getattr(st, "discarded_tokens", 0),
+        "weight_updates_in_flight": st.weight_updates,
+        "reverified_tokens": st.reverified_tokens,
+        "reused_tokens": st.reused_tokens,
+        "discarded_tokens": st.discarded_tokens,
     }
 
 

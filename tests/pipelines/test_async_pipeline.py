@@ -36,8 +36,9 @@ def test_async_at_staleness_zero_equals_sync(tmp_path, spec, placement):
               "rollout.max_new_tokens=10")  # fmt: skip
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     train(tiny_parts(tiny_config(*common), num_train=3), str(sync_dir), progress=False)
+    threads = ["rollout.threads=1"] if placement == "process" else []
     cfg = tiny_config(*common, "pipeline.mode=async", "pipeline.max_staleness=0",
-                      f"rollout.placement={placement}", "rollout.threads=1")  # fmt: skip
+                      f"rollout.placement={placement}", *threads)  # fmt: skip
     parts = tiny_parts(cfg, num_train=3)
     try:
         train(parts, str(async_dir), progress=False)
@@ -110,6 +111,9 @@ def test_fake_backend_drives_the_pipeline(tmp_path, mode):
         (["learner.correction=tiss"], "did you mean tis"),
         (["learner.is_cap=0"], "learner.is_cap"),
         (["rollout.placement=gpu"], "rollout.placement"),
+        (["pipeline.max_staleness=3"], "max_staleness=3 needs pipeline.mode='async'"),
+        (["pipeline.in_flight_tokens=keep"], "in_flight_tokens='keep' needs pipeline.update"),
+        (["rollout.threads=1"], "rollout.threads=1 needs the engine in a worker process"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_options_fail_with_one_line(overrides, match):
