@@ -9,9 +9,10 @@ the whole machine:
   in its own worker process (``rollout.placement=process``, ``rollout.threads=1``) and the
   learner with ``T`` torch threads, for each T in ``--async-threads`` (1: one core each; 2: the
   learner also competes for the worker's core): rollouts and learning overlap.
-Also reported: the async ceiling, (sync-T generation + learning time) / max(async generation,
-async learning time) with the times each phase took in the runs, i.e. what perfect overlap would
-give.
+Also reported: the async ceiling, the fastest sync step time / max(async generation time, async
+learner ``train_time_s``) per step (means over the steps after ``--warmup``), i.e. what perfect
+overlap of the two measured phases would give (the learner's refit and logprob check, ~0.05 s,
+are left out).
 Reported per contender: samples/s (completions trained per second of the whole run's wall time,
 first step included, so async pays for filling its pipeline), the same over the steps after
 ``--warmup`` only (``steady_samples_per_s``: with few steps, an async producer's head start from

@@ -117,10 +117,6 @@ class NativeBackend:
         with self._lock:
             return Versions(max(self._newest, self.engine.policy_version), self._drafter_version)
 
-    def served_version(self) -> int:
-        """The version of the weights in the engine right now (pending ones not yet applied)."""
-        return self.engine.policy_version
-
     def state_dict(self) -> dict[str, Any]:
         proposer = self.engine.proposer
         if proposer is None or not hasattr(proposer, "state_dict"):

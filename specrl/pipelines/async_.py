@@ -5,15 +5,18 @@ staleness bound ``s = pipeline.max_staleness``:
 - the producer (a thread) handles steps in order; before step ``t`` it waits until the learner
   has pushed version ``>= t - s``, evaluates when ``eval_due(cfg, t)`` (with the weights it has;
   the eval row records ``policy_version``), then ``collect(parts, t)`` with the newest weights
-  the backend serves, and puts the batch into a buffer of ``s + 1`` slots. Its waiting time
-  (for a version, and for buffer space after the previous batch) is the batch's
-  ``generator_idle_s``.
+  the backend serves, and puts the batch into a buffer of ``s + 1`` slots (never full: the
+  version wait already keeps at most ``s + 1`` batches ahead of the learner). Its wait for a
+  version is the batch's ``generator_idle_s``.
 - the learner (the calling thread) takes batches in step order, admits one only if
   ``learner_version - behaviour_version <= s`` (the bound holds by construction; a violation
   raises rather than training on it), learns (which pushes version ``t + 1`` to the backend:
-  between generate calls, or between decode steps with ``pipeline.update = "in_flight"``) and
-  tells the producer. ``learner_idle_s`` is its wait for the batch; ``step_time_s`` the wall
-  time since the previous step ended, so the sum of step times is the loop's wall time.
+  between generate calls, or between decode steps with ``pipeline.update = "in_flight"``),
+  logs and checkpoints the step, then tells the producer (so at ``s = 0`` a checkpoint's
+  backend state, e.g. the suffix drafter's history, holds exactly the steps before it; at
+  ``s >= 1`` it may also hold up to ``s`` later steps' completions). ``learner_idle_s`` is
+  its wait for the batch; ``step_time_s`` the wall time since the previous step's learning
+  ended, so the step times add up to the loop's wall time (less the last step's logging).
 - ``s = 0`` runs exactly the sync loop's sequence (eval, collect t under version t, learn t):
   same seeds, same metrics except timings. An exception in either thread stops both and is
   raised here; nothing is left running.
@@ -53,20 +56,17 @@ class Producer(threading.Thread):
 
     def run(self) -> None:
         try:
-            blocked = 0.0  # the previous batch's wait for buffer space
             for step in self.steps:
                 t0 = time.perf_counter()
                 if not self._wait_version(step - self.bound):
                     return
-                idle = blocked + time.perf_counter() - t0
+                idle = time.perf_counter() - t0
                 if eval_due(self.parts.cfg, step):
                     log_eval(self.parts, self.run_dir, step, self.log)
                 batch = collect(self.parts, step)
                 batch.metrics["generator_idle_s"] = idle
-                t1 = time.perf_counter()
                 if not self._put(batch):
                     return
-                blocked = time.perf_counter() - t1
         except BaseException as e:  # handed to the learner thread
             self.error = e
             self._put(None)
@@ -142,11 +142,11 @@ def train_async(
                 raise RuntimeError(f"expected the batch of step {step}, got step {batch.step}")
             admit(parts, batch)
             row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
-            producer.published(parts.version)
             now = time.perf_counter()
             row |= {"learner_idle_s": idle, "step_time_s": now - last}
             last = now
             finish_step(parts, run, row, log)
+            producer.published(parts.version)
             rows.append(row)
     finally:
         producer.stop()

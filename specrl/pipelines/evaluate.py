@@ -2,7 +2,8 @@
 
 Contract: ``evaluate(parts, updates)`` rolls out every eval prompt once greedily and once sampled
 (the rollout temperature), scores both and returns a row with ``step`` = ``updates`` (the
-learner updates done before it), the served ``policy_version`` and ``{greedy,sampled}_
+learner updates done before it in sync; in async the producer's step, whose weights may be up to
+``max_staleness`` versions older), the oldest served ``policy_version`` and ``{greedy,sampled}_
 {accuracy,reward}``. ``eval_due(cfg, updates)``: every ``run.eval_every`` updates and after the
 last one.
 """
@@ -29,7 +30,8 @@ def evaluate(parts: RunParts, updates: int) -> dict[str, Any]:
         rewards, correct = score(parts, prompts, out.completions)
         row[f"{name}_accuracy"] = float(correct.mean())
         row[f"{name}_reward"] = float(rewards.mean())
-        row["policy_version"] = min(c.policy_version for c in out.completions)
+        version = min(c.policy_version for c in out.completions)
+        row["policy_version"] = min(row.get("policy_version", version), version)
     row["eval_time_s"] = time.perf_counter() - t0
     return row
 

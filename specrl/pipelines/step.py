@@ -139,7 +139,8 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
 
 
 def behaviour_version(comps: Sequence[Completion]) -> int:
-    """The oldest policy version that produced any token (or finished any completion)."""
+    """The oldest policy version that produced any token (the completions' own versions when
+    no completion has a token)."""
     versions = [v for c in comps for v in c.token_versions] or [c.policy_version for c in comps]
     return min(versions) if versions else 0
 

@@ -47,7 +47,7 @@ get_correction = CORRECTIONS.get
 def ppo_correction(
     current: torch.Tensor, behaviour: torch.Tensor, has: torch.Tensor, cap: float
 ) -> Correction:
-    return Correction(torch.where(has[:, None], behaviour, current), None)
+    return Correction(torch.where(has[:, None], behaviour, current), None)  # rows without: ratio 1
 
 
 @register_correction("tis")

@@ -54,6 +54,24 @@ def _kill_after(run: Path, rows: int, overrides: tuple[str, ...], timeout: float
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_killed_on_policy_async_run_resumes_exactly(tmp_path):
+    """At staleness 0 the run is deterministic: killed and resumed, its final weights equal an
+    uninterrupted run's byte for byte (a step learned twice or skipped would change them)."""
+    overrides = (*OVERRIDES, "rollout.placement=inline", "pipeline.max_staleness=0")
+    full, run = tmp_path / "full", tmp_path / "run"
+    train(tiny_parts(tiny_config(*overrides), num_train=5), str(full), progress=False)
+    _kill_after(run, rows=4, overrides=overrides)
+    assert len(_rows(run / "metrics.jsonl")) < STEPS
+    train(tiny_parts(tiny_config(*overrides), model_seed=3, num_train=5), str(run), resume=True,
+          progress=False)  # fmt: skip
+    last = f"checkpoints/step_{STEPS:06d}/policy.safetensors"
+    assert (run / last).read_bytes() == (full / last).read_bytes()
+    assert [r["prompts"] for r in _rows(run / "metrics.jsonl")] == [
+        r["prompts"] for r in _rows(full / "metrics.jsonl")
+    ]
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("placement", ["inline", "process"])
 def test_killed_async_run_resumes_without_losing_or_repeating_groups(tmp_path, placement):
     run, overrides = tmp_path / "run", (*OVERRIDES, f"rollout.placement={placement}")
