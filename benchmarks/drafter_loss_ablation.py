@@ -1,8 +1,9 @@
 """Which loss raises held-out acceptance: more cross-entropy steps or total-variation steps?
 
 Starts every arm from the same trained head (``--head DIR``, default: the cached default EAGLE-3
-head; its ``examples.pt`` is the training data) and trains ``--steps`` more steps with each loss
-of ``--losses`` (``specrl.drafters.train.HEAD_LOSSES``; same lr, seed and mini-batches), then
+head; its ``examples.safetensors`` is the training data) and trains ``--steps`` more steps with
+each loss of ``--losses`` (``specrl.drafters.train.HEAD_LOSSES``; same lr, seed and
+mini-batches), then
 measures held-out acceptance through the engine exactly as ``drafter_acceptance.py`` does (k=3,
 basic_arithmetic eval prompts, T=0 one completion each, T=1 ``--samples``). The starting head is
 measured too. Acceptance does not depend on speed, so this may share the machine.
@@ -60,7 +61,7 @@ def main() -> None:
     tok = load_tokenizer(MODEL)
     stops = tuple(tok.stop_token_ids)
     prompts = task_prompt_ids(tok, "basic_arithmetic", "eval", args.eval_prompts, seed=0)
-    examples = load_examples(args.head / "examples.pt")
+    examples = load_examples(args.head / "examples.safetensors")
     head = load_head(args.head, target).float()
     start = {k: v.clone() for k, v in head.state_dict().items()}
     rows = acceptance_rows(target, head, "start", prompts, args, stops)

@@ -4,6 +4,10 @@ Contract: ``run_generate_bench`` times every engine on the same prompts, batch s
 new tokens (every sequence generates exactly ``new_tokens``: stop tokens are ignored), prints a
 table with ratios and this machine's roofline, and returns a JSON-ready dict
 ``{"meta": ..., "results": [{"engine", "batch_size", "new_tokens", "tokens_per_s", ...}]}``.
+Engines: specrl (plain and each drafter of ``methods``) and, in ``compare``, ``hf``
+(transformers ``generate``) and ``vllm`` (vLLM's ``LLM.generate``, ``min_tokens = max_tokens``);
+each runs in this process, one after the other. ``check_writable`` tells why a results path
+cannot be written (or ``None``), before a benchmark runs; ``write_result`` writes one atomically.
 Timing thresholds never live in tests; numbers live in benchmarks/results/.
 """
 
@@ -14,17 +18,29 @@ import datetime
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from specrl.fsutil import atomic_write, writable_problem
 from specrl.paths import drafter_cache_dir
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from specrl.models.tokenizer import TextTokenizer
+    from specrl.models.transformer import Transformer
 
 # This machine class, from shared/REFERENCE.md: copy bandwidth and AMX bf16 GEMM peak.
 CPU_BANDWIDTH_BYTES_S = 25e9
 CPU_PEAK_FLOPS = {torch.bfloat16: 2.36e12, torch.float32: 0.38e12}
+
+OTHER_ENGINES = ("hf", "vllm")  # --compare engines; "specrl" is the engine under test
 
 BENCH_QUESTIONS = [
     "What is 17 + 25?",
@@ -122,7 +138,7 @@ class GenerateBench:
     dtype: torch.dtype = torch.bfloat16
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     new_tokens: int = 128
-    compare: list[str] = field(default_factory=list)  # other engines: "hf"
+    compare: list[str] = field(default_factory=list)  # other engines: "hf", "vllm"
     repeats: int = 1
     methods: list[str] = field(default_factory=list)  # drafters compared with no speculation
     k: int = 3
@@ -208,7 +224,37 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
     return run
 
 
-def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
+def vllm_engine(model_dir: str | os.PathLike, dtype: torch.dtype) -> LLM:
+    """One vLLM ``LLM`` for the whole benchmark (built once: it holds its own KV cache)."""
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), seed=0)
+
+
+def vllm_runner(llm: LLM, prompts: list[list[int]], new_tokens: int) -> Callable:
+    """vLLM's ``LLM.generate`` on the same token prompts: exactly ``n`` new tokens each
+    (``min_tokens = max_tokens``, end-of-sequence ignored), temperature 1, no truncation."""
+    from vllm import SamplingParams as VllmParams
+
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+
+    def run(n: int = new_tokens) -> tuple[int, float]:
+        params = VllmParams(temperature=1.0, top_p=1.0, max_tokens=n, min_tokens=n,
+                            ignore_eos=True)  # fmt: skip
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), 1.0
+
+    run(4)
+    return run
+
+
+def _runners(
+    b: GenerateBench,
+    model: Transformer,
+    tok: TextTokenizer,
+    batch: int,
+    llm: LLM | None = None,
+) -> dict[str, Callable]:
     from specrl.models.checkpoints import resolve_model
     from specrl.spec.config import SpecConfig, drafter_spec
     from specrl.spec.proposers import proposer_takes
@@ -221,18 +267,21 @@ def _runners(b: GenerateBench, model, tok, batch: int) -> dict[str, Callable]:
         path = default_drafter_path(b.model, method) if head else b.drafter
         spec, draft = drafter_spec(method, b.k, path, model, tok)
         runners[method] = specrl_runner(model, prompts, b, spec, draft)
+    flat = [p for p in prompts for _ in range(b.group_size)]
     if "hf" in b.compare:
-        flat = [p for p in prompts for _ in range(b.group_size)]
         runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, flat, b.new_tokens)
+    if llm is not None:
+        runners["vllm"] = vllm_runner(llm, flat, b.new_tokens)
     return runners
 
 
 def run_generate_bench(b: GenerateBench) -> dict:
     """Time every engine at each batch size; print a table with ratios; return JSON-ready."""
-    from specrl.models.checkpoints import load_model, load_tokenizer
+    from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 
     tok = load_tokenizer(b.model)
     model = load_model(b.model, dtype=b.dtype)
+    llm = vllm_engine(resolve_model(b.model), b.dtype) if "vllm" in b.compare else None
     machine = measure_machine(b.dtype)
     print(
         f"machine: copy {machine['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, "
@@ -250,12 +299,13 @@ def run_generate_bench(b: GenerateBench) -> dict:
             machine["copy_bandwidth_bytes_s"],
             machine["gemm_flops"],
         )
-        for name, run in _runners(b, model, tok, batch).items():
+        for name, run in _runners(b, model, tok, batch, llm).items():
             seconds, tokens, accept = time_call(run, b.repeats)
+            plain = name == "none" or name in OTHER_ENGINES
             row = {
-                "engine": "hf" if name == "hf" else "specrl",
-                "spec": None if name in ("none", "hf") else name,
-                "num_spec_tokens": b.k if name not in ("none", "hf") else 0,
+                "engine": name if name in OTHER_ENGINES else "specrl",
+                "spec": None if plain else name,
+                "num_spec_tokens": 0 if plain else b.k,
                 "batch_size": batch,
                 "group_size": group_for(batch, b.group_size),
                 "new_tokens": b.new_tokens,
@@ -277,14 +327,34 @@ def run_generate_bench(b: GenerateBench) -> dict:
     return {"meta": meta, "results": results, "ratios": ratios}
 
 
-def write_result(result: dict, path) -> None:
-    """Write a benchmark result as JSON (parents created) and say where."""
+def check_writable(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be written as a results file (one line), or ``None`` if it can.
+    ``specrl.fsutil.writable_problem`` first; then a temporary file is made and removed at
+    once in the nearest existing directory, which catches what permission bits do not show (a
+    read-only or special file system such as /proc, where even root cannot create a file).
+    Nothing is left behind: no file, no directory."""
+    problem = writable_problem(path, "file")
+    if problem:
+        return problem
+    probe = Path(path).absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"{path}: cannot create a file in {probe} ({e.strerror or e})"
+    return None
+
+
+def write_result(result: dict, path: str | os.PathLike) -> None:
+    """Write a benchmark result as JSON (parents created; atomically: ``specrl.fsutil``) and
+    say where."""
     import json
-    from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    atomic_write(path, json.dumps(result, indent=1))
     print(f"wrote {path}")
 
 
@@ -295,7 +365,7 @@ def _jsonable(b: GenerateBench) -> dict:
 
 
 def _label(row: dict) -> str:
-    return row["engine"] if row["engine"] == "hf" else (row["spec"] or "specrl")
+    return row["engine"] if row["engine"] in OTHER_ENGINES else (row["spec"] or "specrl")
 
 
 def _fmt(row: dict) -> str:
@@ -307,15 +377,16 @@ def _fmt(row: dict) -> str:
 
 
 def _ratios(results: list[dict]) -> list[dict]:
-    """Every row against the plain specrl row and the hf row of the same batch size."""
+    """Every row against the plain specrl row, and plain specrl against each other engine, at
+    the same batch size."""
     out = []
     for batch in sorted({r["batch_size"] for r in results}):
         rows = {_label(r): r for r in results if r["batch_size"] == batch}
-        for base in ("specrl", "hf"):
+        for base in ("specrl", *OTHER_ENGINES):
             if base not in rows:
                 continue
             for name, r in rows.items():
-                if name != base and not (base == "hf" and name != "specrl"):
+                if name != base and (base == "specrl" or name == "specrl"):
                     ratio = r["tokens_per_s"] / rows[base]["tokens_per_s"]
                     out.append(
                         {"batch_size": batch, "name": name, "baseline": base, "ratio": ratio}

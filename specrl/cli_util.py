@@ -1,18 +1,62 @@
 """What every ``specrl`` command shares: the one-line error exit.
 
 Contract: ``fail(message, code=2)`` prints ``error: <message>`` to stderr and exits with
-``code`` (never a traceback). Only CLI modules (``specrl/cli.py``, ``specrl/*/cli.py``) import
-this; it imports nothing from specrl, so each CLI module can use it without importing another.
+``code`` (never a traceback). ``OneLineErrors`` is the root command group's class: a usage error
+anywhere below it (an unknown command or option, a value of the wrong type, a missing argument)
+is printed the same way, as one ``error: ... (see specrl CMD --help)`` line with exit code 2,
+instead of click's usage block; asking for help (no arguments to a group) is left as it is.
+Only CLI modules (``specrl/cli.py``, ``specrl/*/cli.py``) import this; it imports nothing from
+specrl, so each CLI module can use it without importing another.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
+
+# typer 0.29 parses with its own vendored copy of click (the private ``typer._click``), whose
+# exceptions are not click's; a typer that uses click itself raises click's. pyproject.toml keeps
+# typer within 0.29.x, and tests/test_cli_one_line.py fails if this stops converting.
+try:
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # no vendored click: typer parses with click
+    from click.exceptions import NoArgsIsHelpError, UsageError
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error and exit."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+class OneLineUsageError(UsageError):
+    """A usage error that shows itself as one ``error:`` line."""
+
+    def show(self, file: Any = None) -> None:
+        message = " ".join(self.format_message().split())
+        hint = f" (see {self.ctx.command_path} --help)" if self.ctx is not None else ""
+        typer.echo(f"error: {message}{hint}", err=True)
+
+
+def _one_line(e: UsageError) -> UsageError:
+    if isinstance(e, NoArgsIsHelpError | OneLineUsageError):
+        return e
+    return OneLineUsageError(e.format_message(), e.ctx)
+
+
+class OneLineErrors(TyperGroup):
+    """A command group whose usage errors (its own and its subcommands') are one line."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> typer.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as e:
+            raise _one_line(e) from None

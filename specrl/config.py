@@ -9,6 +9,10 @@ Contract:
   string, so ``env.task=leg_counting`` and ``learner.betas=[0.9, 0.95]`` both work), and
   validates. Any problem raises ``ConfigError`` (a ``ValueError``) with one line naming the bad
   key and value.
+- Types are strict: an integer field takes only an integer, a boolean field only ``true`` or
+  ``false``, a number field an integer or a float but never a boolean or a string
+  (``run.steps=true``, ``run.steps=2.0`` and ``learner.lr="1e-5"`` are refused, naming the key
+  and the expected type); numbers are finite (no ``inf``/``nan``).
 - ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config.
 Only types and bounds are checked here: this module is a leaf (it imports nothing from specrl).
 Names (task, template, drafter, loss, advantage estimator) are checked against their registries
@@ -27,6 +31,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictFloat,
     ValidationError,
     field_validator,
 )
@@ -36,8 +41,19 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the key and the offending value."""
 
 
+# The largest run.seed: keeps every request seed derived from it (``pipelines.step``:
+# ((seed * 1_000_003 + step) * 8191 + index) * 4 + stream) below 2**63, the engine's seed range.
+MAX_RUN_SEED = 2**28 - 1
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        validate_assignment=True,
+        validate_default=True,
+    )
 
 
 class ModelCfg(_Section):
@@ -129,6 +145,13 @@ class RolloutCfg(_Section):
         le=1024,
         description="Torch threads of a 'process' engine worker (0 = half the cores, >= 1).",
     )
+    alarm_action: Literal["warn", "disable_spec"] = Field(
+        "warn",
+        description="What the acceptance alarm does when acceptance collapses to ~1.0 or falls "
+        "far below its running level right after a weight update (a stale or dropped drafter): "
+        "'warn' (a warning in the metrics row and on the console) or 'disable_spec' (warn, then "
+        "decode without speculation for the rest of the run).",
+    )
 
     @field_validator("max_tokens_per_forward", mode="before")
     @classmethod
@@ -155,7 +178,9 @@ class LearnerCfg(_Section):
     )
     normalize_std: bool = Field(True, description="grpo advantages: divide by the group std.")
     lr: float = Field(2e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
+    betas: tuple[StrictFloat, StrictFloat] = Field(
+        (0.9, 0.99), strict=False, description="AdamW betas, each in [0, 1)."
+    )  # strict=False: TOML gives a list; each element stays a strict number
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clipping threshold.")
     micro_batch_tokens: int = Field(
@@ -230,7 +255,12 @@ class RunCfg(_Section):
     steps: int = Field(16, ge=1, le=1_000_000, description="RL steps (learner updates).")
     eval_every: int = Field(8, ge=0, description="Evaluate every N steps (0 = never).")
     checkpoint_every: int = Field(8, ge=0, description="Checkpoint every N steps (0 = never).")
-    seed: int = Field(0, ge=0, description="Seed of sampling, prompt order and initialisation.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_RUN_SEED,
+        description="Seed of sampling, prompt order and initialisation (< 2**28).",
+    )
     run_dir: str = Field("runs/default", description="Directory for config, metrics, checkpoints.")
 
 
@@ -286,7 +316,28 @@ def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         return f"unknown config key {key!r}"
-    return f"bad value for {key}: {msg} (got {json.dumps(err.get('input'), default=str)})"
+    msg = _EXPECTED.get(err["type"], msg)
+    return f"bad value for {key}: {msg} (got {_shown(err.get('input'))})"
+
+
+def _shown(value: Any) -> str:
+    """A bad value as the user wrote it (JSON, but ``inf``/``nan`` as in TOML)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _toml_value(value)
+    return json.dumps(value, default=str)
+
+
+# Pydantic's type errors, said as the expected TOML type.
+_EXPECTED = {
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "finite_number": "expected a finite number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "tuple_type": "expected a list",
+    "dict_type": "expected a table",
+    "model_type": "expected a table",
+}
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -2,7 +2,9 @@
 
 Contract:
 - ``SamplingParams`` holds one request's sampling settings and validates them (``ValueError``
-  naming the bad field and value).
+  naming the bad field and value): temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
+  max_new_tokens >= 1, n >= 1, seed unset or in [0, ``MAX_SEED``] (the engine derives each
+  sample's seed modulo 2**63, so a larger or negative seed would silently alias another one).
 - ``processed_logprobs`` turns raw logits into the log-probabilities of the distribution that is
   actually sampled from: temperature, then top-k, then top-p (smallest prefix of the sorted
   distribution whose mass reaches top_p), then log-softmax. Temperature 0 means greedy: a one-hot
@@ -20,11 +22,13 @@ This module imports neither the engine nor the speculation code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 MASK32 = 0xFFFFFFFF
+MAX_SEED = (1 << 63) - 1  # largest request seed (the engine derives sample seeds mod 2**63)
 # Stream ids: independent random streams of one request.
 STREAM_SAMPLE = 1
 STREAM_ACCEPT = 2
@@ -46,7 +50,7 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
     max_new_tokens: most tokens generated per completion (>= 1).
     stop_token_ids: tokens that end a completion (the stop token is emitted).
-    seed: per-request seed; None = drawn by the engine.
+    seed: per-request seed in [0, MAX_SEED]; None = drawn by the engine.
     n: completions per prompt (a GRPO group).
     """
 
@@ -60,7 +64,9 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Return self, or raise ``ValueError`` naming the bad value."""
-        if not self.temperature >= 0:
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -70,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         return self
 
     def replace(self, **changes: object) -> SamplingParams:

@@ -89,6 +89,50 @@ def test_unknown_names_name_the_key(override, words):
         assert w in msg, (w, msg)
 
 
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("run.steps=true", ["run.steps", "expected an integer", "got true"]),
+        ("run.steps=2.0", ["run.steps", "expected an integer", "got 2.0"]),
+        ('run.steps="3"', ["run.steps", "expected an integer", '"3"']),
+        ("rollout.group_size=false", ["rollout.group_size", "expected an integer"]),
+        ('learner.lr="1e-5"', ["learner.lr", "expected a number", '"1e-5"']),
+        ("learner.lr=true", ["learner.lr", "expected a number", "got true"]),
+        ("learner.normalize_std=1", ["learner.normalize_std", "expected true or false"]),
+        ("learner.share_prompts=yes", ["learner.share_prompts", "expected true or false"]),
+        ("rollout.temperature=inf", ["rollout.temperature", "finite", "got inf"]),
+        ("learner.max_grad_norm=nan", ["learner.max_grad_norm", "finite", "got nan"]),
+        ("learner.kl_coef=inf", ["learner.kl_coef", "finite"]),
+        ('learner.betas=[0.9, "x"]', ["learner.betas", "expected a number"]),
+        ("learner.betas=[true, 0.9]", ["learner.betas", "expected a number"]),
+        ("run.run_dir=5", ["run.run_dir", "expected a string"]),
+        ("model=3", ["model", "expected a table"]),
+        ("run.seed=268435456", ["run.seed", "268435455"]),
+        ("rollout.max_tokens_per_forward=true", ["rollout.max_tokens_per_forward", "'auto'"]),
+    ],
+)
+def test_types_are_strict(override, words):
+    """A bool is not an integer, a string is not a number: refused naming key and type."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_legitimate_override_values_still_parse():
+    cfg = load_config(None, ["run.steps=3", "learner.lr=1", "learner.betas=[1e-1, 0]",
+                             "learner.normalize_std=false", "rollout.max_tokens_per_forward=4",
+                             "rollout.top_p=1",
+                             "run.seed=268435455", "learner.clip_eps_high=1"])  # fmt: skip
+    assert cfg.run.steps == 3 and isinstance(cfg.run.steps, int)
+    assert cfg.learner.lr == 1.0 and isinstance(cfg.learner.lr, float)
+    assert cfg.learner.betas == (0.1, 0.0) and cfg.learner.normalize_std is False
+    assert cfg.rollout.max_tokens_per_forward == 4 and cfg.rollout.top_p == 1.0
+    assert cfg.learner.clip_eps_high == 1.0 and cfg.run.seed == 2**28 - 1
+
+
 def test_check_names_accepts_the_defaults_and_reports_every_bad_name():
     check_names(Config())
     check_names(load_config(None, ["env.task=leg_counting", "rollout.spec=none"]))
@@ -118,3 +162,15 @@ def test_assignment_is_validated():
     cfg = Config()
     with pytest.raises(ValueError):
         cfg.rollout.max_new_tokens = 0
+
+
+def test_largest_run_seed_keeps_request_seeds_in_the_engine_range():
+    """run.seed's bound keeps every derived request seed valid (SamplingParams.validate)."""
+    from specrl.config import MAX_RUN_SEED, RunCfg
+    from specrl.pipelines.step import request_seed
+    from specrl.sampling import MAX_SEED
+
+    bounds = RunCfg.model_fields["steps"].metadata
+    most_steps = next(m.le for m in bounds if hasattr(m, "le"))
+    most_prompts = 100_000  # env.num_eval's bound: the largest prompt index of one call
+    assert 0 <= request_seed(MAX_RUN_SEED, most_steps, most_prompts, 3) <= MAX_SEED

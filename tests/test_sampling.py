@@ -117,11 +117,34 @@ def test_small_draws_hash_with_python_ints_bit_for_bit():
         ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
         ("top_k", -1, "top_k must be >= 0"),
         ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
+        ("temperature", float("inf"), "temperature must be a finite number, got inf"),
+        ("temperature", float("nan"), "temperature must be a finite number, got nan"),
+        ("top_p", float("nan"), r"top_p must be in \(0, 1\], got nan"),
+        ("n", 0, "n must be >= 1, got 0"),
+        ("seed", 2**64, r"seed must be in \[0, 2\*\*63 - 1\], got 18446744073709551616"),
+        ("seed", 2**63, r"seed must be in \[0, 2\*\*63 - 1\]"),
+        ("seed", -1, r"seed must be in \[0, 2\*\*63 - 1\], got -1"),
     ],
 )
 def test_bad_sampling_params(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value}).validate()
+
+
+def test_seed_range_is_exactly_what_the_engine_takes_without_wrapping():
+    """Seeds 0 and 2**63 - 1 are accepted; the engine's per-sample seeds of distinct accepted
+    seeds differ (its arithmetic is mod 2**63, so a larger seed would alias a smaller one)."""
+    from specrl.engine.engine import Engine
+    from specrl.sampling import MAX_SEED
+
+    assert MAX_SEED == 2**63 - 1
+    for seed in (0, 1, MAX_SEED):
+        SamplingParams(seed=seed).validate()
+    derive = Engine._seed
+    seeds = [derive(None, SamplingParams(seed=s), 0) for s in (0, 1, MAX_SEED - 1, MAX_SEED)]
+    assert len(set(seeds)) == 4
+    # the wrap that validate() now refuses: 2**63 would give seed 0's tokens
+    assert derive(None, SamplingParams(seed=2**63), 0) == seeds[0]
 
 
 def test_two_level_inverse_cdf_equals_full_float64_cdf():

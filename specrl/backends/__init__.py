@@ -10,14 +10,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specrl.backends.base import IN_FLIGHT, Rollout, RolloutBackend, Versions
+from specrl.backends.base import IN_FLIGHT, Rollout, RolloutBackend, Served, Versions
 
 if TYPE_CHECKING:
     import torch
 
     from specrl.config import Config
 
-__all__ = ["IN_FLIGHT", "Rollout", "RolloutBackend", "Versions", "build_backend", "placement"]
+__all__ = [
+    "IN_FLIGHT",
+    "Rollout",
+    "RolloutBackend",
+    "Served",
+    "Versions",
+    "build_backend",
+    "placement",
+]
 
 
 def placement(cfg: Config) -> str:

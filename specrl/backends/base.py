@@ -15,6 +15,16 @@ Contract (``RolloutBackend``):
 - ``versions() -> Versions``: the policy and drafter versions the backend serves from its next
   generate call on (an update received during a call counts, even if that call finishes on
   the older weights; ``Completion.token_versions`` say what produced each token).
+- ``served() -> Served``: what the engine serves now, read on the backend's side from the
+  engine's own tensors (never from a staging copy): the policy version and its content
+  fingerprint (``specrl.models.fingerprint``, in the engine's dtype), the drafter's likewise.
+  When no generate call runs, an update still pending is applied first; during a call it
+  answers at once (never waits for the call) with the newest record it took while idle: an
+  older version, but its fingerprint is that version's. So a pipeline can ask from either
+  thread, and asked right after a generate call it sees at least every update received before
+  that call started. ``None`` for a fingerprint means there is nothing to fingerprint (a
+  model-free drafter, a test fake without weights). The weight-sync guard
+  (``specrl.pipelines.guard``) compares these with the learner's side.
 - ``state_dict()`` / ``load_state_dict(state)``: JSON-able state that must survive a resume
   (e.g. the suffix drafter's history); ``{}`` when there is none.
 - ``close()``: release workers and memory; idempotent.
@@ -43,6 +53,16 @@ class Versions:
 
     policy: int
     drafter: int = 0
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a backend's engine serves now (see ``RolloutBackend.served``)."""
+
+    policy_version: int
+    policy: str | None  # fingerprint of the policy's tensors; None: nothing to fingerprint
+    drafter_version: int = 0
+    drafter: str | None = None  # fingerprint of a learned drafter's tensors; None: none
 
 
 @dataclass
@@ -75,6 +95,8 @@ class RolloutBackend(Protocol):
     def update_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> float: ...
 
     def versions(self) -> Versions: ...
+
+    def served(self) -> Served: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

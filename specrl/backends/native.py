@@ -7,8 +7,11 @@ Contract:
   snapshots them (engine dtype) and applies them before the next call, or, with ``in_flight``
   ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
   decode steps of the running call (``Engine.stage_weights``). ``update_drafter`` loads a learned
-  drafter's tensors into the engine's proposer. ``state_dict`` holds the drafter's cross-call
-  state (the suffix drafter's history); during a generate call it waits for the call to end.
+  drafter's tensors into the engine's proposer. ``served`` fingerprints the engine's own model
+  and drafter tensors (``drafter_tensors``) when no call runs (after applying a pending update),
+  and during a call returns the newest record taken while idle. ``state_dict`` holds the drafter's
+  cross-call state (the suffix drafter's history); during a generate call it waits for the
+  call to end.
   Thread-safe for one generating thread plus one updating thread (the async pipeline's producer
   and learner).
 - ``build_native(cfg, policy)`` resolves everything from a run ``Config``: the drafter (a
@@ -28,11 +31,12 @@ from typing import Any
 
 import torch
 
-from specrl.backends.base import IN_FLIGHT, Rollout, Versions
+from specrl.backends.base import IN_FLIGHT, Rollout, Served, Versions
 from specrl.config import Config, ConfigError
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.engine.types import Request
+from specrl.models.fingerprint import fingerprint
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import drafter_cache_dir
@@ -55,6 +59,7 @@ class NativeBackend:
         self._drafter_version = 0
         if in_flight:
             check_mode(in_flight, [engine.spec.method])
+        self._record = self._fingerprints()  # what ``served`` answers during a generate call
 
     @property
     def spec(self) -> SpecConfig:
@@ -117,6 +122,21 @@ class NativeBackend:
         with self._lock:
             return Versions(max(self._newest, self.engine.policy_version), self._drafter_version)
 
+    def served(self) -> Served:
+        with self._lock:
+            if not self._busy:
+                self._apply_pending()
+                self._record = self._fingerprints()
+            return self._record
+
+    def _fingerprints(self) -> Served:
+        """Versions and fingerprints of the weights the engine holds now (milliseconds)."""
+        drafter = drafter_tensors(self.engine.proposer)
+        policy = dict(self.engine.model.named_parameters())
+        return Served(self.engine.policy_version, fingerprint(policy, self._dtype()),
+                      self._drafter_version,
+                      None if drafter is None else fingerprint(*drafter))  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         proposer = self.engine.proposer
         if proposer is None or not hasattr(proposer, "state_dict"):
@@ -136,6 +156,22 @@ class NativeBackend:
 
     def close(self) -> None:
         self.engine._cache = None  # free the KV cache; the engine stays usable
+
+
+def drafter_tensors(proposer: object) -> tuple[dict[str, torch.Tensor], torch.dtype] | None:
+    """A learned drafter's tensors as the engine holds them, and its parameters' dtype: a
+    head's state dict (eagle3, mtp: the names ``update_drafter`` takes), a draft model's
+    parameters (our names); ``None`` for a model-free drafter or none."""
+    head = getattr(proposer, "head", None)
+    model = getattr(proposer, "model", None)
+    if isinstance(head, torch.nn.Module):
+        module, named = head, dict(head.state_dict())
+    elif isinstance(model, torch.nn.Module):
+        module, named = model, dict(model.named_parameters())
+    else:
+        return None
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    return named, dtype
 
 
 # --------------------------------------------------------------------------- building

@@ -11,8 +11,10 @@ Contract:
   engine dtype, tied weights once).
 - Two channels, so an update can arrive while a generate runs: a request pipe served by the
   worker's main thread (``generate``, ``state_dict``, ``load_state_dict``, ``close``) and a control
-  pipe served by a worker thread (``update_weights``, ``update_drafter``, ``versions``). Each
-  has its own lock on this side: one generating thread plus one updating thread is safe.
+  pipe served by a worker thread (``update_weights``, ``update_drafter``, ``versions``,
+  ``served``). Each has its own lock on this side: one generating thread plus one updating
+  thread is safe. ``served`` is the worker's ``NativeBackend.served``: fingerprints of the
+  worker engine's own tensors, never of the staging area.
 - ``update_weights`` casts the learner's tensors into the staging area, then waits for the
   worker's ack (the worker applies them at once when idle, else snapshots them, exactly like
   ``NativeBackend``), so the caller may mutate its tensors and the staging area is free again
@@ -46,8 +48,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp  # registers the reductions that share tensor storage
 from torch import nn
+from tqdm import tqdm
 
-from specrl.backends.base import Rollout, Versions
+from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.native import NativeBackend, build_native
 from specrl.config import Config, ConfigError
 from specrl.engine.types import Request
@@ -225,6 +228,9 @@ class ProcessBackend:
     def versions(self) -> Versions:
         return self._worker.call(self._worker.control, "versions")
 
+    def served(self) -> Served:
+        return self._worker.call(self._worker.control, "served")
+
     def state_dict(self) -> dict[str, Any]:
         return self._worker.call(self._worker.request, "state_dict")
 
@@ -263,7 +269,13 @@ def _worker_main(
     cfg: Config, model: nn.Module, threads: int, request: Connection, control: Connection
 ) -> None:
     """The worker process: build the backend, serve control on a thread, requests here."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # Ctrl-C and SIGTERM (often sent to the whole process group) are the trainer's to handle:
+    # it finishes the step and closes this worker; the worker also ends when the trainer dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; os._exit below would leak it (the
+    # resource tracker warns at exit). Progress bars in here need only a thread lock.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads)
     try:
         backend = build_native(cfg, model)
@@ -298,6 +310,7 @@ def _control_ops(
         "update_weights": lambda version: backend.update_weights(staging, version),
         "update_drafter": lambda blob, version: backend.update_drafter(_unpack(blob), version),
         "versions": backend.versions,
+        "served": backend.served,
     }
 
 

@@ -5,35 +5,71 @@ train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the targ
 (``specrl.drafters.data``), trains the head (``specrl.drafters.train``; progress bar, checkpoint
 every ``--ckpt-every`` steps in ``--out``; heads are then fine-tuned ``--tv-steps`` steps on the
 total-variation loss, checkpointed apart; rerunning the same command resumes, and reuses the
-rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.pt``), saves
-``head.safetensors`` + ``head.json`` in ``--out`` (default ``specrl.paths.drafter_cache_dir``:
-``cache_dir()/drafters/<model>-<drafter>``), then prints the held-out acceptance length (k, T=0
-and T=1) on the task's eval split, untrained vs trained. ``--drafter draft`` instead distills a
-small draft model, the target's first ``--draft-layers`` layers (``specrl.drafters.distill``),
-saved in ``--out`` as a model directory for ``--spec draft --drafter DIR``; untrained = the
-undistilled layer prefix. The defaults are the recipe of the cached default drafters
-(docs/drafters.md). Bad values exit 2 with one ``error:`` line.
+rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.safetensors``,
+each written atomically (``specrl.fsutil``); damaged ones are ignored, saying so, and made again;
+nothing is unpickled), saves ``head.safetensors`` + ``head.json`` in ``--out`` (default
+``specrl.paths.drafter_cache_dir``: ``cache_dir()/drafters/<model>-<drafter>``), then prints
+the held-out acceptance length (k, T=0 and T=1) on the task's eval split, untrained vs trained.
+``--drafter draft`` instead distills a small draft model, the target's first ``--draft-layers``
+layers (``specrl.drafters.distill``), saved in ``--out`` as a model directory for ``--spec draft
+--drafter DIR``; untrained = the undistilled layer prefix. The defaults are the recipe of the
+cached default drafters (docs/drafters.md). ``--prompts`` lines are a string, {"prompt": str}
+or {"messages": [...]} (``specrl.jsonl_prompts``). Bad values (options, a ``--out`` that cannot
+be a writable directory, a ``--prompts`` file, a model that cannot be loaded) exit 2 with one
+``error:`` line before any work (``--out`` is checked before anything is created; it is created
+before the model loads); so does an OSError during the work (a full disk).
+``--head-arch eagle3`` trains an eagle3 head in the EAGLE-3 paper's (and vLLM's) layer layout.
+
+``specrl export-drafter --drafter eagle3|draft [--from DIR] [--model M] --out DIR`` writes a
+trained drafter in the layout vLLM loads (``specrl.drafters.export``); what cannot be exported
+(an MTP head, a ``proj``-layout head) and bad options exit 2 with one ``error:`` line.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from specrl.cli_util import fail
+from specrl.errors import unknown
+from specrl.fsutil import atomic_write, writable_problem
 from specrl.paths import drafter_cache_dir
+
+if TYPE_CHECKING:
+    from specrl.models.tokenizer import TextTokenizer
+    from specrl.models.transformer import Transformer
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``train-drafter`` to ``app``."""
-    app.command("train-drafter")(train_drafter)
+    """Add ``train-drafter`` and ``export-drafter`` to ``app``."""
+    app.command("train-drafter")(_os_errors_in_one_line(train_drafter))
+    app.command("export-drafter")(_os_errors_in_one_line(export_drafter))
 
 
+def _os_errors_in_one_line(command: Callable) -> Callable:
+    """``command`` with an OSError (unwritable ``--out``, a full disk) ending in one ``error:``
+    line and exit 2 instead of a traceback; what was already written stays for a rerun."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except OSError as e:
+            where = f": {e.filename}" if e.filename else ""
+            fail(f"{e.strerror or e}{where} (rerun to resume from what was saved)")
+
+    return run
+
+
+EXAMPLES_FILE = "examples.safetensors"  # specrl.drafters.data.save_examples
+TV_STATE_FILE = "train_state_tv.safetensors"  # the TV phase's specrl.drafters.train state
 HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
 TV_STEPS = 300  # total-variation fine-tuning steps of the default head recipe
 
@@ -42,7 +78,11 @@ def train_drafter(
     drafter: Annotated[str, typer.Option("--drafter", help="eagle3 | mtp | draft")] = "eagle3",
     model: Annotated[str, typer.Option("--model", help="target model")] = "smollm2-135m-instruct",
     prompts: Annotated[
-        Path | None, typer.Option("--prompts", help='JSONL of {"prompt": ...} (default: task)')
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help='JSONL: "text", {"prompt": ...} or {"messages": [...]} (default: --task)',
+        ),
     ] = None,
     task: Annotated[str, typer.Option("--task", help="reasoning-gym task")] = "basic_arithmetic",
     out: Annotated[Path | None, typer.Option("--out", help="output dir")] = None,
@@ -90,6 +130,14 @@ def train_drafter(
             "specrl.drafters.distill.DEFAULT_LAYERS)",
         ),
     ] = None,
+    head_arch: Annotated[
+        str,
+        typer.Option(
+            "--head-arch",
+            help="eagle3 heads: proj (specrl's layer: inputs projected 2H->H) or eagle3 "
+            "(the EAGLE-3 paper's and vLLM's layer; `specrl export-drafter` writes it for vLLM)",
+        ),
+    ] = "proj",
     threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
@@ -99,55 +147,66 @@ def train_drafter(
     from specrl.drafters import data
     from specrl.drafters.distill import distill, init_draft
     from specrl.drafters.train import TrainConfig, acceptance, train_head
-    from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
+    from specrl.models.checkpoints import resolve_model
     from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
+    from specrl.sampling import MAX_SEED
 
     if drafter not in ("eagle3", "mtp", "draft"):
-        fail(f"unknown --drafter {drafter!r} (choose eagle3, mtp or draft)")
+        fail(unknown("--drafter", drafter, ["eagle3", "mtp", "draft"]))
+    if head_arch not in ("proj", "eagle3"):
+        fail(unknown("--head-arch", head_arch, ["proj", "eagle3"]))
+    if head_arch != "proj" and drafter != "eagle3":
+        fail(f"--head-arch {head_arch} applies to --drafter eagle3, not {drafter}")
     for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
         if value < 1:
             fail(f"--{name} must be >= 1, got {value}")
     if tv_steps < 0:
         fail(f"--tv-steps must be >= 0, got {tv_steps}")
+    if not 0 <= seed <= MAX_SEED:
+        fail(f"--seed must be in [0, 2**63 - 1], got {seed}")
     if draft_vocab is None:
         draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
     if draft_vocab < 0:
         fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
     temps = _temperatures(temperature)
-    if prompts is not None and not prompts.exists():
-        fail(f"--prompts file {prompts} does not exist")
+    if prompts is not None and not prompts.is_file():
+        fail(f"--prompts file {prompts} does not exist or is not a file")
     if threads > 0:
         torch.set_num_threads(threads)
     if drafter == "draft":
         draft_layers = _draft_options(model, draft_layers, draft_vocab)
     out = out or drafter_cache_dir(model, drafter)
-    out.mkdir(parents=True, exist_ok=True)
+    problem = writable_problem(out, "dir")
+    if problem:
+        fail(f"cannot use --out: {problem}")
+    out.mkdir(parents=True, exist_ok=True)  # an OSError here (a race, a full disk): one line
     torch.manual_seed(seed)
-    target = load_model(model, dtype=torch.bfloat16)
-    tok = load_tokenizer(model)
+    target, tok = _load_target(model)
     stops = tuple(tok.stop_token_ids)
     if draft_vocab > target.config.vocab_size:
         fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
               f"({target.config.vocab_size})")  # fmt: skip
     feature_layers = () if drafter == "draft" else default_layers(drafter, target.config.num_layers)
-    ex_path = out / "examples.pt"
-    if ex_path.exists():
-        examples = data.load_examples(ex_path)
-        typer.echo(f"loaded {len(examples)} examples from {ex_path}")
-    else:
+    ex_path = out / EXAMPLES_FILE
+    examples = _cached_examples(ex_path)
+    if examples is None:
         if prompts is not None:
-            train_ids = data.jsonl_prompt_ids(tok, prompts)[:num_prompts]
+            try:
+                train_ids = data.jsonl_prompt_ids(tok, prompts)[:num_prompts]
+            except (OSError, ValueError) as e:
+                fail(str(e))
         else:
             train_ids = data.task_prompt_ids(tok, task, "train", num_prompts, seed)
         t0 = time.perf_counter()
         seq_path = out / "rollouts.json"
-        if seq_path.exists():
-            seqs = [data.Sequence(**d) for d in json.loads(seq_path.read_text())]
-        else:
+        seqs = _cached_rollouts(seq_path)
+        if seqs is None:
             seqs = [s for t in temps for s in data.rollouts(
                 target, train_ids, samples_per_prompt if t > 0 else 1, t, max_new_tokens, stops,
                 seed, progress=True)]  # fmt: skip
-            seq_path.write_text(json.dumps([vars(s) for s in seqs]))
+            atomic_write(seq_path, json.dumps([vars(s) for s in seqs]))
+        if not seqs:
+            fail("the target produced no completions to train on (try more --num-prompts)")
         examples = data.build_examples(target, seqs, feature_layers, progress=True)
         data.save_examples(examples, ex_path)
         ntok = sum(len(e.tokens) for e in examples)
@@ -164,7 +223,8 @@ def train_drafter(
     if drafter == "draft":  # ``head``: the drafter trained below, here a small model
         head = init_draft(target, draft_layers)  # fp32 master weights; the target stays bf16
     else:
-        head = DraftHead(target, drafter, feature_layers, vocab).float()  # fp32 master weights
+        head = DraftHead(target, drafter, feature_layers, vocab, arch=head_arch)
+        head = head.float()  # fp32 master weights
 
     def measure() -> dict[float, float]:
         return {t: acceptance(target, head, eval_ids, k, t, max_new_tokens, stops, seed)
@@ -182,13 +242,55 @@ def train_drafter(
     if tv_steps and drafter != "draft":
         tv = replace(cfg, steps=tv_steps, lr=tv_lr, warmup=min(10, tv_steps), loss="tv")
         t0 = time.perf_counter()
-        losses = train_head(head, examples, tv, out=out, state_name="train_state_tv.pt")
+        losses = train_head(head, examples, tv, out=out, state_name=TV_STATE_FILE)
         _report("fine-tuned (total variation)", tv_steps, t0, losses)
     after = measure()
     typer.echo(f"saved {drafter} drafter to {out}")
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
     for t in (0.0, 1.0):
         typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+
+
+def _load_target(model: str) -> tuple[Transformer, TextTokenizer]:
+    """(bf16 target model, tokenizer); a model that cannot be loaded exits 2 with one line."""
+    import torch
+
+    from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
+
+    try:
+        return load_model(model, dtype=torch.bfloat16), load_tokenizer(model)
+    except CheckpointError as e:
+        fail(str(e))
+
+
+def _cached_examples(path: Path) -> list | None:
+    """The examples saved in ``path`` by an earlier run; None (saying why) if unusable."""
+    from specrl.drafters import data
+
+    if not path.exists():
+        return None
+    try:
+        examples = data.load_examples(path)
+    except ValueError as e:
+        typer.echo(f"ignoring {path} ({e}); rebuilding the examples")
+        return None
+    typer.echo(f"loaded {len(examples)} examples from {path}")
+    return examples
+
+
+def _cached_rollouts(path: Path) -> list | None:
+    """The rollouts saved in ``path`` by an earlier run; None (saying why) if unusable."""
+    from specrl.drafters import data
+
+    if not path.exists():
+        return None
+    try:
+        rows = json.loads(path.read_text())
+        seqs = [data.Sequence(list(map(int, d["tokens"])), int(d["prompt_len"])) for d in rows]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        typer.echo(f"ignoring {path} ({type(e).__name__}: {e}); generating the rollouts again")
+        return None
+    return seqs
 
 
 def _report(what: str, steps: int, t0: float, losses: list[float]) -> None:
@@ -224,3 +326,78 @@ def _draft_options(model: str, layers: int | None, draft_vocab: int) -> int:
     if not 1 <= layers <= top:
         fail(f"--draft-layers must be in [1, {top}] (the target's layer count), got {layers}")
     return layers
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+_VLLM_METHOD = {"eagle3": "eagle3", "draft": "draft_model"}  # vLLM's speculative method
+
+
+def export_drafter(
+    drafter: Annotated[str, typer.Option("--drafter", help="eagle3 | draft")] = "eagle3",
+    source: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="the trained drafter's directory (default: where `specrl train-drafter` "
+            "saves it for --model)",
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="output directory (required)")] = None,
+    model: Annotated[
+        str, typer.Option("--model", help="target model (eagle3: its LM head rows are written)")
+    ] = "smollm2-135m-instruct",
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="eagle3: float32 | bfloat16 | float16 (default: the head's)"),
+    ] = None,
+) -> None:
+    """Export a trained drafter to the layout vLLM loads (EAGLE-3 head or HF draft model).
+
+    Then serve with vLLM: speculative_config {"method": "eagle3" or "draft_model", "model": OUT}.
+    """
+    import torch
+
+    from specrl.drafters.export import ExportError, export_draft_model, export_eagle3
+
+    if drafter == "mtp":
+        fail("vLLM runs MTP only from the MTP layers built into specific models' own checkpoints "
+             "(DeepSeek-V3, MiMo, Qwen3-Next, ...): an MTP head cannot be exported; "
+             "use --drafter eagle3 or draft")  # fmt: skip
+    if drafter not in ("eagle3", "draft"):
+        fail(unknown("--drafter", drafter, ["eagle3", "draft"]))
+    if out is None:
+        fail("--out is required")
+    if dtype is not None and (drafter != "eagle3" or dtype not in EXPORT_DTYPES):
+        fail(f"--dtype must be one of {', '.join(EXPORT_DTYPES)} (eagle3 only), got {dtype!r}")
+    source = source or drafter_cache_dir(model, drafter)
+    if not source.is_dir():
+        fail(f"--from {source} is not a directory (train one with specrl train-drafter "
+             f"--drafter {drafter})")  # fmt: skip
+    problem = writable_problem(out, "dir")
+    if problem:
+        fail(f"cannot use --out: {problem}")
+    try:
+        if drafter == "eagle3":
+            if out.resolve() == source.resolve():
+                fail("--out must differ from --from (the head's own files would be mixed in)")
+            export_eagle3(source, model, out, None if dtype is None else getattr(torch, dtype))
+        else:
+            # the target's tokenizer only when the draft is a model without one (resolving a
+            # bundled target converts it once: not for a --from that is no model at all)
+            needs = (source / "config.json").is_file() and not (source / "tokenizer.json").is_file()
+            export_draft_model(source, out, _tokenizer_dir(model) if needs else None)
+    except ExportError as e:
+        fail(str(e))
+    method = _VLLM_METHOD[drafter]
+    typer.echo(f"exported {drafter} drafter {source} to {out} "
+               f'(vLLM: speculative_config method "{method}", model {out})')  # fmt: skip
+
+
+def _tokenizer_dir(model: str) -> Path | None:
+    """The target's model directory (for its tokenizer files), or None if it cannot be found."""
+    from specrl.models.checkpoints import CheckpointError, resolve_model
+
+    try:
+        return resolve_model(model)
+    except CheckpointError:
+        return None

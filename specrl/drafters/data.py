@@ -3,7 +3,8 @@
 Contract:
 - ``task_prompt_ids(tokenizer, task, split, n, seed)`` renders prompts of a reasoning-gym task
   (``specrl.envs.ReasoningGymEnv``, its disjoint train/eval splits) with the chat template;
-  ``jsonl_prompt_ids(tokenizer, path)`` reads a JSONL of {"prompt": str} or {"messages": [...]}.
+  ``jsonl_prompt_ids(tokenizer, path)`` reads a JSONL of prompts (``specrl.jsonl_prompts``: a
+  string, {"prompt": str} or {"messages": [...]} per line), rendered with the chat template.
 - ``rollouts(target, prompt_ids, ...)`` samples completions with the ``Engine`` (plain decoding:
   exactly the target's distribution) and returns ``Sequence``s (prompt + completion token ids).
 - ``build_examples(target, sequences, layers)`` runs the target teacher-forced over every
@@ -13,20 +14,32 @@ Contract:
   needs only the tokens and targets) and the final normed hidden
   ``final[i]`` ([T, H]; the target's distribution for token i+1 is softmax(lm_head(final[i])),
   recomputed during training instead of storing [T, V] probabilities).
-- ``save_examples``/``load_examples`` keep them in one ``torch.save`` file (resume without
-  regenerating).
+- ``save_examples``/``load_examples`` keep them in one safetensors file (resume without
+  regenerating), written atomically (``specrl.fsutil.atomic_writer``: temporary file, fsync,
+  rename, directory fsync; no temporary left on failure): the tensors concatenated over
+  examples (``tokens`` [sum T] int64, ``feats`` [sum T, F], ``final`` [sum T, H]) with
+  ``lengths`` and ``prompt_lens`` [N] int64, metadata {"format": "specrl-drafter-examples",
+  "version": "1"}. Nothing is unpickled; a missing, truncated, foreign or inconsistent file
+  raises ``ValueError`` naming it.
+- ``build_examples`` never calls the target's LM head (features need no logits; the native GEMV
+  kernel refuses an empty batch).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specrl.errors import one_line
+from specrl.fsutil import atomic_writer
+from specrl.jsonl_prompts import numbered_lines, parse_line, prompt_of
 from specrl.models.transformer import Transformer
+
+EXAMPLES_FORMAT = "specrl-drafter-examples"
+EXAMPLES_VERSION = 1
 
 
 @dataclass
@@ -59,13 +72,14 @@ def task_prompt_ids(
 
 
 def jsonl_prompt_ids(tokenizer, path: str | Path) -> list[list[int]]:
-    """Token ids of the prompts in a JSONL file ({"prompt": str} or {"messages": [...]})."""
+    """Chat-rendered token ids of the prompts in a JSONL file (``specrl.jsonl_prompts``: a
+    string, {"prompt": str} or {"messages": [...]} per line); ``ValueError`` naming the file and
+    line for one that is none of these (or a file that is not UTF-8 text)."""
     out = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    for n, line in numbered_lines(Path(path).read_bytes(), path):
+        where = f"{path}:{n}"
+        prompt = prompt_of(parse_line(line, where), where, chat=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         out.append(tokenizer.encode(tokenizer.chat_prompt(messages)))
     return out
 
@@ -153,15 +167,70 @@ def _group_examples(
 
 
 def _forward(target: Transformer, ids: torch.Tensor, positions: torch.Tensor, layers, **kw):
-    """(feats [B, T, F], final [B, T, H]) of a forward that computes no logits."""
-    res = target(ids, positions, capture=layers, logits_at=ids[:, :0], **kw)
-    captured = res.captured or [res.hidden.new_zeros(*ids.shape, 0)]  # F = 0: no layers
-    return torch.cat(captured, dim=-1), res.hidden
+    """(feats [B, T, F], final [B, T, H]) of a forward that stops before the LM head (it is
+    never called, not even on zero rows: the native GEMV kernel refuses M = 0)."""
+    hidden, captured = target.hidden_states(ids, positions, capture=tuple(layers), **kw)
+    captured = captured or [hidden.new_zeros(*ids.shape, 0)]  # F = 0: no layers
+    return torch.cat(captured, dim=-1), hidden
 
 
 def save_examples(examples: list[Example], path: str | Path) -> None:
-    torch.save([vars(e) for e in examples], str(path))
+    """Write ``examples`` to one safetensors file (see the module docstring), atomically."""
+    from safetensors.torch import save_file
+
+    if not examples:
+        raise ValueError("no examples to save")
+    lengths = [len(e.tokens) for e in examples]
+    tensors = {
+        "tokens": torch.cat([e.tokens.to(torch.int64) for e in examples]),
+        "feats": torch.cat([e.feats for e in examples]),
+        "final": torch.cat([e.final for e in examples]),
+        "lengths": torch.tensor(lengths, dtype=torch.int64),
+        "prompt_lens": torch.tensor([e.prompt_len for e in examples], dtype=torch.int64),
+    }
+    meta = {"format": EXAMPLES_FORMAT, "version": str(EXAMPLES_VERSION)}
+    with atomic_writer(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
 
 
 def load_examples(path: str | Path) -> list[Example]:
-    return [Example(**d) for d in torch.load(str(path))]
+    """The examples ``save_examples`` wrote; ``ValueError`` naming the file if it is missing,
+    truncated, not this format or inconsistent. Nothing is unpickled."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as e:  # missing / unreadable; damaged or not safetensors
+        raise ValueError(f"cannot read examples file {path}: {one_line(e)}") from None
+    if meta.get("format") != EXAMPLES_FORMAT or meta.get("version") != str(EXAMPLES_VERSION):
+        raise ValueError(f"{path} is not a specrl examples file (version {EXAMPLES_VERSION})")
+    problem = _examples_problem(tensors)
+    if problem:
+        raise ValueError(f"inconsistent examples file {path}: {problem}")
+    sizes = tensors["lengths"].tolist()
+    parts = [tensors[k].split(sizes) for k in ("tokens", "feats", "final")]
+    return [
+        Example(tok, int(p), feats, final)
+        for tok, feats, final, p in zip(*parts, tensors["prompt_lens"].tolist(), strict=True)
+    ]
+
+
+def _examples_problem(t: dict[str, torch.Tensor]) -> str | None:
+    """Why the tensors of an examples file do not fit together (None: they do)."""
+    names = {"tokens", "feats", "final", "lengths", "prompt_lens"}
+    if set(t) != names:
+        return f"tensors {sorted(t)}, expected {sorted(names)}"
+    lengths, prompt_lens = t["lengths"], t["prompt_lens"]
+    if lengths.dim() != 1 or prompt_lens.shape != lengths.shape or len(lengths) == 0:
+        return "lengths and prompt_lens must be two equal non-empty lists"
+    total = int(lengths.sum())
+    if bool((lengths < 1).any()) or bool((prompt_lens < 0).any() or (prompt_lens > lengths).any()):
+        return "a length or prompt length out of range"
+    if t["tokens"].shape != (total,) or t["tokens"].dtype != torch.int64:
+        return f"tokens {tuple(t['tokens'].shape)} do not add up to {total} int64 ids"
+    for name in ("feats", "final"):
+        if t[name].dim() != 2 or t[name].shape[0] != total:
+            return f"{name} {tuple(t[name].shape)} is not [{total}, width]"
+    return None

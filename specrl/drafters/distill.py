@@ -11,7 +11,8 @@ Contract:
   i+1; the target's distribution is softmax(lm_head(final[i])) of the frozen target). Only the
   draft's layers and final norm train; its (tied) embedding and LM head stay the target's. The
   loop is ``specrl.drafters.train.fit`` (AdamW, warmup + cosine, bf16 autocast over fp32 master
-  weights, ``out/train_state.pt`` every ``cfg.ckpt_every`` steps, resume to the same losses).
+  weights, ``out/train_state.safetensors`` every ``cfg.ckpt_every`` steps, resume to the same
+  losses; see ``specrl.drafters.train`` for the file).
   With ``out`` it ends with ``save_draft_model``. Returns the per-step losses.
 - ``save_draft_model(draft, out, target_config, tokenizer_dir, extra)`` writes a Hugging Face
   style model directory that ``specrl.models.checkpoints.load_model`` reads as is:
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specrl.drafters.data import Example
-from specrl.drafters.train import TrainConfig, fit
+from specrl.drafters.train import STATE_FILE, TrainConfig, fit
 from specrl.models.config import ModelConfig
 from specrl.models.transformer import Linear, Transformer, layer_prefix_model
 
@@ -105,7 +106,7 @@ def distill(
 ) -> list[float]:
     """Distill ``target`` into ``draft`` in place (see the module docstring)."""
     set_trainable(draft)
-    state_path = Path(out) / "train_state.pt" if out is not None else None
+    state_path = Path(out) / STATE_FILE if out is not None else None
 
     def loss_fn(batch: list[Example]) -> torch.Tensor:
         return distill_loss(draft, target.lm_head, collate_tokens(batch, cfg.max_len))

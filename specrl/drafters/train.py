@@ -10,14 +10,23 @@ Contract:
   soft cross-entropy ("ce"), or total variation ("tv": the probability that speculative sampling
   rejects a draft, the quantity acceptance depends on; used to fine-tune after "ce"). The
   target model is never updated (its trunk is detached by construction: only features go in).
-  With ``out``, it writes ``out/<state_name>`` (head + optimizer + step + losses) every
-  ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
+  With ``out``, it writes ``out/<state_name>`` (default ``STATE_FILE``; head + optimizer + step
+  + losses) every ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
   ``specrl.models.heads.save_head``. Returns the per-step losses (of this and earlier runs).
 - ``fit(module, examples, cfg, loss_fn, state_path)`` is the loop both drafter trainers share:
   AdamW on ``module``'s trainable parameters, linear warmup + cosine (``lr_at``), bf16 autocast,
   gradient clipping, a tqdm bar; the mini-batch of step s is drawn from ``cfg.seed`` and s
   (``draw_batch``), and ``state_path`` (module + optimizer + step + losses) is written every
   ``cfg.ckpt_every`` steps and resumed from, so a resumed run sees the same batches and losses.
+  A state file that cannot be read or does not fit the module is ignored with a warning
+  (training starts at step 0), never unpickled.
+- Training state file (``save_state``/``load_state``): one safetensors file, written atomically
+  (``specrl.fsutil.atomic_writer``: temporary file, fsync, rename, directory fsync; no temporary
+  left on failure): the module's trainable parameters ``param.<name>`` and the
+  optimizer's tensors ``opt.<index>.<key>``; its metadata "specrl" is JSON {"format":
+  "specrl-train-state", "version": 1, "step", "losses", "params" (names, in optimizer order),
+  "opt_values" (the optimizer's non-tensor state), "param_groups"}. Frozen parameters and
+  buffers are not saved: a resumed run rebuilds them as the first run did.
 - ``acceptance(target, drafter, prompt_ids, k, temperature)`` is the engine's acceptance length
   (tokens emitted per verify step per row) with ``drafter`` drafting k tokens: a ``DraftHead``
   (spec method = its kind) or a small ``Transformer`` (spec method ``draft``).
@@ -25,8 +34,10 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,8 +48,14 @@ from torch import nn
 from tqdm import tqdm
 
 from specrl.drafters.data import Example
+from specrl.errors import one_line
+from specrl.fsutil import atomic_writer
 from specrl.models.heads import DraftHead, save_head
 from specrl.models.transformer import Transformer
+
+STATE_FILE = "train_state.safetensors"
+STATE_FORMAT = "specrl-train-state"
+STATE_VERSION = 1
 
 
 @dataclass
@@ -90,7 +107,7 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce"
     """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see the module docstring)."""
     feats, tokens, final, mask = batch
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
-    outs = head.unroll(feats.to(head.proj.weight.dtype), tokens, unroll)
+    outs = head.unroll(feats.to(head.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32)
     for j, g in enumerate(outs):
         m = mask.clone()
@@ -155,10 +172,10 @@ def fit(
     )
     step, losses = 0, []
     if state_path is not None and state_path.exists():
-        state = torch.load(str(state_path))
-        module.load_state_dict(state["head"])  # key "head": the trained module, whatever it is
-        opt.load_state_dict(state["opt"])
-        step, losses = state["step"], state["losses"]
+        try:
+            step, losses = load_state(state_path, module, opt)
+        except ValueError as e:  # damaged or from another setup: start over, saying so
+            warnings.warn(f"specrl: {e}; training from step 0", stacklevel=2)
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
     while step < cfg.steps:
         for group in opt.param_groups:
@@ -174,18 +191,101 @@ def fit(
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if state_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-            _save_state(state_path, module, opt, step, losses)
+            save_state(state_path, module, opt, step, losses)
     bar.close()
     module.eval().requires_grad_(False)
     return losses
 
 
-def _save_state(path: Path, module: nn.Module, opt, step: int, losses: list[float]) -> None:
+def save_state(
+    path: Path, module: nn.Module, opt: torch.optim.Optimizer, step: int, losses: list[float]
+) -> None:
+    """Write the training state to ``path`` atomically (the file format: module docstring)."""
+    from safetensors.torch import save_file
+
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    params = dict(module.named_parameters())
+    tensors = {f"param.{n}": params[n].detach().contiguous() for n in names}
+    sd = opt.state_dict()
+    values: dict[str, dict] = {}
+    for i, slot in sd["state"].items():
+        for k, v in slot.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt.{i}.{k}"] = v.detach().contiguous()
+            else:
+                values.setdefault(str(i), {})[k] = v
+    meta = {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "step": step,
+        "losses": losses,
+        "params": names,
+        "opt_values": values,
+        "param_groups": sd["param_groups"],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    state = {"head": module.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses}
-    torch.save(state, str(tmp))
-    tmp.replace(path)
+    with atomic_writer(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"specrl": json.dumps(meta)})
+
+
+def load_state(
+    path: Path, module: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[int, list[float]]:
+    """Restore ``module``'s trainable parameters and ``opt`` from ``path``; returns (step,
+    losses). ``ValueError`` naming the file, with nothing changed, when it is unreadable, not a
+    training state or does not fit ``module`` (other parameter names or shapes). Nothing is
+    unpickled."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("specrl")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as e:  # missing or unreadable; damaged or not safetensors
+        raise ValueError(f"cannot read training state {path}: {one_line(e)}") from None
+    try:  # metadata that is not a training state's: no "specrl" JSON object, fields missing
+        meta = json.loads(raw)
+        step, losses = int(meta["step"]), [float(x) for x in meta["losses"]]
+    except (KeyError, TypeError, ValueError) as e:  # ValueError: json's errors too
+        raise ValueError(
+            f"cannot read training state {path}: its metadata is not a training state's "
+            f"({one_line(e)})"
+        ) from None
+    if meta.get("format") != STATE_FORMAT or meta.get("version") != STATE_VERSION:
+        raise ValueError(f"{path} is not a specrl training state (version {STATE_VERSION})")
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    saved = {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}
+    if meta.get("params") != list(params) or any(
+        saved.get(n) is None or saved[n].shape != p.shape for n, p in params.items()
+    ):
+        raise ValueError(f"training state {path} was saved for other parameters than these")
+    try:
+        opt.load_state_dict(_optimizer_state(meta, tensors, opt))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # saved values of other shapes
+        raise ValueError(
+            f"training state {path} does not fit the optimizer: {one_line(e)}"
+        ) from None
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    return step, losses
+
+
+def _optimizer_state(meta: dict, tensors: dict[str, torch.Tensor], opt) -> dict:
+    """The optimizer state dict saved by ``save_state`` (tuples, as in ``opt``, restored)."""
+    state: dict[int, dict] = {}
+    for key, t in tensors.items():
+        if key.startswith("opt."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = t
+    for i, slot in meta["opt_values"].items():
+        state.setdefault(int(i), {}).update(slot)
+    like = opt.param_groups[0] if opt.param_groups else {}
+    groups = [
+        {k: tuple(v) if isinstance(like.get(k), tuple) else v for k, v in g.items()}
+        for g in meta["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def train_head(
@@ -194,7 +294,7 @@ def train_head(
     cfg: TrainConfig,
     out: str | Path | None = None,
     progress: bool = True,
-    state_name: str = "train_state.pt",
+    state_name: str = STATE_FILE,
 ) -> list[float]:
     """Train ``head`` in place (see the module docstring); returns the loss of every step.
     ``state_name``: the checkpoint file in ``out`` (one per training phase)."""

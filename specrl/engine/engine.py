@@ -8,12 +8,16 @@ siblings admitted later when the batch is smaller than the group (``PromptStash`
 counter-based per request seed (``specrl.sampling.uniforms``), so a request samples the same
 tokens alone or batched. Bad requests (empty prompt, too long, bad sampling values, ids outside the
 vocabulary) come back as completions with ``finish_reason == "error"`` and a one-line message;
-the others still run. Each decode step is plain (one token per row) or speculative (a
-``spec.SpecStep`` drafts k tokens, the target verifies k+1 positions in one forward, each row
-advances by its own count; cache positions past a row's length are stale and masked). With
-``SpecConfig.siblings`` a stochastic draft also gets first-token siblings, read as leaves of a
-draft tree in the same forward; an accepted sibling's cache entries and features move to the
-first draft position.
+the others still run. A request whose prompt + ``max_new_tokens`` exceeds the context
+(``max_position_embeddings``, or ``max_context`` if smaller) is clamped: it stops at the context
+with ``finish_reason == "length"``. The KV cache is not reserved for prompt + ``max_new_tokens``
+up front: a call starts with room for its longest prompt plus ``cache_chunk`` positions and the
+cache doubles (up to what the call can need) only when a row outgrows it. Each decode step is
+plain (one token per row) or speculative (a ``spec.SpecStep`` drafts k tokens, the target
+verifies k+1 positions in one forward, each row advances by its own count; cache positions past
+a row's length are stale and masked). With ``SpecConfig.siblings`` a stochastic draft also gets
+first-token siblings, read as leaves of a draft tree in the same forward; an accepted sibling's
+cache entries and features move to the first draft position.
 With ``record_steps=True`` every prefill, plain decode, draft and verify is also timed into
 ``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
 ``stage_weights`` (from any thread) swaps the weights between two decode steps of a running call;
@@ -110,6 +114,9 @@ def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> 
 class Engine(InflightUpdates):
     """Batched generation with continuous batching (plain decoding; speculation plugs in)."""
 
+    # Cache positions reserved past a call's longest prompt before the cache has to grow.
+    cache_chunk: int = 256
+
     def __init__(
         self,
         model: Transformer,
@@ -131,6 +138,8 @@ class Engine(InflightUpdates):
         self.policy_version = policy_version
         self._rng = random.Random(seed)
         self._cache: KVCache | None = None
+        self._cache_limit = 0  # the longest cache the running call can need (_ensure_cache)
+        self._margin = 0  # positions a speculative forward writes past a row's last token
         self._row_tensors: RowTensors | None = None
         self._capture: tuple[int, ...] = ()
         self._next_row_id = 0
@@ -175,11 +184,12 @@ class Engine(InflightUpdates):
         valid = [c for c in completions if c.error is None]
         self._ensure_cache(pending, spec.k + 1 + spec.siblings if spec.enabled else 0)
         if self._active[1] is not None and hasattr(proposer, "bind"):
-            proposer.bind(self._cache.slots, self._cache.max_len, self.model.config.vocab_size)
+            proposer.bind(self._cache.slots, self._cache_limit, self.model.config.vocab_size)
         bar = tqdm(total=len(valid), disable=not progress, desc="generate", unit="seq")
         rows: list[Seq] = []
         while pending or rows:
             self._admit(rows, pending, start)
+            self._reserve(rows)
             self._retire(rows, self._apply_staged(rows, start))
             finished = self._step(rows, start)
             bar.update(len(finished))
@@ -235,12 +245,21 @@ class Engine(InflightUpdates):
         return (params.seed * 1_000_003 + index) & ((1 << 63) - 1)
 
     def _ensure_cache(self, pending: deque, margin: int) -> None:
+        """A cache with a slot per concurrent row and room for the longest prompt plus
+        ``cache_chunk`` positions; ``_reserve`` grows it up to ``_cache_limit`` later."""
         if not pending:
             return
-        need_len = max(
-            min(len(r.prompt_ids) + r.sampling.max_new_tokens, self.max_context) for r, _ in pending
+        self._margin = margin
+        self._cache_limit = (
+            margin
+            + 1
+            + max(
+                min(len(r.prompt_ids) + r.sampling.max_new_tokens, self.max_context)
+                for r, _ in pending
+            )
         )
-        need_len += margin + 1
+        longest_prompt = max(len(r.prompt_ids) for r, _ in pending)
+        need_len = min(longest_prompt + margin + 1 + self.cache_chunk, self._cache_limit)
         total = sum(len(c) for _, c in pending)
         slots = min(self.max_batch, total) + (total > self.max_batch)  # + the stash slot
         cache = self._cache
@@ -249,6 +268,17 @@ class Engine(InflightUpdates):
             need_len = max(need_len, cache.max_len if cache else 0)
             self._cache = None  # free the old one first
             self._cache = self.model.new_cache(slots, need_len)
+
+    def _reserve(self, rows: list[Seq]) -> None:
+        """Grow the cache (doubling, at most to ``_cache_limit``) so that the next forward of
+        every row fits: positions up to len(history) - 1 + margin, and one spare (re-verification
+        pads at the last position, which must lie past every history)."""
+        if not rows:
+            return
+        need = max(len(s.history) for s in rows) + self._margin + 1
+        cache = self._cache
+        if need > cache.max_len:
+            cache.grow(max(need, min(2 * cache.max_len, self._cache_limit)))
 
     # ------------------------------------------------------------------ admission (prefill)
 

@@ -17,13 +17,13 @@ Contract:
   over the preset (the constructor takes the config as given).
 - Templates (``TEMPLATES``, registered by name) turn a question into chat messages and a
   completion into an answer string (or None when the model gave none).
-- An unknown task or template raises ``ValueError`` listing the closest known names.
+- An unknown task or template raises ``ValueError`` naming the closest known name and every
+  valid one (``specrl.errors.unknown``).
 This module knows text, not tokens: tokenisation is the rollout side's business.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import random
 import re
@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from specrl.errors import one_line, unknown
 
 if TYPE_CHECKING:
     from specrl.config import EnvCfg
@@ -139,14 +141,8 @@ TEMPLATES: dict[str, Template] = {
 
 def get_template(name: str) -> Template:
     if name not in TEMPLATES:
-        raise ValueError(_unknown("prompt template", name, TEMPLATES))
+        raise ValueError(unknown("prompt template", name, TEMPLATES))
     return TEMPLATES[name]
-
-
-def _unknown(kind: str, name: str, known) -> str:
-    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown {kind} {name!r}{hint} (known: {', '.join(sorted(known))})"
 
 
 # --------------------------------------------------------------------------- tasks
@@ -184,7 +180,7 @@ def task_names() -> list[str]:
 def check_task(task: str) -> None:
     """Raise ``ValueError`` (known names, did-you-mean hint) unless ``task`` is a task."""
     if task not in task_names():
-        raise ValueError(_unknown("reasoning-gym task", task, task_names()))
+        raise ValueError(unknown("reasoning-gym task", task, task_names()))
 
 
 def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
@@ -195,7 +191,7 @@ def make_dataset(task: str, size: int, seed: int, config: Mapping[str, Any]):
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(config))
     except (TypeError, AssertionError, ValueError) as e:
-        raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
+        raise ValueError(f"bad config for task {task!r} {dict(config)}: {one_line(e)}") from None
 
 
 def check_task_config(task: str, config: Mapping[str, Any]) -> None:
@@ -204,7 +200,7 @@ def check_task_config(task: str, config: Mapping[str, Any]) -> None:
     try:
         ds[0]
     except Exception as e:  # generators fail in many ways on out-of-range settings
-        raise ValueError(f"bad config for task {task!r} {dict(config)}: {e}") from None
+        raise ValueError(f"bad config for task {task!r} {dict(config)}: {one_line(e)}") from None
 
 
 def is_eval_question(question: str) -> bool:
@@ -266,7 +262,7 @@ class ReasoningGymEnv:
 
     def prompts(self, split: str, seed: int | None = None) -> list[Prompt]:
         if split not in self._entries:
-            raise ValueError(f"unknown split {split!r} (known: train, eval)")
+            raise ValueError(unknown("split", split, ["train", "eval"]))
         out = [self._prompt(split, i, e) for i, e in enumerate(self._entries[split])]
         if seed is not None:
             random.Random(seed).shuffle(out)

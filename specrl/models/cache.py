@@ -7,7 +7,8 @@ sequence's valid length is therefore owned by the caller: rolling back rejected 
 just using a smaller position next time (stale entries are masked, then overwritten). Batch row b
 of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots, ``copy_slot`` forks a
 prompt's cache to GRPO siblings and ``move_positions`` moves single entries inside slots (an
-accepted branch of a draft tree to where the sequence continues).
+accepted branch of a draft tree to where the sequence continues). ``grow`` lengthens every slot
+in place of a reservation up front (the engine grows the cache as its rows get longer).
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def grow(self, max_len: int) -> None:
+        """Lengthen every slot to ``max_len`` positions, keeping the stored entries (a no-op when
+        the cache is already that long). K is copied before V is allocated, so the peak is the
+        old cache plus one new tensor."""
+        if max_len <= self.max_len:
+            return
+        self.k = _longer(self.k, max_len)
+        self.v = _longer(self.v, max_len)
 
     def write(
         self,
@@ -76,3 +86,11 @@ class KVCache:
         slots, src, dst: [N] int64)."""
         self.k[:, slots, :, dst] = self.k[:, slots, :, src]
         self.v[:, slots, :, dst] = self.v[:, slots, :, src]
+
+
+def _longer(t: torch.Tensor, max_len: int) -> torch.Tensor:
+    """A copy of cache tensor t [layers, slots, heads, L, dim] with L = max_len (zeros after)."""
+    layers, slots, heads, length, dim = t.shape
+    out = torch.zeros((layers, slots, heads, max_len, dim), dtype=t.dtype, device=t.device)
+    out[:, :, :, :length] = t
+    return out

@@ -4,13 +4,16 @@ Contract:
 - ``resolve_model(name_or_path)`` returns a Hugging Face-style directory (config.json,
   *.safetensors, tokenizer.json, tokenizer_config.json). The name ``smollm2-135m-instruct`` (the
   default) and any ``.gguf`` file are dequantised once into the cache directory
-  (``$SPECRL_CACHE``, default ``~/.cache/specrl``), written atomically.
+  (``$SPECRL_CACHE``, default ``~/.cache/specrl``), written atomically (into a temporary
+  directory whose files are fsynced before it is renamed into place).
 - ``load_model(dir)`` builds a ``Transformer`` from such a directory; ``load_tokenizer(dir)`` its
   tokenizer. ``hf_state_dict(model)`` is the inverse name mapping (for saving).
 - ``load_draft_model(spec, target, tokenizer)``: a draft model for ``target``, either
   ``prefix:N`` (a copy of the target's first N layers) or a model whose tokenizer is the target's.
-- Every failure (unknown name, missing file, truncated or corrupt file, missing or mis-shaped
-  tensor) raises ``CheckpointError`` with a one-line message naming the file or tensor.
+- Every failure (unknown name, missing file, truncated or corrupt file, a config.json that is
+  not a JSON object or lacks or mistypes a field, missing or mis-shaped tensor, an unreadable
+  tokenizer, a ``load_draft_model`` path that is no model) raises ``CheckpointError`` with a
+  one-line message naming the file or tensor.
 Only safetensors and GGUF are read; nothing is unpickled.
 """
 
@@ -26,7 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
+from specrl.errors import one_line
+from specrl.fsutil import fsync_path
 from specrl.models.config import ModelConfig
 from specrl.models.tokenizer import TextTokenizer, from_gguf_vocab
 from specrl.models.transformer import Transformer, layer_prefix_model, rope_inv_freq
@@ -61,6 +67,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path} has no config.json: not a model directory")
         return path
+    if not path.exists() and (os.sep in str(name_or_path) or str(name_or_path)[:1] in ".~"):
+        raise CheckpointError(f"model path {path} does not exist")
     known = ", ".join(sorted(_BUNDLED))
     raise CheckpointError(
         f"unknown model {str(name_or_path)!r}: not a bundled name ({known}), "
@@ -80,7 +88,11 @@ def _converted(gguf_path: Path, name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
         gguf_to_hf_dir(gguf_path, tmp)
+        for f in tmp.iterdir():  # on disk before the rename publishes them
+            fsync_path(f)
+        fsync_path(tmp)
         tmp.rename(out)
+        fsync_path(out.parent)
     except OSError:
         if not (out / "config.json").exists():  # a concurrent conversion may have won
             raise
@@ -98,7 +110,7 @@ def _read_gguf(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises many kinds on truncated files
-        raise CheckpointError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read GGUF {path}: {one_line(e)}") from None
 
 
 def _field(reader, key: str, default=None):
@@ -174,8 +186,10 @@ def gguf_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
     for t in reader.tensors:
         try:
             arr = dequantize(t.data, t.tensor_type).astype(np.float32)
-        except Exception as e:
-            raise CheckpointError(f"cannot dequantise GGUF tensor {t.name}: {e}") from None
+        except Exception as e:  # gguf and numpy raise many kinds on damaged tensor data
+            raise CheckpointError(
+                f"cannot dequantise GGUF tensor {t.name}: {one_line(e)}"
+            ) from None
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
         if t.name.endswith("attn_q.weight"):
             arr = _unpermute(arr, config.num_heads)
@@ -220,13 +234,28 @@ def gguf_to_hf_dir(gguf_path: Path, out: Path) -> None:
 
 
 def load_config(model_dir: Path) -> ModelConfig:
+    """The ``ModelConfig`` of ``model_dir/config.json``; ``CheckpointError`` naming the file and
+    the problem when it is unreadable, not JSON, not an object, or lacks, mistypes or sets to an
+    unsupported value a field."""
+    path = Path(model_dir) / "config.json"
     try:
-        return ModelConfig.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"bad config.json in {model_dir}: {type(e).__name__}: {e}") from None
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"bad config.json in {model_dir}: {one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(
+            f"bad config.json in {model_dir}: expected a JSON object, got {type(raw).__name__}"
+        )
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise CheckpointError(f"bad config.json in {model_dir}: missing field {e}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        raise CheckpointError(f"bad config.json in {model_dir}: {one_line(e)}") from None
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -236,8 +265,8 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         try:
             tensors.update(load_file(str(f)))
-        except Exception as e:
-            raise CheckpointError(f"corrupt safetensors file {f}: {e}") from None
+        except (OSError, SafetensorError) as e:  # unreadable; truncated or not safetensors
+            raise CheckpointError(f"corrupt safetensors file {f}: {one_line(e)}") from None
     return tensors
 
 
@@ -328,10 +357,22 @@ def load_model(
 
 
 def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> TextTokenizer:
+    """The tokenizer of a name, directory or GGUF file (``CheckpointError`` if unreadable)."""
     model_dir = resolve_model(name_or_path)
-    if not (model_dir / "tokenizer.json").exists():
+    if not (model_dir / "tokenizer.json").is_file():
         raise CheckpointError(f"{model_dir} has no tokenizer.json")
-    return TextTokenizer.load(model_dir)
+    try:
+        return TextTokenizer.load(model_dir)
+    # OSError: unreadable; ValueError: tokenizer_config.json not JSON, not UTF-8 or not an
+    # object; TemplateError: its chat template does not compile.
+    except (OSError, ValueError, TemplateError) as e:
+        raise CheckpointError(f"cannot read the tokenizer in {model_dir}: {one_line(e)}") from None
+    except Exception as e:
+        if type(e) is not Exception:  # a bug, not a damaged file: let it show
+            raise
+        # the tokenizers library raises a bare Exception (it has no narrower type) for a
+        # tokenizer.json it cannot parse
+        raise CheckpointError(f"cannot read the tokenizer in {model_dir}: {one_line(e)}") from None
 
 
 def load_draft_model(
@@ -347,6 +388,9 @@ def load_draft_model(
         except ValueError:
             raise ValueError(f"--drafter prefix:N needs an integer N, got {spec!r}") from None
         return layer_prefix_model(target, layers)
-    if tokenizer.tok.get_vocab() != load_tokenizer(spec).tok.get_vocab():
-        raise ValueError(f"drafter {spec} uses a different tokenizer than the target")
-    return load_model(spec, dtype=target.embed.weight.dtype)
+    try:
+        if tokenizer.tok.get_vocab() != load_tokenizer(spec).tok.get_vocab():
+            raise ValueError(f"drafter {spec} uses a different tokenizer than the target")
+        return load_model(spec, dtype=target.embed.weight.dtype)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot load the draft model: {e}") from None

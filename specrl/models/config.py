@@ -11,7 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# model_type -> the Hugging Face architecture class of config.json
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}  # fmt: skip
+SUPPORTED_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json dictionary a Hugging Face loader accepts."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-            self.model_type, "Qwen3ForCausalLM"
-        )
         return {
-            "architectures": [arch],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -8,6 +8,15 @@ reads a feature h_i and the embedding of token x_{i+1} and outputs g_i (pre-norm
     u_i = proj(cat(hnorm(h_i), enorm(embed(x_{i+1}))))        # 2H -> H
     g_i = Block(u_i) at position i (own KV cache, causal)        # one decoder layer
 
+That is ``arch="proj"`` (the default). ``arch="eagle3"`` (eagle3 heads only) is the layer of the
+EAGLE-3 paper and of vLLM's ``Eagle3LlamaForCausalLM`` (``midlayer``; exportable to vLLM by
+``specrl.drafters.export``): no proj and no pre-attention norm; attention reads the 2H concat
+and the residual stream starts from h_i itself:
+
+    z_i = cat(enorm(embed(x_{i+1})), hnorm(h_i))               # [2H], the embedding first
+    a_i = h_i + Attention(z_i)   (q/k/v: 2H -> heads, o: heads -> H)
+    g_i = a_i + MLP(mlp_norm(a_i))
+
 - kind ``eagle3``: h_i = fc(cat(target layer outputs at position i)) for ``feature_layers``
   (default: layers 1, L//2-1, L-4 of the target, deduplicated), fc: len(layers)*H -> H.
 - kind ``mtp`` (DeepSeek-V3 depth 1): h_i = output of the target's last layer at position i
@@ -25,9 +34,10 @@ vocabulary (zero elsewhere), which is what the verifier needs as q.
 
 Checkpoint format (see ``save_head``/``load_head``): a directory with ``head.safetensors`` (the
 head's own parameters, and ``d2t`` when the vocabulary is reduced) and ``head.json``: {"format":
-"specrl-draft-head", "version": 1, "kind", "feature_layers", "draft_vocab_size" (null = the
-target's), "target": target ModelConfig as an HF dict}. ``check_compatible`` refuses a head
-whose hidden size, vocabulary or layer count differs from the target's.
+"specrl-draft-head", "version": 1, "kind", "arch" (absent = "proj"), "feature_layers",
+"draft_vocab_size" (null = the target's), "target": target ModelConfig as an HF dict}.
+``check_compatible`` refuses a head whose hidden size, vocabulary or layer count differs from
+the target's.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from specrl.models.transformer import (
 )
 
 KINDS = ("eagle3", "mtp")
+ARCHS = ("proj", "eagle3")  # the head layer's layout (module docstring)
 FORMAT = "specrl-draft-head"
 VERSION = 1
 
@@ -74,20 +85,26 @@ class DraftHead(nn.Module):
         kind: str = "eagle3",
         feature_layers: tuple[int, ...] | None = None,
         draft_vocab: torch.Tensor | None = None,  # [Vd] sorted target ids; None = full vocab
+        arch: str = "proj",
     ) -> None:
         super().__init__()
         c = target.config
         layers = tuple(feature_layers or default_layers(kind, c.num_layers))
         if list(layers) != sorted(set(layers)) or not all(0 <= x < c.num_layers for x in layers):
             raise ValueError(f"feature_layers must be distinct, sorted, in [0, {c.num_layers})")
-        self.kind, self.feature_layers, self.target_config = kind, layers, c
+        _check_arch(kind, arch)
+        self.kind, self.arch, self.feature_layers, self.target_config = kind, arch, layers, c
         self.head_config = c.replace(num_layers=1)
         h = c.hidden_size
         self.fc = Linear(len(layers) * h, h, bias=False) if kind == "eagle3" else None
         self.hnorm = RMSNorm(h, c.rms_norm_eps)
         self.enorm = RMSNorm(h, c.rms_norm_eps)
-        self.proj = Linear(2 * h, h, bias=False)
+        self.proj = Linear(2 * h, h, bias=False) if arch == "proj" else None
         self.block = Block(self.head_config, 0)
+        if arch == "eagle3":  # attention reads the 2H concat directly; no pre-attention norm
+            qkv = self.block.attn.qkv
+            self.block.attn.qkv = Linear(2 * h, qkv.out_features, bias=qkv.bias is not None)
+            self.block.attn_norm = None
         self.norm = RMSNorm(h, c.rms_norm_eps)
         self._target = (target,)  # a tuple: not a submodule, so not in state_dict / parameters
         vocab = None if draft_vocab is None else _check_vocab(draft_vocab, c.vocab_size)
@@ -103,10 +120,35 @@ class DraftHead(nn.Module):
         """Target features [..., len(layers)*H] -> head input [..., H]."""
         return self.fc(feats) if self.fc is not None else feats
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's weights."""
+        return self.norm.weight.dtype
+
     def inputs(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """u [B, T, H] from head inputs h [B, T, H] and the next tokens [B, T]."""
+        """From head inputs h [B, T, H] and the next tokens [B, T]: ``proj``: u [B, T, H];
+        ``eagle3``: z [B, T, 2H] = cat(enorm(e), hnorm(h)) (module docstring)."""
         e = self.target.embed(tokens).to(h.dtype)
+        if self.proj is None:
+            return torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)
         return self.proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
+
+    def attention_in(
+        self, h: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [B, T, H] (``proj``) or [B, T, 2H] (``eagle3``), residual [B, T, H])
+        of the head layer for head inputs h [B, T, H] and the next tokens [B, T]."""
+        x = self.inputs(h, tokens)
+        if self.proj is None:
+            return x, h
+        return self.block.attn_norm(x), x
+
+    def layer(self, h, tokens, cos, sin, ctx: AttnContext) -> torch.Tensor:
+        """The head's decoder layer: g [B, T, H] (``Block.forward``'s ops, in its order)."""
+        blk = self.block
+        a, x = self.attention_in(h, tokens)
+        x = x + blk.attn(a, cos, sin, ctx)
+        return x + blk.mlp(blk.mlp_norm(x))
 
     @property
     def draft_vocab_size(self) -> int:
@@ -161,11 +203,11 @@ class DraftHead(nn.Module):
             kv_len = kv_len or int(positions.max()) + 1
             mask = cache_mask(positions, kv_len)  # [B, 1, T, kv_len] or None
             ctx = AttnContext(positions, mask, cache, rows, kv_len, slots=slots)
-        cos, sin = self.target.rope(positions, like=self.proj.weight)
-        return self.block(self.inputs(h, tokens), cos, sin, ctx)
+        cos, sin = self.target.rope(positions, like=self.norm.weight)
+        return self.layer(h, tokens, cos, sin, ctx)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
-        c, p = self.head_config, self.proj.weight
+        c, p = self.head_config, self.norm.weight
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
 
     # ------------------------------------------------------------------ training-time test
@@ -186,7 +228,7 @@ class DraftHead(nn.Module):
         """
         b, t, _ = feats.shape
         positions = torch.arange(t, device=feats.device).expand(b, t)
-        cos, sin = self.target.rope(positions, like=self.proj.weight)
+        cos, sin = self.target.rope(positions, like=self.norm.weight)
         blk, attn = self.block, self.block.attn
         h = self.features_in(feats)
         keys: list[torch.Tensor] = []
@@ -195,8 +237,8 @@ class DraftHead(nn.Module):
         for j in range(steps):
             if j:
                 h = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
-            x = self.inputs(h, tokens)
-            q, k, v = _qkv(attn, blk.attn_norm(x), cos, sin)  # [B, heads, T, D]
+            a, x = self.attention_in(h, tokens)  # attention input, residual
+            q, k, v = _qkv(attn, a, cos, sin)  # [B, heads, T, D]
             keys.append(k)
             values.append(v)
             mask = _ttt_mask(t, j, feats.device)  # [T, (j+1)T]
@@ -206,6 +248,13 @@ class DraftHead(nn.Module):
             x = x + attn.o(a.transpose(1, 2).reshape(b, t, -1))
             outs.append(x + blk.mlp(blk.mlp_norm(x)))
         return outs
+
+
+def _check_arch(kind: str, arch: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown head arch {arch!r}; known: {ARCHS}")
+    if arch == "eagle3" and kind != "eagle3":
+        raise ValueError(f"head arch 'eagle3' is for eagle3 heads, not {kind!r} heads")
 
 
 def _check_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -277,6 +326,7 @@ def head_config(head: DraftHead) -> dict:
         "format": FORMAT,
         "version": VERSION,
         "kind": head.kind,
+        "arch": head.arch,
         "feature_layers": list(head.feature_layers),
         "draft_vocab_size": None if head.d2t is None else len(head.d2t),
         "target": head.target_config.to_hf_dict(),
@@ -297,15 +347,29 @@ def save_head(head: DraftHead, out: str | Path, extra: dict | None = None) -> Pa
 
 
 def read_head_config(path: str | Path) -> dict:
+    """The head.json of a saved head; ``ValueError`` (json's included) when it is not JSON, not
+    a draft head's or lacks or mistypes a field ``load_head`` reads, ``OSError`` if unreadable."""
     path = Path(path)
     cfg = json.loads((path / "head.json").read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}/head.json holds a JSON {type(cfg).__name__}, not an object")
     if cfg.get("format") != FORMAT:
         raise ValueError(f"{path} is not a specrl draft head (format {cfg.get('format')!r})")
+    layers = cfg.get("feature_layers")
+    if not isinstance(cfg.get("target"), dict) or not (
+        isinstance(layers, list) and all(type(x) is int for x in layers)
+    ):
+        raise ValueError(f"{path}/head.json lacks or mistypes 'target' or 'feature_layers'")
+    cfg.setdefault("arch", "proj")  # heads saved before there was a choice
+    if cfg["arch"] not in ARCHS:
+        raise ValueError(f"{path}/head.json has an unknown arch {cfg['arch']!r}; known: {ARCHS}")
     return cfg
 
 
 def load_head(path: str | Path, target: Transformer, kind: str | None = None) -> DraftHead:
-    """Load a saved head onto ``target`` (refused with ValueError if incompatible)."""
+    """Load a saved head onto ``target``: ``ValueError`` when it is damaged or incompatible
+    (json's and torch's state-dict mismatches included), ``OSError`` when a file is unreadable,
+    safetensors' ``SafetensorError`` when head.safetensors is damaged."""
     from safetensors.torch import load_file
 
     cfg = read_head_config(path)
@@ -313,6 +377,13 @@ def load_head(path: str | Path, target: Transformer, kind: str | None = None) ->
     if kind is not None and cfg["kind"] != kind:
         raise ValueError(f"{path} holds a {cfg['kind']!r} head, not {kind!r}")
     state = load_file(str(Path(path) / "head.safetensors"))
-    head = DraftHead(target, cfg["kind"], tuple(cfg["feature_layers"]), state.get("d2t"))
-    head.load_state_dict(cast_floats(state, head.proj.weight.dtype))
+    layers, vocab = tuple(cfg["feature_layers"]), state.get("d2t")
+    head = DraftHead(target, cfg["kind"], layers, vocab, arch=cfg["arch"])
+    try:
+        head.load_state_dict(cast_floats(state, head.dtype))
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors (several lines)
+        why = " ".join(str(e).split())
+        raise ValueError(
+            f"{path}/head.safetensors does not fit a {cfg['kind']} head: {why}"
+        ) from None
     return head.eval()

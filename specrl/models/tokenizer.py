@@ -31,7 +31,9 @@ class TextTokenizer:
     def load(cls, model_dir: str | Path) -> TextTokenizer:
         model_dir = Path(model_dir)
         cfg_path = model_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object")
         return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")), config)
 
     def save(self, model_dir: str | Path) -> None:

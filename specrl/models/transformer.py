@@ -43,6 +43,7 @@ class Linear(nn.Linear):
     when it can run here and ``native`` is True, else oneDNN's prepacked linear (no per-call
     weight reorder; ~10x faster than ``F.linear`` at batch 1).
 
+    An input with no rows (M = 0) gives an empty output through ``F.linear``, never the kernel.
     Each packed copy is built on first use and rebuilt whenever the weight tensor changed (its
     version counter moved), so training in place and refitting weights can never leave a stale
     copy in use.
@@ -71,7 +72,7 @@ class Linear(nn.Linear):
             and not torch.is_grad_enabled()
             and x.dtype == nat[0].dtype
             and x.shape[-1] == self.in_features
-            and x.numel() <= nat[3]
+            and 0 < x.numel() <= nat[3]  # no rows: the kernel refuses M = 0
         ):
             w = self.weight
             if nat[1] == (w.data_ptr(), w._version, w.dtype):
@@ -85,6 +86,8 @@ class Linear(nn.Linear):
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype)
         rows = x.numel() // x.shape[-1]
+        if rows == 0:  # an empty product: neither the native kernel nor oneDNN is needed
+            return F.linear(x, w, self.bias)
         fits = x.dtype == w.dtype and x.shape[-1] == self.in_features
         if self.native and rows <= gemv.MAX_ROWS and fits:
             kernel = gemv.gemv_kernel()

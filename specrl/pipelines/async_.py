@@ -1,7 +1,7 @@
 """The asynchronous GRPO loop: a producer thread generates while the learner trains.
 
-Contract: ``train_async(parts, run, start, end, log)`` runs steps ``start .. end-1`` with
-staleness bound ``s = pipeline.max_staleness``:
+Contract: ``train_async(parts, run, start, end, log, stop=None)`` runs steps ``start .. end-1``
+with staleness bound ``s = pipeline.max_staleness``:
 - the producer (a thread) handles steps in order; before step ``t`` it waits until the learner
   has pushed version ``>= t - s``, evaluates when ``eval_due(cfg, t)`` (with the weights it has;
   the eval row records ``policy_version``), then ``collect(parts, t)`` with the newest weights
@@ -17,6 +17,10 @@ staleness bound ``s = pipeline.max_staleness``:
   ``s >= 1`` it may also hold up to ``s`` later steps' completions). ``learner_idle_s`` is
   its wait for the batch; ``step_time_s`` the wall time since the previous step's learning
   ended, so the step times add up to the loop's wall time (less the last step's logging).
+- once ``stop`` (a ``signals.StopRequest``) is requested, the learner finishes the step it is
+  on (waiting for its batch if need be), checkpoints it before telling the producer, and ends
+  the loop; the producer drops what it generated ahead and is joined (it finishes the generate
+  call it is in), so the checkpoint is the one a regular schedule would have written.
 - ``s = 0`` runs exactly the sync loop's sequence (eval, collect t under version t, learn t):
   same seeds, same metrics except timings. An exception in either thread stops both and is
   raised here; nothing is left running.
@@ -36,6 +40,7 @@ from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.step import Batch, collect, learn
 
 _POLL_S = 0.1  # how often a waiting thread checks whether the other one stopped
@@ -126,7 +131,7 @@ def admit(parts: RunParts, batch: Batch) -> None:
 
 
 def train_async(
-    parts: RunParts, run: RunDir, start: int, end: int, log: Log
+    parts: RunParts, run: RunDir, start: int, end: int, log: Log, stop: StopRequest | None = None
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
     producer = Producer(parts, run, start, end, log)
@@ -145,9 +150,10 @@ def train_async(
             now = time.perf_counter()
             row |= {"learner_idle_s": idle, "step_time_s": now - last}
             last = now
-            finish_step(parts, run, row, log)
-            producer.published(parts.version)
             rows.append(row)
+            if not finish_step(parts, run, row, log, stop):
+                break
+            producer.published(parts.version)
     finally:
         producer.stop()
     return rows

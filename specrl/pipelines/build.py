@@ -5,8 +5,12 @@ names (task, template, loss, advantage, correction, drafter), the sampling setti
 and the pipeline options against what the backend supports, all before any work, raising
 ``ConfigError`` with one line naming the bad value. It returns ``RunParts``: env, codec (prompt
 -> token ids, ids -> text), learner (owns the float32 policy) and the rollout backend (its own
-copy of the policy; ``specrl.backends.build_backend`` per ``rollout.placement``). Tests pass a
-tiny model, codec and env, or a fake backend.
+copy of the policy; ``specrl.backends.build_backend`` per ``rollout.placement``), the weight-sync
+guard (``pipelines.guard.WeightGuard`` in the engine's dtype, expecting the learner's weights
+as version 0) and the acceptance alarm (``rollout.alarm_action``). ``RunParts.push_weights``
+sends the learner's weights through the guard, so a backend that skips or corrupts an update
+fails the run with a ``WeightSyncError``. Tests pass a tiny model, codec and env, or a fake
+backend.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from specrl.backends import IN_FLIGHT, RolloutBackend, build_backend, placement
 from specrl.config import Config, ConfigError
 from specrl.envs.reasoning_gym_env import Env, Prompt
+from specrl.models.precision import torch_dtype
+from specrl.pipelines.guard import AcceptanceAlarm, WeightGuard
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
 
@@ -60,11 +66,14 @@ class RunParts:
     backend: RolloutBackend
     version: int = 0
     orders: dict[int, list[Prompt]] = field(default_factory=dict)  # epoch -> train order
+    guard: WeightGuard = field(default_factory=WeightGuard)
+    alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
 
     def push_weights(self) -> float:
-        """Send the learner's weights to the backend as version ``self.version``; seconds."""
-        return self.backend.update_weights(dict(self.learner.model.named_parameters()),
-                                           self.version)  # fmt: skip
+        """Send the learner's weights to the backend as version ``self.version`` and check what
+        it serves (``WeightGuard.push``); seconds, the check included."""
+        named = dict(self.learner.model.named_parameters())
+        return self.guard.push(self.backend, named, self.version)
 
 
 def check_sampling(cfg: Config) -> None:
@@ -157,4 +166,7 @@ def build_run(
                                   temperature=cfg.rollout.temperature)  # fmt: skip
     backend = backend or build_backend(cfg, learner.model)
     check_backend(cfg, backend)
-    return RunParts(cfg, env, codec, learner, backend)
+    guard = WeightGuard(torch_dtype(cfg.model.dtype))
+    guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
+    return RunParts(cfg, env, codec, learner, backend, guard=guard,
+                    alarm=AcceptanceAlarm(cfg.rollout.alarm_action))  # fmt: skip

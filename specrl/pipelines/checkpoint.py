@@ -1,32 +1,59 @@
-"""Run directories and checkpoints: everything needed to continue a run exactly.
+"""Run directories and checkpoints: everything needed to continue a run exactly, or to say
+in one line why not.
 
 Layout of a run directory::
 
     config.toml                 the resolved config (``Config.to_toml``)
     metrics.jsonl               one JSON object per RL step (``step`` = 0-based step index)
     eval.jsonl                  one JSON object per evaluation (``step`` = updates done before it)
-    summary.json                written at the end of a run (sync pipeline)
+    summary.json                written at the end of a run (``train.run_training``)
     checkpoints/step_000020/    after 20 updates:
         policy.safetensors      the learner's float32 policy under Hugging Face names
         optimizer.safetensors   AdamW state tensors, keys "<param index>.<name>"
         optimizer.json          AdamW param groups and the state keys (no pickle anywhere)
-        state.json              step, policy version, torch RNG state (hex), data-order state
+        state.json              step, policy version, torch RNG state (hex), data-order
+                                state, "format": 2 (this layout, manifest included)
         backend.json            the rollout backend's cross-step state (e.g. the suffix
                                 drafter's history), if it has any
+        manifest.json           size and sha256 of every file above, written last
 
 Contract:
-- ``save_checkpoint`` writes into a temporary sibling and renames it, so a checkpoint directory
-  is complete or absent; ``latest_checkpoint`` returns the one with the most updates.
-- ``load_checkpoint`` restores policy and optimizer in place and returns ``state.json`` plus the
-  backend state (``{}`` if none) for ``RolloutBackend.load_state_dict``.
-- ``RunDir.truncate`` drops metric/eval rows a resumed run will produce again.
+- ``save_checkpoint`` writes every file into ``step_N.tmp`` (state.json with ``"format": 2``),
+  fsyncs each file, writes the manifest last, fsyncs the directory, then renames it to
+  ``step_N`` (a checkpoint already there is first renamed to ``step_N.old``, removed after) and
+  fsyncs ``checkpoints/``. An error while writing (a full disk) removes ``step_N.tmp`` and is
+  raised, ``step_N`` untouched. ``.tmp``/``.old`` directories are never taken for checkpoints
+  (``RunDir.checkpoints_newest_first``, ``latest_checkpoint``). A process that dies between
+  the two renames leaves no ``step_N`` but two good copies: ``RunDir.recover_interrupted``
+  (run before a resume reads checkpoints) renames ``step_N.tmp`` back to ``step_N`` if it is
+  complete (``is_complete``: manifest present, every file matching), else ``step_N.old`` if
+  it verifies; ``RunDir.clear_interrupted`` then removes what is left (and the temporaries
+  of an interrupted ``atomic_write`` of config.toml, the logs, summary.json).
+- ``read_checkpoint`` verifies the manifest (every listed file present, same size and sha256)
+  and parses every file before anything is changed; any damage raises ``CheckpointDamaged`` whose
+  message names the file and what is wrong (``policy.safetensors: sha256 mismatch``). A
+  checkpoint whose state.json has the ``format`` marker and no manifest is damaged
+  (``manifest.json: missing``); one without either (written before manifests existed) is
+  accepted when every file parses.
+  ``apply_checkpoint`` restores policy, optimizer and torch RNG in place and returns
+  ``state.json`` (less ``format`` and the RNG) plus the backend state (``{}`` if none) for
+  ``RolloutBackend.load_state_dict``; a checkpoint that does not fit the model raises
+  ``RunDirError``. ``load_checkpoint`` is both.
+- ``RunDir.rows`` reads a JSONL log: a last line cut mid-write (a killed run) is dropped, any
+  other unreadable line raises ``RunDirError`` naming the file and line. ``RunDir.append``
+  fsyncs each row; ``RunDir.truncate`` (drop the rows a resumed run will produce again)
+  replaces a log with ``fsutil.atomic_write``, never leaving it half-written.
+- ``RunDirError`` (a ``ValueError``) is every one-line "this run directory cannot be used".
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +61,49 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from specrl.errors import one_line
+from specrl.fsutil import atomic_write, fsync_path
 from specrl.models.checkpoints import hf_state_dict, load_state
 
 CKPT_PREFIX = "step_"
+TMP_SUFFIX = ".tmp"  # a checkpoint being written
+OLD_SUFFIX = ".old"  # a checkpoint being replaced
+MANIFEST = "manifest.json"
+FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
+REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
+BACKEND = "backend.json"
+_CHUNK = 1 << 20
+
+
+class RunDirError(ValueError):
+    """A run directory (a log, a checkpoint) cannot be used; the message is one line."""
+
+
+class CheckpointDamaged(RunDirError):
+    """One checkpoint failed verification; the message names the file and the damage."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex}`` of a file."""
+    h, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """N for a directory named ``step_N`` (digits only), else None."""
+    suffix = path.name[len(CKPT_PREFIX) :]
+    ok = path.name.startswith(CKPT_PREFIX) and suffix.isdigit() and path.is_dir()
+    return int(suffix) if ok else None
+
+
+# --------------------------------------------------------------------------- run directory
 
 
 class RunDir:
@@ -55,42 +122,118 @@ class RunDir:
         return self
 
     def is_used(self) -> bool:
-        return self.path.exists() and any(self.path.iterdir())
+        """Whether the path holds anything (a file in its place counts)."""
+        if not self.path.exists():
+            return False
+        return not self.path.is_dir() or any(self.path.iterdir())
 
     def append(self, log: Path, row: Mapping[str, Any]) -> None:
         with log.open("a") as f:
             f.write(json.dumps(dict(row)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def rows(self, log: Path) -> list[dict[str, Any]]:
-        """The log's rows; a last line cut mid-write (a killed run) is dropped, any other
-        unreadable line is a ``ValueError`` naming it."""
+        """The log's rows (JSON objects with an integer ``step``); a last line cut mid-write
+        (a killed run) is dropped, any other unreadable line is a ``RunDirError`` naming it."""
         if not log.exists():
             return []
-        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        try:
+            lines = log.read_bytes().split(b"\n")
+        except OSError as e:
+            raise RunDirError(f"cannot read {log}: {e.strerror or e}") from None
+        numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
         out = []
-        for i, line in enumerate(lines):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i < len(lines) - 1:
-                    raise ValueError(f"{log}: line {i + 1} is not JSON") from None
+        for k, (number, line) in enumerate(numbered):
+            row = _parse_row(line)
+            if row is None:
+                if k < len(numbered) - 1:
+                    raise RunDirError(f"{log}: line {number} is not a JSON row with a 'step'")
+                continue
+            out.append(row)
         return out
 
     def truncate(self, step: int) -> None:
         """Drop metric rows of steps >= ``step`` and eval rows at >= ``step`` updates."""
         for log in (self.metrics, self.evals):
             kept = [r for r in self.rows(log) if r["step"] < step]
-            log.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            if kept or log.exists():
+                atomic_write(log, "".join(json.dumps(r) + "\n" for r in kept))
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"{CKPT_PREFIX}{step:06d}"
 
+    def checkpoints_newest_first(self) -> list[Path]:
+        """The checkpoint directories, most updates first (an interrupted save's ``.tmp`` or
+        ``.old`` directory is never one; whether each verifies is ``read_checkpoint``'s job)."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [(_checkpoint_step(p), p) for p in self.checkpoints.iterdir()]
+        return [p for step, p in sorted((s, p) for s, p in found if s is not None)][::-1]
+
     def latest_checkpoint(self) -> Path | None:
-        """The complete checkpoint with the most updates (an interrupted save's ``.tmp``
-        directory is never one)."""
-        found = self.checkpoints.glob(f"{CKPT_PREFIX}[0-9]*") if self.path.exists() else []
-        done = sorted(p for p in found if p.name[len(CKPT_PREFIX) :].isdigit())
-        return done[-1] if done else None
+        """The checkpoint directory with the most updates (see ``checkpoints_newest_first``)."""
+        found = self.checkpoints_newest_first()
+        return found[0] if found else None
+
+    def leftovers(self) -> list[Path]:
+        """What interrupted saves left behind (``step_N.tmp``, ``step_N.old``): by step, a
+        ``.tmp`` before the ``.old`` of the same step."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [
+            p
+            for p in self.checkpoints.iterdir()
+            if p.name.startswith(CKPT_PREFIX) and p.name.endswith((TMP_SUFFIX, OLD_SUFFIX))
+        ]
+        return sorted(found, key=lambda p: (p.stem, p.suffix != TMP_SUFFIX))
+
+    def recover_interrupted(self) -> list[Path]:
+        """Finish interrupted replaces: for each ``step_N`` that is missing, its ``step_N.tmp``
+        (a new save, manifest written last) if it ``is_complete``, else its ``step_N.old``
+        (the checkpoint being replaced) if that verifies, is renamed to ``step_N``. Returns the
+        checkpoints so recovered; the rest is left for ``clear_interrupted``."""
+        recovered = []
+        for leftover in self.leftovers():
+            ckpt = leftover.with_suffix("")
+            if not ckpt.exists() and leftover.exists() and _recoverable(leftover):
+                leftover.rename(ckpt)
+                fsync_path(ckpt.parent)
+                recovered.append(ckpt)
+        return recovered
+
+    def clear_interrupted(self) -> None:
+        """Remove what interrupted saves left behind (``step_N.tmp``, ``step_N.old``) and the
+        temporaries of an interrupted ``fsutil.atomic_write`` of the run's own files
+        (``.metrics.jsonl.<random>.tmp``)."""
+        for p in self.leftovers():
+            shutil.rmtree(p, ignore_errors=True)
+        for own in (self.config, self.metrics, self.evals, self.summary):
+            for tmp in self.path.glob(f".{own.name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+
+
+def _recoverable(leftover: Path) -> bool:
+    """A ``.tmp`` needs its manifest (written last) and every file to match; an ``.old``
+    (once a committed checkpoint, maybe from before manifests) needs ``verify_manifest``."""
+    if not leftover.is_dir() or not leftover.stem[len(CKPT_PREFIX) :].isdigit():
+        return False
+    if leftover.suffix == TMP_SUFFIX:
+        return is_complete(leftover)
+    try:
+        verify_manifest(leftover)
+    except CheckpointDamaged:
+        return False
+    return True
+
+
+def _parse_row(line: bytes) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+    return row if ok else None
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -111,9 +254,9 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
     return tensors, {"param_groups": sd["param_groups"], "state": keys}
 
 
-def restore_optimizer(
-    opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: dict
-) -> None:
+def optimizer_state(tensors: Mapping[str, torch.Tensor], meta: dict) -> dict[str, Any]:
+    """The ``opt.state_dict()`` that ``optimizer_tensors`` split (``KeyError``/``TypeError``/
+    ``AttributeError`` on a malformed ``meta``)."""
     state = {}
     for idx, entries in meta["state"].items():
         state[int(idx)] = {
@@ -121,18 +264,52 @@ def restore_optimizer(
             for name, value in entries.items()
         }
     groups = [g | {"betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
-# --------------------------------------------------------------------------- save / load
+def restore_optimizer(
+    opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: dict
+) -> None:
+    opt.load_state_dict(optimizer_state(tensors, meta))
+
+
+# --------------------------------------------------------------------------- save
 
 
 def rng_state() -> str:
     return torch.get_rng_state().numpy().tobytes().hex()
 
 
-def set_rng_state(hex_state: str) -> None:
-    torch.set_rng_state(torch.from_numpy(np.frombuffer(bytes.fromhex(hex_state), np.uint8).copy()))
+def _write_files(
+    tmp: Path,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: Mapping[str, Any],
+    backend_state: Mapping[str, Any] | None,
+) -> list[str]:
+    """Write a checkpoint's files into ``tmp``; their names."""
+    save_file(hf_state_dict(policy), str(tmp / "policy.safetensors"))
+    tensors, meta = optimizer_tensors(optimizer)
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    (tmp / "optimizer.json").write_text(json.dumps(meta))
+    marked = dict(state) | {"format": FORMAT, "torch_rng": rng_state()}
+    (tmp / "state.json").write_text(json.dumps(marked))
+    if backend_state:
+        (tmp / BACKEND).write_text(json.dumps(dict(backend_state)))
+        return [*REQUIRED, BACKEND]
+    return list(REQUIRED)
+
+
+def _write_manifest(tmp: Path, names: list[str]) -> None:
+    """fsync each file, then write and fsync the manifest of their sizes and digests."""
+    files = {}
+    for name in names:
+        fsync_path(tmp / name)
+        files[name] = file_digest(tmp / name)
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(
@@ -142,20 +319,156 @@ def save_checkpoint(
     state: Mapping[str, Any],
     backend_state: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint directory atomically (temp dir + rename)."""
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write a complete checkpoint directory atomically (see the module docstring). A failure
+    while writing (a full disk) removes ``step_N.tmp`` and leaves ``step_N`` as it was; one
+    between the renames leaves both copies for ``RunDir.recover_interrupted``."""
+    tmp = ckpt.with_name(ckpt.name + TMP_SUFFIX)
+    old = ckpt.with_name(ckpt.name + OLD_SUFFIX)
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(hf_state_dict(policy), str(tmp / "policy.safetensors"))
-    tensors, meta = optimizer_tensors(optimizer)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    (tmp / "optimizer.json").write_text(json.dumps(meta))
-    (tmp / "state.json").write_text(json.dumps(dict(state) | {"torch_rng": rng_state()}))
-    if backend_state:
-        (tmp / "backend.json").write_text(json.dumps(dict(backend_state)))
-    shutil.rmtree(ckpt, ignore_errors=True)
-    tmp.rename(ckpt)
+    try:
+        _write_manifest(tmp, _write_files(tmp, policy, optimizer, state, backend_state))
+        fsync_path(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit(tmp, ckpt, old)
     return ckpt
+
+
+def _commit(tmp: Path, ckpt: Path, old: Path) -> None:
+    """Rename the written ``tmp`` to ``ckpt``; a checkpoint there goes to ``old`` first and is
+    removed after."""
+    if ckpt.exists():
+        ckpt.rename(old)
+    tmp.rename(ckpt)
+    fsync_path(ckpt.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- verify / load
+
+
+@dataclass
+class CheckpointData:
+    """A checkpoint read and checked, nothing applied yet."""
+
+    path: Path
+    policy: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # for ``Optimizer.load_state_dict``
+    state: dict[str, Any]  # state.json without the RNG
+    rng: torch.Tensor
+    backend: dict[str, Any]
+
+
+def verify_manifest(ckpt: Path) -> None:
+    """Check every file the manifest lists (size, then sha256). Without a manifest: damaged if
+    state.json carries the ``format`` marker (every checkpoint that has it was written with a
+    manifest), else an older specrl's checkpoint, which passes here and is checked by parsing
+    alone."""
+    path = ckpt / MANIFEST
+    if not path.exists():
+        if _format(ckpt) >= FORMAT:
+            raise CheckpointDamaged(f"{MANIFEST}: missing")
+        return
+    try:
+        files = json.loads(path.read_bytes())["files"]
+        listed = {name: (int(d["bytes"]), str(d["sha256"])) for name, d in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointDamaged(f"{MANIFEST}: unreadable") from None
+    if any(Path(name).name != name or name.startswith(".") for name in listed):
+        raise CheckpointDamaged(f"{MANIFEST}: lists a path outside the checkpoint")
+    for name in REQUIRED:
+        if name not in listed:
+            raise CheckpointDamaged(f"{MANIFEST}: does not list {name}")
+    for name, (size, sha) in listed.items():
+        _check_file(ckpt / name, size, sha)
+
+
+def is_complete(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is what a finished ``save_checkpoint`` leaves: a manifest, and every
+    file it lists matching it (files are hashed, not parsed)."""
+    if not (ckpt / MANIFEST).is_file():
+        return False
+    try:
+        verify_manifest(ckpt)
+    except CheckpointDamaged:
+        return False
+    return True
+
+
+def _format(ckpt: Path) -> int:
+    """state.json's ``format`` marker; 0 when absent or unreadable (parsing reports that)."""
+    try:
+        found = json.loads((ckpt / "state.json").read_bytes()).get("format", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return found if isinstance(found, int) else 0
+
+
+def _check_file(path: Path, size: int, sha: str) -> None:
+    if not path.is_file():
+        raise CheckpointDamaged(f"{path.name}: missing")
+    found = path.stat().st_size
+    if found != size:
+        raise CheckpointDamaged(f"{path.name}: {found} bytes, the manifest says {size}")
+    if file_digest(path)["sha256"] != sha:
+        raise CheckpointDamaged(f"{path.name}: sha256 mismatch")
+
+
+def _parse(ckpt: Path, name: str, parse: Callable[[Path], Any]) -> Any:
+    """``parse(path)``, any failure (a missing or unreadable file) as ``CheckpointDamaged``."""
+    path = ckpt / name
+    if not path.is_file():
+        raise CheckpointDamaged(f"{name}: missing")
+    try:
+        return parse(path)
+    except Exception as e:  # safetensors, json, and malformed-content errors of every kind
+        raise CheckpointDamaged(f"{name}: {one_line(e)}") from None
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_bytes())
+
+
+def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
+    state = _json(path)
+    if not isinstance(state.get("step"), int) or not isinstance(state.get("policy_version"), int):
+        raise ValueError("no integer 'step' and 'policy_version'")
+    state.pop("format", None)
+    raw = np.frombuffer(bytes.fromhex(state.pop("torch_rng")), np.uint8).copy()
+    return state, torch.from_numpy(raw)
+
+
+def read_checkpoint(ckpt: Path) -> CheckpointData:
+    """Verify and parse the checkpoint in ``ckpt`` (``CheckpointDamaged`` on any damage)."""
+    verify_manifest(ckpt)
+    policy = _parse(ckpt, "policy.safetensors", lambda p: load_file(str(p)))
+    opt_tensors = _parse(ckpt, "optimizer.safetensors", lambda p: load_file(str(p)))
+    optimizer = _parse(ckpt, "optimizer.json", lambda p: optimizer_state(opt_tensors, _json(p)))
+    state, rng = _parse(ckpt, "state.json", _state)
+    step = _checkpoint_step(ckpt)
+    if step is not None and state["step"] != step:
+        raise CheckpointDamaged(f"state.json: step {state['step']} in a checkpoint named {step}")
+    backend = _parse(ckpt, BACKEND, _json) if (ckpt / BACKEND).exists() else {}
+    if not isinstance(backend, dict):
+        raise CheckpointDamaged(f"{BACKEND}: not a JSON object")
+    return CheckpointData(ckpt, policy, optimizer, state, rng, backend)
+
+
+def apply_checkpoint(
+    data: CheckpointData, policy: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore policy, optimizer and torch RNG from ``data``; return (its state, the backend
+    state). A checkpoint that does not fit this model or optimizer is a ``RunDirError``."""
+    try:
+        load_state(policy, data.policy)
+        optimizer.load_state_dict(data.optimizer)
+        torch.set_rng_state(data.rng)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise RunDirError(f"checkpoint {data.path} does not fit this run: {one_line(e)}") from None
+    return dict(data.state), dict(data.backend)
 
 
 def load_checkpoint(
@@ -163,12 +476,5 @@ def load_checkpoint(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore policy, optimizer and torch RNG from ``ckpt``; return (its state, the backend
-    state)."""
-    load_state(policy, load_file(str(ckpt / "policy.safetensors")))
-    meta = json.loads((ckpt / "optimizer.json").read_text())
-    restore_optimizer(optimizer, load_file(str(ckpt / "optimizer.safetensors")), meta)
-    state = json.loads((ckpt / "state.json").read_text())
-    set_rng_state(state.pop("torch_rng"))
-    backend = ckpt / "backend.json"
-    return state, json.loads(backend.read_text()) if backend.exists() else {}
+    """``read_checkpoint`` then ``apply_checkpoint``."""
+    return apply_checkpoint(read_checkpoint(ckpt), policy, optimizer)

@@ -3,51 +3,87 @@
 Contract: ``register(app)`` adds two commands to the main Typer app.
 - ``specrl train [--config F.toml] [--set key=value ...] [--run-dir DIR] [--resume RUN_DIR]``:
   every option has a default, so ``specrl train`` alone runs the embedded default (SmolLM2,
-  the default task, speculation per config). The config is validated, the model, task and
-  drafter checked before any work: a bad value ends with one ``error: ...`` line and exit code 2.
+  the default task, speculation per config). The config is validated, the run directory
+  checked (a file, or a place this user cannot write, is refused), the model, task and drafter
+  checked before any work: a bad value ends with one ``error: ...`` line and exit code 2.
   ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``)
-  and continues from its latest checkpoint. Without ``--resume`` a used run dir is never
-  overwritten: the next free ``DIR-1``, ``DIR-2``, ... is taken (and printed). At the end the
-  summary is printed, including the measured rollout speedup over a no-speculation rollout of
-  the same prompts (``--no-compare`` skips that measurement).
-- ``specrl report RUN_DIR [--out DIR]``: PNG plots and summary.md (``pipelines.report``).
+  and its logs, and continues from its newest checkpoint that verifies (one line names any
+  damaged newer one; a run killed before its first checkpoint restarts from step 0); a run
+  whose checkpoints are all damaged, or a log line that is not JSON, is one ``error:`` line.
+  A failed weight-sync check (``guard.WeightSyncError``: the rollout backend does not serve the
+  weights the learner pushed) ends the run with one ``error:`` line and exit code 1.
+  Without ``--resume`` a used run dir is never overwritten: the next free ``DIR-1``,
+  ``DIR-2``, ... is taken (and printed). At the end the summary is printed, including the
+  measured rollout speedup over a no-speculation rollout of the same prompts (``--no-compare``
+  skips that measurement). SIGINT (Ctrl-C) or SIGTERM finishes the step in progress, writes its
+  checkpoint and ends with one line (``stopped by SIGINT after 3 steps; checkpoint saved: ...;
+  continue with: specrl train --resume RUN``) and exit code 130 / 143; a second one aborts.
+  A signal once every step is done (or during the last one) does not stop a completed run: the
+  speed check is skipped (cut short if running), the summary is written and printed, and one
+  line ends it (``stopped by SIGINT after the run completed all N steps (the speed check was
+  skipped); summary written: RUN/summary.json``), exit code 130 / 143.
+- ``specrl report RUN_DIR [--out DIR]``: PNG plots and summary.md (``pipelines.report``); an
+  output directory that cannot be written is one ``error:`` line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 from specrl.cli_util import fail
 from specrl.config import Config, ConfigError, load_config
-from specrl.pipelines.checkpoint import RunDir
+from specrl.fsutil import writable_problem
+from specrl.pipelines.checkpoint import RunDir, RunDirError
+
+if TYPE_CHECKING:
+    from specrl.pipelines.build import RunParts
+    from specrl.pipelines.signals import Stopped
 
 
 def free_run_dir(path: Path) -> Path:
     """``path`` if unused, else the first unused ``path-1``, ``path-2``, ..."""
     candidate, i = path, 0
-    while candidate.exists() and any(candidate.iterdir()):
+    while RunDir(candidate).is_used():
         i += 1
         candidate = path.with_name(f"{path.name}-{i}")
     return candidate
 
 
+def require_writable_dir(path: Path, what: str) -> None:
+    """``ConfigError`` (``"<what> <why>"``) unless ``path`` is a directory this user can write
+    in, or can be created as one (``fsutil.writable_problem``)."""
+    problem = writable_problem(path, "dir")
+    if problem is not None:
+        raise ConfigError(f"{what} {problem}")
+
+
+def check_resumable(run: RunDir) -> None:
+    """What a resume reads before any work: config.toml, the logs, a writable directory."""
+    if not run.config.is_file():
+        raise ConfigError(f"cannot resume {run.path}: no config.toml there")
+    require_writable_dir(run.path, "run dir")
+    for log in (run.metrics, run.evals):
+        run.rows(log)  # a line that is not JSON: RunDirError naming it
+
+
 def resolve_config(
     config: Path | None, sets: list[str], run_dir: Path | None, resume: Path | None
 ) -> tuple[Config, Path]:
-    """The validated config and the run directory (``ConfigError`` on any bad input)."""
+    """The validated config and the run directory (``ConfigError`` or ``RunDirError``, both
+    ``ValueError``, on any bad input)."""
     if resume is not None:
         if config is not None:
             raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
-        if not (resume / "config.toml").exists():
-            raise ConfigError(f"cannot resume {resume}: no config.toml there")
-        if RunDir(resume).latest_checkpoint() is None:
-            raise ConfigError(f"cannot resume {resume}: it holds no checkpoint")
+        check_resumable(RunDir(resume))
         return with_run_dir(load_config(resume / "config.toml", sets), resume), resume
     cfg = load_config(config, sets)
-    target = free_run_dir(run_dir or Path(cfg.run.run_dir))
+    base = run_dir or Path(cfg.run.run_dir)
+    require_writable_dir(base, "run dir")
+    target = free_run_dir(base)
+    require_writable_dir(target, "run dir")
     return with_run_dir(cfg, target), target
 
 
@@ -72,22 +108,61 @@ def train_command(
     """Post-train the policy with GRPO; rollouts are generated speculatively (lossless)."""
     from specrl.models.checkpoints import CheckpointError
     from specrl.pipelines.build import build_run
-    from specrl.pipelines.report import summary_text
-    from specrl.pipelines.train import run_training
 
     try:
         cfg, target = resolve_config(config, sets or [], run_dir, resume)
         parts = build_run(cfg)
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        typer.echo("stopped by SIGINT before training started; nothing to save", err=True)
+        raise typer.Exit(130) from None
     typer.echo(f"run dir: {target}  (spec={cfg.rollout.spec}, k={cfg.rollout.num_spec_tokens}, "
                f"pipeline={cfg.pipeline.mode})")  # fmt: skip
+    try:
+        run_and_report(parts, target, resume is not None, compare, progress)
+    except KeyboardInterrupt:  # only outside training's own handlers: no step is cut short
+        typer.echo(f"stopped by SIGINT; continue with: specrl train --resume {target}", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        parts.backend.close()
+
+
+def run_and_report(
+    parts: RunParts, target: Path, resume: bool, compare: bool, progress: bool
+) -> None:
+    """``run_training`` and its summary; a stop by signal or a run dir that cannot be resumed
+    ends with one line and its exit code."""
     from tqdm import tqdm
 
-    summary = run_training(parts, str(target), resume=resume is not None, compare_plain=compare,
-                           progress=progress, echo=tqdm.write)  # fmt: skip
+    from specrl.pipelines.guard import WeightSyncError
+    from specrl.pipelines.report import summary_text
+    from specrl.pipelines.signals import Stopped
+    from specrl.pipelines.train import run_training
+
+    try:
+        summary = run_training(parts, str(target), resume=resume, compare_plain=compare,
+                               progress=progress, echo=tqdm.write)  # fmt: skip
+    except RunDirError as e:
+        fail(str(e))
+    except WeightSyncError as e:  # a runtime failure of the rollout backend, not bad input
+        fail(str(e), code=1)
+    except Stopped as e:
+        end_stopped(e, target)
     typer.echo(summary_text(summary))
     typer.echo(f"metrics: {target / 'metrics.jsonl'}; plots: specrl report {target}")
+
+
+def end_stopped(stopped: Stopped, target: Path) -> NoReturn:
+    """Print a stopped run's summary (a completed one has it) and its one line, and exit with
+    its code; a run with steps left gets the command that continues it."""
+    from specrl.pipelines.report import summary_text
+
+    if stopped.summary is not None:
+        typer.echo(summary_text(stopped.summary))
+    hint = "" if stopped.complete else f"; continue with: specrl train --resume {target}"
+    typer.echo(f"{stopped}{hint}", err=True)
+    raise typer.Exit(stopped.exit_code) from None
 
 
 def report_command(
@@ -105,13 +180,16 @@ def report_command(
     """Write PNG plots and summary.md for a training run."""
     from specrl.pipelines.report import write_comparison, write_report
 
+    dest = out if out is not None else run_dir
     try:
+        require_writable_dir(dest, "--out")
         paths = write_report(run_dir, out)
         if compare:
-            dest = out if out is not None else run_dir
             paths.append(write_comparison([run_dir, *compare], dest / "compare.png"))
     except ValueError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"cannot write the report to {dest}: {e.strerror or e}")
     for p in paths:
         typer.echo(str(p))
 

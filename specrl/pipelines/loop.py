@@ -1,28 +1,54 @@
 """What the sync and async training loops share: the run directory, checkpoints, resume, logs.
 
 Contract:
-- ``open_run(parts, run, resume)``: a fresh run refuses a used directory; a resume restores the
-  latest checkpoint (policy, optimizer, RNG, the learner version, the backend's state such as
-  the suffix drafter's history), pushes the restored weights to the backend as that version and
-  drops metric/eval rows the resumed run will write again. Returns the first step to run.
-- ``finish_step(parts, run, row, log)``: append the metrics row, update the progress bar and the
-  console, checkpoint when due (every ``run.checkpoint_every`` updates and after the last one).
+- ``open_run(parts, run, resume, say)``: a fresh run refuses a used directory; a resume
+  restores the newest checkpoint that verifies (policy, optimizer, RNG, the learner version, the
+  backend's state such as the suffix drafter's history), saying in one line (``say``, else a
+  warning) which newer ones were damaged and skipped; a run that has no checkpoint yet restarts
+  from step 0 (said too); if none of several verifies, ``RunDirError`` names each one's damage.
+  Before reading checkpoints a resume finishes interrupted replaces
+  (``RunDir.recover_interrupted``: a complete ``step_N.tmp`` or a verified ``step_N.old``
+  becomes the missing ``step_N``, silently: no data is lost); what is left of interrupted saves
+  is removed after the restore. It pushes the restored weights to the backend as that version,
+  drops metric/eval rows the resumed run will write again, and writes config.toml atomically.
+  Returns the first step to run.
+- ``finish_step(parts, run, row, log, stop)``: append the metrics row, update the progress bar
+  and the console, checkpoint when due (every ``run.checkpoint_every`` updates and after the
+  last one); returns whether the loop goes on (False once ``stop``, a
+  ``signals.StopRequest``, was requested: the loop ends without starting another step).
+- ``stop_checkpoint(parts, run, updates)``: after a stopped loop ended, the checkpoint of
+  ``updates`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
+  (never rewritten), otherwise it is written now.
 - ``METRIC_KEYS``: the numeric keys every step row has, in both modes; ``TIMING_KEYS``: those
   that vary from run to run (equality tests ignore them).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from specrl.config import Config
+from specrl.fsutil import atomic_write
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.checkpoint import RunDir, load_checkpoint, save_checkpoint
+from specrl.pipelines.checkpoint import (
+    CheckpointDamaged,
+    CheckpointData,
+    RunDir,
+    RunDirError,
+    apply_checkpoint,
+    is_complete,
+    read_checkpoint,
+    save_checkpoint,
+)
 from specrl.pipelines.evaluate import evaluate
+from specrl.pipelines.guard import alarm_line
+from specrl.pipelines.signals import StopRequest
 
 METRIC_KEYS = (
     "step", "reward_mean", "reward_std", "accuracy", "response_length", "gen_time_s",
@@ -56,32 +82,69 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
     return every > 0 and (updates % every == 0 or updates == cfg.run.steps)
 
 
-def save(parts: RunParts, run: RunDir, updates: int) -> None:
-    state = {"step": updates, "policy_version": parts.version}
-    save_checkpoint(run.checkpoint_dir(updates), parts.learner.model, parts.learner.optimizer,
-                    state, parts.backend.state_dict())  # fmt: skip
+def save(parts: RunParts, run: RunDir, updates: int) -> Path:
+    state = {"step": updates, "policy_version": parts.version, "alarm": parts.alarm.state_dict()}
+    return save_checkpoint(run.checkpoint_dir(updates), parts.learner.model,
+                           parts.learner.optimizer, state, parts.backend.state_dict())  # fmt: skip
 
 
-def restore(parts: RunParts, run: RunDir) -> int:
-    """Load the latest checkpoint into ``parts``; the number of updates it holds (0 if none)."""
-    ckpt = run.latest_checkpoint()
-    if ckpt is None:
+def _report(say: Echo | None, line: str) -> None:
+    if say is not None:
+        say(line)
+    else:
+        warnings.warn(line, stacklevel=3)
+
+
+def newest_verified(run: RunDir, say: Echo | None = None) -> CheckpointData | None:
+    """The newest checkpoint that verifies, read (``None`` if the run has none at all); the
+    damaged newer ones are named in one line, and if none verifies that is a ``RunDirError``."""
+    damaged: list[str] = []
+    for ckpt in run.checkpoints_newest_first():
+        try:
+            data = read_checkpoint(ckpt)
+        except CheckpointDamaged as e:
+            damaged.append(f"{ckpt.name} ({e})")
+            continue
+        if damaged:
+            _report(say, f"{_damaged(damaged)}; resuming from {ckpt.name}")
+        return data
+    if damaged:
+        raise RunDirError(f"cannot resume {run.path}: no checkpoint verifies: {', '.join(damaged)}")
+    return None
+
+
+def _damaged(found: list[str]) -> str:
+    if len(found) == 1:
+        return "checkpoint {} is damaged {}".format(*found[0].split(" ", 1))
+    return f"checkpoints {', '.join(found)} are damaged"
+
+
+def restore(parts: RunParts, run: RunDir, say: Echo | None = None) -> int:
+    """Load the newest verified checkpoint into ``parts``; the updates it holds (0 if none)."""
+    data = newest_verified(run, say)
+    if data is None:
+        _report(say, f"{run.path} holds no checkpoint yet: starting from step 0")
+        run.truncate(0)
         return 0
-    state, backend_state = load_checkpoint(ckpt, parts.learner.model, parts.learner.optimizer)
+    state, backend_state = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
     parts.version = state["policy_version"]
+    parts.alarm.load_state_dict(state.get("alarm", {}))
     parts.push_weights()
     parts.backend.load_state_dict(backend_state)
     run.truncate(state["step"])
     return state["step"]
 
 
-def open_run(parts: RunParts, run: RunDir, resume: bool) -> int:
+def open_run(parts: RunParts, run: RunDir, resume: bool, say: Echo | None = None) -> int:
     """Create or resume ``run``; the first step to run (see the module docstring)."""
     if not resume and run.is_used():
-        raise ValueError(f"run dir {run.path} is not empty: resume it or choose another")
+        raise RunDirError(f"run dir {run.path} is not empty: resume it or choose another")
     run.create()
-    start = restore(parts, run) if resume else 0
-    run.config.write_text(parts.cfg.to_toml())
+    if resume:
+        run.recover_interrupted()
+    start = restore(parts, run, say) if resume else 0
+    run.clear_interrupted()
+    atomic_write(run.config, parts.cfg.to_toml())
     return start
 
 
@@ -92,14 +155,28 @@ def log_eval(parts: RunParts, run: RunDir, updates: int, log: Log) -> None:
             f"sampled acc {row.get('sampled_accuracy', 0):.3f}")  # fmt: skip
 
 
-def finish_step(parts: RunParts, run: RunDir, row: dict[str, Any], log: Log) -> None:
-    """Log a finished step's row and checkpoint when due."""
+def finish_step(
+    parts: RunParts, run: RunDir, row: dict[str, Any], log: Log, stop: StopRequest | None = None
+) -> bool:
+    """Log a finished step's row and checkpoint when due; whether to go on (see the module
+    docstring)."""
     run.append(run.metrics, row)
     log.bar.update(1)
     log.bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc_len=row["acceptance_length"])
     log.say(format_row(row))
+    if line := alarm_line(row):
+        log.say(line)
     if checkpoint_due(parts.cfg, row["step"] + 1):
         save(parts, run, row["step"] + 1)
+    return stop is None or not stop.requested
+
+
+def stop_checkpoint(parts: RunParts, run: RunDir, updates: int) -> Path:
+    """The checkpoint of ``updates`` for a stopped run: the existing ``step_N`` if it is
+    complete (the regular schedule wrote it at the end of that step, or the run resumed from
+    it and ran no step since), else written now."""
+    ckpt = run.checkpoint_dir(updates)
+    return ckpt if is_complete(ckpt) else save(parts, run, updates)
 
 
 def format_row(row: dict[str, Any]) -> str:

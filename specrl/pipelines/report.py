@@ -2,7 +2,7 @@
 
 Contract:
 - ``summarize(rows, evals, speed)`` condenses metric rows (``metrics.jsonl``), eval rows
-  (``eval.jsonl``) and an optional rollout speed check (``sync.measure_speedup``) into a flat
+  (``eval.jsonl``) and an optional rollout speed check (``speed.measure_speedup``) into a flat
   dict: first/last-window means of reward and accuracy (window = min(5, max(1, steps // 3))),
   first/last eval accuracies, mean rollout tokens/s, acceptance length, logprob mismatch, and
   the mean step-time breakdown (generation, learner, logprob check, refit, other), mean idle
@@ -10,9 +10,9 @@ Contract:
 - ``summary_markdown(summary)`` renders it as a markdown table; ``summary_text`` as console lines.
 - ``write_report(run_dir, out=None)`` writes ``reward_accuracy.png``, ``rollout_throughput.png``,
   ``acceptance_length.png``, ``step_time.png``, ``pipeline.png`` (learner and generator idle
-  time, token staleness, reused in-flight tokens) and ``summary.md`` (into ``out``, default the run
-  dir) with matplotlib's Agg backend, and returns the written paths. A run dir without metrics
-  raises ``ValueError``.
+  time, token staleness, reused in-flight tokens) and ``summary.md`` (``fsutil.atomic_write``)
+  into ``out`` (default the run dir) with matplotlib's Agg backend, and returns the written
+  paths. A run dir without metrics raises ``ValueError``.
 - ``write_comparison(run_dirs, path)``: train reward per step of several runs on one plot, x =
   completions trained on so far (the same samples at the same x, whatever the pipeline), each
   labelled with its run dir and pipeline mode; ``specrl report RUN --compare OTHER``.
@@ -27,6 +27,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from specrl.fsutil import atomic_write
 from specrl.pipelines.checkpoint import RunDir
 
 BREAKDOWN = (
@@ -221,7 +222,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plot_pipeline(rows, dest / "pipeline.png"),
     ]  # fmt: skip
     md = summary_markdown(summarize(rows, evals, speed), f"Run {run.path}")
-    (dest / "summary.md").write_text(md)
+    atomic_write(dest / "summary.md", md)
     return [*paths, dest / "summary.md"]
 
 

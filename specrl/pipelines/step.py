@@ -6,14 +6,24 @@ Contract:
   or an asynchronous producer needs no data-order state.
 - ``collect(parts, step)``: G completions per prompt from the backend (temperature/top-k/top-p
   from the config, the codec's stop tokens, a request seed derived from (run seed, step,
-  prompt)), env rewards, group advantages (registered estimator). The ``Batch`` carries its
-  behaviour version (the oldest policy version of any of its tokens) and its rollout metrics.
-- ``learn(parts, batch)``: the engine/learner mismatch of raw (T=1) logprobs, one learner step
-  with the behaviour logprobs the correction needs (``learner.correction``: 'ppo' clips against
-  the engine's processed logprobs when no top-k/top-p truncation is on and the learner's own
-  detached logprobs otherwise; 'tis' always hands the processed logprobs to the truncated
-  importance weight, see ``specrl.rl.corrections``), then ``parts.version += 1`` and the new
-  weights pushed to the backend. Returns the metrics of the learning half, including the
+  prompt); plain decoding once the acceptance alarm turned speculation off), env rewards, group
+  advantages (registered estimator). The ``Batch`` carries its behaviour version (the oldest
+  policy version of any of its tokens), its rollout metrics (``draft_acceptance_length``: tokens
+  per verify step that drafted, 0 when nothing was drafted; ``drafting_steps``: how many such
+  (row, step) pairs), and for the weight-sync check what
+  the backend served right after the call (``backend.served()``) with the versions whose
+  updates had returned before it (``WeightGuard.floor()``).
+- ``learn(parts, batch)``: first the weight-sync check of the batch (``WeightGuard.verify``:
+  a ``WeightSyncError`` ends the run before anything trains on it; it runs in the learner's
+  thread, so the async producer never waits for it) and the acceptance alarm
+  (``acceptance_alarm`` 0/1 in the row, ``acceptance_warning`` when it fires); then the
+  engine/learner mismatch of raw (T=1) logprobs, one learner step with the behaviour logprobs
+  the correction needs (``learner.correction``: 'ppo' clips against the engine's processed
+  logprobs when no top-k/top-p truncation is on and the learner's own detached logprobs
+  otherwise; 'tis' always hands the processed logprobs to the truncated importance weight, see
+  ``specrl.rl.corrections``), then ``parts.version += 1`` and the new weights pushed to the
+  backend through the guard (``RunParts.push_weights``; ``refit_time_s`` includes the check).
+  Returns the metrics of the learning half, including the
   staleness of the batch's tokens (``learner version - token version``: mean, max, histogram).
 No pipeline module touches engine internals: all generation goes through ``parts.backend``.
 """
@@ -29,11 +39,12 @@ from typing import Any
 
 import torch
 
-from specrl.backends import Rollout
+from specrl.backends import Rollout, Served, Versions
 from specrl.config import Config
 from specrl.engine.types import Completion, Request
 from specrl.envs.reasoning_gym_env import Prompt
 from specrl.pipelines.build import RunParts, truncated
+from specrl.pipelines.guard import alarm_fields
 from specrl.rl import Learner, TrainSample, compute_advantages
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -52,6 +63,8 @@ class Batch:
     advantages: torch.Tensor  # [P, G]
     behaviour_version: int  # the oldest policy version of any token
     metrics: dict[str, Any] = field(default_factory=dict)
+    served: Served | None = None  # what the backend served right after the rollout
+    floor: Versions | None = None  # versions whose updates had returned before it
 
 
 # --------------------------------------------------------------------------- prompts
@@ -126,6 +139,8 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
         "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         "acceptance_length": st.acceptance_length,
         "draft_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,
+        "draft_acceptance_length": draft_acceptance_length(out),
+        "drafting_steps": drafting_steps(out),
         "response_length": tokens / max(len(comps), 1),
         "truncated_frac": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
         "prefill_s": st.prefill_s,
@@ -136,6 +151,20 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
         "reused_tokens": st.reused_tokens,
         "discarded_tokens": st.discarded_tokens,
     }
+
+
+def drafting_steps(out: Rollout) -> int:
+    """(row, verify step) pairs of a rollout that drafted at least one token."""
+    drafted = out.stats.per_position_drafted
+    return drafted[0] if drafted else 0
+
+
+def draft_acceptance_length(out: Rollout) -> float:
+    """Tokens emitted per (row, verify step) that drafted: 1 + accepted drafts / drafting row
+    steps (what serving engines report as acceptance length); 0.0 when nothing was drafted.
+    Unlike ``acceptance_length`` it ignores plain steps (adaptive k at a large batch)."""
+    drafting = drafting_steps(out)
+    return 1.0 + out.stats.accepted / drafting if drafting else 0.0
 
 
 def behaviour_version(comps: Sequence[Completion]) -> int:
@@ -149,7 +178,9 @@ def collect(parts: RunParts, step: int) -> Batch:
     """Generate, score and compute advantages for step ``step`` (see the module docstring)."""
     cfg = parts.cfg
     prompts = draw_prompts(parts, step)
-    out = rollout(parts, prompts, step)
+    floor = parts.guard.floor()  # read before the call: a call serves at least these
+    out = rollout(parts, prompts, step, spec=parts.alarm.spec_override())
+    served = parts.backend.served()
     t0 = time.perf_counter()
     rewards, correct = score(parts, prompts, out.completions)  # [P, G]
     adv = compute_advantages(cfg.learner.advantage, rewards, **_adv_kwargs(cfg))
@@ -161,7 +192,7 @@ def collect(parts: RunParts, step: int) -> Batch:
         "prompts": [p.id for p in prompts],
     }
     return Batch(step, prompts, out.completions, rewards, adv,
-                 behaviour_version(out.completions), metrics)  # fmt: skip
+                 behaviour_version(out.completions), metrics, served, floor)  # fmt: skip
 
 
 def _adv_kwargs(cfg: Config) -> dict[str, Any]:
@@ -221,7 +252,10 @@ def staleness(version: int, comps: Sequence[Completion]) -> dict[str, Any]:
 def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
     """One learner step on ``batch``, then push the new weights (see the module docstring)."""
     learner, comps = parts.learner, batch.completions
+    if batch.served is not None:
+        parts.guard.verify(batch.served, batch.floor)
     row: dict[str, Any] = {"behaviour_version": batch.behaviour_version}
+    row |= alarm_fields(parts.alarm, batch.step, batch.metrics, batch.behaviour_version)
     row |= staleness(parts.version, comps)
     samples = train_samples(comps, batch.advantages, uses_behaviour_logprobs(parts.cfg))
     if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones

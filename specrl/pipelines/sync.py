@@ -1,10 +1,12 @@
 """The synchronous GRPO loop: collect -> learn, one step at a time.
 
-Contract: ``train_sync(parts, run, start, end, log)`` runs steps ``start .. end-1``; before step
-``s`` it evaluates when ``eval_due(cfg, s)``; each step is ``collect(parts, s)`` (rollouts under
-the policy of ``s`` updates: staleness 0) then ``learn(parts, batch)`` (which pushes the new
-weights), and ``finish_step`` logs and checkpoints. ``learner_idle_s`` is the step's generation
-time (the learner waits for it), ``generator_idle_s`` its learning time. Returns the rows.
+Contract: ``train_sync(parts, run, start, end, log, stop=None)`` runs steps ``start .. end-1``;
+before step ``s`` it evaluates when ``eval_due(cfg, s)``; each step is ``collect(parts, s)``
+(rollouts under the policy of ``s`` updates: staleness 0) then ``learn(parts, batch)`` (which
+pushes the new weights), and ``finish_step`` logs and checkpoints. Once ``stop`` (a
+``signals.StopRequest``) is requested, the step in progress is finished and checkpointed and
+the loop ends there. ``learner_idle_s`` is the step's generation time (the learner waits for
+it), ``generator_idle_s`` its learning time. Returns the rows of the steps it ran.
 With a deterministic CPU configuration every metric except timings is a function of the config:
 a resumed run equals an uninterrupted one, and the async loop at ``max_staleness = 0`` equals
 this one.
@@ -19,11 +21,12 @@ from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.step import collect, learn
 
 
 def train_sync(
-    parts: RunParts, run: RunDir, start: int, end: int, log: Log
+    parts: RunParts, run: RunDir, start: int, end: int, log: Log, stop: StopRequest | None = None
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
     rows = []
@@ -36,6 +39,7 @@ def train_sync(
         row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
         t2 = time.perf_counter()
         row |= {"learner_idle_s": t1 - t0, "generator_idle_s": t2 - t1, "step_time_s": t2 - t0}
-        finish_step(parts, run, row, log)
         rows.append(row)
+        if not finish_step(parts, run, row, log, stop):
+            break
     return rows

@@ -1,33 +1,48 @@
 """Training entry points: run the configured loop (sync or async) and summarise the run.
 
 Contract:
-- ``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None)`` runs (or
-  continues, ``resume``) ``run.steps`` steps with the loop ``pipeline.mode`` names
-  (``sync.train_sync`` or ``async_.train_async``); ``stop_after`` ends the call after that many
-  updates in total (an interruption, for tests). Evaluates after the last step when due.
-  Returns this call's metric rows.
+- ``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None, stop=None)``
+  runs (or continues, ``resume``: see ``loop.open_run``) ``run.steps`` steps with the loop
+  ``pipeline.mode`` names (``sync.train_sync`` or ``async_.train_async``); ``stop_after`` ends
+  the call after that many updates in total (an interruption, for tests). Evaluates after the
+  last step when due. Returns this call's metric rows. It runs inside ``signals.stop_on_signals``
+  (or under the caller's ``stop``). After SIGINT/SIGTERM the step in progress is finished and
+  checkpointed; then, if steps remain, ``signals.Stopped`` is raised (nothing left running) and
+  ``--resume`` continues. A signal during the last step or the final evaluation does not undo a
+  completed run: the final evaluation is part of the last step and still runs, then
+  ``Stopped(complete=True)`` is raised (no extra checkpoint: the run needs no resume).
 - ``run_training(...)``: ``train``, then (speculation on, ``compare_plain``) the speed check
-  ``speed.measure_speedup`` on the next step's prompts; writes and returns the run summary
-  (``summary.json``).
+  ``speed.measure_speedup`` on the next step's prompts; writes (``fsutil.atomic_write``) and
+  returns the run summary (``summary.json``). Signals: during the steps as in ``train``
+  (``Stopped``, no summary). Once every step is done a signal skips the speed check (one
+  arriving during it cuts it short at once, ``signals.StopRequest.interrupting``), the summary
+  is still written (``speed`` null) and ``Stopped(complete=True, skipped="the speed check",
+  summary=...)`` is raised: the run completed all N steps, exit code 128 + the signal.
+Lines for the console (a damaged checkpoint skipped on resume, eval results, step rows) go to
+``echo``; nothing here prints.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from typing import Any
 
 from tqdm import tqdm
 
+from specrl.fsutil import atomic_write
 from specrl.pipelines.async_ import train_async
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
-from specrl.pipelines.loop import Echo, Log, log_eval, open_run
+from specrl.pipelines.loop import Echo, Log, log_eval, open_run, stop_checkpoint
+from specrl.pipelines.signals import Interrupted, Stopped, StopRequest, stop_on_signals
 from specrl.pipelines.speed import measure_speedup
 from specrl.pipelines.sync import train_sync
 
 LOOPS = {"sync": train_sync, "async": train_async}
+SPEED_CHECK = "the speed check"
 
 
 def train(
@@ -37,18 +52,40 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     echo: Echo | None = None,
+    stop: StopRequest | None = None,
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
-    cfg, run = parts.cfg, RunDir(run_dir)
-    start = open_run(parts, run, resume)
+    handlers = nullcontext(stop) if stop is not None else stop_on_signals()
+    with handlers as request:
+        return _train(parts, RunDir(run_dir), resume, progress, stop_after, echo, request)
+
+
+def _train(
+    parts: RunParts,
+    run: RunDir,
+    resume: bool,
+    progress: bool,
+    stop_after: int | None,
+    echo: Echo | None,
+    stop: StopRequest,
+) -> list[dict[str, Any]]:
+    cfg = parts.cfg
+    start = open_run(parts, run, resume, echo)
     end = min(cfg.run.steps, stop_after if stop_after is not None else cfg.run.steps)
     bar = tqdm(disable=not progress, desc=f"train ({cfg.pipeline.mode})", unit="step",
                initial=start, total=cfg.run.steps)  # fmt: skip
     log = Log(bar, echo)
-    rows = LOOPS[cfg.pipeline.mode](parts, run, start, end, log)
-    bar.close()
-    if end == cfg.run.steps and eval_due(cfg, end):
-        log_eval(parts, run, end, log)
+    try:
+        rows = LOOPS[cfg.pipeline.mode](parts, run, start, end, log, stop)
+    finally:
+        bar.close()
+    updates = start + len(rows)
+    if stop.requested and updates < cfg.run.steps:
+        raise Stopped(stop, updates, stop_checkpoint(parts, run, updates), run.path)
+    if updates == cfg.run.steps and eval_due(cfg, updates):
+        log_eval(parts, run, updates, log)
+    if stop.requested:
+        raise Stopped(stop, updates, None, run.path, complete=True)
     return rows
 
 
@@ -61,15 +98,39 @@ def run_training(
     echo: Echo | None = None,
 ) -> dict[str, Any]:
     """See the module docstring."""
+    t0, run = time.perf_counter(), RunDir(run_dir)
+    wanted = compare_plain and parts.backend.spec.enabled
+    with stop_on_signals() as stop:
+        try:
+            train(parts, run_dir, resume=resume, progress=progress, echo=echo, stop=stop)
+        except Stopped as e:
+            if not e.complete:
+                raise
+        speed = speed_check(parts, stop) if wanted else None
+        summary = write_summary(run, speed, time.perf_counter() - t0)
+    if stop.requested:
+        skipped = SPEED_CHECK if wanted and speed is None else ""
+        raise Stopped(stop, parts.cfg.run.steps, None, run.path, complete=True, skipped=skipped,
+                      summary=summary)  # fmt: skip
+    return summary
+
+
+def speed_check(parts: RunParts, stop: StopRequest) -> dict[str, float] | None:
+    """``measure_speedup`` after the last step; ``None`` if a signal came before or during it
+    (a signal cuts it short at once)."""
+    notice = f"skipping {SPEED_CHECK}; the run completed all {parts.cfg.run.steps} steps"
+    try:
+        with stop.interrupting(notice):
+            return measure_speedup(parts, parts.cfg.run.steps)
+    except Interrupted:
+        return None
+
+
+def write_summary(run: RunDir, speed: dict[str, float] | None, wall_s: float) -> dict[str, Any]:
+    """Summarise the run's logs (plus ``speed``), write summary.json atomically, return it."""
     from specrl.pipelines.report import summarize
 
-    t0 = time.perf_counter()
-    train(parts, run_dir, resume=resume, progress=progress, echo=echo)
-    speed = None
-    if compare_plain and parts.backend.spec.enabled:
-        speed = measure_speedup(parts, parts.cfg.run.steps)
-    run = RunDir(run_dir)
     summary = summarize(run.rows(run.metrics), run.rows(run.evals), speed)
-    summary["wall_s"] = time.perf_counter() - t0
-    run.summary.write_text(json.dumps({"summary": summary, "speed": speed}, indent=1))
+    summary["wall_s"] = wall_s
+    atomic_write(run.summary, json.dumps({"summary": summary, "speed": speed}, indent=1))
     return summary

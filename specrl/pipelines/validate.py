@@ -11,7 +11,6 @@ and imports no registry (it stays a leaf); ``build_run`` calls this before any w
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from specrl.envs.reasoning_gym_env import (
     task_config_with_preset,
     task_names,
 )
+from specrl.errors import unknown
 from specrl.rl.advantages import get_advantage
 from specrl.rl.corrections import get_correction
 from specrl.rl.losses import get_loss
@@ -51,9 +51,7 @@ def check_spec(method: str) -> None:
     """Raise ``ValueError`` unless ``method`` is 'none' or a registered drafter."""
     known = ["none", *available_proposers()]
     if method not in known:
-        close = difflib.get_close_matches(method, known, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown speculation method {method!r}{hint} (known: {', '.join(known)})")
+        raise ValueError(unknown("speculation method", method, known))
 
 
 def _check_task_config(task: str, config: dict[str, Any]) -> None:

@@ -2,15 +2,17 @@
 
 Contract: ``Registry(kind)`` maps names to functions. ``register(name)`` is a decorator that adds
 one (a taken name raises ``ValueError``); ``get(name)`` returns it or raises ``ValueError`` with one
-line naming the unknown name, close matches ("did you mean") and the known names; iterating
+line naming the unknown name, the closest match ("did you mean") and the valid names
+(``specrl.errors.unknown``); iterating
 yields the names, ``name in registry`` tests one.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
+
+from specrl.errors import unknown
 
 F = TypeVar("F", bound=Callable)
 
@@ -33,10 +35,7 @@ class Registry(Generic[F]):
 
     def get(self, name: str) -> F:
         if name not in self._items:
-            close = difflib.get_close_matches(name, list(self._items), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            known = ", ".join(sorted(self._items))
-            raise ValueError(f"unknown {self.kind} {name!r}{hint} (known: {known})")
+            raise ValueError(unknown(self.kind, name, self._items))
         return self._items[name]
 
     def __iter__(self) -> Iterator[str]:

@@ -27,20 +27,25 @@ drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (l
 through the origin in the batch size); other draft records set forward_overhead_s to their median
 time. Records are split into fit and held-out sets by a seeded permutation, or by run when
 ``heldout_configs`` names ``config`` labels; the report gives the mean absolute percentage error
-on both. Draft records of held-out runs are not fitted either.
+on both. Draft records of held-out runs are not fitted either. A missing, unreadable or malformed
+trace, a record with a missing or mistyped field, unknown held-out labels and too few records
+raise SimInputError (one line).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from specrl.fsutil import atomic_write
 from specrl.sim.cost import ForwardShape, forward_flops, kv_bytes_read, weight_bytes_read
 from specrl.sim.drafters import draft_forward
+from specrl.sim.errors import SimInputError, unknown
 from specrl.sim.specs import (
     DrafterSpec,
     HardwareSpec,
@@ -96,32 +101,69 @@ class FitReport:
 
 
 def parse_trace(data: dict[str, Any]) -> Trace:
-    records = []
-    for r in data["records"]:
-        if r["kind"] not in KINDS:
-            raise ValueError(f"record kind {r['kind']!r} not in {KINDS}")
-        records.append(
-            Record(
-                int(r["batch_size"]),
-                int(r["tokens_per_seq"]),
-                float(r["context_len"]),
-                float(r["step_time_s"]),
-                str(r["kind"]),
-                str(r.get("config", "")),
-            )
+    """A Trace from its JSON object; a missing or mistyped field raises SimInputError."""
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise SimInputError(
+            "a trace is a JSON object with a 'records' list (see docs/simulator.md)"
         )
+    for key in ("machine", "model"):
+        if not isinstance(data.get(key), str):
+            raise SimInputError(f"trace field {key!r} must be a string, got {data.get(key)!r}")
+    records = tuple(_record(i, r) for i, r in enumerate(data["records"]))
     return Trace(
         str(data["machine"]),
         str(data["model"]),
         str(data.get("dtype", "bf16")),
-        tuple(records),
+        records,
         str(data.get("hardware", "")),
         str(data.get("drafter", "")),
     )
 
 
+def _record(index: int, r: Any) -> Record:
+    where = f"trace record {index}"
+    if not isinstance(r, dict):
+        raise SimInputError(f"{where}: not a JSON object: {r!r}")
+    if r.get("kind") not in KINDS:
+        raise SimInputError(f"{where}: kind {r.get('kind')!r} not one of {', '.join(KINDS)}")
+    numbers = {}
+    for key in ("batch_size", "tokens_per_seq", "context_len", "step_time_s"):
+        value = r.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise SimInputError(f"{where}: {key} must be a number >= 0, got {value!r}")
+        numbers[key] = value
+    if numbers["step_time_s"] <= 0 or not math.isfinite(numbers["step_time_s"]):
+        raise SimInputError(f"{where}: step_time_s must be > 0, got {numbers['step_time_s']!r}")
+    return Record(
+        int(numbers["batch_size"]),
+        int(numbers["tokens_per_seq"]),
+        float(numbers["context_len"]),
+        float(numbers["step_time_s"]),
+        str(r["kind"]),
+        str(r.get("config", "")),
+    )
+
+
 def load_trace(path: Path) -> Trace:
-    return parse_trace(json.loads(Path(path).read_text()))
+    """Read and parse a trace file; a missing, unreadable or malformed one raises
+    SimInputError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        raise SimInputError(f"trace {path}: is a directory, not a JSON file") from None
+    except FileNotFoundError:
+        raise SimInputError(f"trace {path}: no such file") from None
+    except OSError as e:
+        raise SimInputError(f"trace {path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise SimInputError(f"trace {path}: not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise SimInputError(f"trace {path}: malformed JSON ({e})") from None
+    try:
+        return parse_trace(data)
+    except SimInputError as e:
+        raise SimInputError(f"trace {path}: {e}") from None
 
 
 def features(model: ModelSpec, rec: Record) -> np.ndarray:
@@ -161,6 +203,10 @@ def split_records(
     """Fit and held-out indices: whole runs named in ``heldout_configs``, else a seeded split."""
     if not heldout_configs:
         return split(len(recs), heldout_fraction, seed)
+    labels = {r.config for r in recs}
+    for label in heldout_configs:
+        if label not in labels:
+            raise unknown("held-out config", label, labels)
     out = np.array([r.config in heldout_configs for r in recs], dtype=bool)
     return np.flatnonzero(~out), np.flatnonzero(out)
 
@@ -212,12 +258,14 @@ def fit_trace(
     model = load_model(trace.model)
     recs = [r for r in trace.records if r.kind != "draft"]
     if len(recs) < 3:
-        raise ValueError("need at least 3 decode/verify/prefill records to fit")
+        raise SimInputError("need at least 3 decode/verify/prefill records to fit")
     x = np.stack([features(model, r) for r in recs])
     y = np.array([r.step_time_s for r in recs])
     fit_idx, out_idx = split_records(recs, heldout_fraction, seed, heldout_configs)
     if len(fit_idx) < 3:
-        raise ValueError("need at least 3 decode/verify/prefill records outside the held-out runs")
+        raise SimInputError(
+            "need at least 3 decode/verify/prefill records outside the held-out runs"
+        )
     coef = nnls(x[fit_idx], y[fit_idx])
     profile = profile_from_coefficients(base, coef, name or f"{base.name}-calibrated")
     drafts = [r for r in trace.records if r.kind == "draft" and r.config not in heldout_configs]
@@ -247,15 +295,18 @@ def _header(report: FitReport, trace: Trace) -> str:
 
 
 def write_profile(report: FitReport, path: Path, trace: Trace) -> Path:
+    """Write the fitted hardware profile (atomically; missing parent directories created)."""
     path = Path(path)
-    path.write_text(spec_to_toml(report.profile, _header(report, trace)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, spec_to_toml(report.profile, _header(report, trace)))
     return path
 
 
 def write_drafter(report: FitReport, path: Path, trace: Trace) -> Path | None:
-    """Write the fitted model-free drafter spec, if the fit produced one."""
+    """Write the fitted model-free drafter spec, if the fit produced one (as ``write_profile``)."""
     if report.drafter is None:
         return None
     path = Path(path)
-    path.write_text(spec_to_toml(report.drafter, _header(report, trace)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, spec_to_toml(report.drafter, _header(report, trace)))
     return path

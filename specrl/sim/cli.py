@@ -7,26 +7,59 @@ paper-8b-sync --set speculation.k=5 --json`` works. ``run`` prints a summary (or
 result.json, gantt.png and tornado.png there. ``calibrate TRACE.json`` fits a hardware profile from
 an engine trace (format in calibrate.py and docs/simulator.md; written by benchmarks/sim_machine.py
 and benchmarks/gpu_calibrate.py), and a drafter spec when the trace's drafter is model-free.
-``list`` names the bundled specs.
+``list`` names the bundled specs. Every bad input (see errors.py) prints one ``error: ...`` line on
+stderr (``specrl.cli_util.fail``) and exits with code 2 before any simulation or fit; paths to
+write are checked first too (``specrl.fsutil.writable_problem``: nothing is created before the
+work; missing parent directories are created when writing). With ``--json``, convergence
+warnings go to stderr as ``warning: ...`` lines.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import click
 import typer
 from typer.core import TyperGroup
 
+from specrl.cli_util import fail
+from specrl.fsutil import atomic_write, writable_problem
 from specrl.sim.calibrate import fit_trace, load_trace, write_drafter, write_profile
+from specrl.sim.errors import SimInputError
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
-from specrl.sim.runner import run_scenario
+from specrl.sim.runner import ScenarioResult, run_scenario
 from specrl.sim.scenario import field_help, load_scenario
-from specrl.sim.specs import list_specs, load_hardware
+from specrl.sim.specs import SPEC_KINDS, list_specs, load_drafter, load_hardware, load_model
+from specrl.sim.validate import check_scenario
 
-SPEC_KINDS = ("scenarios", "models", "hardware", "drafters")
+GROUP_HELP = """Simulate RL training with speculative rollouts.
+
+\b
+specrl simulate SCENARIO [--set KEY=VALUE ...] [--json] [--out DIR]
+  (the same as: specrl simulate run SCENARIO ...)
+  --set KEY=VALUE  override one scenario input; repeatable. KEY is a dotted key
+                   from the list below (speculation.k, pipeline.staleness),
+                   VALUE a TOML literal (5, 2.5, true, [0.8, 0.6]) or a bare
+                   string (eagle3)
+  --json           print the full result as JSON instead of the summary:
+                   speedups and their spread over length seeds, steady-state
+                   step times, phases, convergence and warnings
+  --out DIR        also write result.json, gantt.png and tornado.png into DIR
+
+A bad input (unknown scenario, key or spec, wrong type or range, GPU counts
+that do not add up, a model that does not fit its GPUs, an unreadable file)
+prints one 'error: ...' line on stderr and exits with code 2, before any
+simulation work. Warnings (a run too short to converge) end the summary; with
+--json they go to stderr as 'warning: ...' lines and into the JSON."""
+
+
+def _check_writable(path: Path, what: str, kind: Literal["file", "dir"]) -> None:
+    """Fail with one line unless ``path`` can be written as a ``kind`` (nothing is created)."""
+    problem = writable_problem(path, kind)
+    if problem:
+        fail(f"{what}: {problem}")
 
 
 class _ScenarioFirst(TyperGroup):
@@ -47,7 +80,7 @@ def build_app() -> typer.Typer:
         cls=_ScenarioFirst,
         no_args_is_help=True,
         rich_markup_mode=None,
-        help="Simulate RL training with speculative rollouts: specrl simulate SCENARIO (options).",
+        help=GROUP_HELP,
         epilog=_inputs_epilog(),
     )
     app.command("run", epilog=_inputs_epilog())(run_command)
@@ -67,12 +100,28 @@ def run_command(
     ],
     set_: Annotated[
         list[str] | None,
-        typer.Option("--set", help="override one input, KEY=VALUE with a dotted key (repeatable)"),
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="override one input: a dotted KEY from the list below and a TOML literal VALUE"
+            " (repeatable)",
+        ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print the full result as JSON (speedups with their spread over length seeds,"
+            " step times, phases, convergence, warnings)",
+        ),
+    ] = False,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="write result.json, gantt.png and tornado.png into this dir"),
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            help="write result.json, gantt.png and tornado.png into this dir",
+        ),
     ] = None,
     tornado: Annotated[
         bool,
@@ -80,25 +129,41 @@ def run_command(
     ] = True,
 ) -> None:
     """Simulate a scenario with and without speculation; print speedups and phase times."""
-    sc = load_scenario(scenario, set_ or [])
+    try:
+        sc = load_scenario(scenario, set_ or [])
+        check_scenario(sc)
+    except SimInputError as e:
+        fail(str(e))
+    if out is not None:
+        _check_writable(out, "--out", "dir")
     res = run_scenario(sc)
     result = res.to_json()
+    if as_json:
+        for warning in res.warnings:
+            typer.echo(f"warning: {warning}", err=True)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        gantt_png(res, out / "gantt.png")
-        if tornado and sc.speculation.enabled:
-            swings = sensitivity(sc)
-            result["sensitivity"] = [s.__dict__ for s in swings]
-            center = res.end_to_end_speedup_vs_sync_no_spec
-            tornado_png(swings, center, out / "tornado.png", sc.name)
-        (out / "result.json").write_text(json.dumps(result, indent=2))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_outputs(res, result, out, tornado)
+        except OSError as e:
+            fail(f"--out {out}: cannot write {e.filename or ''} ({e.strerror or e})")
     typer.echo(json.dumps(result, indent=2) if as_json else text_summary(res))
 
 
+def _write_outputs(res: ScenarioResult, result: dict, out: Path, tornado: bool) -> None:
+    """gantt.png, tornado.png (a sensitivity sweep) and result.json (atomically) into ``out``."""
+    sc = res.scenario
+    gantt_png(res, out / "gantt.png")
+    if tornado and sc.speculation.enabled:
+        swings = sensitivity(sc)
+        result["sensitivity"] = [s.__dict__ for s in swings]
+        center = res.end_to_end_speedup_vs_sync_no_spec
+        tornado_png(swings, center, out / "tornado.png", sc.name)
+    atomic_write(out / "result.json", json.dumps(result, indent=2))
+
+
 def calibrate_command(
-    trace: Annotated[
-        Path, typer.Argument(exists=True, help="engine trace JSON (see docs/simulator.md)")
-    ],
+    trace: Annotated[Path, typer.Argument(help="engine trace JSON (see docs/simulator.md)")],
     base: Annotated[
         str,
         typer.Option(
@@ -136,12 +201,25 @@ def calibrate_command(
     as_json: Annotated[bool, typer.Option("--json", help="print the fit report as JSON")] = False,
 ) -> None:
     """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace; write a hardware profile."""
-    tr = load_trace(trace)
+    if not 0.0 <= heldout < 1.0:
+        fail(f"--heldout {heldout} must be in [0, 1)")
+    drafter_out = drafter_out or out.with_stem(f"{out.stem}-drafter")
+    _check_writable(out, "--out", "file")
+    _check_writable(drafter_out, "--drafter-out", "file")
     held = tuple(c for c in heldout_configs.split(",") if c)
-    base_hw = load_hardware(base or tr.hardware or "cpu-2core")
-    report = fit_trace(tr, base_hw, heldout, seed, name, held)
-    write_profile(report, out, tr)
-    drafter_path = write_drafter(report, drafter_out or out.with_stem(f"{out.stem}-drafter"), tr)
+    try:
+        tr = load_trace(trace)
+        base_hw = load_hardware(base or tr.hardware or "cpu-2core")
+        load_model(tr.model)  # the specs the fit needs, checked before it starts
+        if tr.drafter:
+            load_drafter(tr.drafter)
+        report = fit_trace(tr, base_hw, heldout, seed, name, held)
+        write_profile(report, out, tr)
+        drafter_path = write_drafter(report, drafter_out, tr)
+    except SimInputError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {e.filename or out}: {e.strerror or e}")
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
         return

@@ -18,6 +18,14 @@ optimizer bookkeeping) and refit (pushing new weights to the generators).
   simulated by continuous.py, since it needs the rollout itself, not just per-step phase times.
 Refit is charged to the trainer and gates the next generation that needs the new version; the
 pause it causes on generators is modelled only in continuous.py.
+
+Steady state: ``Schedule.step_time`` is the mean spacing of step completions over a measured
+window after a warm-up. Asynchronous completions often repeat with period staleness + 1 (a burst
+of steps, then a wait for the generators), so ``steady_window`` measures whole periods, after
+``warmup_periods`` periods of filling, and simulates one more period after the window so that the
+generators still have queued work while the measured steps complete (the last steps of any run
+drain faster or slower than the steady state). ``Schedule.half_spread`` compares the two halves
+of the window; the runner lengthens the window while they disagree.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class Schedule:
     intervals: tuple[Interval, ...]
     steps: int
     warmup: int = 0  # steps ignored by step_time (pipeline filling)
+    measured: int = 0  # step spacings step_time averages after the warm-up (0: all the rest)
 
     @property
     def makespan(self) -> float:
@@ -76,12 +85,67 @@ class Schedule:
         return max(i.end_s for i in self.intervals if i.step == step)
 
     @property
+    def last_measured(self) -> int:
+        """Index of the step whose completion ends the measured window."""
+        last = self.warmup + (self.measured or self.steps - 1 - self.warmup)
+        if self.warmup < 0 or last <= self.warmup or last > self.steps - 1:
+            raise ValueError(
+                f"a window of {self.warmup} warm-up and {self.measured} measured steps does not"
+                f" fit in {self.steps} steps"
+            )
+        return last
+
+    @property
     def step_time(self) -> float:
-        """Steady-state seconds per step: spacing of step completions after ``warmup`` steps."""
+        """Steady-state seconds per step: mean spacing of step completions over the measured
+        window (``measured`` spacings after the first ``warmup`` steps)."""
         if self.steps == 1:
             return self.makespan
-        w = min(self.warmup, self.steps - 2)
-        return (self.step_end(self.steps - 1) - self.step_end(w)) / (self.steps - 1 - w)
+        last = self.last_measured
+        return (self.step_end(last) - self.step_end(self.warmup)) / (last - self.warmup)
+
+    def period_step_times(self, period: int) -> list[float]:
+        """Mean step spacing over each whole period of ``period`` steps of the measured window
+        (asynchronous step completions repeat with period staleness + 1)."""
+        start, last = self.warmup, self.last_measured
+        ends = [self.step_end(s) for s in range(start, last + 1, period)]
+        return [(b - a) / period for a, b in zip(ends, ends[1:], strict=False)]
+
+    def half_spread(self, period: int) -> float:
+        """|first half - second half| / mean of the measured window's step time, the halves made
+        of whole periods (0 when fewer than two periods are measured): how far the measurement
+        is from a steady state."""
+        times = self.period_step_times(period)
+        half = len(times) // 2
+        if half == 0:
+            return 0.0
+        first, second = sum(times[:half]) / half, sum(times[-half:]) / half
+        return abs(first - second) / (sum(times) / len(times))
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """How many steps to simulate and which to measure: ``warmup`` steps filling the pipeline,
+    ``measured`` steps averaged, ``cooldown`` steps after them so that the generators still have
+    work queued while the measured steps complete (the last steps of a run drain)."""
+
+    warmup: int
+    measured: int
+    cooldown: int
+    period: int
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.measured + self.cooldown + 1
+
+
+def steady_window(
+    mode: str, staleness: int, warmup_periods: int, measure_periods: int
+) -> StepWindow:
+    """The StepWindow of a pipeline: async in periods of staleness + 1 steps (the usual period
+    of its step completions), one period of cool-down; sync repeats every step (period 1)."""
+    period = staleness + 1 if mode == "async" else 1
+    return StepWindow(warmup_periods * period, measure_periods * period, period, period)
 
 
 def trainer_intervals(phases: StepPhases, step: int, start: float, resource: str) -> list[Interval]:
@@ -124,6 +188,8 @@ def simulate_async(phases: StepPhases, steps: int, staleness: int) -> Schedule:
         refit_end.append(intervals[-1].end_s)
     return Schedule(tuple(intervals), steps)
 
+
+ASYNC_GENERATION = ("continuous", "drain")  # async generation models (continuous.py, here)
 
 PipelineFn = Callable[[StepPhases, int, int], Schedule]
 PIPELINES: MappingProxyType[str, PipelineFn] = MappingProxyType(

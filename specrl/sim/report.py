@@ -66,18 +66,47 @@ def sensitivity(sc: Scenario) -> list[Swing]:
     return sorted(swings, key=lambda s: abs(s.high_speedup - s.low_speedup), reverse=True)
 
 
+def _speedup_line(label: str, value: float, spread: dict, note: str = "") -> str:
+    lo, hi = spread["min"], spread["max"]
+    seeds = f" (seeds {lo:.2f}-{hi:.2f}x)" if len(spread["per_seed"]) > 1 else ""
+    return f"  {label:<26} {value:.2f}x{seeds}{note}"
+
+
+def _steps_header(mode: str, conv: dict) -> str:
+    if mode != "async":
+        return "  seconds per step (mean over seeds):"
+    return (
+        f"  seconds per step (mean over seeds; steady state: {conv['measured_steps']} steps"
+        f" measured after {conv['warmup_steps']} warm-up, {conv['steps_simulated']} simulated):"
+    )
+
+
 def text_summary(res: ScenarioResult) -> str:
+    """Speedups (with their spread over length seeds), steady-state seconds per step, warnings."""
     j = res.to_json()
+    sp, conv = j["spread"], j["convergence"]["speculative"]
+    staleness = f" (staleness {res.scenario.pipeline.staleness})" if j["mode"] == "async" else ""
     lines = [
-        f"scenario {j['scenario']}: {j['model']} on {j['hardware']}, {j['mode']} pipeline",
-        f"  rollout speedup            {j['rollout_speedup']:.2f}x",
-        f"  end-to-end speedup         {j['end_to_end_speedup']:.2f}x (same pipeline, no spec)",
-        f"  vs sync without spec       {j['end_to_end_speedup_vs_sync_no_spec']:.2f}x",
-        "  seconds per step:",
+        f"scenario {j['scenario']}: {j['model']} on {j['hardware']}, {j['mode']} pipeline"
+        f"{staleness}, {len(j['seeds'])} length seed(s)",
+        _speedup_line("rollout speedup", j["rollout_speedup"], sp["rollout_speedup"]),
+        _speedup_line(
+            "end-to-end speedup",
+            j["end_to_end_speedup"],
+            sp["end_to_end_speedup"],
+            " (same pipeline, no spec)",
+        ),
+        _speedup_line(
+            "vs sync without spec",
+            j["end_to_end_speedup_vs_sync_no_spec"],
+            sp["end_to_end_speedup_vs_sync_no_spec"],
+        ),
+        _steps_header(j["mode"], conv),
     ]
     for run, phases in j["phases_s"].items():
         parts = "  ".join(f"{k}={v:.1f}" for k, v in phases.items())
         lines.append(f"    {run:<12} step={j['step_time_s'][run]:.1f}  {parts}")
+    lines += [f"  warning: {w}" for w in j["warnings"]]
     return "\n".join(lines)
 
 

@@ -1,10 +1,22 @@
 """Run a Scenario: rollouts with and without speculation, RL phases, schedules, speedups.
 
-Contract: ``run_scenario(sc)`` simulates three pipelines on the same sampled lengths:
-``speculative`` (the scenario as given), ``no_spec`` (same pipeline, speculation off) and
-``sync_no_spec`` (colocated synchronous, speculation off, on all the scenario's GPUs: the baseline
-of the combined "speculation + async" claim). ``rollout_speedup`` and ``end_to_end_speedup`` compare
-``speculative`` with ``no_spec``; ``end_to_end_speedup_vs_sync_no_spec`` compares it with the third.
+Contract: ``run_scenario(sc)`` first checks the scenario (validate.py: a bad input raises
+SimInputError before any simulation), then, for each response-length draw (``workload.seed`` and
+the next ``workload.seeds - 1``; one draw when nothing is random), simulates three pipelines on
+the same sampled lengths: ``speculative`` (the scenario as given), ``no_spec`` (same pipeline,
+speculation off) and ``sync_no_spec`` (colocated synchronous, speculation off, on all the
+scenario's GPUs: the baseline of the combined "speculation + async" claim). ``rollout_speedup``
+and ``end_to_end_speedup`` compare ``speculative`` with ``no_spec``;
+``end_to_end_speedup_vs_sync_no_spec`` compares it with the third. Times are means over the draws
+and speedups the ratios of those means; ``ScenarioResult.spread()`` gives each draw's speedups.
+Step times are steady state: each pipeline runs pipeline.steady_window's steps (warm-up periods,
+measured periods, one period of cool-down); an async run whose measured window's halves differ by
+more than ``CONVERGENCE_TOL`` is simulated again with twice the measured periods, up to
+``MAX_WINDOW_SCALE`` times, and a run still not converged (or with no warm-up, or one measured
+period) carries a warning.
+``overlap_floor_s`` is a lower bound on an async step: the trainer's phases, or the generation
+pool's work at perfect packing (``generation_floor_s``), whichever is longer; for sync it is the
+step itself.
 Training costs 6 * N_active * tokens FLOPs (logprobs 2 * N_active * tokens per pass) over
 GPUs * peak * MFU; a refit costs a fixed time plus weight bytes over the refit bandwidth; online
 drafter training costs 6 * N_drafter * tokens.
@@ -12,14 +24,14 @@ drafter training costs 6 * N_drafter * tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams, alpha_for_length
 from specrl.sim.continuous import simulate_continuous
 from specrl.sim.cost import StepCostModel
-from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases
+from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases, StepWindow, steady_window
 from specrl.sim.rollout import (
     EngineConfig,
     RolloutResult,
@@ -29,6 +41,7 @@ from specrl.sim.rollout import (
 )
 from specrl.sim.scenario import Acceptance, Scenario
 from specrl.sim.specs import load_drafter, load_hardware, load_model
+from specrl.sim.validate import check_scenario
 
 
 def acceptance_model(cfg: Acceptance) -> AcceptanceModel:
@@ -110,11 +123,26 @@ def rl_phases(sc: Scenario, generation_s: float, spec: bool, train_gpus: int) ->
     )
 
 
+CONVERGENCE_TOL = 0.02  # largest relative gap between the halves of a converged measured window
+MAX_WINDOW_SCALE = 8  # an unconverged async run is re-simulated with up to 8x the measured periods
+
+
 @dataclass(frozen=True)
 class PipelineRun:
     rollout: RolloutResult
     phases: StepPhases
     schedule: Schedule
+    period: int = 1  # steps per period of the measured window
+    floor_s: float = 0.0  # perfect-overlap lower bound on step_time (overlap_floor_s)
+
+    @property
+    def half_spread(self) -> float:
+        """How far from steady state the measured step time is (Schedule.half_spread)."""
+        return self.schedule.half_spread(self.period)
+
+    @property
+    def converged(self) -> bool:
+        return self.half_spread <= CONVERGENCE_TOL
 
     def summary(self) -> dict:
         return {
@@ -124,42 +152,102 @@ class PipelineRun:
         }
 
 
+def scenario_window(sc: Scenario, mode: str, scale: int = 1) -> StepWindow:
+    """The scenario's step window with ``scale`` times its measured periods."""
+    p = sc.pipeline
+    return steady_window(mode, p.staleness, p.warmup_periods, scale * p.measure_periods)
+
+
+def generation_floor_s(sc: Scenario, spec: bool, gpus: int | None = None) -> float:
+    """A lower bound on the seconds one generation replica needs per RL step (its mean share of
+    the batch), whatever the scheduling: every decode step costs its fixed part, a part per
+    sequence (the smallest per-sequence cost over batch sizes up to ``max_num_seqs``) and a
+    part per token of context held; a step holds at most ``max_num_seqs`` sequences and the KV
+    capacity's tokens of context. Prefill, preemption and refit pauses are left out (>= 0)."""
+    cfg = engine_config(sc, spec)
+    prompts, responses = workload_lengths(sc)
+    choices = {"off": [0], "fixed": [cfg.k], "cost_optimal": list(range(cfg.k + 1))}
+    floors = [_floor_at_k(sc, cfg, k, prompts, responses) for k in choices[cfg.policy]]
+    return min(floors) / replica_count(sc, gpus)
+
+
+def _floor_at_k(
+    sc: Scenario, cfg: EngineConfig, k: int, prompts: np.ndarray, responses: np.ndarray
+) -> float:
+    """The bound of ``generation_floor_s`` at one k, for the whole batch on one replica (before
+    the division by the replica count). prompts, responses: [n] prompt and response lengths
+    (tokens) of the batch's n sequences."""
+    costs, top = cfg.costs, sc.generation.max_num_seqs
+    grid = np.arange(0, int(responses.max()) + 1, max(1, sc.generation.replan_tokens))
+    tps = float(cfg.acceptance.expected_tokens(k, grid, cfg.rl_step).max())
+    lengths = responses.astype(float)  # [n]
+    steps = lengths / tps  # [n] decode steps per sequence, at most tps tokens a step
+    seq_steps = float(steps.sum())
+    # context summed over a sequence's steps: p, p + tps, ..., at least n * (p + (L - tps) / 2)
+    ctx_steps = float((steps * np.maximum(prompts + (lengths - tps) / 2.0, 0.0)).sum())
+    fixed = costs.step(0, k, 0.0)
+    per_seq = min((costs.step(b, k, 0.0) - fixed) / b for b in range(1, top + 1))
+    per_ctx = (costs.step(1, k, 1000.0) - costs.step(1, k, 0.0)) / 1000.0
+    least_steps = max(ctx_steps / costs.kv_capacity_tokens(), seq_steps / top)
+    return least_steps * fixed + seq_steps * per_seq + ctx_steps * per_ctx
+
+
 def run_pipeline(sc: Scenario, spec: bool, mode: str) -> PipelineRun:
-    """One pipeline: sync trains on all generation GPUs; async on separate training GPUs."""
+    """One pipeline: sync trains on all generation GPUs; async on separate training GPUs. An
+    async run whose measured window is not converged is simulated again with twice the measured
+    periods, up to ``MAX_WINDOW_SCALE`` times the scenario's."""
     if mode == "sync":
         gpus = sc.generation.gpus + (sc.training.gpus if sc.pipeline.mode == "async" else 0)
         train_gpus = gpus
     else:
         gpus, train_gpus = sc.generation.gpus, sc.training.gpus
-        if train_gpus <= 0:
-            raise ValueError("async pipelines need training.gpus > 0")
     rollout = simulate_generation(sc, spec, gpus)
     phases = rl_phases(sc, rollout.time_s, spec, train_gpus)
-    p = sc.pipeline
+    if mode == "sync":
+        return PipelineRun(
+            rollout, phases, _schedule(sc, spec, mode, gpus, phases, 1), 1, phases.total
+        )
+    floor = max(phases.trainer, generation_floor_s(sc, spec, gpus))
+    scale = 1
+    while True:
+        schedule = _schedule(sc, spec, mode, gpus, phases, scale)
+        run = PipelineRun(rollout, phases, schedule, scenario_window(sc, mode).period, floor)
+        if run.converged or scale >= MAX_WINDOW_SCALE or sc.pipeline.measure_periods < 2:
+            return run
+        scale *= 2
+
+
+def _schedule(
+    sc: Scenario, spec: bool, mode: str, gpus: int, phases: StepPhases, scale: int
+) -> Schedule:
+    """The pipeline's schedule over its step window, measured on that window."""
+    p, window = sc.pipeline, scenario_window(sc, mode, scale)
     if mode == "async" and p.async_generation == "continuous":
         prompts, responses = workload_lengths(sc)
+        cfg, replicas = engine_config(sc, spec), replica_count(sc, gpus)
         cont = simulate_continuous(
-            prompts,
-            responses,
-            engine_config(sc, spec),
-            replica_count(sc, gpus),
-            phases,
-            p.steps,
-            p.staleness,
+            prompts, responses, cfg, replicas, phases, window.steps, p.staleness
         )
-        return PipelineRun(rollout, phases, cont.schedule)
-    if p.async_generation not in ("continuous", "drain"):
-        raise KeyError(f"unknown async_generation {p.async_generation!r}: continuous | drain")
-    schedule = PIPELINES[mode](phases, p.steps, p.staleness)
-    return PipelineRun(rollout, phases, schedule)
+        schedule = cont.schedule
+    else:
+        schedule = PIPELINES[mode](phases, window.steps, p.staleness)
+    return replace(schedule, warmup=window.warmup, measured=window.measured)
+
+
+PIPELINE_KINDS = ("speculative", "no_spec", "sync_no_spec")
 
 
 @dataclass(frozen=True)
-class ScenarioResult:
-    scenario: Scenario
+class SeedRun:
+    """The three pipelines of one response-length draw (``workload.seed``)."""
+
+    seed: int
     speculative: PipelineRun
     no_spec: PipelineRun
     sync_no_spec: PipelineRun
+
+    def run(self, kind: str) -> PipelineRun:
+        return getattr(self, kind)
 
     @property
     def rollout_speedup(self) -> float:
@@ -173,6 +261,84 @@ class ScenarioResult:
     def end_to_end_speedup_vs_sync_no_spec(self) -> float:
         return self.sync_no_spec.schedule.step_time / self.speculative.schedule.step_time
 
+
+SPEEDUPS = ("rollout_speedup", "end_to_end_speedup", "end_to_end_speedup_vs_sync_no_spec")
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    """A scenario over ``workload.seeds`` length draws. Times are means over the draws and the
+    speedups ratios of those means; ``spread`` gives each draw's own speedups. ``speculative``,
+    ``no_spec`` and ``sync_no_spec`` are the first draw's runs (its Gantt chart and details)."""
+
+    scenario: Scenario
+    runs: tuple[SeedRun, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def speculative(self) -> PipelineRun:
+        return self.runs[0].speculative
+
+    @property
+    def no_spec(self) -> PipelineRun:
+        return self.runs[0].no_spec
+
+    @property
+    def sync_no_spec(self) -> PipelineRun:
+        return self.runs[0].sync_no_spec
+
+    def mean_step_time(self, kind: str) -> float:
+        return float(np.mean([r.run(kind).schedule.step_time for r in self.runs]))
+
+    def mean_rollout_time(self, kind: str) -> float:
+        return float(np.mean([r.run(kind).rollout.time_s for r in self.runs]))
+
+    def mean_phases(self, kind: str) -> dict[str, float]:
+        per_seed = [r.run(kind).phases.as_dict() for r in self.runs]
+        return {k: float(np.mean([p[k] for p in per_seed])) for k in per_seed[0]}
+
+    @property
+    def rollout_speedup(self) -> float:
+        return self.mean_rollout_time("no_spec") / self.mean_rollout_time("speculative")
+
+    @property
+    def end_to_end_speedup(self) -> float:
+        return self.mean_step_time("no_spec") / self.mean_step_time("speculative")
+
+    @property
+    def end_to_end_speedup_vs_sync_no_spec(self) -> float:
+        return self.mean_step_time("sync_no_spec") / self.mean_step_time("speculative")
+
+    def spread(self) -> dict[str, dict]:
+        """Each speedup per length draw, with their mean, std, min and max."""
+        out = {}
+        for name in SPEEDUPS:
+            values = [float(getattr(r, name)) for r in self.runs]
+            out[name] = {
+                "per_seed": values,
+                "mean": float(np.mean(values)),
+                "std": float(np.std(values)),
+                "min": min(values),
+                "max": max(values),
+            }
+        return out
+
+    def convergence(self) -> dict:
+        """Per pipeline: the step window of the first draw and the largest half spread over the
+        draws; ``converged`` is False when the run carries a warning."""
+        pipelines = {}
+        for kind in PIPELINE_KINDS:
+            runs = [r.run(kind) for r in self.runs]
+            s = runs[0].schedule
+            pipelines[kind] = {
+                "period_steps": runs[0].period,
+                "warmup_steps": s.warmup,
+                "measured_steps": s.last_measured - s.warmup,
+                "steps_simulated": s.steps,
+                "max_half_spread": max(r.half_spread for r in runs),
+            }
+        return {"converged": not self.warnings, "tolerance": CONVERGENCE_TOL, **pipelines}
+
     def to_json(self) -> dict:
         sc = self.scenario
         return {
@@ -183,25 +349,66 @@ class ScenarioResult:
             "rollout_speedup": self.rollout_speedup,
             "end_to_end_speedup": self.end_to_end_speedup,
             "end_to_end_speedup_vs_sync_no_spec": self.end_to_end_speedup_vs_sync_no_spec,
-            "step_time_s": {k: r.schedule.step_time for k, r in self._runs().items()},
-            "phases_s": {k: r.phases.as_dict() for k, r in self._runs().items()},
-            "rollout": {k: r.rollout.summary() for k, r in self._runs().items()},
+            "seeds": [r.seed for r in self.runs],
+            "spread": self.spread(),
+            "step_time_s": {k: self.mean_step_time(k) for k in PIPELINE_KINDS},
+            "overlap_floor_s": {
+                k: float(np.mean([r.run(k).floor_s for r in self.runs])) for k in PIPELINE_KINDS
+            },
+            "phases_s": {k: self.mean_phases(k) for k in PIPELINE_KINDS},
+            "rollout": {k: self.runs[0].run(k).rollout.summary() for k in PIPELINE_KINDS},
+            "convergence": self.convergence(),
+            "warnings": list(self.warnings),
             "inputs": sc.model_dump(),
         }
 
-    def _runs(self) -> dict[str, PipelineRun]:
-        return {
-            "speculative": self.speculative,
-            "no_spec": self.no_spec,
-            "sync_no_spec": self.sync_no_spec,
-        }
+
+def length_seeds(sc: Scenario) -> list[int]:
+    """The response-length draws to average: one when nothing is random."""
+    w = sc.workload
+    if w.length_trace or w.response_sigma == 0:
+        return [w.seed]
+    return [w.seed + i for i in range(w.seeds)]
+
+
+def _run_seed(sc: Scenario, seed: int) -> SeedRun:
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"seed": seed})})
+    mode = sc.pipeline.mode
+    spec = run_pipeline(sc, sc.speculation.enabled, mode)
+    base = run_pipeline(sc, False, mode) if sc.speculation.enabled else spec
+    sync_base = base if mode == "sync" else run_pipeline(sc, False, "sync")
+    return SeedRun(seed, spec, base, sync_base)
+
+
+def convergence_warnings(sc: Scenario, runs: tuple[SeedRun, ...]) -> tuple[str, ...]:
+    """Why the measured step times may not be steady state (async only; sync is exact)."""
+    if sc.pipeline.mode != "async":
+        return ()
+    p, out = sc.pipeline, []
+    if p.warmup_periods == 0:
+        out.append(
+            "pipeline.warmup_periods=0: the measured steps include the pipeline filling, so the"
+            " step time may not be steady state"
+        )
+    if p.measure_periods < 2:
+        out.append(
+            "pipeline.measure_periods=1: convergence is not checked (it compares the halves of"
+            " two or more measured periods)"
+        )
+    worst = max((r.run(k).half_spread, k, r.seed) for r in runs for k in PIPELINE_KINDS[:2])
+    if worst[0] > CONVERGENCE_TOL:
+        run = next(r for r in runs if r.seed == worst[2]).run(worst[1])
+        measured = run.schedule.last_measured - run.schedule.warmup
+        out.append(
+            f"not converged: the {worst[1]} step time differs by {worst[0]:.1%} between the"
+            f" halves of its {measured} measured steps (seed {worst[2]}); raise"
+            " pipeline.warmup_periods or pipeline.measure_periods"
+        )
+    return tuple(out)
 
 
 def run_scenario(sc: Scenario) -> ScenarioResult:
-    mode = sc.pipeline.mode
-    if mode not in PIPELINES:
-        raise KeyError(f"unknown pipeline mode {mode!r}; known: {sorted(PIPELINES)}")
-    spec = run_pipeline(sc, sc.speculation.enabled, mode)
-    base = run_pipeline(sc, False, mode)
-    sync_base = base if mode == "sync" else run_pipeline(sc, False, "sync")
-    return ScenarioResult(sc, spec, base, sync_base)
+    """Validate the scenario (SimInputError before any work), then simulate each length draw."""
+    check_scenario(sc)
+    runs = tuple(_run_seed(sc, seed) for seed in length_seeds(sc))
+    return ScenarioResult(sc, runs, convergence_warnings(sc, runs))

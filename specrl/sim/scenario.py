@@ -3,8 +3,12 @@
 Contract: a Scenario names a model, a hardware profile and a drafter (spec files), and gives the
 workload, generation layout, speculation settings, training efficiency and pipeline mode. Every
 field carries a description; ``field_help()`` renders them for ``specrl simulate --help``. Overrides
-use dotted paths (``speculation.k=5``) and TOML literals (strings may be bare). Nothing here
-simulates; runner.py does.
+use dotted paths (``speculation.k=5``) and TOML literals (strings may be bare). Values are
+checked strictly (TOML types: a bool is not an int, no inf/nan) and every bad input, an unknown
+scenario or key (with the valid keys and a did-you-mean), a wrong type or range, a malformed or
+unreadable file, raises ``SimInputError`` with one line saying where it came from (the file or the
+``--set`` item). Checks across fields and specs live in validate.py. Nothing here simulates;
+runner.py does.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specrl.errors import did_you_mean
+from specrl.sim.errors import SimInputError
 from specrl.sim.specs import read_toml, spec_path
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: TOML has types, so a bool is not an int and "3" is not a number; no inf/nan
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Workload(_Strict):
@@ -39,6 +46,13 @@ class Workload(_Strict):
     )
     rl_step: int = Field(0, ge=0, description="RL steps since the drafter was last trained")
     seed: int = Field(0, description="seed of the length sampler (same draw with and without spec)")
+    seeds: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="length draws averaged (seed, seed+1, ...); results give their spread (one"
+        " draw when length_trace is given or response_sigma is 0)",
+    )
 
 
 class Generation(_Strict):
@@ -103,8 +117,17 @@ class PipelineCfg(_Strict):
         " bound, as AReaL / NeMo-RL async with in-flight weight updates) | drain (each step's"
         " batch finishes, long tail included, before the next starts)",
     )
-    steps: int = Field(
-        6, ge=2, description="RL steps simulated (steady state after the first staleness steps)"
+    warmup_periods: int = Field(
+        1,
+        ge=0,
+        description="async: periods of staleness + 1 steps simulated before measuring (the"
+        " pipeline filling); sync is exact from the first step",
+    )
+    measure_periods: int = Field(
+        2,
+        ge=1,
+        description="async: periods of staleness + 1 steps averaged in steady state (step"
+        " completions repeat with that period); one more period runs after them",
     )
     framework_overhead_s: float = Field(
         3.0,
@@ -141,36 +164,149 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``a.b.c=value`` applied."""
+    """Return a copy of ``data`` with each ``a.b.c=value`` applied (keys are not checked here;
+    ``check_override_keys`` does that against the schema)."""
     out = _deep_copy(data)
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        *parents, leaf = key.strip().split(".")
+        parents, leaf, value = _split_override(item)
         node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = parse_value(value.strip())
+        for depth, p in enumerate(parents):
+            if p not in node:
+                node[p] = {}
+            elif not isinstance(node[p], dict):
+                where = ".".join(parents[: depth + 1])
+                raise SimInputError(
+                    f"--set {item}: {where} is {node[p]!r} in the scenario, not a table of keys"
+                )
+            node = node[p]
+        node[leaf] = parse_value(value)
     return out
+
+
+def _split_override(item: str) -> tuple[list[str], str, str]:
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise SimInputError(
+            f"--set {item!r} is not KEY=VALUE with a dotted KEY (e.g. speculation.k=5)"
+        )
+    *parents, leaf = (p.strip() for p in parts)
+    return parents, leaf, value.strip()
 
 
 def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    ok = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if ok else None
+
+
+def scenario_keys(model: type[BaseModel] = Scenario, prefix: str = "") -> list[str]:
+    """Every dotted key a scenario accepts: tables (``speculation``) and values
+    (``speculation.k``)."""
+    keys: list[str] = []
+    for key, info in model.model_fields.items():
+        keys.append(f"{prefix}{key}")
+        sub = _section(info.annotation)
+        if sub is not None:
+            keys += scenario_keys(sub, f"{prefix}{key}.")
+    return keys
+
+
+def _model_at(path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The schema table at a dotted path (None if the path is not a table)."""
+    model: type[BaseModel] | None = Scenario
+    for part in path:
+        info = model.model_fields.get(part) if model else None
+        model = _section(info.annotation) if info else None
+    return model
+
+
+def _unknown_key(dotted: str) -> SimInputError:
+    parent, _, _ = dotted.rpartition(".")
+    table = _model_at(tuple(parent.split("."))) if parent else Scenario
+    valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
+    where = f" in [{parent}]" if parent else ""
+    hint = did_you_mean(dotted, scenario_keys())
+    return SimInputError(f"unknown key {dotted}{hint}; valid keys{where}: {', '.join(valid)}")
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Raise SimInputError for an override whose key the schema does not have."""
+    for item in overrides:
+        parents, leaf, _ = _split_override(item)
+        path = (*parents, leaf)
+        for depth in range(1, len(path)):
+            if _model_at(path[:depth]) is None:
+                key = ".".join(path[:depth])
+                if key not in scenario_keys():
+                    raise SimInputError(f"--set {item}: {_unknown_key(key)}")
+                raise SimInputError(f"--set {item}: {key} is a value, not a table of keys")
+        if ".".join(path) not in scenario_keys():
+            raise SimInputError(f"--set {item}: {_unknown_key('.'.join(path))}")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _describe(err: dict[str, Any]) -> str:
+    dotted = _loc(err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return str(_unknown_key(dotted))
+    if kind == "missing":
+        return f"{dotted}: required, missing"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{dotted}: expected a table of keys, got {err['input']!r}"
+    return f"{dotted}: {err['msg'].replace('Input should', 'should')}, got {err['input']!r}"
+
+
+def _origin(err: dict[str, Any], overrides: list[str]) -> str:
+    dotted = _loc(err["loc"])
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if dotted == key or dotted.startswith(key + ".") or dotted.startswith(key + "["):
+            return f"--set {item}"
+    return ""
+
+
+def validation_message(error: ValidationError, source: str, overrides: list[str]) -> str:
+    """One line for a pydantic error: where the value came from, the key, what is wrong."""
+    errs = error.errors()
+    first = errs[0]
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    origin = _origin(first, overrides)
+    text = _describe(first)
+    if origin and text.startswith(f"{_loc(first['loc'])}: "):
+        text = text.partition(": ")[2]  # the --set item already names the key
+    return f"{origin or source}: {text}{more}"
+
+
 def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
-    """Load a bundled scenario by name (or a TOML path) and apply overrides."""
-    data = read_toml(spec_path("scenarios", name))
-    return Scenario.model_validate(apply_overrides(data, overrides or []))
+    """Load a bundled scenario by name (or a TOML path) and apply overrides; any bad input
+    raises SimInputError with a one-line message."""
+    overrides = list(overrides or [])
+    path = spec_path("scenarios", name)
+    data = read_toml(path)
+    check_override_keys(overrides)
+    try:
+        return Scenario.model_validate(apply_overrides(data, overrides))
+    except ValidationError as e:
+        raise SimInputError(validation_message(e, f"scenario {path}", overrides)) from None
 
 
 def field_help(model: type[BaseModel] = Scenario, prefix: str = "") -> list[str]:
     """One line per input: dotted key, default and description (for --help)."""
     lines: list[str] = []
     for key, info in model.model_fields.items():
-        sub = info.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
+        sub = _section(info.annotation)
+        if sub is not None:
             lines += field_help(sub, f"{prefix}{key}.")
             continue
         default = (

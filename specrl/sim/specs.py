@@ -4,16 +4,21 @@ Contract: every number the cost model uses about a model, a GPU (or this CPU) or
 from one of these frozen dataclasses, built only from a TOML file (or an equivalent dict). Nothing
 here computes times; derived sizes (KV bytes per token, expert sizes) live here
 because they are facts about the spec, not about cost. Files are looked up by name in
-``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too.
+``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too. An unknown
+name, a missing, unreadable, non-UTF-8 or malformed file, and unknown, missing or mistyped fields
+raise ``SimInputError`` (one line, naming the valid choices).
 """
 
 from __future__ import annotations
 
+import math
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from specrl.sim.errors import SimInputError, unknown
 
 DTYPE_BYTES = 2  # bf16 weights and KV cache everywhere in the simulator
 
@@ -114,14 +119,30 @@ def data_root() -> Path:
     return Path(str(resources.files("specrl.sim") / "data"))
 
 
+SPEC_KINDS: dict[str, str] = {
+    "scenarios": "scenario",
+    "models": "model",
+    "hardware": "hardware",
+    "drafters": "drafter",
+}
+
+
 def spec_path(kind: str, name: str) -> Path:
-    """Resolve a spec name (or a .toml path) to a file; raise listing the choices if absent."""
+    """Resolve a spec name (or a path to a .toml file) to a file; raise SimInputError naming the
+    valid choices (with a did-you-mean) if there is none."""
+    what = SPEC_KINDS[kind]
+    if not isinstance(name, str) or not name.strip():
+        raise SimInputError(f"{what} must be a spec name or a .toml path, got {name!r}")
     candidate = Path(name)
-    if candidate.suffix == ".toml" and candidate.exists():
+    if candidate.suffix == ".toml" or "/" in name:
+        if candidate.is_dir():
+            raise SimInputError(f"{what} spec {name}: is a directory, not a .toml file")
+        if not candidate.is_file():
+            raise SimInputError(f"{what} spec file {name} not found")
         return candidate
     path = data_root() / kind / f"{name}.toml"
-    if not path.exists():
-        raise KeyError(f"unknown {kind[:-1]} spec {name!r}; known: {', '.join(list_specs(kind))}")
+    if not path.is_file():
+        raise unknown(f"{what} spec", name, list_specs(kind))
     return path
 
 
@@ -131,15 +152,55 @@ def list_specs(kind: str) -> list[str]:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    """Parse a TOML file; an unreadable, non-UTF-8 or malformed file raises SimInputError."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except IsADirectoryError:
+        raise SimInputError(f"{path}: is a directory, not a .toml file") from None
+    except OSError as e:
+        raise SimInputError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise SimInputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SimInputError(f"{path}: malformed TOML ({e})") from None
 
 
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_type(cls: type, name: str, annotation: str, value: Any) -> None:
+    allowed = _TYPES.get(annotation)
+    if allowed is None:
+        return
+    ok = isinstance(value, allowed) and not isinstance(value, bool)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        ok = False
+    if not ok:
+        raise SimInputError(
+            f"{cls.__name__} field {name} must be a finite {annotation}, got {value!r}"
+        )
+
+
+def _build(cls: type, data: dict[str, Any], source: str = "") -> Any:
+    """Build a spec dataclass from a dict, checking field names and types (one-line errors)."""
+    where = f"{source}: " if source else ""
+    specs = {f.name: f for f in fields(cls)}
+    for key in data:
+        if key not in specs:
+            raise SimInputError(where + str(unknown(f"{cls.__name__} field", key, specs)))
+    missing = [
+        f.name
+        for f in specs.values()
+        if f.name not in data and f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing:
+        raise SimInputError(f"{where}{cls.__name__} is missing {', '.join(missing)}")
+    try:
+        for key, value in data.items():
+            _check_type(cls, key, str(specs[key].type), value)
+    except SimInputError as e:
+        raise SimInputError(f"{where}{e}") from None
     return cls(**data)
 
 
@@ -151,16 +212,21 @@ def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
     return _build(HardwareSpec, data)
 
 
+def _load(kind: str, cls: type, name: str) -> Any:
+    path = spec_path(kind, name)
+    return _build(cls, read_toml(path), str(path))
+
+
 def load_model(name: str) -> ModelSpec:
-    return model_from_dict(read_toml(spec_path("models", name)))
+    return _load("models", ModelSpec, name)
 
 
 def load_hardware(name: str) -> HardwareSpec:
-    return hardware_from_dict(read_toml(spec_path("hardware", name)))
+    return _load("hardware", HardwareSpec, name)
 
 
 def load_drafter(name: str) -> DrafterSpec:
-    return _build(DrafterSpec, read_toml(spec_path("drafters", name)))
+    return _load("drafters", DrafterSpec, name)
 
 
 def with_overrides(spec: Any, **changes: Any) -> Any:

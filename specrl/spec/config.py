@@ -5,18 +5,27 @@ the number of draft tokens per step, 0 <= k <= ``MAX_SPEC_TOKENS``, and ``siblin
 candidates for the first draft token of a stochastic drafter (``specrl.spec.siblings``).
 ``build_proposer`` returns a ready ``Proposer`` or raises ``ValueError`` with a one-line reason
 (unknown method, bad k, a drafter that needs weights and got none). ``drafter_spec`` turns
-command-line style options (method, k, ``--drafter``) into a ``SpecConfig`` and a draft model.
+command-line style options (method, k, ``--drafter``) into a ``SpecConfig`` and a draft model,
+loading the drafter at once: one that is missing, damaged or made for another target raises
+``ValueError`` with one line naming it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specrl.errors import one_line, unknown
 from specrl.sampling import MAX_SIBLINGS
 from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
+
+if TYPE_CHECKING:
+    from specrl.models.heads import DraftHead
+    from specrl.models.tokenizer import TextTokenizer
+    from specrl.models.transformer import Transformer
 
 MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
 # Tokens per forward up to which a bf16 verification costs about one decode step on this
@@ -86,19 +95,49 @@ class SpecConfig:
             raise ValueError(f"max_tokens_per_forward must be >= 1 or unset, got {cap}")
         known = ["none", *available_proposers()]
         if self.method not in known:
-            raise ValueError(f"unknown speculation method {self.method!r}; known: {known}")
+            raise ValueError(unknown("speculation method", self.method, known))
         return self
 
 
-def drafter_spec(method: str, k: int, drafter: str | None, target, tokenizer):
+def drafter_spec(
+    method: str, k: int, drafter: str | None, target: Transformer, tokenizer: TextTokenizer
+) -> tuple[SpecConfig, Transformer | None]:
     """(SpecConfig, draft model or None): a learned head (eagle3, mtp) takes ``drafter`` as its
-    directory option, a ``draft`` drafter a model (``models.checkpoints.load_draft_model``)."""
+    directory option, loaded here (``load_drafter_head``), a ``draft`` drafter a model
+    (``models.checkpoints.load_draft_model``). A drafter that cannot be loaded raises
+    ``ValueError`` (``CheckpointError`` is one) with one line naming it."""
     if proposer_takes(method, "drafter_path"):
-        options = {"drafter_path": drafter} if drafter else {}
+        if not drafter:
+            return SpecConfig(method, k), None
+        options: dict[str, Any] = {"drafter_path": drafter}
+        if proposer_takes(method, "drafter"):
+            options["drafter"] = load_drafter_head(drafter, target, method)
+        elif not Path(drafter).is_dir():
+            raise ValueError(f"drafter {drafter} is not a directory")
         return SpecConfig(method, k, options=options), None
     from specrl.models.checkpoints import load_draft_model
 
     return SpecConfig(method, k), load_draft_model(drafter, target, tokenizer)
+
+
+def load_drafter_head(path: str, target: Transformer, kind: str) -> DraftHead:
+    """The trained ``kind`` head in directory ``path`` for ``target``; ``ValueError`` with one
+    line (naming ``path``) when it is missing, damaged or made for another target or kind."""
+    from safetensors import SafetensorError
+
+    from specrl.models.heads import load_head
+
+    if not Path(path).is_dir():
+        raise ValueError(
+            f"drafter {path} is not a directory (train a {kind} head with "
+            f"specrl train-drafter --drafter {kind})"
+        )
+    try:
+        return load_head(path, target, kind=kind)
+    # OSError: a file missing or unreadable; ValueError: json's, and load_head's own for a head
+    # that is damaged or made for another target; SafetensorError: damaged head.safetensors.
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"cannot load the {kind} drafter from {path}: {one_line(e)}") from None
 
 
 def build_proposer(spec: SpecConfig, **extra: Any):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from specrl.drafters.data import (
     Sequence,
@@ -15,6 +16,7 @@ from specrl.drafters.data import (
     save_examples,
 )
 from specrl.drafters.train import (
+    STATE_FILE,
     TrainConfig,
     acceptance,
     collate,
@@ -65,8 +67,8 @@ def test_loss_falls_and_trained_head_accepts_more(tmp_path, draft_vocab):
 
 def test_resume_continues_where_it_stopped(tmp_path):
     target, head, examples, _ = tiny_setup("mtp")
-    save_examples(examples, tmp_path / "ex.pt")
-    examples = load_examples(tmp_path / "ex.pt")
+    save_examples(examples, tmp_path / "ex.safetensors")
+    examples = load_examples(tmp_path / "ex.safetensors")
     cfg = TrainConfig(steps=6, warmup=2, batch_size=4, bf16=False, ckpt_every=3)
     torch.manual_seed(0)
     first = DraftHead(target, "mtp")
@@ -125,3 +127,130 @@ def test_shared_prompt_examples_equal_teacher_forcing():
         assert ex.tokens.tolist() == seq.tokens and ex.prompt_len == seq.prompt_len
         torch.testing.assert_close(ex.feats, torch.cat(ref.captured, -1)[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ex.final, ref.hidden[0], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- no pickles, no LM head call
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Any torch.load (a pickle) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called: drafter files must be read without pickles")
+
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_examples_round_trip_through_safetensors(tmp_path, no_unpickling):
+    target, head, examples, _ = tiny_setup()
+    path = tmp_path / "ex.safetensors"
+    save_examples(examples, path)
+    with safe_open(str(path), "pt") as f:  # a safetensors file, tensors only
+        assert f.metadata()["format"] == "specrl-drafter-examples"
+        assert set(f.keys()) == {"tokens", "feats", "final", "lengths", "prompt_lens"}
+    loaded = load_examples(path)
+    assert len(loaded) == len(examples)
+    for a, b in zip(examples, loaded, strict=True):
+        assert a.prompt_len == b.prompt_len
+        for name in ("tokens", "feats", "final"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _truncated(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _pickled(path):
+    import pickle
+
+    path.write_bytes(pickle.dumps([{"tokens": [1, 2]}]))
+
+
+def _foreign(path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(path))
+
+
+def _inconsistent(path):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(path))
+    t["lengths"][0] += 1  # the lengths no longer add up to the tokens
+    save_file(t, str(path), metadata={"format": "specrl-drafter-examples", "version": "1"})
+
+
+@pytest.mark.parametrize("damage", [_truncated, _pickled, _foreign, _inconsistent])
+def test_a_damaged_examples_file_is_one_value_error(tmp_path, no_unpickling, damage):
+    _, _, examples, _ = tiny_setup()
+    path = tmp_path / "ex.safetensors"
+    save_examples(examples, path)
+    damage(path)
+    with pytest.raises(ValueError, match=str(path)) as e:
+        load_examples(path)
+    assert "\n" not in str(e.value)
+
+
+def test_training_state_is_safetensors_and_a_damaged_one_restarts(tmp_path, no_unpickling):
+    """The state file holds tensors and JSON, nothing to unpickle; a damaged one is ignored
+    with a warning and training starts over (the same losses as a fresh run)."""
+    target, _, examples, _ = tiny_setup("mtp")
+    cfg = TrainConfig(steps=4, warmup=2, batch_size=4, bf16=False, ckpt_every=2)
+    torch.manual_seed(0)
+    fresh = train_head(DraftHead(target, "mtp"), examples, cfg, progress=False)
+    torch.manual_seed(0)
+    train_head(DraftHead(target, "mtp"), examples, cfg, out=tmp_path, progress=False)
+    state = tmp_path / STATE_FILE
+    with safe_open(str(state), "pt") as f:
+        meta = json.loads(f.metadata()["specrl"])
+        assert meta["step"] == 4 and len(meta["losses"]) == 4
+        assert all(k.startswith(("param.", "opt.")) for k in f.keys())  # noqa: SIM118
+    state.write_bytes(state.read_bytes()[:200])
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=f"cannot read training state {state}"):
+        again = train_head(DraftHead(target, "mtp"), examples, cfg, out=tmp_path, progress=False)
+    assert again == fresh
+
+
+def test_a_state_for_other_parameters_is_ignored_not_loaded(tmp_path, no_unpickling):
+    """A state saved by an eagle3 head does not fit an mtp head: warned about, not loaded."""
+    target, head, examples, _ = tiny_setup("eagle3")
+    cfg = TrainConfig(steps=2, warmup=1, batch_size=4, bf16=False)
+    train_head(head, examples, cfg, out=tmp_path, progress=False)
+    torch.manual_seed(0)
+    mtp = DraftHead(target, "mtp")
+    before = {k: v.clone() for k, v in mtp.state_dict().items()}
+    with pytest.warns(UserWarning, match="saved for other parameters"):
+        losses = train_head(mtp, examples, TrainConfig(**{**vars(cfg), "steps": 0}), out=tmp_path,
+                            progress=False)  # fmt: skip
+    assert losses == [] and all(torch.equal(before[k], v) for k, v in mtp.state_dict().items())
+
+
+def test_building_examples_never_calls_the_lm_head():
+    """Issue 20: features came from a forward with ``logits_at=ids[:, :0]``, which sent an
+    empty batch to the LM head, and the native GEMV kernel refuses M = 0 (``specrl
+    train-drafter --drafter eagle3`` died after 14 minutes). Here the LM head refuses an empty
+    batch the same way and records every call: features need no logits at all."""
+    target = make_tiny(seed=3, vocab_size=32, num_layers=4)
+    rows: list[int] = []
+    real = target.lm_head.forward
+
+    def refusing(x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        if rows[-1] == 0:
+            raise ValueError("gemv kernel refused shapes M=0, N=32, K=32")
+        return real(x)
+
+    target.lm_head.forward = refusing
+    prompt = [1, 2, 3, 4]
+    seqs = [Sequence(prompt + [5, 6, 7], 4), Sequence(prompt + [8], 4), Sequence([9, 10, 11], 2)]
+    for layers in [(0, 2, 3), ()]:  # eagle3-style features; none (a draft model's data)
+        examples = build_examples(target, seqs, layers, dtype=torch.float32)
+        assert [len(e.tokens) for e in examples] == [7, 5, 3]
+        assert all(e.feats.shape[-1] == 32 * len(layers) for e in examples)
+    assert rows == []  # the LM head never ran
+    with pytest.raises(ValueError, match="M=0"):  # control: the stand-in refuses M = 0
+        ids = torch.tensor([[1, 2]])
+        target(ids, torch.arange(2)[None], logits_at=ids[:, :0])

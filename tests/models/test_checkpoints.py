@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specrl.models import checkpoints as ck
-from specrl.models.config import ModelConfig
+from specrl.models.config import SUPPORTED_TYPES, ModelConfig, tiny_config
 from tests.conftest import make_tiny
 
 
@@ -82,3 +82,10 @@ def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's conversion permutation (HF -> GGUF)
     permuted = w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
     assert np.array_equal(ck._unpermute(permuted, heads), w)
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_TYPES)
+def test_hf_config_names_the_architecture_of_its_model_type(model_type):
+    cfg = ModelConfig.from_hf_dict(tiny_config().to_hf_dict() | {"model_type": model_type})
+    arch = cfg.to_hf_dict()["architectures"][0]
+    assert arch.lower().startswith(model_type) and arch.endswith("ForCausalLM")

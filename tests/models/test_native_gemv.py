@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specrl.kernels import gemv
+from specrl.models import transformer
 from specrl.models.transformer import Linear, onednn_packs, set_native_gemv
+from tests.conftest import make_tiny
 
 KERNEL = gemv.gemv_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native GEMV kernel cannot run here")
@@ -189,3 +192,92 @@ def test_bf16_inference_runs_on_any_cpu(rows):
         got = lin(x).float()
         want = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(got, want, atol=0.25, rtol=0.02)  # bf16 output rounding
+
+
+# ------------------------------------------------- no rows (M = 0), on any CPU, with a fake kernel
+
+
+class StrictFakeKernel:
+    """Stands in for the native kernel where it cannot run (the dispatch is the same): the real
+    ``fits``/``pack``, a correct product, and the library's refusal of M outside [1, MAX_ROWS]
+    (as ``matmul`` raised it before it guarded M = 0). ``rows`` records M of every call."""
+
+    fits = staticmethod(gemv.GemvKernel.fits)
+    pack = staticmethod(gemv.GemvKernel.pack)
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        m, k = x.shape
+        self.rows.append(m)
+        if not 1 <= m <= gemv.MAX_ROWS:
+            raise ValueError(f"gemv kernel refused shapes M={m}, N={n}, K={k}")
+        w = packed.permute(0, 2, 1, 3).reshape(n, k)  # undo pack
+        return (x.float() @ w.float().T).to(torch.bfloat16)
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch) -> StrictFakeKernel:
+    """Linear dispatches to a ``StrictFakeKernel``: ``gemv_kernel()`` returns it and the packed
+    path is taken as on a CPU where oneDNN packs bf16 (only inputs of <= MAX_ROWS rows, and
+    weights the kernel fits, may then be used: they never reach oneDNN)."""
+    kernel = StrictFakeKernel()
+    monkeypatch.setattr(gemv, "gemv_kernel", lambda: kernel)
+    monkeypatch.setattr(transformer, "onednn_packs", lambda dtype: True)
+    return kernel
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_never_sends_an_empty_batch_to_the_kernel(fake_kernel, bias):
+    """Issue 20: ``logits_at=ids[:, :0]`` sent M = 0 to the kernel, which refuses it. Both
+    dispatch paths (before and after the packed copy exists) must answer an empty product."""
+    lin = _linear(64, 32, bias)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        first = lin(torch.zeros(0, 32, dtype=torch.bfloat16))  # no packed copy yet
+        y = lin(x)  # the kernel's path: packs the weight
+        assert lin._native is not None and fake_kernel.rows == [2]
+        again = lin(torch.zeros(3, 0, 32, dtype=torch.bfloat16))  # the fast path
+    assert first.shape == (0, 64) and again.shape == (3, 0, 64)
+    assert fake_kernel.rows == [2]
+    assert within_bf16_rounding(y, x, lin.weight, lin.bias)
+
+
+def test_lm_head_on_no_positions_with_the_kernel(fake_kernel):
+    """A forward asking for logits at no position returns [B, 0, V] through the kernel's
+    dispatch; the other linears still use the kernel."""
+    model = make_tiny(seed=1).to(torch.bfloat16)
+    ids = torch.tensor([[3, 1, 4]])
+    positions = torch.arange(3)[None]
+    with torch.no_grad():
+        out = model(ids, positions, logits_at=ids[:, :0])
+        full = model(ids, positions)
+    assert out.logits.shape == (1, 0, 32) and full.logits.shape == (1, 3, 32)
+    assert fake_kernel.rows and 0 not in fake_kernel.rows
+
+
+class FakeLibraryFunction:
+    """``specrl_gemv_bf16`` as ctypes exposes it: returns 1 (refused) like the C code for M
+    outside [1, 4], N % 16 or K % 4; records M of each call."""
+
+    argtypes = restype = None
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def __call__(self, w, x, y, m, n, k, threads) -> int:
+        self.rows.append(m)
+        return 0 if 1 <= m <= 4 and n % 16 == 0 and k % 4 == 0 else 1
+
+
+def test_kernel_wrapper_answers_no_rows_without_calling_the_library():
+    fn = FakeLibraryFunction()
+    kernel = gemv.GemvKernel(SimpleNamespace(specrl_gemv_bf16=fn))
+    packed = kernel.pack(torch.randn(32, 8).to(torch.bfloat16))
+    y = kernel.matmul(torch.zeros(0, 8, dtype=torch.bfloat16), packed, 32)
+    assert y.shape == (0, 32) and y.dtype == torch.bfloat16 and fn.rows == []
+    with pytest.raises(ValueError, match="M=5"):
+        kernel.matmul(torch.zeros(5, 8, dtype=torch.bfloat16), packed, 32)
+    kernel.matmul(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 32)
+    assert fn.rows == [5, 2]

@@ -135,6 +135,12 @@ class FakeBackend:
 
         return Versions(self.version)
 
+    def served(self):
+        """The version it serves; no fingerprint (it keeps no weights)."""
+        from specrl.backends import Served
+
+        return Served(self.version, None)
+
     def state_dict(self):
         return dict(self.state)
 

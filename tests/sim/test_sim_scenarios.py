@@ -41,12 +41,13 @@ def test_rollout_speedup_grows_with_acceptance_and_k5_gains_less_than_k3_at_low_
 
 
 def test_paper_235b_async_combines_speculation_and_asynchrony():
-    res = run_scenario(load_scenario("paper-235b-async"))
+    res = run_scenario(load_scenario("paper-235b-async", ["workload.seeds=1"]))
     assert res.rollout_speedup > 1.0
     assert res.end_to_end_speedup > 1.0
     spec_sync = run_scenario(
         load_scenario(
-            "paper-235b-async", ["pipeline.mode=sync", "training.gpus=0", "generation.gpus=256"]
+            "paper-235b-async",
+            ["pipeline.mode=sync", "training.gpus=0", "generation.gpus=256", "workload.seeds=1"],
         )
     )
     assert res.end_to_end_speedup_vs_sync_no_spec > 1.0
@@ -66,7 +67,7 @@ def test_json_contract_and_speedups_are_ratios_of_reported_times():
 
 @pytest.mark.parametrize("name", list_specs("scenarios"))
 def test_every_bundled_scenario_runs(name):
-    res = run_scenario(load_scenario(name))
+    res = run_scenario(load_scenario(name, ["workload.seeds=1"]))
     assert res.speculative.schedule.step_time > 0
 
 
@@ -142,9 +143,11 @@ def test_sim_package_stands_apart():
     import subprocess
     import sys
 
+    leaves = ("specrl.errors", "specrl.fsutil", "specrl.cli_util")  # import nothing from specrl
     code = (
         "import sys, specrl.sim.cli; bad = [m for m in sys.modules if m == 'torch' or "
-        "(m.startswith('specrl.') and not m.startswith('specrl.sim'))]; print(bad)"
+        "(m.startswith('specrl.') and not m.startswith('specrl.sim') and m not in "
+        f"{leaves!r})]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

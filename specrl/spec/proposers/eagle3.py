@@ -85,7 +85,7 @@ class Eagle3Proposer:
             self.free.append(slot)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        self.head.load_state_dict(cast_floats(state, self.head.proj.weight.dtype))
+        self.head.load_state_dict(cast_floats(state, self.head.dtype))
 
     # ------------------------------------------------------------------ drafting
 
@@ -150,7 +150,7 @@ class Eagle3Proposer:
             ids[i, :m] = torch.tensor(hist[start + 1 : end + 1])
             positions[i, :m] = torch.arange(start, end)
             rows[i, :m] = slots[i]
-        h = self.head.features_in(f.to(self.head.proj.weight.dtype))
+        h = self.head.features_in(f.to(self.head.dtype))
         g = self.head.step(h, ids, positions, self.cache, rows, slots, max(ends))
         last = torch.tensor(counts)[:, None, None] - 1
         g = g.gather(1, last.expand(b, 1, g.shape[-1]))  # [B, 1, H]

@@ -1,0 +1,408 @@
+"""Exporting specrl's drafters to the layouts vLLM loads.
+
+Contract:
+- ``export_eagle3(head_dir, target, out_dir, dtype=None)`` writes an EAGLE-3 drafter directory
+  that vLLM's ``Eagle3LlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle3.py``; for a
+  Qwen3 target ``Eagle3Qwen3ForCausalLM``, ``qwen3_eagle3.py``) loads with
+  ``speculative_config={"method": "eagle3", "model": out_dir, ...}``, from a head saved by
+  ``specrl train-drafter --drafter eagle3 --head-arch eagle3`` (``specrl.models.heads``).
+  ``target`` is the target model (a name or directory ``resolve_model`` accepts, or a loaded
+  ``Transformer``); only its config and LM head are read. Files:
+  ``config.json``: the target's config with one layer and ``architectures``
+  ["LlamaForCausalLMEagle3"] (model_type llama; qwen3 targets: ["Eagle3Qwen3ForCausalLM"],
+  model_type qwen3), ``draft_vocab_size`` (Vd), ``target_hidden_size``, ``tie_word_embeddings``
+  false, ``norm_before_residual`` false, ``eagle_aux_hidden_state_layer_ids`` = [l + 1 for l in
+  the head's feature layers] (vLLM's id j is the output of target layer j - 1, collected in
+  increasing order; specrl's feature layer l is the output of layer l) at the top level and in
+  ``eagle_config`` (whose length sizes ``fc``) with ``use_aux_hidden_state`` true, and
+  ``specrl_export`` (what it was made from).
+  ``model.safetensors`` (``EAGLE3_NAMES``): ``fc.weight`` [H, n*H], ``midlayer.*`` (hidden_norm
+  = hnorm, input_layernorm = enorm, q/k/v_proj split from qkv, o_proj, q_norm/k_norm (qwen3),
+  post_attention_layernorm = mlp_norm, gate/up_proj split from gate_up, down_proj),
+  ``norm.weight``, ``lm_head.weight`` [Vd, H] (the target's LM head rows ``d2t``: vLLM's draft
+  head owns its LM head), and with a reduced vocabulary ``d2t`` [Vd] int64 as vLLM reads it
+  (draft index i -> target id i + d2t[i], so specrl's ids minus arange(Vd)) and ``t2d`` [V]
+  bool (ignored by vLLM; as the public checkpoints have it). With the full vocabulary neither:
+  vLLM then keeps no mapping. With a qkv bias (qwen2) the Llama class also builds an o_proj
+  bias, written as zeros. No ``embed_tokens``: vLLM shares the target's embedding.
+  Floats are written in ``dtype`` (default: the head's saved dtype). Each file is written
+  atomically (``specrl.fsutil``).
+- ``export_draft_model(draft_dir, out_dir, tokenizer_dir=None)`` checks that a draft model (a
+  ``specrl train-drafter --drafter draft`` directory, or any model directory) is a Hugging Face
+  checkpoint vLLM's ``draft_model`` method loads (config.json with the architecture of its
+  model_type, model.safetensors with HF tensor names) and copies it to ``out_dir`` with the
+  tokenizer files (from ``tokenizer_dir`` when the draft has none); ``out_dir == draft_dir``
+  only checks. A GGUF file or a name is converted (``resolve_model``).
+- What vLLM cannot load raises ``ExportError`` (a ``ValueError``) with one line: an MTP head
+  (vLLM runs MTP only from layers built into specific models' own checkpoints), a head of
+  specrl's ``proj`` layout (not expressible in vLLM's EAGLE-3 layer: see
+  ``specrl.models.heads``), a head whose target differs from ``target``, damaged files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from specrl.errors import one_line
+from specrl.fsutil import atomic_write, atomic_writer
+from specrl.models.checkpoints import (
+    CheckpointError,
+    hf_state_dict,
+    load_config,
+    load_model,
+    resolve_model,
+)
+from specrl.models.config import ModelConfig
+from specrl.models.heads import check_compatible, read_head_config
+from specrl.models.transformer import Transformer
+
+FORMAT = "specrl-vllm-eagle3"
+VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+HF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# specrl head tensor -> vLLM EAGLE-3 checkpoint tensors (concatenated along dim 0 in specrl)
+EAGLE3_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fc.weight", ("fc.weight",)),
+    ("hnorm.weight", ("midlayer.hidden_norm.weight",)),
+    ("enorm.weight", ("midlayer.input_layernorm.weight",)),
+    (
+        "block.attn.qkv.weight",
+        tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"),
+    ),
+    ("block.attn.qkv.bias", tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkv")),
+    ("block.attn.o.weight", ("midlayer.self_attn.o_proj.weight",)),
+    ("block.attn.q_norm.weight", ("midlayer.self_attn.q_norm.weight",)),
+    ("block.attn.k_norm.weight", ("midlayer.self_attn.k_norm.weight",)),
+    ("block.mlp_norm.weight", ("midlayer.post_attention_layernorm.weight",)),
+    ("block.mlp.gate_up.weight", ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")),
+    ("block.mlp.down.weight", ("midlayer.mlp.down_proj.weight",)),
+    ("norm.weight", ("norm.weight",)),
+)
+
+
+class ExportError(ValueError):
+    """A drafter cannot be exported; the one-line message says why."""
+
+
+# ---------------------------------------------------------------------------- EAGLE-3
+
+
+def export_eagle3(
+    head_dir: str | os.PathLike,
+    target: str | os.PathLike | Transformer,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (module docstring)."""
+    from safetensors.torch import save_file
+
+    head_dir, out = Path(head_dir), Path(out_dir)
+    cfg = _eagle3_head_config(head_dir)
+    tcfg, lm_head = _target_lm_head(target)  # lm_head [V, H]
+    try:
+        check_compatible(cfg, tcfg)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    _check_layers(cfg["feature_layers"], tcfg.num_layers)
+    state = _read_safetensors(head_dir / "head.safetensors")
+    d2t = state.pop("d2t", None)  # [Vd] target ids, or None (full vocabulary)
+    if d2t is not None:
+        _check_d2t(d2t, tcfg.vocab_size)
+    tensors = eagle3_tensors(state, tcfg, lm_head, d2t)
+    dtype = dtype or state["norm.weight"].dtype
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    config = eagle3_config(tcfg, cfg["feature_layers"], len(lm_head) if d2t is None else len(d2t))
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["specrl_export"] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": str(head_dir.resolve()),
+        "feature_layers": cfg["feature_layers"],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write(out / "config.json", json.dumps(config, indent=1))
+    return out
+
+
+def _eagle3_head_config(head_dir: Path) -> dict:
+    """head.json of an exportable head, or ``ExportError`` saying why it is not one."""
+    try:
+        cfg = read_head_config(head_dir)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read the head in {head_dir}: {one_line(e)}") from None
+    if cfg.get("kind") == "mtp":
+        raise ExportError(
+            f"{head_dir} is an MTP head: vLLM runs MTP only from the MTP layers built into "
+            "specific models' own checkpoints (DeepSeek-V3, MiMo, Qwen3-Next, GLM-4.5, ...), "
+            "not a separate head for a llama/qwen target; export an eagle3 head or a draft model"
+        )
+    if cfg.get("kind") != "eagle3":
+        raise ExportError(f"{head_dir} holds a {cfg.get('kind')!r} head, not an eagle3 head")
+    if cfg["arch"] != "eagle3":
+        raise ExportError(
+            f"{head_dir} has specrl's {cfg['arch']!r} layout (inputs projected 2H->H, then a "
+            "normed decoder layer), which vLLM's EAGLE-3 layer (attention over the 2H concat, "
+            "residual from the features) cannot express: train one with "
+            "`specrl train-drafter --drafter eagle3 --head-arch eagle3`"
+        )
+    return cfg
+
+
+def _check_layers(layers: list[int], num_layers: int) -> None:
+    if not layers or layers != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < num_layers:
+        raise ExportError(
+            f"the head's feature layers {layers} are not distinct sorted layers of the target "
+            f"(0..{num_layers - 1})"
+        )
+
+
+def _check_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
+    ok = d2t.dim() == 1 and len(d2t) > 0 and not d2t.is_floating_point()
+    ok = ok and bool((d2t[1:] > d2t[:-1]).all()) and 0 <= int(d2t[0]) <= int(d2t[-1]) < vocab_size
+    if not ok:
+        raise ExportError(
+            f"the head's d2t is not a sorted list of distinct ids in [0, {vocab_size})"
+        )
+
+
+def eagle3_tensors(
+    state: dict[str, torch.Tensor],
+    target: ModelConfig,
+    lm_head: torch.Tensor,  # [V, H] the target's LM head
+    d2t: torch.Tensor | None,  # [Vd] sorted target ids, or None (full vocabulary)
+) -> dict[str, torch.Tensor]:
+    """vLLM EAGLE-3 tensors from a head's state dict (without ``d2t``); ``ExportError`` when the
+    state holds tensors that have no vLLM name or lacks one."""
+    known = {ours for ours, _ in EAGLE3_NAMES}
+    extra = sorted(set(state) - known)
+    if extra:
+        raise ExportError(f"head tensor {extra[0]} has no place in vLLM's EAGLE-3 layout")
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in EAGLE3_NAMES:
+        if ours in state:
+            t = state[ours]
+            rows = t.shape[0] if t.dim() else 0
+            sizes = [rows] if len(theirs) == 1 else _split_sizes(target, len(theirs))
+            if t.dim() == 0 or rows != sum(sizes):
+                raise ExportError(
+                    f"head tensor {ours} has shape {tuple(t.shape)}: not this target's"
+                )
+            parts = t.split(sizes)
+            out.update({n: p.contiguous() for n, p in zip(theirs, parts, strict=True)})
+    if "block.attn.qkv.bias" in state and target.model_type != "qwen3":
+        # vLLM's Llama layer gives o_proj a bias whenever attention_bias is set
+        out["midlayer.self_attn.o_proj.bias"] = torch.zeros(target.hidden_size)
+    lm_head = lm_head.detach().float()
+    if d2t is None:
+        out["lm_head.weight"] = lm_head.contiguous()  # [V, H]
+    else:
+        d2t = d2t.to(torch.int64)
+        out["lm_head.weight"] = lm_head.index_select(0, d2t).contiguous()  # [Vd, H]
+        out["d2t"] = d2t - torch.arange(len(d2t))  # [Vd] offsets: target id = i + d2t[i]
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        out["t2d"] = t2d.index_fill_(0, d2t, True)  # [V]
+    _check_complete(out, target)
+    return out
+
+
+def _split_sizes(c: ModelConfig, n: int) -> list[int]:
+    """Row counts of the n (2 or 3) vLLM tensors a fused specrl tensor splits into."""
+    if n == 3:
+        kv = c.num_kv_heads * c.head_dim
+        return [c.num_heads * c.head_dim, kv, kv]
+    return [c.intermediate_size, c.intermediate_size]
+
+
+def expected_eagle3_shapes(
+    target: ModelConfig, num_features: int, draft_vocab: int
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor vLLM's EAGLE-3 class reads for this target (biases and q/k norms only where
+    the target has them; d2t/t2d only with a reduced vocabulary), with its shape."""
+    h, i, m = target.hidden_size, target.intermediate_size, "midlayer."
+    q, kv = target.num_heads * target.head_dim, target.num_kv_heads * target.head_dim
+    shapes = {
+        "fc.weight": (h, num_features * h),
+        m + "hidden_norm.weight": (h,),
+        m + "input_layernorm.weight": (h,),
+        m + "self_attn.q_proj.weight": (q, 2 * h),
+        m + "self_attn.k_proj.weight": (kv, 2 * h),
+        m + "self_attn.v_proj.weight": (kv, 2 * h),
+        m + "self_attn.o_proj.weight": (h, q),
+        m + "post_attention_layernorm.weight": (h,),
+        m + "mlp.gate_proj.weight": (i, h),
+        m + "mlp.up_proj.weight": (i, h),
+        m + "mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (draft_vocab, h),
+    }
+    if target.attention_bias:
+        shapes |= {
+            m + f"self_attn.{p}_proj.bias": (n,) for p, n in zip("qkv", (q, kv, kv), strict=True)
+        }
+        if target.model_type != "qwen3":
+            shapes[m + "self_attn.o_proj.bias"] = (h,)
+    if target.qk_norm:
+        shapes |= {m + f"self_attn.{p}_norm.weight": (target.head_dim,) for p in "qk"}
+    if draft_vocab != target.vocab_size:
+        shapes |= {"d2t": (draft_vocab,), "t2d": (target.vocab_size,)}
+    return shapes
+
+
+def _check_complete(out: dict[str, torch.Tensor], target: ModelConfig) -> None:
+    fc = out.get("fc.weight")
+    n = 0 if fc is None else fc.shape[1] // target.hidden_size
+    want = expected_eagle3_shapes(target, n, len(out["lm_head.weight"]))
+    extra = sorted(set(out) - set(want))
+    if extra:
+        raise ExportError(f"the head has a tensor for {extra[0]}, which this target lacks")
+    for name, shape in want.items():
+        if name not in out:
+            raise ExportError(f"the head lacks the tensor for vLLM's {name}")
+        if tuple(out[name].shape) != shape:
+            got = tuple(out[name].shape)
+            raise ExportError(f"vLLM's {name} must be {shape}, the head gives {got}")
+
+
+def eagle3_config(target: ModelConfig, feature_layers: list[int], draft_vocab: int) -> dict:
+    """config.json of the exported drafter (module docstring)."""
+    qwen3 = target.model_type == "qwen3"
+    ids = [int(x) + 1 for x in feature_layers]  # vLLM id j = output of target layer j - 1
+    config = target.replace(num_layers=1).to_hf_dict()
+    config |= {
+        "architectures": ["Eagle3Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLMEagle3"],
+        "model_type": "qwen3" if qwen3 else "llama",
+        "tie_word_embeddings": False,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target.hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    }
+    return config
+
+
+def _target_lm_head(target: str | os.PathLike | Transformer) -> tuple[ModelConfig, torch.Tensor]:
+    """(target config, its LM head [V, H]) from a loaded model or a model name/directory (only
+    the one tensor is read)."""
+    if isinstance(target, Transformer):
+        return target.config, target.lm_head.weight.detach()
+    try:
+        model_dir = resolve_model(target)
+        config = load_config(model_dir)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    names = ["lm_head.weight", "model.embed_tokens.weight"]
+    if config.tie_word_embeddings:
+        names.reverse()
+    for name in names:
+        w = _read_tensor(model_dir, name)
+        if w is not None:
+            return config, w
+    raise ExportError(f"{model_dir} has neither lm_head.weight nor model.embed_tokens.weight")
+
+
+def _read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` from the first of ``model_dir``'s *.safetensors holding it, or None."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                if name in st.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    return st.get_tensor(name)
+        except (OSError, SafetensorError) as e:
+            raise ExportError(f"corrupt safetensors file {f}: {one_line(e)}") from None
+    return None
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ExportError(f"cannot read {path}: {one_line(e)}") from None
+
+
+# ---------------------------------------------------------------------------- draft model
+
+
+def export_draft_model(
+    draft_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Check ``draft_dir`` is an HF checkpoint vLLM loads; copy it (and tokenizer files) to
+    ``out_dir`` unless that is the same directory (module docstring)."""
+    try:
+        src = resolve_model(draft_dir)
+        model = load_model(src)  # every tensor present, named and shaped as HF's
+    except CheckpointError as e:
+        raise ExportError(f"{draft_dir} is not a model vLLM can load: {e}") from None
+    out = Path(out_dir)
+    same = out.exists() and out.resolve() == src.resolve()
+    tok_src = src if same or (src / "tokenizer.json").is_file() else tokenizer_dir
+    if tok_src is None or not (Path(tok_src) / "tokenizer.json").is_file():
+        how = "export to another --out" if same else "name the target model to copy it from"
+        raise ExportError(f"{src} has no tokenizer.json: {how}")
+    if same:
+        _check_hf_config(src)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    _write_hf_model(model, src, out)
+    for name in TOKENIZER_FILES:
+        if (Path(tok_src) / name).is_file():
+            shutil.copyfile(Path(tok_src) / name, out / name)
+    return out
+
+
+def _check_hf_config(model_dir: Path) -> None:
+    """``ExportError`` unless config.json names the HF architecture of its model_type."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    want = HF_ARCHS[raw.get("model_type", "llama")]
+    if raw.get("architectures") != [want]:
+        raise ExportError(
+            f"{model_dir}/config.json names architectures {raw.get('architectures')}, "
+            f"vLLM needs [{want!r}] for model_type {raw.get('model_type')!r}: export to another "
+            "--out to rewrite it"
+        )
+
+
+def _write_hf_model(model: Transformer, src: Path, out: Path) -> None:
+    """config.json (architecture set from model_type, the rest kept) and model.safetensors
+    (HF names, the source's dtype) of ``model``, read from ``src``."""
+    from safetensors.torch import save_file
+
+    raw = json.loads((src / "config.json").read_text())
+    raw["architectures"] = [HF_ARCHS[model.config.model_type]]
+    dtype = _source_dtype(src)
+    state = {k: v.to(dtype) for k, v in hf_state_dict(model).items()}
+    with atomic_writer(out / "model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    atomic_write(out / "config.json", json.dumps(raw, indent=1))
+    spec = src / "distill.json"  # specrl's record of how the draft was made
+    if spec.is_file():
+        shutil.copyfile(spec, out / spec.name)
+
+
+def _source_dtype(model_dir: Path) -> torch.dtype:
+    """The float dtype of the first tensor of ``model_dir``'s first safetensors file."""
+    from safetensors import safe_open
+
+    f = sorted(model_dir.glob("*.safetensors"))[0]
+    with safe_open(str(f), framework="pt") as st:
+        first = next(iter(st.keys()))
+        return st.get_tensor(first).dtype

@@ -1,0 +1,173 @@
+"""Checks across a scenario's fields and specs, run before any simulation work.
+
+Contract: ``check_scenario(sc)`` returns None for a scenario the simulator can run and otherwise
+raises ``SimInputError`` with one line naming the input, what is wrong and what would fix it:
+
+- the model, hardware and drafter specs exist and load; the drafter's kind, the acceptance kind,
+  the speculation policy, the pipeline mode and the async generation model are registered names
+  (the message lists the valid ones, with a did-you-mean);
+- acceptance: ``acceptance_length`` at most ``at_k + 1`` (k drafts accept at most k tokens plus
+  the bonus token); per-position rates and draft coverage are probabilities;
+- GPU counts: ``generation.gpus`` is a whole number of replicas of ``gpus_per_replica``; async
+  needs ``training.gpus > 0`` and its sync baseline (generation + training GPUs) is a whole number
+  of replicas too; sync trains on the generation GPUs, so ``training.gpus`` must be 0 there;
+- memory: one generation replica holds the target's (and drafter's) bf16 weights plus the KV cache
+  of one full-length sequence (``prompt_len + max_response_len``) within ``mem_fraction`` of its
+  HBM (``replica_memory``). Training memory is not modelled (nor checked).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specrl.sim.acceptance import ACCEPTANCE_KINDS, POLICIES
+from specrl.sim.drafters import DRAFTER_KINDS, draft_forward
+from specrl.sim.errors import SimInputError, unknown
+from specrl.sim.pipeline import ASYNC_GENERATION, PIPELINES
+from specrl.sim.scenario import Scenario
+from specrl.sim.specs import HardwareSpec, ModelSpec, load_drafter, load_hardware, load_model
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ReplicaMemory:
+    """Bytes one generation replica needs at least, and what it has."""
+
+    weights: float
+    kv_one_sequence: float
+    context: int
+    usable: float
+
+    @property
+    def needed(self) -> float:
+        return self.weights + self.kv_one_sequence
+
+
+def check_scenario(sc: Scenario) -> None:
+    """Raise SimInputError if the scenario cannot be simulated (see module doc)."""
+    model, hw = load_model(sc.model), load_hardware(sc.hardware)
+    draft = _check_drafter(sc, model)
+    _check_names(sc)
+    _check_acceptance(sc)
+    _check_gpu_counts(sc)
+    _check_generation_memory(sc, model, hw, draft)
+
+
+def _check_drafter(sc: Scenario, model: ModelSpec) -> ModelSpec | None:
+    drafter = load_drafter(sc.speculation.drafter)
+    if drafter.kind not in DRAFTER_KINDS:
+        raise unknown(f"drafter kind (drafter spec {drafter.name})", drafter.kind, DRAFTER_KINDS)
+    return draft_forward(drafter, model) if sc.speculation.enabled else None
+
+
+def _check_names(sc: Scenario) -> None:
+    acc = sc.speculation.acceptance
+    if acc.kind not in ACCEPTANCE_KINDS:
+        raise unknown("speculation.acceptance.kind", acc.kind, ACCEPTANCE_KINDS)
+    policies = [p for p in POLICIES if p != "off"]  # off: speculation.enabled = false
+    if sc.speculation.policy not in policies:
+        raise unknown("speculation.policy", sc.speculation.policy, policies)
+    if sc.pipeline.mode not in PIPELINES:
+        raise unknown("pipeline.mode", sc.pipeline.mode, PIPELINES)
+    if sc.pipeline.async_generation not in ASYNC_GENERATION:
+        raise unknown("pipeline.async_generation", sc.pipeline.async_generation, ASYNC_GENERATION)
+
+
+def _check_acceptance(sc: Scenario) -> None:
+    s = sc.speculation
+    acc = s.acceptance
+    if acc.acceptance_length > acc.at_k + 1:
+        raise SimInputError(
+            f"speculation.acceptance.acceptance_length={acc.acceptance_length} is above at_k + 1"
+            f" = {acc.at_k + 1}: {acc.at_k} drafts accept at most {acc.at_k} tokens plus the"
+            " bonus token"
+        )
+    _check_probabilities("speculation.acceptance.per_position", acc.per_position)
+    _check_probabilities("speculation.draft_coverage", s.draft_coverage)
+    w = sc.workload
+    if w.mean_is_after_cap and w.mean_response_len >= w.max_response_len:
+        raise SimInputError(
+            f"workload.mean_response_len={w.mean_response_len} must be below"
+            f" max_response_len={w.max_response_len} when mean_is_after_cap is true"
+        )
+    if any(n < 1 for n in w.length_trace):
+        raise SimInputError("workload.length_trace: every response length must be >= 1")
+
+
+def _check_probabilities(key: str, values: list[float]) -> None:
+    bad = [v for v in values if not 0.0 <= v <= 1.0]
+    if bad:
+        raise SimInputError(f"{key}: {bad[0]} is not a probability in [0, 1]")
+
+
+def _check_gpu_counts(sc: Scenario) -> None:
+    g, t = sc.generation, sc.training
+    _whole_replicas("generation.gpus", g.gpus, g.gpus_per_replica)
+    if sc.pipeline.mode == "async":
+        if t.gpus <= 0:
+            raise SimInputError(
+                "pipeline.mode=async needs training.gpus > 0 (generation and training run on"
+                " separate GPUs)"
+            )
+        total = g.gpus + t.gpus
+        _whole_replicas(
+            f"generation.gpus + training.gpus (the sync baseline on all {total} GPUs)",
+            total,
+            g.gpus_per_replica,
+        )
+    elif t.gpus:
+        raise SimInputError(
+            f"training.gpus={t.gpus} with pipeline.mode={sc.pipeline.mode}: sync trains on the"
+            " generation.gpus; set training.gpus=0 or pipeline.mode=async"
+        )
+
+
+def _whole_replicas(what: str, gpus: int, per_replica: int) -> None:
+    if gpus % per_replica:
+        raise SimInputError(
+            f"{what} = {gpus} is not a multiple of generation.gpus_per_replica = {per_replica}"
+            f" (TP x EP of one engine replica): {gpus % per_replica} GPUs would sit idle"
+        )
+
+
+def replica_memory(
+    sc: Scenario, model: ModelSpec, hw: HardwareSpec, draft: ModelSpec | None
+) -> ReplicaMemory:
+    """Weights, one full-length sequence's KV cache, and the usable memory of one replica."""
+    w = sc.workload
+    longest = max(w.length_trace) if w.length_trace else w.max_response_len
+    context = w.prompt_len + longest
+    kv_per_token = model.kv_bytes + (draft.kv_bytes if draft else 0)
+    return ReplicaMemory(
+        weights=model.weight_bytes + (draft.weight_bytes if draft else 0.0),
+        kv_one_sequence=float(context * kv_per_token),
+        context=context,
+        usable=hw.hbm_bytes * hw.mem_fraction * sc.generation.gpus_per_replica,
+    )
+
+
+def _check_generation_memory(
+    sc: Scenario, model: ModelSpec, hw: HardwareSpec, draft: ModelSpec | None
+) -> None:
+    mem = replica_memory(sc, model, hw, draft)
+    if mem.needed <= mem.usable:
+        return
+    g, least = sc.generation.gpus_per_replica, _least_gpus(mem.needed, hw)
+    fitting = [d for d in range(least, sc.generation.gpus + 1) if sc.generation.gpus % d == 0]
+    example = f", e.g. {fitting[0]}" if fitting and fitting[0] != least else ""
+    weights = "weights (target + drafter)" if draft else "weights"
+    raise SimInputError(
+        f"model {model.name} does not fit one generation replica of {g} x {hw.name}: it needs"
+        f" {mem.weights / GB:.1f} GB of bf16 {weights} + {mem.kv_one_sequence / GB:.2f} GB of"
+        f" KV cache for one {mem.context}-token sequence (prompt_len + max_response_len)"
+        f" = {mem.needed / GB:.1f} GB, and {g} x {hw.hbm_bytes / GB:.0f} GB x mem_fraction"
+        f" {hw.mem_fraction} = {mem.usable / GB:.1f} GB is usable; use more GPUs per replica"
+        f" (a larger TP: generation.gpus_per_replica >= {least}{example}),"
+        " GPUs with more memory, or FP8 weights (half the bytes; the simulator prices bf16)"
+    )
+
+
+def _least_gpus(needed: float, hw: HardwareSpec) -> int:
+    return max(1, math.ceil(needed / (hw.hbm_bytes * hw.mem_fraction)))
