@@ -56,6 +56,7 @@ from specrl.models.checkpoints import (
     load_config,
     load_model,
     resolve_model,
+    split_sizes,
 )
 from specrl.models.config import ModelConfig
 from specrl.models.heads import check_compatible, read_head_config
@@ -194,7 +195,7 @@ def eagle3_tensors(
         if ours in state:
             t = state[ours]
             rows = t.shape[0] if t.dim() else 0
-            sizes = [rows] if len(theirs) == 1 else _split_sizes(target, len(theirs))
+            sizes = [rows] if len(theirs) == 1 else split_sizes(target, len(theirs))
             if t.dim() == 0 or rows != sum(sizes):
                 raise ExportError(
                     f"head tensor {ours} has shape {tuple(t.shape)}: not this target's"
@@ -215,14 +216,6 @@ def eagle3_tensors(
         out["t2d"] = t2d.index_fill_(0, d2t, True)  # [V]
     _check_complete(out, target)
     return out
-
-
-def _split_sizes(c: ModelConfig, n: int) -> list[int]:
-    """Row counts of the n (2 or 3) vLLM tensors a fused specrl tensor splits into."""
-    if n == 3:
-        kv = c.num_kv_heads * c.head_dim
-        return [c.num_heads * c.head_dim, kv, kv]
-    return [c.intermediate_size, c.intermediate_size]
 
 
 def expected_eagle3_shapes(

@@ -327,12 +327,14 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         if ours not in params:
             continue
         t = params[ours].detach()
-        parts = [t] if len(theirs) == 1 else t.split(_split_sizes(model.config, len(theirs)))
+        parts = [t] if len(theirs) == 1 else t.split(split_sizes(model.config, len(theirs)))
         out.update({name: p.contiguous() for name, p in zip(theirs, parts, strict=True)})
     return out
 
 
-def _split_sizes(c: ModelConfig, n: int) -> list[int]:
+def split_sizes(c: ModelConfig, n: int) -> list[int]:
+    """Row counts of the n Hugging Face tensors a fused specrl tensor splits into: 3 for the
+    fused attention projection (q, k, v), 2 for the fused MLP input (gate, up)."""
     if n == 3:
         kv = c.num_kv_heads * c.head_dim
         return [c.num_heads * c.head_dim, kv, kv]

@@ -45,7 +45,7 @@ import numpy as np
 from specrl.fsutil import atomic_write
 from specrl.sim.cost import ForwardShape, forward_flops, kv_bytes_read, weight_bytes_read
 from specrl.sim.drafters import draft_forward
-from specrl.sim.errors import SimInputError, unknown
+from specrl.sim.errors import SimInputError, read_text, unknown
 from specrl.sim.specs import (
     DrafterSpec,
     HardwareSpec,
@@ -148,16 +148,9 @@ def load_trace(path: Path) -> Trace:
     """Read and parse a trace file; a missing, unreadable or malformed one raises
     SimInputError naming the file."""
     path = Path(path)
+    text = read_text(path, "a JSON trace file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except IsADirectoryError:
-        raise SimInputError(f"trace {path}: is a directory, not a JSON file") from None
-    except FileNotFoundError:
-        raise SimInputError(f"trace {path}: no such file") from None
-    except OSError as e:
-        raise SimInputError(f"trace {path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise SimInputError(f"trace {path}: not UTF-8 text ({e.reason})") from None
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise SimInputError(f"trace {path}: malformed JSON ({e})") from None
     try:

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from specrl.sim.errors import SimInputError, unknown
+from specrl.sim.errors import SimInputError, read_text, unknown
 
 DTYPE_BYTES = 2  # bf16 weights and KV cache everywhere in the simulator
 
@@ -153,15 +153,9 @@ def list_specs(kind: str) -> list[str]:
 
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse a TOML file; an unreadable, non-UTF-8 or malformed file raises SimInputError."""
+    text = read_text(path, "a .toml file")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except IsADirectoryError:
-        raise SimInputError(f"{path}: is a directory, not a .toml file") from None
-    except OSError as e:
-        raise SimInputError(f"{path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise SimInputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SimInputError(f"{path}: malformed TOML ({e})") from None
 
