@@ -1,0 +1,277 @@
+"""The vLLM backend (``specrl[vllm]``) serves what the native engine serves: same greedy tokens
+and logprobs on SmolLM2, seeds, stop tokens, in-place weight updates (the tied output layer
+included), vLLM's own speculative-decoding counters in the native metric keys, and a one-line
+refusal of every drafter it cannot run. One engine per kind for the whole module."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from specrl.backends.vllm import (
+    TOP_K_SPEC,
+    VllmBackend,
+    _schedule,
+    to_hf,
+    vllm_available,
+    vllm_speculative_config,
+    vllm_to_ours,
+)
+from specrl.engine.engine import Engine
+from specrl.engine.types import Request
+from specrl.models.checkpoints import hf_state_dict, resolve_model
+from specrl.models.fingerprint import fingerprint
+from specrl.models.weights import copy_weights
+from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
+from tests.conftest import make_tiny
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (specrl[vllm])")
+QUESTION = "Repeat exactly: one two three four five, one two three four five, one two three"
+
+
+# --------------------------------------------------------------------------- no engine
+
+
+@pytest.mark.parametrize(
+    ("spec", "drafter", "words"),
+    [
+        (SpecConfig("suffix", 3), None, "'suffix' is not supported by the vllm backend"),
+        (SpecConfig("self", 3), None, "'self' is not supported by the vllm backend"),
+        (SpecConfig("mtp", 3), None, "'mtp' is not supported by the vllm backend"),
+        (SpecConfig("eagle3", 3), "HEAD", "needs a head in vLLM's EAGLE-3 layout"),
+        (SpecConfig("draft", 3), None, "needs a draft model directory"),
+        (SpecConfig("ngram", 3, siblings=2), None, "spec_siblings > 0 is not supported"),
+    ],
+)
+def test_unsupported_drafters_are_refused_in_one_line(spec, drafter, words, tmp_path):
+    if drafter == "HEAD":  # a specrl head directory, not vLLM's layout
+        (tmp_path / "head.json").write_text("{}")
+        drafter = tmp_path
+    with pytest.raises(ValueError) as e:
+        vllm_speculative_config(spec, 16, drafter)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_speculative_config_from_specrl_vocabulary(tmp_path):
+    assert vllm_speculative_config(SpecConfig("none", 0), 8) is None
+    ngram = vllm_speculative_config(SpecConfig("ngram", 4, options={"max_n": 5, "min_n": 1}), 8)
+    assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 4
+    assert (ngram["prompt_lookup_max"], ngram["prompt_lookup_min"]) == (5, 1)
+    (tmp_path / "config.json").write_text("{}")
+    draft = vllm_speculative_config(SpecConfig("draft", 2), 8, tmp_path)
+    assert draft["method"] == "draft_model" and draft["model"] == str(tmp_path)
+    # the adaptive-k cap becomes vLLM's batch-size schedule: k = min(k, cap // B - 1)
+    capped = SpecConfig("ngram", 3, max_tokens_per_forward=16)
+    assert _schedule(capped, 10) == [(1, 4, 3), (5, 5, 2), (6, 8, 1), (9, 10, 0)]
+    assert _schedule(SpecConfig("ngram", 3), 4) == [(1, 4, 3)]
+
+
+def test_weight_names_round_trip_through_hugging_face_and_vllm_names():
+    model = make_tiny()
+    hf = dict(to_hf(dict(model.named_parameters()), model.config))
+    ref = hf_state_dict(model)
+    assert hf.keys() == ref.keys() and all(torch.equal(hf[k], ref[k]) for k in ref)
+    ours = set(vllm_to_ours(model.config).values())
+    assert {n for n, _ in model.named_parameters()} <= ours
+
+
+# --------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2):
+    """One ngram engine (plain calls through the per-call override), built from a run config."""
+    if not vllm_available():
+        pytest.skip("vllm is not installed (specrl[vllm])")
+    from specrl.backends.vllm import build_vllm
+    from specrl.config import load_config
+
+    cfg = load_config(None, ["rollout.spec=ngram", "rollout.num_spec_tokens=3",
+                             "rollout.max_batch=16", "model.dtype=fp32"])  # fmt: skip
+    t0 = time.perf_counter()
+    b = build_vllm(cfg, smollm2)
+    print(f"vllm engine built in {time.perf_counter() - t0:.1f}s")
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def native(smollm2):
+    return Engine(copy.deepcopy(smollm2), max_batch=16)
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_tok):
+    return smollm2_tok.encode_chat(QUESTION)
+
+
+PLAIN = SpecConfig("none", 0)
+
+
+def greedy(prompt, n_tokens=24, **kw):
+    return Request(prompt, SamplingParams(temperature=0.0, max_new_tokens=n_tokens, **kw))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_seeds_and_samples(backend, prompt):
+    req = Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=16, n=3, seed=11))
+    a, b = backend.generate([req], spec=PLAIN), backend.generate([req], spec=PLAIN)
+    toks = [c.token_ids for c in a.completions]
+    assert toks == [c.token_ids for c in b.completions]  # same seed -> same tokens
+    assert len({tuple(t) for t in toks}) == 3  # the group's samples differ
+    other = backend.generate([Request(prompt, SamplingParams(max_new_tokens=16, n=3, seed=12))],
+                             spec=PLAIN)  # fmt: skip
+    assert [c.token_ids for c in other.completions] != toks
+    for j, c in enumerate(a.completions):
+        assert (c.request_index, c.sample_index, c.seed) == (0, j, 11 * 1_000_003 + j)
+        assert len(c.logprobs) == len(c.raw_logprobs) == len(c.token_versions) == 16
+        assert c.logprobs == c.raw_logprobs  # T=1 untruncated: processed == raw
+        assert c.finish_reason == "length" and c.token_versions == [0] * 16
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_greedy_tokens_and_logprobs_match_the_native_engine(backend, native, smollm2, prompt):
+    from specrl.rl.learner import raw_logprobs, token_logprobs
+
+    ours = native.generate([greedy(prompt)])[0]
+    theirs = backend.generate([greedy(prompt)], spec=PLAIN).completions[0]
+    assert theirs.token_ids == ours.token_ids
+    assert theirs.logprobs == [0.0] * 24  # greedy: the processed distribution is one-hot
+    diff = max(abs(a - b) for a, b in zip(theirs.raw_logprobs, ours.raw_logprobs, strict=True))
+    print(f"greedy raw logprobs: max |vLLM - native| = {diff:.2e}")
+    assert diff < 1e-3
+    # sampled at T=0.7: processed logprobs (vLLM's own) and raw ones (its prompt-logprob pass)
+    req = Request(prompt, SamplingParams(temperature=0.7, max_new_tokens=16, seed=5, n=2))
+    out = backend.generate([req], spec=PLAIN).completions
+    seqs = [(c.prompt_ids, c.token_ids) for c in out]
+    for c, proc, raw in zip(out, token_logprobs(smollm2, seqs, 0.7), raw_logprobs(smollm2, seqs),
+                            strict=True):  # fmt: skip
+        d_proc = (proc - torch.tensor(c.logprobs)).abs().max().item()
+        d_raw = (raw - torch.tensor(c.raw_logprobs)).abs().max().item()
+        print(f"T=0.7: max |vLLM - learner| processed {d_proc:.2e}, raw {d_raw:.2e}")
+        assert d_proc < 1e-3 and d_raw < 1e-3
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_stop_tokens_and_bad_requests(backend, prompt):
+    free = backend.generate([greedy(prompt)], spec=PLAIN).completions[0].token_ids
+    stop = free[5]
+    cut = free.index(stop) + 1
+    out = backend.generate([
+        greedy(prompt, stop_token_ids=(stop,)),
+        Request([], SamplingParams()),
+        Request([10**6], SamplingParams()),
+        Request(prompt, SamplingParams(top_k=20, max_new_tokens=4)),  # under speculation
+        greedy(prompt, n_tokens=4),
+    ]).completions  # fmt: skip
+    assert out[0].token_ids == free[:cut] and out[0].finish_reason == "stop"
+    assert out[1].error == "empty prompt"
+    assert "outside the vocabulary" in out[2].error
+    assert out[3].error == TOP_K_SPEC and out[3].finish_reason == "error"
+    assert out[4].token_ids == free[:4] and out[4].error is None
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_update_weights_in_place_serves_what_native_serves(backend, native, smollm2, prompt):
+    base = backend.generate([greedy(prompt)], spec=PLAIN).completions[0].token_ids
+    named = {k: v.clone() for k, v in smollm2.named_parameters()}
+    # zero the output rows of the first two greedy tokens: the tied embedding *is* the output
+    # layer (vLLM 0.32 kept a stale packed copy of it after a reload) and one MLP scaled
+    named["embed.weight"][base[:2]] = 0.0
+    named["layers.3.mlp.down.weight"] *= 0.5
+    before = backend.served()
+    seconds = backend.update_weights(named, 1)
+    print(f"update_weights: {seconds:.2f}s")
+    served = backend.served()
+    assert served.policy_version == 1 and backend.versions().policy == 1
+    assert served.policy == fingerprint(named, torch.float32) != before.policy
+    copy_weights(native.model, named)
+    want = native.generate([greedy(prompt)])[0].token_ids
+    got = backend.generate([greedy(prompt)], spec=PLAIN).completions[0]
+    assert want[0] != base[0] and got.token_ids == want and got.token_versions == [1] * 24
+    # and back
+    original = dict(smollm2.named_parameters())
+    backend.update_weights(original, 2)
+    copy_weights(native.model, original)
+    assert backend.generate([greedy(prompt)], spec=PLAIN).completions[0].token_ids == base
+    assert backend.served().policy == before.policy
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_update_during_a_call_applies_after_it(backend, smollm2, prompt):
+    named = dict(smollm2.named_parameters())
+    box = {}
+    runner = threading.Thread(target=lambda: box.setdefault(
+        "out", backend.generate([greedy(prompt, n_tokens=96)], spec=PLAIN)))  # fmt: skip
+    runner.start()
+    while not backend._busy and runner.is_alive():
+        time.sleep(0.01)
+    v = backend.versions().policy + 1
+    backend.update_weights(named, v)
+    assert backend.versions().policy == v  # received; the running call keeps its version
+    runner.join()
+    assert set(box["out"].completions[0].token_versions) == {v - 1}
+    assert backend.generate([greedy(prompt, n_tokens=2)]).completions[0].token_versions == [v] * 2
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_ngram_speculation_counts_in_native_metric_keys(backend, prompt):
+    from specrl.pipelines.step import rollout_metrics
+
+    reqs = [greedy(prompt, n_tokens=48), greedy(prompt, n_tokens=40)]
+    plain = backend.generate(reqs, spec=PLAIN)
+    spec = backend.generate(reqs)
+    assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
+    st = spec.stats
+    assert plain.stats.drafted == 0 and st.drafted > 0 and 0 < st.accepted <= st.drafted
+    assert st.drafted == sum(c.drafted for c in spec.completions)  # vLLM's counters == per request
+    assert st.accepted == sum(c.accepted for c in spec.completions)
+    assert sum(st.per_position_accepted) == st.accepted
+    m = rollout_metrics(spec)
+    drafts = st.per_position_drafted[0]
+    print(f"ngram: {st.accepted}/{st.drafted} accepted over {drafts} drafts, "
+          f"draft_acceptance_length {m['draft_acceptance_length']:.2f}, "
+          f"acceptance_length {m['acceptance_length']:.2f}")  # fmt: skip
+    assert m["draft_acceptance_length"] == pytest.approx(1 + st.accepted / drafts)
+    assert m["acceptance_length"] > 1.0 and m["drafting_steps"] == drafts
+    with pytest.raises(ValueError, match="only that method at a lower k"):
+        backend.generate(reqs, spec=SpecConfig("draft", 2))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_draft_model_drafter_update(smollm2, prompt):
+    """The target itself as its draft model: greedy acceptance is k+1; a damaged drafter update
+    keeps the output and collapses acceptance, and the served fingerprint shows it."""
+    path = resolve_model("smollm2-135m-instruct")
+    b = VllmBackend(path, spec=SpecConfig("draft", 2), drafter_dir=path, max_batch=4)
+    try:
+        req = [greedy(prompt, n_tokens=12)]
+        good = b.generate(req)
+        assert good.stats.accepted == good.stats.drafted > 0
+        named = {k: v.clone() for k, v in smollm2.named_parameters()}
+        assert b.served().drafter == fingerprint(named, torch.float32)
+        for t in named.values():
+            t.mul_(0.3)
+        b.update_drafter(named, 1)
+        bad = b.generate(req)
+        assert bad.completions[0].token_ids == good.completions[0].token_ids  # lossless
+        assert bad.stats.accepted < good.stats.accepted
+        served = b.served()
+        assert served.drafter_version == 1 and served.drafter == fingerprint(named, torch.float32)
+        assert served.policy == fingerprint(dict(smollm2.named_parameters()), torch.float32)
+    finally:
+        b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.generate(req)
