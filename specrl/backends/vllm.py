@@ -69,6 +69,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -233,9 +234,7 @@ def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
 # --------------------------------------------------------------------------- vLLM glue
 
 
-_PATCHED = False
-
-
+@functools.cache  # once per process: the patches are process-wide
 def _patch_vllm() -> None:
     """Two process-wide patches of vllm 0.32's CPU build (idempotent; both are looked up by
     vLLM at call time):
@@ -247,9 +246,6 @@ def _patch_vllm() -> None:
       them and rescans every module for references to the kernels, and that scan fails once
       numba's llvmlite is loaded (the ngram proposer loads it), so a second engine in the
       process would not start."""
-    global _PATCHED
-    if _PATCHED:
-        return
     from vllm.model_executor.layers import utils as vutils
     from vllm.triton_utils import dispatcher
 
@@ -266,7 +262,6 @@ def _patch_vllm() -> None:
 
     vutils.dispatch_cpu_unquantized_gemm = keep
     dispatcher.register_kernels = register_once
-    _PATCHED = True
 
 
 @contextlib.contextmanager
