@@ -85,7 +85,7 @@ import torch
 
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request
+from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.fingerprint import fingerprint
 from specrl.spec.config import SpecConfig
 
@@ -586,27 +586,10 @@ class VllmBackend:
         ks = [spec.k_for_batch(b) if spec.enabled else 0 for b in range(1, self.max_batch + 1)]
         return [0, *ks]
 
-    def _reject(self, req: Request) -> str | None:
-        try:
-            req.sampling.validate()
-        except ValueError as e:
-            return str(e)
-        n = len(req.prompt_ids)
-        if n == 0:
-            return "empty prompt"
-        if n >= self.max_context - 1:
-            return (f"prompt has {n} tokens; the context holds {self.max_context} "
-                    "(prompt + >= 1 new + 1 for the raw-logprob pass)")  # fmt: skip
-        vocab = self.config.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            return f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})"
-        return None
-
     def _seed(self, req: Request, j: int) -> int:
         if req.sampling.seed is None:
             return self._rng.getrandbits(63)
-        return (req.sampling.seed * 1_000_003 + j) & ((1 << 63) - 1)
+        return sample_seed(req.sampling.seed, j)
 
     def _generate(
         self, requests: list[Request], version: int, lookup: list[int] | None, t0: float
@@ -616,7 +599,12 @@ class VllmBackend:
         comps: list[Completion] = []
         live: list[tuple[Completion, Request]] = []
         for i, req in enumerate(requests):
-            error = self._reject(req)
+            error = request_problem(
+                req,
+                self.max_context - 1,
+                self.config.vocab_size,
+                "prompt + >= 1 new + 1 for the raw-logprob pass",
+            )
             for j in range(max(req.sampling.n, 1)):
                 c = Completion(i, j, list(req.prompt_ids), seed=self._seed(req, j),
                                policy_version=version)  # fmt: skip

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from specrl.engine.inflight import InflightUpdates, WeightStage
 from specrl.engine.stats import EngineStats, StepRecord, bump
-from specrl.engine.types import Completion, Request
+from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
 from specrl.models.transformer import Transformer
 from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
@@ -206,7 +206,7 @@ class Engine(InflightUpdates):
         completions: list[Completion] = []
         pending: deque = deque()
         for i, req in enumerate(requests):
-            error = self._check(req)
+            error = request_problem(req, self.max_context, self.model.config.vocab_size)
             n = req.sampling.n if req.sampling.n >= 1 else 1
             comps = [
                 Completion(i, j, list(req.prompt_ids), policy_version=self.policy_version)
@@ -221,28 +221,10 @@ class Engine(InflightUpdates):
                 pending.append((req, comps))
         return completions, pending
 
-    def _check(self, req: Request) -> str | None:
-        try:
-            req.sampling.validate()
-        except ValueError as e:
-            return str(e)
-        n = len(req.prompt_ids)
-        if n == 0:
-            return "empty prompt"
-        if n >= self.max_context:
-            return (
-                f"prompt has {n} tokens; the context holds {self.max_context} (prompt + >= 1 new)"
-            )
-        vocab = self.model.config.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            return f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})"
-        return None
-
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is None:
             return self._rng.getrandbits(63)
-        return (params.seed * 1_000_003 + index) & ((1 << 63) - 1)
+        return sample_seed(params.seed, index)
 
     def _ensure_cache(self, pending: deque, margin: int) -> None:
         """A cache with a slot per concurrent row and room for the longest prompt plus

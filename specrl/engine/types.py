@@ -4,7 +4,10 @@ Contract: a ``Request`` is a prompt (token ids) plus ``SamplingParams``; ``Engin
 ``n`` ``Completion`` objects per request, in request order, each carrying the sampled token ids,
 their log-probabilities under the processed (sampled-from) and raw (T=1) distributions, the
 finish reason ("stop", "length", or "error" with a message), the policy version that produced
-each token, timings and speculation counts.
+each token, timings and speculation counts. ``request_problem(req, context, vocab)`` is why a
+request cannot run (one line) or ``None``; ``sample_seed(seed, index)`` is the seed of sample
+``index`` of a request seeded ``seed``. Every rollout backend uses both, so a request is refused
+and seeded the same way by all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,32 @@ from specrl.sampling import SamplingParams
 class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def request_problem(
+    req: Request, context: int, vocab: int, needs: str = "prompt + >= 1 new"
+) -> str | None:
+    """Why ``req`` cannot run in a ``context``-token window over a ``vocab``-token vocabulary
+    (bad sampling values, empty prompt, a prompt leaving no room for ``needs``, an id outside
+    the vocabulary), or ``None``. ``context`` is the most prompt tokens + 1 the backend takes."""
+    try:
+        req.sampling.validate()
+    except ValueError as e:
+        return str(e)
+    n = len(req.prompt_ids)
+    if n == 0:
+        return "empty prompt"
+    if n >= context:
+        return f"prompt has {n} tokens; the context holds {context} ({needs})"
+    bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+    if bad:
+        return f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})"
+    return None
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded ``seed`` (below 2**63)."""
+    return (seed * 1_000_003 + index) & ((1 << 63) - 1)
 
 
 @dataclass
