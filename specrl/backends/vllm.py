@@ -8,8 +8,8 @@ Contract:
   the CPU build are set only where unset: ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_gib``),
   ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_LOGGING_LEVEL=WARNING`` (read when vllm is first
   imported). Building restores what vLLM's worker changes process-wide (it replaces
-  ``torch.set_num_threads`` with a no-op and reseeds the global RNGs); ``_patch_vllm`` lists
-  the two process-wide patches of vllm 0.32 this module makes.
+  ``torch.set_num_threads`` with a no-op and reseeds the global RNGs); ``vllm_worker.patch_vllm``
+  lists the process-wide patches of vllm 0.32's CPU build this backend applies.
 - ``generate(requests, spec=None)``: each request's ``n`` samples go to vLLM as ``n`` requests with
   the native engine's per-sample seeds (``seed * 1_000_003 + j``; drawn from the backend's RNG
   when unset), ``stop_token_ids`` (the stop token is emitted) and ``ignore_eos`` (like the native
@@ -68,7 +68,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -84,6 +83,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specrl.backends.base import Rollout, Served, Versions
+from specrl.backends.vllm_worker import (
+    load_drafter,
+    load_policy,
+    parameters_by_name,
+    patch_vllm,
+    process_state_kept,
+)
 from specrl.engine.stats import EngineStats
 from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.fingerprint import fingerprint
@@ -229,125 +235,6 @@ def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
 # --------------------------------------------------------------------------- vLLM glue
 
 
-def _expand_batch_to_tokens(
-    x: torch.Tensor,
-    cu_num_tokens: torch.Tensor,
-    num_tokens: int,
-    replace_from: int = 0,
-    replace_to: int = 0,
-) -> torch.Tensor:
-    """vLLM's ``rejection_sampler.expand_batch_to_tokens`` in plain torch: row ``i``'s value
-    (``replace_to`` where it equals ``replace_from``) repeated for its tokens
-    (``cu_num_tokens`` is cumulative), ``[num_tokens]`` in ``x``'s dtype."""
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [B]
-    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)  # [B]
-    out = x.new_zeros(num_tokens)
-    expanded = torch.repeat_interleave(values, counts)  # [sum(counts)]
-    out[: expanded.numel()] = expanded[:num_tokens]
-    return out
-
-
-@functools.cache  # once per process: the patches are process-wide
-def _patch_vllm() -> None:
-    """Process-wide patches of vllm 0.32's CPU build (idempotent; each is looked up by
-    vLLM at call time):
-    - the rejection sampler's ``expand_batch_to_tokens``: the CPU kernel that replaces its Triton
-      kernel (``cpu_triton_utils._expand_kernel_impl``) writes into an int64 *copy* of the
-      output, so a float or int32 output (temperature, top-p, top-k per draft token) keeps
-      uninitialised memory. Every speculative step at temperature > 0 then samples with garbage
-      temperatures: NaN processed logprobs, wrong tokens, near-zero acceptance, and a crash with
-      top-k. Replaced by ``_expand_batch_to_tokens`` (plain torch, exact); and a speculative
-      step whose rows drafted nothing still runs the sampling constraints on zero tokens, where
-      the top-k path fails (``k.max()`` of an empty tensor): zero tokens skip them;
-    - keep linear weights readable: the CPU build packs a linear weight into a GEMM handle and
-      frees the parameter (``dispatch_cpu_unquantized_gemm``); this keeps it (the handle is
-      still built from it, on every load and reload) so ``served`` can read the engine's
-      weights;
-    - register the CPU kernel overrides once per process: every engine start re-registers
-      them and rescans every module for references to the kernels, and that scan fails once
-      numba's llvmlite is loaded (the ngram proposer loads it), so a second engine in the
-      process would not start."""
-    from vllm.model_executor.layers import utils as vutils
-    from vllm.triton_utils import dispatcher
-    from vllm.v1.sample import rejection_sampler
-
-    dispatch = vutils.dispatch_cpu_unquantized_gemm
-    register = dispatcher.register_kernels
-
-    def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
-        return dispatch(layer, remove_weight=False)
-
-    def register_once(overrides: Mapping[str, Any]) -> None:
-        fresh = {k: v for k, v in overrides.items() if k not in dispatcher._registry}
-        if fresh:
-            register(fresh)
-
-    constraints = rejection_sampler.apply_sampling_constraints
-
-    def constrained(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return logits if logits.shape[0] == 0 else constraints(logits, *args, **kwargs)
-
-    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
-    rejection_sampler.apply_sampling_constraints = constrained
-    vutils.dispatch_cpu_unquantized_gemm = keep
-    dispatcher.register_kernels = register_once
-
-
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Undo what building a vLLM worker in this process changes process-wide: it replaces
-    ``torch.set_num_threads`` by a no-op and reseeds python, numpy and torch."""
-    import numpy as np
-
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-
-
-def _reload(model: torch.nn.Module, model_config: Any, weights: list[tuple[str, torch.Tensor]]):
-    """vLLM's in-place layerwise reload of ``model`` (checkpoint names), then the tied
-    ``lm_head``'s GEMM handle rebuilt from the new embedding."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights))
-    finalize_layerwise_reload(model, model_config)
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if method is not None:
-        method.process_weights_after_loading(head)
-
-
-def _load_policy(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config):
-        _reload(worker.get_model(), worker.vllm_config.model_config, weights)
-
-
-def _load_drafter(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config):
-        draft_cfg = worker.vllm_config.speculative_config.draft_model_config
-        _reload(worker.get_draft_model(), draft_cfg, weights)
-
-
-def _named(worker: Any, drafter: bool) -> dict[str, torch.Tensor]:
-    model = worker.get_draft_model() if drafter else worker.get_model()
-    return {n: p.detach() for n, p in model.named_parameters()}
-
-
 @dataclass
 class _Counters:
     drafts: int = 0
@@ -403,7 +290,7 @@ class VllmBackend:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise ValueError("the vllm backend needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process)")
-        _patch_vllm()
+        patch_vllm()
         from vllm import LLM
 
         self.name = f"specrl-{uuid.uuid4().hex[:8]}"  # labels this engine's metrics
@@ -424,7 +311,7 @@ class VllmBackend:
             kwargs |= {"speculative_config": speculative,
                        "per_request_spec_decode_metrics": "summary"}  # fmt: skip
         kwargs |= dict(engine_kwargs or {})
-        with _process_state_kept():
+        with process_state_kept():
             self.llm = LLM(**kwargs)
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
         self._rng = random.Random(seed)
@@ -531,19 +418,20 @@ class VllmBackend:
         while self._pending:
             kind, weights, version = self._pending.pop(0)
             if kind == "policy":
-                self.llm.collective_rpc(_load_policy, args=(weights,))
+                self.llm.collective_rpc(load_policy, args=(weights,))
                 self._version = version
             else:
-                self.llm.collective_rpc(_load_drafter, args=(weights,))
+                self.llm.collective_rpc(load_drafter, args=(weights,))
                 self._drafter_version = version
             self.llm.reset_prefix_cache()
 
     def _fingerprints(self) -> Served:
-        policy = self._ours(self.llm.collective_rpc(_named, args=(False,))[0], self.config)
+        served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
+        policy = self._ours(served, self.config)
         drafter = None
         if self._draft_config is not None:
-            named = self.llm.collective_rpc(_named, args=(True,))[0]
-            drafter = fingerprint(self._ours(named, self._draft_config), self.dtype)
+            draft = self.llm.collective_rpc(parameters_by_name, args=(True,))[0]
+            drafter = fingerprint(self._ours(draft, self._draft_config), self.dtype)
         policy_fp = fingerprint(policy, self.dtype)
         return Served(self._version, policy_fp, self._drafter_version, drafter)
 

