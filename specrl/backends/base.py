@@ -4,9 +4,11 @@ Contract (``RolloutBackend``):
 - ``generate(requests, spec=None) -> Rollout``: ``n`` completions per request in request order
   (``specrl.engine.types.Completion``: token ids, processed and raw logprobs, finish reason, the
   policy version of every token), with the call's own counters (``Rollout.stats``; no shared
-  mutable statistics) and wall seconds. ``spec`` overrides the configured speculation for the
-  call (e.g. a plain rollout for a speed comparison). A bad request comes back as a completion
-  with ``finish_reason == "error"``; the others run.
+  mutable statistics), wall seconds and ``faults`` (rollout workers of a multi-worker backend
+  that died since the previous call: their requests ran again elsewhere; 0 otherwise).
+  ``spec`` overrides the configured speculation for the call (e.g. a plain rollout for a speed
+  comparison). A bad request comes back as a completion with ``finish_reason == "error"``; the
+  others run.
 - ``update_weights(named_tensors, version)``: the policy's tensors under our parameter names;
   the backend copies what it needs before returning (the caller may mutate them at once) and
   serves ``version`` from its next safe point on: at once when idle, else between generate calls,
@@ -72,6 +74,7 @@ class Rollout:
     completions: list[Completion]
     stats: EngineStats = field(default_factory=EngineStats)
     seconds: float = 0.0
+    faults: int = 0  # rollout workers that died (and were replaced) since the previous call
 
     @property
     def tokens(self) -> int:

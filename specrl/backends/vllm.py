@@ -53,8 +53,13 @@ Contract:
   layer) and the prefix cache is reset (its KV was computed with the old weights). At once when
   idle; during a generate call the tensors are snapshotted (engine dtype) and applied when the
   call ends. ``update_drafter(state, version)``: the same for the draft model (our names of the
-  draft ``Transformer``); any other drafter raises ``ValueError``.
-- ``served()``: fingerprints (``models.fingerprint``) of the tensors in vLLM's model, under our
+  draft ``Transformer``) or an EAGLE-3 head (the head's state dict under specrl's names, ``d2t``
+  included with a reduced vocabulary: ``drafters.export.eagle3_tensors`` turns it into vLLM's
+  tensors, the draft LM head rebuilt from the policy vLLM serves at that moment, and again
+  after every policy update, as the native head shares the target's); a head of another shape
+  is a one-line ``ValueError``, as is any other drafter.
+- ``served()``: fingerprints (``models.fingerprint``) of the tensors in vLLM's model (and its
+  draft model or EAGLE-3 head: ``eagle3_ours`` maps them back to the head's names), under our
   names (vLLM fuses q/k/v and gate/up exactly as specrl does). vLLM's CPU build packs each
   linear weight into a oneDNN handle and drops the parameter; this module keeps the parameter
   (the tensor the handle is packed from, re-packed on every reload) so it can be read.
@@ -232,6 +237,25 @@ def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
     return out
 
 
+def eagle3_ours(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's EAGLE-3 drafter parameters (``model.layers.0.*``, fused qkv_proj/gate_up_proj,
+    ``draft_id_to_target_id`` offsets) -> an EAGLE-3 head's state under specrl's names (``d2t``
+    as target ids); the draft LM head (rows of the policy's) is not the head's own."""
+    from specrl.drafters.export import EAGLE3_NAMES
+
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in EAGLE3_NAMES:
+        name = "model." + theirs[0].replace("midlayer.", "layers.0.")
+        name = name.replace("q_proj", "qkv_proj") if len(theirs) == 3 else name
+        name = name.replace("gate_proj", "gate_up_proj") if len(theirs) == 2 else name
+        if name in named:
+            out[ours] = named[name]
+    offsets = named.get("draft_id_to_target_id")  # [Vd]: target id = i + offsets[i]
+    if offsets is not None:
+        out["d2t"] = offsets + torch.arange(len(offsets), dtype=offsets.dtype)
+    return out
+
+
 # --------------------------------------------------------------------------- vLLM glue
 
 
@@ -282,6 +306,7 @@ class VllmBackend:
             if self._spec.enabled and self._spec.method == "draft" and drafter_dir
             else None
         )
+        self._eagle3 = self._spec.enabled and self._spec.method == "eagle3"
         self.dtype = dtype
         self.max_batch = max_batch
         speculative = vllm_speculative_config(self._spec, max_batch, drafter_dir)
@@ -360,13 +385,16 @@ class VllmBackend:
         return time.perf_counter() - t0
 
     def update_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> float:
-        if self._draft_config is None:
+        if self._draft_config is None and not self._eagle3:
             raise ValueError(
-                f"update_drafter: the vllm backend updates a 'draft' model drafter only "
+                f"update_drafter: the vllm backend updates a 'draft' model or an 'eagle3' head "
                 f"(this one runs spec={self._spec.method!r})"
             )
         t0 = time.perf_counter()
-        weights = self._staged(state, self._draft_config)
+        if self._eagle3:
+            weights = self._eagle3_staged(state)
+        else:
+            weights = self._staged(state, self._draft_config)
         with self._lock:
             self._check_open()
             if self._busy:
@@ -413,6 +441,24 @@ class VllmBackend:
         with torch.no_grad():
             return [(n, t.to(self.dtype, copy=True).contiguous()) for n, t in to_hf(named, config)]
 
+    def _eagle3_staged(self, state: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """An EAGLE-3 head's state (our names, ``d2t`` included when the vocabulary is reduced)
+        as vLLM's EAGLE-3 tensors (``drafters.export.eagle3_tensors``) in the engine dtype, the
+        draft LM head rebuilt from the policy vLLM serves now."""
+        from specrl.drafters.export import ExportError, eagle3_tensors
+
+        head = {n: t.detach() for n, t in state.items()}
+        d2t = head.pop("d2t", None)  # [Vd] target ids, or None
+        served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
+        lm_head = served.get("lm_head.weight", served["model.embed_tokens.weight"])  # [V, H]
+        try:
+            tensors = eagle3_tensors(head, self.config, lm_head, d2t)
+        except ExportError as e:
+            raise ValueError(f"update_drafter: {e}") from None
+        with torch.no_grad():
+            return [(n, t.to(self.dtype, copy=True) if t.is_floating_point() else t.clone())
+                    for n, t in tensors.items()]  # fmt: skip
+
     def _apply_pending(self) -> None:
         """Apply staged updates (lock held, no generate running)."""
         while self._pending:
@@ -420,6 +466,10 @@ class VllmBackend:
             if kind == "policy":
                 self.llm.collective_rpc(load_policy, args=(weights,))
                 self._version = version
+                if self._eagle3:  # the head's LM head is the policy's (rows): rebuild it
+                    draft = self.llm.collective_rpc(parameters_by_name, args=(True,))[0]
+                    head = self._eagle3_staged(eagle3_ours(draft))
+                    self.llm.collective_rpc(load_drafter, args=(head,))
             else:
                 self.llm.collective_rpc(load_drafter, args=(weights,))
                 self._drafter_version = version
@@ -429,9 +479,10 @@ class VllmBackend:
         served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
         policy = self._ours(served, self.config)
         drafter = None
-        if self._draft_config is not None:
+        if self._draft_config is not None or self._eagle3:
             draft = self.llm.collective_rpc(parameters_by_name, args=(True,))[0]
-            drafter = fingerprint(self._ours(draft, self._draft_config), self.dtype)
+            ours = eagle3_ours(draft) if self._eagle3 else self._ours(draft, self._draft_config)
+            drafter = fingerprint(ours, self.dtype)
         policy_fp = fingerprint(policy, self.dtype)
         return Served(self._version, policy_fp, self._drafter_version, drafter)
 

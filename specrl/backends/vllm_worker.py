@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,6 +40,47 @@ def expand_batch_to_tokens(
     return out
 
 
+# vLLM warnings that are expected on every start or weight update of this backend (the layerwise
+# reload finds no weights for rotary embeddings, which have none, and for a tied output layer,
+# which the reload rebuilds from the embedding; the CPU worker refuses thread changes this backend
+# does not make; fp32 checkpoint tensors cast to the engine's bf16). A real failure to load is
+# caught by the weight-sync guard, which reads the engine's tensors.
+BENIGN_WARNINGS = (  # (vLLM module whose logger says it, message prefix, first arguments or ())
+    ("model_executor.model_loader.reload.layerwise", "%s: Failed to load weights",
+     ("RotaryEmbedding", "ParallelLMHead")),
+    ("model_executor.models.utils", "Attempted to load weight %s with dtype %s into", ()),
+    ("v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", ()),
+    ("utils.torch_utils", "OMP_NUM_THREADS=%s is set; leaving Torch threads at", ()),
+)  # fmt: skip
+
+
+class BenignWarnings(logging.Filter):
+    """Drops the records of one logger's ``BENIGN_WARNINGS`` (``(prefix, first_args)`` pairs:
+    message prefix, and the first argument when ``first_args`` is not empty)."""
+
+    def __init__(self, rules: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        args = record.args if isinstance(record.args, tuple) else ()
+        for prefix, first_args in self.rules:
+            if msg.startswith(prefix) and (not first_args or (args and args[0] in first_args)):
+                return False
+        return True
+
+
+def quiet_benign_warnings() -> None:
+    """Install ``BenignWarnings`` on the loggers ``BENIGN_WARNINGS`` names (idempotent: vLLM
+    configures its handlers only when an engine starts, so the filters sit on the loggers)."""
+    for module in {m for m, _, _ in BENIGN_WARNINGS}:
+        logger = logging.getLogger(f"vllm.{module}")
+        rules = tuple((p, a) for m, p, a in BENIGN_WARNINGS if m == module)
+        logger.filters = [f for f in logger.filters if not isinstance(f, BenignWarnings)]
+        logger.addFilter(BenignWarnings(rules))
+
+
 @functools.cache  # once per process: the patches are process-wide
 def patch_vllm() -> None:
     """Process-wide patches of vllm 0.32's CPU build (idempotent; each is looked up by
@@ -58,7 +100,9 @@ def patch_vllm() -> None:
     - register the CPU kernel overrides once per process: every engine start re-registers
       them and rescans every module for references to the kernels, and that scan fails once
       numba's llvmlite is loaded (the ngram proposer loads it), so a second engine in the
-      process would not start."""
+      process would not start;
+    - vLLM's expected warnings on every start and weight update (``BENIGN_WARNINGS``) dropped
+      from its console output."""
     from vllm.model_executor.layers import utils as vutils
     from vllm.triton_utils import dispatcher
     from vllm.v1.sample import rejection_sampler
@@ -83,6 +127,7 @@ def patch_vllm() -> None:
     rejection_sampler.apply_sampling_constraints = constrained
     vutils.dispatch_cpu_unquantized_gemm = keep
     dispatcher.register_kernels = register_once
+    quiet_benign_warnings()
 
 
 @contextlib.contextmanager

@@ -22,14 +22,18 @@ Contract: ``register(app)`` adds two commands to the main Typer app.
   speed check is skipped (cut short if running), the summary is written and printed, and one
   line ends it (``stopped by SIGINT after the run completed all N steps (the speed check was
   skipped); summary written: RUN/summary.json``), exit code 130 / 143.
+  With ``cluster.rollout_workers > 0`` the learner and the rollout workers run as Ray actors
+  (``ray_run.run_training_on_ray``, after ``ray_run.precheck``): the same lines, exit codes and
+  resume; a bad model found by the learner actor is the same ``error:`` line.
 - ``specrl report RUN_DIR [--out DIR]``: PNG plots and summary.md (``pipelines.report``); an
   output directory that cannot be written is one ``error:`` line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -111,7 +115,11 @@ def train_command(
 
     try:
         cfg, target = resolve_config(config, sets or [], run_dir, resume)
-        parts = build_run(cfg)
+        parts = None if cfg.cluster.rollout_workers > 0 else build_run(cfg)
+        if parts is None:  # built by the learner actor; what can be checked first is
+            from specrl.pipelines.ray_run import precheck
+
+            precheck(cfg)
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -120,29 +128,58 @@ def train_command(
     typer.echo(f"run dir: {target}  (spec={cfg.rollout.spec}, k={cfg.rollout.num_spec_tokens}, "
                f"pipeline={cfg.pipeline.mode})")  # fmt: skip
     try:
-        run_and_report(parts, target, resume is not None, compare, progress)
+        if parts is None:  # the learner and the rollout workers run as Ray actors
+            ray_and_report(cfg, target, resume is not None, compare, progress)
+        else:
+            run_and_report(parts, target, resume is not None, compare, progress)
     except KeyboardInterrupt:  # only outside training's own handlers: no step is cut short
         typer.echo(f"stopped by SIGINT; continue with: specrl train --resume {target}", err=True)
         raise typer.Exit(130) from None
     finally:
-        parts.backend.close()
+        if parts is not None:
+            parts.backend.close()
 
 
 def run_and_report(
     parts: RunParts, target: Path, resume: bool, compare: bool, progress: bool
 ) -> None:
-    """``run_training`` and its summary; a stop by signal or a run dir that cannot be resumed
-    ends with one line and its exit code."""
+    """``run_training`` and its summary (``report``)."""
     from tqdm import tqdm
 
+    from specrl.pipelines.train import run_training
+
+    report(lambda: run_training(parts, str(target), resume=resume, compare_plain=compare,
+                                progress=progress, echo=tqdm.write), target)  # fmt: skip
+
+
+def ray_and_report(cfg: Config, target: Path, resume: bool, compare: bool, progress: bool) -> None:
+    """``ray_run.run_training_on_ray`` and its summary (``report``); a bad model or config
+    found by the learner actor is one ``error:`` line (exit code 2), as before any work."""
+    from tqdm import tqdm
+
+    from specrl.models.checkpoints import CheckpointError
+    from specrl.pipelines.ray_run import run_training_on_ray
+
+    def produce() -> dict[str, Any]:
+        try:
+            return run_training_on_ray(cfg, str(target), resume=resume, compare_plain=compare,
+                                       progress=progress, echo=tqdm.write)  # fmt: skip
+        except (ConfigError, CheckpointError) as e:
+            fail(str(e))
+
+    report(produce, target)
+
+
+def report(produce: Callable[[], dict[str, Any]], target: Path) -> None:
+    """Run ``produce`` (a training run returning its summary) and print the summary; a stop by
+    signal, a run dir that cannot be resumed or a failed weight-sync check ends with one line
+    and its exit code."""
     from specrl.pipelines.guard import WeightSyncError
     from specrl.pipelines.report import summary_text
     from specrl.pipelines.signals import Stopped
-    from specrl.pipelines.train import run_training
 
     try:
-        summary = run_training(parts, str(target), resume=resume, compare_plain=compare,
-                               progress=progress, echo=tqdm.write)  # fmt: skip
+        summary = produce()
     except RunDirError as e:
         fail(str(e))
     except WeightSyncError as e:  # a runtime failure of the rollout backend, not bad input

@@ -242,7 +242,9 @@ def _mode(run: RunDir) -> str:
     if not run.config.exists():
         return "?"
     cfg = tomllib.loads(run.config.read_text())
-    return str(cfg.get("pipeline", {}).get("mode", "sync"))
+    mode = str(cfg.get("pipeline", {}).get("mode", "sync"))
+    backend = str(cfg.get("rollout", {}).get("backend", "native"))
+    return mode if backend == "native" else f"{mode}, {backend}"
 
 
 def write_comparison(run_dirs: Sequence[str | Path], path: str | Path) -> Path:

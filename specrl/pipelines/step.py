@@ -10,9 +10,9 @@ Contract:
   advantages (registered estimator). The ``Batch`` carries its behaviour version (the oldest
   policy version of any of its tokens), its rollout metrics (``draft_acceptance_length``: tokens
   per verify step that drafted, 0 when nothing was drafted; ``drafting_steps``: how many such
-  (row, step) pairs), and for the weight-sync check what
-  the backend served right after the call (``backend.served()``) with the versions whose
-  updates had returned before it (``WeightGuard.floor()``).
+  (row, step) pairs; ``rollout_worker_faults``: ``Rollout.faults``), and for the weight-sync
+  check what the backend served right after the call (``backend.served()``) with the versions
+  whose updates had returned before it (``WeightGuard.floor()``).
 - ``learn(parts, batch)``: first the weight-sync check of the batch (``WeightGuard.verify``:
   a ``WeightSyncError`` ends the run before anything trains on it; it runs in the learner's
   thread, so the async producer never waits for it) and the acceptance alarm
@@ -150,6 +150,7 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
         "reverified_tokens": st.reverified_tokens,
         "reused_tokens": st.reused_tokens,
         "discarded_tokens": st.discarded_tokens,
+        "rollout_worker_faults": out.faults,
     }
 
 

@@ -17,7 +17,8 @@ Contract:
   (``Stopped``, no summary). Once every step is done a signal skips the speed check (one
   arriving during it cuts it short at once, ``signals.StopRequest.interrupting``), the summary
   is still written (``speed`` null) and ``Stopped(complete=True, skipped="the speed check",
-  summary=...)`` is raised: the run completed all N steps, exit code 128 + the signal.
+  summary=...)`` is raised: the run completed all N steps, exit code 128 + the signal. Under
+  the caller's ``stop`` (installing no handlers) when given, as ``train``.
 Lines for the console (a damaged checkpoint skipped on resume, eval results, step rows) go to
 ``echo``; nothing here prints.
 """
@@ -96,21 +97,23 @@ def run_training(
     compare_plain: bool = True,
     progress: bool = True,
     echo: Echo | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """See the module docstring."""
     t0, run = time.perf_counter(), RunDir(run_dir)
     wanted = compare_plain and parts.backend.spec.enabled
-    with stop_on_signals() as stop:
+    handlers = nullcontext(stop) if stop is not None else stop_on_signals()
+    with handlers as request:
         try:
-            train(parts, run_dir, resume=resume, progress=progress, echo=echo, stop=stop)
+            train(parts, run_dir, resume=resume, progress=progress, echo=echo, stop=request)
         except Stopped as e:
             if not e.complete:
                 raise
-        speed = speed_check(parts, stop) if wanted else None
+        speed = speed_check(parts, request) if wanted else None
         summary = write_summary(run, speed, time.perf_counter() - t0)
-    if stop.requested:
+    if request.requested:
         skipped = SPEED_CHECK if wanted and speed is None else ""
-        raise Stopped(stop, parts.cfg.run.steps, None, run.path, complete=True, skipped=skipped,
+        raise Stopped(request, parts.cfg.run.steps, None, run.path, complete=True, skipped=skipped,
                       summary=summary)  # fmt: skip
     return summary
 

@@ -20,13 +20,16 @@ from specrl.backends.vllm import (
     vllm_speculative_config,
     vllm_to_ours,
 )
+from specrl.backends.vllm_worker import parameters_by_name
 from specrl.engine.engine import Engine
 from specrl.engine.types import Request
 from specrl.models.checkpoints import hf_state_dict, resolve_model
 from specrl.models.fingerprint import fingerprint
 from specrl.models.weights import copy_weights
+from specrl.pipelines.guard import WeightGuard, WeightSyncError
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import SpecConfig
+from tests.backends.sabotage import Sabotaged
 from tests.conftest import make_tiny
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (specrl[vllm])")
@@ -281,7 +284,8 @@ def test_sampled_speculation_is_exact(backend, smollm2, prompt):
 @needs_vllm
 def test_draft_model_drafter_update(smollm2, prompt):
     """The target itself as its draft model: greedy acceptance is k+1; a damaged drafter update
-    keeps the output and collapses acceptance, and the served fingerprint shows it."""
+    keeps the output and collapses acceptance, and the served fingerprint shows it; the
+    weight-sync guard refuses a skipped and a corrupted drafter update."""
     path = resolve_model("smollm2-135m-instruct")
     b = VllmBackend(path, spec=SpecConfig("draft", 2), drafter_dir=path, max_batch=4)
     try:
@@ -299,7 +303,93 @@ def test_draft_model_drafter_update(smollm2, prompt):
         served = b.served()
         assert served.drafter_version == 1 and served.drafter == fingerprint(named, torch.float32)
         assert served.policy == fingerprint(dict(smollm2.named_parameters()), torch.float32)
+        guarded_drafter_updates(b, named)
     finally:
         b.close()
     with pytest.raises(RuntimeError, match="closed"):
         b.generate(req)
+
+
+def guarded_drafter_updates(b: VllmBackend, named: dict[str, torch.Tensor]) -> None:
+    """A correct drafter push passes the guard; a skipped and a corrupted one fail it."""
+    guard = WeightGuard(torch.float32)
+    guard.push_drafter(b, named, 2)
+    for version, how, words in ((3, "skip", "still serves drafter version 2 (update skipped)"),
+                                (4, "scale", "skipped or corrupted")):  # fmt: skip
+        with pytest.raises(WeightSyncError, match=f"at drafter version {version}") as info:
+            guard.push_drafter(Sabotaged(b, how, version, drafter=True), named, version)
+        assert words in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize(
+    ("how", "words"),
+    [("skip", "(update skipped)"), ("scale", "skipped or corrupted"),
+     ("zero_row", "skipped or corrupted")],
+)  # fmt: skip
+def test_the_guard_catches_a_sabotaged_policy_update(backend, smollm2, how, words):
+    """vLLM's served() reads vLLM's own tensors: a skipped or damaged policy update is caught,
+    and a correct one passes."""
+    named = {k: v.detach().clone() for k, v in smollm2.named_parameters()}
+    guard = WeightGuard(torch.float32)
+    top = backend.versions().policy
+    guard.push(backend, named, top + 1)  # a correct update passes
+    with pytest.raises(WeightSyncError, match=f"at version {top + 2}") as info:
+        guard.push(Sabotaged(backend, how, top + 2), named, top + 2)  # corrupted: fails here
+        guard.verify(backend.served(), guard.floor())  # skipped: fails at the next check
+    assert words in str(info.value) and "\n" not in str(info.value)
+    guard.push(backend, named, top + 3)  # the unharmed weights again, for the other tests
+
+
+def eagle3_head(target, d2t: torch.Tensor | None, seed: int):
+    from specrl.models.heads import DraftHead
+
+    torch.manual_seed(seed)
+    head = DraftHead(target, "eagle3", draft_vocab=d2t, arch="eagle3")
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head.eval()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_eagle3_drafter_update(smollm2, prompt, tmp_path):
+    """An exported specrl EAGLE-3 head (reduced vocabulary) in vLLM: served() reads vLLM's own
+    draft tensors back under specrl's names; update_drafter reloads them in place (version and
+    content), the output stays the same (lossless), and the guard refuses a skipped or a
+    corrupted drafter update."""
+    from specrl.drafters.export import export_eagle3
+    from specrl.models.heads import save_head
+
+    d2t = torch.arange(0, 49152, 3)  # [Vd] target ids
+    head = eagle3_head(smollm2, d2t, seed=0)
+    out = export_eagle3(save_head(head, tmp_path / "head"), smollm2, tmp_path / "vllm")
+    b = VllmBackend(resolve_model("smollm2-135m-instruct"), spec=SpecConfig("eagle3", 2),
+                    drafter_dir=out, max_batch=4)  # fmt: skip
+    try:
+        req = [greedy(prompt, n_tokens=12)]
+        before = b.generate(req)
+        assert before.stats.drafted > 0
+        assert b.served().drafter == fingerprint(dict(head.state_dict()), torch.float32)
+        state = dict(eagle3_head(smollm2, d2t, seed=1).state_dict())
+        b.update_drafter(state, 1)
+        served = b.served()
+        assert served.drafter_version == 1 and served.drafter == fingerprint(state, torch.float32)
+        assert b.generate(req).completions[0].token_ids == before.completions[0].token_ids
+        guarded_drafter_updates(b, state)
+        b.update_drafter(state, 5)  # the unharmed head again (the guard's last case damaged it)
+        # a policy update rebuilds the head's LM head from the new policy's rows: the head's
+        # own tensors stay, and vLLM's draft LM head is the new policy's
+        named = {k: v.detach().clone() for k, v in smollm2.named_parameters()}
+        named["embed.weight"].mul_(0.5)
+        b.update_weights(named, 1)
+        assert b.served().drafter == fingerprint(state, torch.float32)
+        draft = b.llm.collective_rpc(parameters_by_name, args=(True,))[0]
+        assert torch.equal(draft["lm_head.weight"], named["embed.weight"][d2t])
+        b.update_weights(dict(smollm2.named_parameters()), 2)
+        with pytest.raises(ValueError, match=r"update_drafter: .*fc\.weight"):
+            b.update_drafter(state | {"fc.weight": state["fc.weight"][:, :10]}, 9)
+    finally:
+        b.close()

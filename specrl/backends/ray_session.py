@@ -1,0 +1,144 @@
+"""This process's connection to Ray (the ``ray`` extra), for the Ray backend and the Ray run.
+
+Contract:
+- ``import_ray()``: the ``ray`` module, or ``ConfigError`` (one line naming
+  ``cluster.rollout_workers`` and ``pip install -e '.[ray]'``) when it is not installed.
+- ``RaySession.open(address)``: a process already connected to Ray (a test's fixture, a Ray
+  actor such as the learner) keeps that connection and ``close`` leaves it alone. Else, with
+  ``address`` (``cluster.address``) it joins that cluster (``ray.init(address=...)``) and
+  ``close`` only disconnects: a joined cluster is never shut down. Without one it starts a local
+  Ray: every Ray process bound to 127.0.0.1 (no port on another interface), dashboard off, its
+  logs and sockets under a fresh temporary directory, ``num_cpus`` = this machine's cores; it
+  checks the node came up on 127.0.0.1 (else shuts it down and raises ``RuntimeError``).
+  ``close`` shuts that Ray down and removes the directory; idempotent, and also run at
+  interpreter exit. If this process dies of a signal, the Ray processes it started die with it
+  (Ray's kernel fate-sharing), the temporary directory stays.
+  Binding to 127.0.0.1: ``ray.init`` turns ``_node_ip_address='127.0.0.1'`` into the machine's
+  routable address unless ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` is false (its
+  single-machine mode, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``); that flag is set false for
+  the duration of ``ray.init`` only, then restored. Ray's servers bind to the loopback address
+  when the node address is 127.0.0.1.
+- ``actor_threads(threads, rollout_workers)``: torch threads of one Ray actor: ``threads``, or
+  this node's cores // (rollout_workers + 1), at least 1 (the learner and the workers share a
+  node).
+- ``check_fits(ray, workers, cpus, gpus)``: ``ConfigError`` when the cluster cannot place that
+  many workers with that many CPUs/GPUs each (they would wait forever; the nodes an
+  autoscaler could add later are not counted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+
+from specrl.config import ConfigError
+
+LOOPBACK = "127.0.0.1"
+
+
+def import_ray() -> ModuleType:
+    """The ``ray`` module (``ConfigError`` naming the extra when it is missing)."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "cluster.rollout_workers > 0 needs Ray, which is not installed: pip install -e '.[ray]'"
+        ) from None
+    return ray
+
+
+def actor_threads(threads: int, rollout_workers: int) -> int:
+    """Torch threads of a Ray actor (see the module docstring)."""
+    return threads if threads > 0 else max(1, (os.cpu_count() or 1) // (rollout_workers + 1))
+
+
+def check_fits(ray: ModuleType, workers: int, cpus: float, gpus: float) -> None:
+    """``ConfigError`` unless the cluster has ``workers * cpus`` CPUs and ``workers * gpus``
+    GPUs in all (an actor that cannot be placed would wait forever)."""
+    total = ray.cluster_resources()
+    for key, each, name in (("CPU", cpus, "worker_cpus"), ("GPU", gpus, "worker_gpus")):
+        have = float(total.get(key, 0.0))
+        if workers * each > have:
+            raise ConfigError(
+                f"bad value for cluster.{name}: {workers} rollout workers x {each:g} {key} "
+                f"need {workers * each:g}, the Ray cluster has {have:g}"
+            )
+
+
+@dataclass
+class _Owned:
+    """What a session started and must undo (no reference to the session: a finalizer)."""
+
+    ray: ModuleType
+    connected: bool = False  # this session called ray.init
+    temp_dir: str | None = None  # the local Ray's directory, removed at close
+
+    def release(self) -> None:
+        if self.connected and self.ray.is_initialized():
+            self.ray.shutdown()
+        self.connected = False
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+class RaySession:
+    """See the module docstring."""
+
+    def __init__(self, owned: _Owned) -> None:
+        self._owned = owned
+        self._finalizer = weakref.finalize(self, owned.release)
+
+    @classmethod
+    def open(cls, address: str | None) -> RaySession:
+        ray = import_ray()
+        owned = _Owned(ray)
+        if ray.is_initialized():
+            return cls(owned)
+        if address:
+            ray.init(address=address, configure_logging=False)
+            owned.connected = True
+            return cls(owned)
+        session = cls(owned)  # from here on, close() undoes what was started
+        owned.temp_dir = tempfile.mkdtemp(prefix="specrl-ray-")
+        owned.connected = True
+        try:
+            _start_local(ray, owned.temp_dir)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    @property
+    def started_here(self) -> bool:
+        """Whether this session started (or joined) Ray and will shut it down (disconnect)."""
+        return self._owned.connected
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _start_local(ray: ModuleType, temp_dir: str) -> None:
+    """A local Ray on 127.0.0.1 only (see the module docstring)."""
+    from ray._private import ray_constants  # private: the single-machine switch
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            configure_logging=False,
+            _node_ip_address=LOOPBACK,
+            _temp_dir=temp_dir,
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        raise RuntimeError(f"the local Ray node came up on {node_ip}, not {LOOPBACK}")

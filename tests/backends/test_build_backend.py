@@ -1,0 +1,116 @@
+"""Which rollout backend a run gets: ``rollout.backend``, ``rollout.placement`` and
+``cluster.rollout_workers`` (``specrl.backends.build_backend``), the vLLM backend's default
+drafter, one-line refusals of combinations that cannot run, and the vLLM warnings the backend
+silences (only the expected ones)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from specrl.backends import build_backend, placement
+from specrl.backends.vllm_worker import BenignWarnings, quiet_benign_warnings
+from specrl.config import ConfigError, load_config
+
+
+def test_vllm_backend_defaults_to_ngram_and_keeps_an_explicit_drafter():
+    assert load_config(None, []).rollout.spec == "suffix"
+    assert load_config(None, ["rollout.backend=vllm"]).rollout.spec == "ngram"
+    for spec in ("none", "suffix", "eagle3"):
+        cfg = load_config(None, ["rollout.backend=vllm", f"rollout.spec={spec}"])
+        assert cfg.rollout.spec == spec
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "inline"),
+        (["pipeline.mode=async"], "process"),
+        (["pipeline.mode=async", "rollout.backend=vllm"], "inline"),
+        (["rollout.placement=process"], "process"),
+    ],
+)
+def test_auto_placement(overrides, expected):
+    assert placement(load_config(None, overrides)) == expected
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Which builder ``build_backend`` called (no engine is built)."""
+    calls = []
+    from specrl.backends import native, process, vllm
+
+    for module, name in ((native, "build_native"), (process, "build_process"),
+                         (vllm, "build_vllm")):  # fmt: skip
+        monkeypatch.setattr(module, name, lambda cfg, policy, n=name: calls.append(n) or n)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("overrides", "builder"),
+    [
+        ([], "build_native"),
+        (["pipeline.mode=async"], "build_process"),
+        (["rollout.backend=vllm"], "build_vllm"),
+        (["rollout.backend=vllm", "pipeline.mode=async"], "build_vllm"),
+    ],
+)
+def test_build_backend_dispatch(built, overrides, builder):
+    assert build_backend(load_config(None, overrides), None) == builder
+    assert built == [builder]
+
+
+def test_ray_workers_go_to_the_ray_backend(monkeypatch, built):
+    ray_ = pytest.importorskip("specrl.backends.ray_")
+
+    monkeypatch.setattr(ray_, "build_ray", lambda cfg, policy: "ray")
+    cfg = load_config(None, ["cluster.rollout_workers=2"])
+    assert build_backend(cfg, None) == "ray" and built == []
+
+
+def test_vllm_in_a_worker_process_is_refused_in_one_line(built):
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.placement=process"])
+    with pytest.raises(ConfigError, match="rollout.placement='process' needs rollout.backend="):
+        build_backend(cfg, None)
+    assert built == []
+
+
+def test_vllm_without_the_extra_is_refused_in_one_line(monkeypatch):
+    from specrl.backends import vllm
+
+    monkeypatch.setattr(vllm, "vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs the vllm extra: pip install -e '\.\[vllm\]'"):
+        vllm.build_vllm(load_config(None, ["rollout.backend=vllm"]), None)
+
+
+def record(name: str, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+
+
+def test_only_the_expected_vllm_warnings_are_silenced():
+    layerwise = "vllm.model_executor.model_loader.reload.layerwise"
+    quiet_benign_warnings()
+    quiet_benign_warnings()  # idempotent: one filter per logger
+    (f,) = [f for f in logging.getLogger(layerwise).filters if isinstance(f, BenignWarnings)]
+    assert not f.filter(record(layerwise, "%s: Failed to load weights", "RotaryEmbedding"))
+    assert not f.filter(record(layerwise, "%s: Failed to load weights", "ParallelLMHead"))
+    assert f.filter(record(layerwise, "%s: Failed to load weights", "QKVParallelLinear"))
+    assert f.filter(record(layerwise, "something else %s", "RotaryEmbedding"))
+    utils = "vllm.model_executor.models.utils"
+    (g,) = [f for f in logging.getLogger(utils).filters if isinstance(f, BenignWarnings)]
+    msg = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert not g.filter(record(utils, msg, "w", "torch.float32", "torch.bfloat16"))
+    assert g.filter(record(utils, "%s: Failed to load weights", "RotaryEmbedding"))
+
+
+def test_a_drafter_vllm_cannot_run_is_refused_before_the_engine_starts(monkeypatch):
+    from specrl.backends import vllm
+
+    if not vllm.vllm_available():
+        pytest.skip("vllm is not installed (specrl[vllm])")
+    monkeypatch.setattr(vllm, "patch_vllm", lambda: pytest.fail("the engine was started"))
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.spec=suffix"])
+    with pytest.raises(ConfigError, match="'suffix' is not supported by the vllm backend") as e:
+        vllm.build_vllm(cfg, None)
+    assert "\n" not in str(e.value)
