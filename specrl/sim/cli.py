@@ -29,10 +29,9 @@ from specrl.fsutil import atomic_write, writable_problem
 from specrl.sim.calibrate import fit_trace, load_trace, write_drafter, write_profile
 from specrl.sim.errors import SimInputError
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
-from specrl.sim.runner import ScenarioResult, run_scenario
+from specrl.sim.runner import ScenarioResult, check_inputs, run_scenario
 from specrl.sim.scenario import field_help, load_scenario
 from specrl.sim.specs import SPEC_KINDS, list_specs, load_drafter, load_hardware, load_model
-from specrl.sim.validate import check_scenario
 
 GROUP_HELP = """Simulate RL training with speculative rollouts.
 
@@ -131,7 +130,7 @@ def run_command(
     """Simulate a scenario with and without speculation; print speedups and phase times."""
     try:
         sc = load_scenario(scenario, set_ or [])
-        check_scenario(sc)
+        check_inputs(sc)
     except SimInputError as e:
         fail(str(e))
     if out is not None:

@@ -2,31 +2,44 @@
 
 Contract (all times in seconds, one replica of ``gpus`` GPUs holding one copy of the model):
 
-    T_forward = (W_read + KV_read) / (gpus * BW * eta_mem)          memory term
-              + FLOPs / (gpus * P * eta_compute)                    compute term
-              + T_comm                                              TP/EP collectives
-    T_step    = step_overhead + [draft(k)] + T_forward(target, tokens_per_seq = 1 or k+1)
-              + [n_seqs * (k+1) * vocab * verify_s_per_logit]       rejection sampler
+    T_forward = (W_read + KV_read) / BW_eff          memory, the busiest GPU's share
+              + FLOPs / P_eff                        compute, the busiest GPU's share
+              + T_comm                               TP all-reduces, EP all-to-alls
+    T_plain   = step_overhead + T_forward(target, 1 token per sequence)
+    T_spec    = step_overhead + T_draft(k) + T_forward(target, k + 1 tokens per sequence)
+              + n_seqs * (k + 1) * vocab * verify_s_per_logit          rejection sampler, logprobs
     T_prefill = step_overhead + T_forward(target, n_seqs / prefill_group prompts, prompt tokens)
 
-W_read is every dense weight plus, for MoE, the expected number of distinct experts per layer for
-the T routed tokens of the forward, E * (1 - (1 - k_e/E)^T) (uniform routing; real routing is
-correlated, so this is an upper bound; ``routing_locality`` lets a sequence's k extra verify tokens
-count as k * (1 - locality) independent tokens). KV_read is the context of every sequence, read
-once per forward whatever the number of query tokens per sequence. FLOPs are 2 * N_active per
-token plus attention (4 * layers * heads * head_dim per token per context token). T_comm is two ring
-all-reduces per layer of the token activations, latency plus bytes over NVLink (or the scale-out
-link when a replica spans nodes). The form is additive (Vidur-style), matching the published vLLM
-Llama-3.1-8B step fit; calibrate.py fits its efficiency terms to measured traces.
+Weights: every dense weight, plus for MoE the experts the forward's T routed tokens touch. With
+experts sharded tensor-parallel (``ep`` = 1, vLLM's default) each GPU reads 1/gpus of every touched
+expert, E * (1 - (1 - k_e/E)^T) of them per layer (uniform routing; a sequence's extra verify
+tokens count as (1 - ``routing_locality``) of a token). With expert parallelism (``ep`` > 1) each
+GPU holds E/ep whole experts and the forward waits for the busiest GPU: the expected maximum over
+ranks of the experts touched and of the token-expert pairs computed (binomial counts, the maximum
+of ``ep`` draws by Blom's normal approximation), the pairs times ``routing_skew`` (1: uniform
+routing; a measured hot-expert imbalance above 1). Weights are read at the replica's precision
+(``specs.PRECISIONS``: bf16 2 bytes, fp8 1 byte, GEMMs at the FP8 peak); KV stays bf16.
+KV_read is every sequence's context, read once per forward whatever the query tokens per sequence.
+FLOPs are 2 * N_active per token plus attention (4 * layers * heads * head_dim per context token).
+T_comm: two ring all-reduces per layer of the [tokens, hidden] activations when gpus > 1 (latency
+plus bytes over NVLink, or the scale-out link when the replica spans nodes); with ep > 1 each MoE
+layer's MLP all-reduce becomes a dispatch and a combine all-to-all, each
+``a2a_latency_s + bytes / (link bandwidth * a2a_efficiency)`` (the slower of the NVLink and the
+scale-out share when ep spans nodes; constants fitted on DeepEP's kernel times, published.py).
 
-Three engine terms default to no effect (the GPU scenarios do not use them; this machine's
-calibration does): the hardware's ``verify_s_per_logit`` prices the rejection sampler's work over
-the vocabulary at every verified position beyond a plain step's sampling; ``prefill_group``
-sequences share one prompt, prefilled once and its cache forked (GRPO groups in specrl's engine;
-prefix caching in vLLM); ``draft_coverage`` gives, per draft position, the chance a sequence
-drafts there at all (n-gram / suffix drafters propose short or empty drafts), and the verify
-forward is as wide as the batch's longest draft, in expectation 1 + sum_i (1 - (1 - c_i)^n)
-tokens per sequence for n independent sequences (k+1 replaces this in the formula above).
+Drafting (per drafter kind, drafters.py): k sequential forwards of the draft network, each paying
+``forward_overhead_s`` (launch and metadata) plus its own roofline; kinds that catch up on the
+verified positions (EAGLE-3, MTP, a draft model in vLLM) run their first forward over the k + 1
+positions of every sequence. Model-free drafters (n-gram, suffix) cost CPU time per sequence,
+``cpu_s_per_seq + cpu_s_per_ctx_token * context`` (the match scan). Drafters run in bf16.
+
+Three engine terms default to no effect: ``prefill_group`` sequences share one prompt, prefilled
+once and its cache forked (GRPO groups in specrl's engine; prefix caching in vLLM);
+``draft_coverage`` gives, per draft position, the chance a sequence drafts there at all (n-gram /
+suffix drafters propose short or empty drafts), and the verify forward is as wide as the batch's
+longest draft, in expectation 1 + sum_i (1 - (1 - c_i)^n) tokens per sequence for n independent
+sequences (k+1 replaces this in the formula above); ``verify_s_per_logit`` is 0 on a profile that
+does not price the sampler.
 """
 
 from __future__ import annotations
@@ -34,9 +47,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from statistics import NormalDist
 
-from specrl.sim.drafters import draft_forward
-from specrl.sim.specs import DTYPE_BYTES, DrafterSpec, HardwareSpec, ModelSpec
+from specrl.sim.drafters import catches_up, draft_forward
+from specrl.sim.specs import DTYPE_BYTES, PRECISIONS, DrafterSpec, HardwareSpec, ModelSpec
 
 
 def expected_experts(experts: int, top_k: int, tokens: float) -> float:
@@ -44,6 +58,34 @@ def expected_experts(experts: int, top_k: int, tokens: float) -> float:
     if experts <= 0 or tokens <= 0:
         return 0.0
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def expected_max_normal(n: int) -> float:
+    """Expected maximum of ``n`` standard normal draws (Blom's approximation; 0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def busiest_rank_experts(experts: int, top_k: int, tokens: float, ep: int) -> float:
+    """Expected distinct experts touched on the busiest of ``ep`` ranks holding E/ep experts each
+    (each expert touched independently with the uniform-routing probability)."""
+    if experts <= 0 or tokens <= 0:
+        return 0.0
+    per_rank = experts / ep
+    p = 1.0 - (1.0 - top_k / experts) ** tokens
+    spread = math.sqrt(per_rank * p * (1.0 - p))
+    return min(per_rank, per_rank * p + expected_max_normal(ep) * spread)
+
+
+def busiest_rank_pairs(pairs: float, ep: int, skew: float = 1.0) -> float:
+    """Expected token-expert pairs on the busiest of ``ep`` ranks: a binomial share of ``pairs``
+    routed uniformly, times ``skew`` (hot experts), at most all of them."""
+    if pairs <= 0:
+        return 0.0
+    share = pairs / ep
+    spread = math.sqrt(pairs * (1.0 / ep) * (1.0 - 1.0 / ep))
+    return min(pairs, (share + expected_max_normal(ep) * spread) * skew)
 
 
 @dataclass(frozen=True)
@@ -58,6 +100,17 @@ class ForwardShape:
     @property
     def tokens(self) -> float:
         return self.n_seqs * self.tokens_per_seq
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a replica holds the model: GPUs, expert parallelism, weight precision, routing."""
+
+    gpus: int = 1
+    ep: int = 1  # expert-parallel degree (1: experts tensor-parallel over the gpus)
+    precision: str = "bf16"
+    locality: float = 0.0  # chance a sequence's extra verify tokens reuse its experts
+    skew: float = 1.0  # busiest rank's token load over a uniform router's
 
 
 @dataclass(frozen=True)
@@ -80,33 +133,91 @@ def routed_tokens(shape: ForwardShape, locality: float = 0.0) -> float:
     return shape.n_seqs * (1.0 + (shape.tokens_per_seq - 1.0) * (1.0 - locality))
 
 
-def weight_bytes_read(model: ModelSpec, tokens: float) -> float:
-    """Bytes of weights a forward over ``tokens`` routed tokens must stream (whole replica)."""
+def weight_bytes_read(model: ModelSpec, tokens: float, layout: Layout | None = None) -> float:
+    """Bytes of weights the busiest GPU of the replica streams for ``tokens`` routed tokens, times
+    the replica's GPUs (so that dividing by gpus gives that GPU's share; the whole replica's
+    bytes for balanced sharding)."""
+    layout = layout or Layout()
+    per_param = PRECISIONS[layout.precision].weight_bytes
     routed = 0.0
     if model.is_moe:
-        distinct = expected_experts(model.experts, model.experts_per_token, tokens)
+        if layout.ep > 1:  # the busiest rank's experts, as if every rank read that many
+            busiest = busiest_rank_experts(
+                model.experts, model.experts_per_token, tokens, layout.ep
+            )
+            distinct = busiest * layout.ep
+        else:
+            distinct = expected_experts(model.experts, model.experts_per_token, tokens)
         routed = model.moe_layers * distinct * model.expert_params
-    return (model.dense_params + routed) * DTYPE_BYTES
+    return (model.dense_params + routed) * per_param
 
 
 def kv_bytes_read(model: ModelSpec, shape: ForwardShape) -> float:
     return shape.n_seqs * shape.context * model.kv_bytes
 
 
-def forward_flops(model: ModelSpec, shape: ForwardShape) -> float:
-    """Matmul FLOPs plus attention FLOPs (mean attended length: context + half the new tokens)."""
+def attention_flops(model: ModelSpec, shape: ForwardShape) -> float:
+    """Attention FLOPs (QK and PV) over the mean attended length, context + half the new tokens."""
     attended = shape.context + 0.5 * shape.tokens_per_seq
-    attention = 4.0 * model.layers * model.heads * model.head_dim * attended
-    return shape.tokens * (2.0 * model.params_active + attention)
+    return shape.tokens * 4.0 * model.layers * model.heads * model.head_dim * attended
 
 
-def comm_time(model: ModelSpec, hw: HardwareSpec, gpus: int, tokens: float) -> float:
-    """Two ring all-reduces per layer of the [tokens, hidden] activations across the replica."""
+def expert_flops_per_pair(model: ModelSpec) -> float:
+    """FLOPs of one token through one routed expert in every MoE layer."""
+    return 2.0 * model.expert_params * model.moe_layers
+
+
+def forward_flops(model: ModelSpec, shape: ForwardShape) -> float:
+    """Matmul FLOPs plus attention FLOPs of the whole replica."""
+    return shape.tokens * 2.0 * model.params_active + attention_flops(model, shape)
+
+
+def busiest_gpu_flops(model: ModelSpec, shape: ForwardShape, layout: Layout) -> float:
+    """FLOPs of the busiest GPU: an even share of the dense part, the busiest rank's experts."""
+    total = forward_flops(model, shape)
+    if not model.is_moe or layout.ep <= 1:
+        return total / layout.gpus
+    pairs = shape.tokens * model.experts_per_token
+    experts = pairs * expert_flops_per_pair(model)
+    busiest = busiest_rank_pairs(pairs, layout.ep, layout.skew) * expert_flops_per_pair(model)
+    return (total - experts) / layout.gpus + busiest
+
+
+def _link(hw: HardwareSpec, gpus: int) -> float:
+    return hw.intra_node_bandwidth if gpus <= hw.gpus_per_node else hw.scale_out_bandwidth
+
+
+def all_reduce_time(hw: HardwareSpec, gpus: int, nbytes: float, span: int = 0) -> float:
+    """One ring all-reduce of ``nbytes`` across ``gpus`` GPUs: latency plus the ring's bytes, over
+    NVLink unless the GPUs it ``span``s (default: ``gpus``) exceed a node."""
     if gpus <= 1:
         return 0.0
-    bandwidth = hw.intra_node_bandwidth if gpus <= hw.gpus_per_node else hw.scale_out_bandwidth
-    ring_bytes = 2.0 * (gpus - 1) / gpus * tokens * model.hidden * DTYPE_BYTES
-    return 2 * model.layers * (hw.comm_latency_s + ring_bytes / bandwidth)
+    return hw.comm_latency_s + 2.0 * (gpus - 1) / gpus * nbytes / _link(hw, span or gpus)
+
+
+def all_to_all_time(hw: HardwareSpec, ep: int, nbytes: float) -> float:
+    """One dispatch (or combine) of ``nbytes`` per GPU to the other ``ep`` - 1 ranks: latency
+    plus the slower of the share staying on NVLink and the share crossing nodes."""
+    if ep <= 1:
+        return 0.0
+    local = min(ep, hw.gpus_per_node)
+    intra = nbytes * (local - 1) / ep
+    inter = nbytes * (ep - local) / ep
+    wire = max(intra / hw.intra_node_bandwidth, inter / hw.scale_out_bandwidth)
+    return hw.a2a_latency_s + wire / hw.a2a_efficiency
+
+
+def comm_time(model: ModelSpec, hw: HardwareSpec, gpus: int, tokens: float, ep: int = 1) -> float:
+    """TP all-reduces (attention and dense MLP outputs) and, with ep > 1, one dispatch and one
+    combine all-to-all per MoE layer instead of its MLP all-reduce."""
+    activations = tokens * model.hidden * DTYPE_BYTES
+    if ep <= 1 or not model.is_moe:
+        return 2 * model.layers * all_reduce_time(hw, gpus, activations)
+    pairs_per_gpu = tokens / ep * model.experts_per_token * model.hidden * DTYPE_BYTES
+    a2a = 2 * all_to_all_time(hw, ep, pairs_per_gpu)
+    dense_layers = model.layers - model.moe_layers
+    reduce = all_reduce_time(hw, gpus, activations)
+    return model.layers * reduce + dense_layers * reduce + model.moe_layers * a2a
 
 
 def forward_cost(
@@ -116,14 +227,19 @@ def forward_cost(
     shape: ForwardShape,
     overhead_s: float = 0.0,
     locality: float = 0.0,
+    layout: Layout | None = None,
 ) -> ForwardCost:
-    """Price one forward of ``model`` on a replica of ``gpus`` GPUs."""
+    """Price one forward of ``model`` on a replica of ``gpus`` GPUs (``layout`` adds expert
+    parallelism, precision and routing skew; its ``gpus`` and ``locality`` are overridden)."""
+    base = layout or Layout()
+    layout = Layout(gpus, base.ep, base.precision, locality, base.skew)
     routed = routed_tokens(shape, locality)
-    mem_bytes = weight_bytes_read(model, routed) + kv_bytes_read(model, shape)
+    mem_bytes = weight_bytes_read(model, routed, layout) + kv_bytes_read(model, shape)
+    peak = hw.peak(layout.precision)
     return ForwardCost(
         memory_s=mem_bytes / (gpus * hw.hbm_bandwidth * hw.eta_mem),
-        compute_s=forward_flops(model, shape) / (gpus * hw.peak_flops * hw.eta_compute),
-        comm_s=comm_time(model, hw, gpus, shape.tokens),
+        compute_s=busiest_gpu_flops(model, shape, layout) / (peak * hw.eta_compute),
+        comm_s=comm_time(model, hw, gpus, shape.tokens, layout.ep),
         overhead_s=overhead_s,
     )
 
@@ -137,7 +253,9 @@ class StepCostModel:
     defaults (1, 0) are chain speculation verifying k+1 tokens. ``routing_locality`` is the
     chance that a sequence's extra verify tokens reuse its experts (MoE only; 0 = uniform).
     ``prefill_group`` and ``draft_coverage`` are the engine terms of the module docstring
-    (1 and () = every sequence prefills its own prompt and drafts all k positions).
+    (1 and () = every sequence prefills its own prompt and drafts all k positions). ``ep``,
+    ``precision`` and ``routing_skew`` are the layout terms (1, bf16, 1: tensor-parallel experts,
+    bf16 weights, uniform routing).
     """
 
     target: ModelSpec
@@ -149,15 +267,22 @@ class StepCostModel:
     routing_locality: float = 0.0
     prefill_group: int = 1
     draft_coverage: tuple[float, ...] = ()
+    ep: int = 1
+    precision: str = "bf16"
+    routing_skew: float = 1.0
 
     @cached_property
     def draft_model(self) -> ModelSpec | None:
         return draft_forward(self.drafter, self.target) if self.drafter else None
 
+    @cached_property
+    def layout(self) -> Layout:
+        return Layout(self.gpus, self.ep, self.precision, self.routing_locality, self.routing_skew)
+
     def target_forward(self, n_seqs: float, tokens_per_seq: float, context: float) -> float:
         shape = ForwardShape(n_seqs, tokens_per_seq, context)
         return forward_cost(
-            self.target, self.hw, self.gpus, shape, 0.0, self.routing_locality
+            self.target, self.hw, self.gpus, shape, 0.0, self.routing_locality, self.layout
         ).total
 
     def decode(self, n_seqs: float, context: float) -> float:
@@ -171,23 +296,35 @@ class StepCostModel:
         cov = self.draft_coverage
         return 1.0 + sum(1.0 - (1.0 - cov[min(i, len(cov) - 1)]) ** n_seqs for i in range(k))
 
+    def sampler(self, n_seqs: float, tokens_per_seq: float) -> float:
+        """Rejection sampling and logprobs over the vocabulary at every verified position."""
+        return n_seqs * tokens_per_seq * self.target.vocab * self.hw.verify_s_per_logit
+
     def verify(self, n_seqs: float, k: int, context: float) -> float:
         """Target forward over the k drafts plus one position per sequence, and the rejection
         sampler over their logits (no step overhead)."""
         tokens = self.verify_tokens(k, n_seqs)
-        sampler = n_seqs * tokens * self.target.vocab * self.hw.verify_s_per_logit
-        return self.target_forward(n_seqs, tokens, context) + sampler
+        return self.target_forward(n_seqs, tokens, context) + self.sampler(n_seqs, tokens)
+
+    def draft_forward(self, n_seqs: float, tokens_per_seq: float, context: float) -> float:
+        """One forward of the draft network (its overhead, weights, own KV cache and FLOPs)."""
+        shape = ForwardShape(n_seqs, tokens_per_seq, context)
+        model = self.draft_model
+        assert model is not None
+        return forward_cost(model, self.hw, self.gpus, shape, self.hw.forward_overhead_s).total
 
     def draft(self, n_seqs: float, k: int, context: float) -> float:
-        """Drafting k positions per sequence: k drafter forwards, or CPU time if model-free."""
+        """Drafting k positions per sequence: k drafter forwards (the first over the k + 1
+        verified positions for kinds that catch up), or CPU time if model-free."""
         if self.drafter is None or k == 0:
             return 0.0
-        model = self.draft_model
-        if model is None:
-            return self.drafter.cpu_s_per_seq * n_seqs
-        shape = ForwardShape(n_seqs, self.tree_width, context)
-        one = forward_cost(model, self.hw, self.gpus, shape, self.hw.forward_overhead_s)
-        return k * one.total
+        if self.draft_model is None:
+            per_seq = self.drafter.cpu_s_per_seq + self.drafter.cpu_s_per_ctx_token * context
+            return per_seq * n_seqs
+        width = self.tree_width
+        first = k + 1 if catches_up(self.drafter) else width
+        rest = (k - 1) * self.draft_forward(n_seqs, width, context) if k > 1 else 0.0
+        return self.draft_forward(n_seqs, first, context) + rest
 
     def step(self, n_seqs: float, k: int, context: float) -> float:
         """One engine step with k drafts per sequence (k = 0 is plain decoding)."""
@@ -204,10 +341,15 @@ class StepCostModel:
         prompts = math.ceil(n_seqs / self.prefill_group)
         return self.hw.step_overhead_s + self.target_forward(prompts, prompt_len, context)
 
+    def weight_bytes(self) -> float:
+        """Bytes of the replica's weights: the target at its precision, the drafter in bf16."""
+        draft = self.draft_model
+        target = self.target.weight_bytes_at(self.precision)
+        return target + (draft.weight_bytes if draft else 0.0)
+
     def kv_capacity_tokens(self) -> float:
         """Context tokens that fit in the KV cache after weights (target and drafter)."""
         usable = self.hw.hbm_bytes * self.hw.mem_fraction * self.gpus
         draft = self.draft_model
-        weights = self.target.weight_bytes + (draft.weight_bytes if draft else 0.0)
         per_token = self.target.kv_bytes + (draft.kv_bytes if draft else 0)
-        return max(usable - weights, 0.0) / per_token
+        return max(usable - self.weight_bytes(), 0.0) / per_token

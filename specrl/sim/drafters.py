@@ -2,13 +2,18 @@
 
 Contract: ``draft_forward(drafter, target)`` returns the ModelSpec of ONE draft forward (one draft
 position for every sequence), or None for model-free drafters whose cost is CPU time per sequence
-(``DrafterSpec.cpu_s_per_seq``). Kinds are registered builders looked up by ``DrafterSpec.kind``;
-adding a mechanism means adding one builder here, not branches in the cost model.
+(``DrafterSpec.cpu_s_per_seq`` and ``cpu_s_per_ctx_token``). ``catches_up(drafter)`` says whether
+the kind's first forward of a round runs over all k + 1 verified positions of every sequence (vLLM's
+EAGLE-3, MTP and draft-model proposers feed the target's hidden states / tokens of every scheduled
+position) rather than one. Kinds are registered (``DRAFTER_KINDS``: a builder and that flag) and
+looked up by ``DrafterSpec.kind``; adding a mechanism means adding one entry here, not branches in
+the cost model. A kind's per-position acceptance shape is data (``DrafterSpec.position_ratio``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from specrl.sim.specs import DrafterSpec, ModelSpec, load_model
@@ -76,22 +81,39 @@ def _model_free(drafter: DrafterSpec, target: ModelSpec) -> None:
     return None
 
 
-DRAFTER_KINDS: MappingProxyType[str, Builder] = MappingProxyType(
+@dataclass(frozen=True)
+class DrafterKind:
+    """How a kind drafts: the forward it runs, and whether its first forward catches up on the
+    k + 1 verified positions."""
+
+    build: Builder
+    catches_up: bool
+
+
+DRAFTER_KINDS: MappingProxyType[str, DrafterKind] = MappingProxyType(
     {
-        "eagle3": _eagle3,
-        "mtp": _mtp,
-        "draft_model": _draft_model,
-        "ngram": _model_free,
-        "suffix": _model_free,
+        "eagle3": DrafterKind(_eagle3, True),
+        "mtp": DrafterKind(_mtp, True),
+        "draft_model": DrafterKind(_draft_model, True),
+        "ngram": DrafterKind(_model_free, False),
+        "suffix": DrafterKind(_model_free, False),
     }
 )
 
 
-def draft_forward(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec | None:
-    """The forward one draft position costs, or None for a model-free drafter."""
+def _kind(drafter: DrafterSpec) -> DrafterKind:
     try:
-        builder = DRAFTER_KINDS[drafter.kind]
+        return DRAFTER_KINDS[drafter.kind]
     except KeyError:
         known = sorted(DRAFTER_KINDS)
         raise KeyError(f"unknown drafter kind {drafter.kind!r}; known: {known}") from None
-    return builder(drafter, target)
+
+
+def draft_forward(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec | None:
+    """The forward one draft position costs, or None for a model-free drafter."""
+    return _kind(drafter).build(drafter, target)
+
+
+def catches_up(drafter: DrafterSpec) -> bool:
+    """Whether the kind's first draft forward runs over the k + 1 verified positions."""
+    return _kind(drafter).catches_up

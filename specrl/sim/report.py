@@ -1,8 +1,10 @@
 """Reports: text summary, sensitivity (tornado) analysis, and the Gantt and tornado PNGs.
 
 Contract: ``sensitivity(sc)`` re-runs a scenario with each uncertain input moved to a low and a high
-value (``UNCERTAIN_INPUTS``: acceptance, training MFU, length tail, refit bandwidth, MoE routing
-locality) and returns the end-to-end speedup at each end. The PNG writers import matplotlib lazily
+value (``uncertain_inputs``: acceptance length, training MFU, length tail, refit bandwidth, and
+where they act the acceptance decay, the drafter's forward overhead or CPU cost, MoE routing
+locality and skew) and returns the end-to-end speedup (vs sync without speculation) at each end.
+The PNG writers import matplotlib lazily
 (Agg backend) so that importing specrl.sim never needs it. No simulation logic lives here.
 """
 
@@ -11,9 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrl.sim.runner import ScenarioResult, run_scenario
+import numpy as np
+
+from specrl.sim.drafters import draft_forward
+from specrl.sim.runner import ScenarioResult, hardware, run_scenario
+from specrl.sim.runner import drafter as scenario_drafter
 from specrl.sim.scenario import Scenario, apply_overrides
-from specrl.sim.specs import load_hardware, load_model
+from specrl.sim.specs import load_model
+from specrl.sim.training import load_efficiency
 
 
 @dataclass(frozen=True)
@@ -26,29 +33,54 @@ class Swing:
 
 
 def _baseline_mfu(sc: Scenario) -> float:
-    return sc.training.mfu or load_hardware(sc.hardware).train_mfu(load_model(sc.model))
+    return sc.training.mfu or load_efficiency(load_model(sc.model)).train_mfu
+
+
+def _scaled(label: str, key: str, value: float, low: float, high: float, top: float = np.inf):
+    return (label, key, value * low, min(top, value * high))
 
 
 def uncertain_inputs(sc: Scenario) -> list[tuple[str, str, float, float]]:
-    """(label, dotted key, low, high) for each uncertain input around the scenario's value."""
-    acc = sc.speculation.acceptance
-    mfu = _baseline_mfu(sc)
-    sigma = sc.workload.response_sigma
-    bw = sc.pipeline.refit_bandwidth
-    loc = sc.generation.routing_locality
-    top = float(acc.at_k + 1)
-    return [
-        (
-            "acceptance length",
-            "speculation.acceptance.acceptance_length",
-            max(1.0, acc.acceptance_length * 0.85),
-            min(top, acc.acceptance_length * 1.15),
+    """(label, dotted key, low, high) for each uncertain input around the scenario's value; only
+    inputs that act on the scenario (drift, a model drafter's overhead, a model-free drafter's
+    CPU cost, MoE routing) are listed."""
+    acc, spec = sc.speculation.acceptance, sc.speculation
+    hw, drafter = hardware(sc), scenario_drafter(sc)
+    model = load_model(sc.model)
+    out = [
+        _scaled(
+            "acceptance length", "speculation.acceptance.acceptance_length",
+            acc.acceptance_length, 0.85, 1.15, float(acc.at_k + 1),
         ),
-        ("training MFU", "training.mfu", mfu * 0.7, min(1.0, mfu * 1.3)),
-        ("length tail (sigma)", "workload.response_sigma", sigma * 0.75, sigma * 1.25),
-        ("refit bandwidth", "pipeline.refit_bandwidth", bw * 0.5, bw * 2.0),
-        ("MoE routing locality", "generation.routing_locality", loc, min(1.0, loc + 0.5)),
-    ]
+        _scaled("training MFU", "training.mfu", _baseline_mfu(sc), 0.7, 1.3, 1.0),
+        _scaled("length tail (sigma)", "workload.response_sigma", sc.workload.response_sigma,
+                0.75, 1.25),
+        _scaled("refit bandwidth", "pipeline.refit_bandwidth", sc.pipeline.refit_bandwidth,
+                0.5, 2.0),
+    ]  # fmt: skip
+    if acc.kind == "drift" and acc.decay_per_1k_tokens > 0:
+        out.append(
+            _scaled("acceptance decay", "speculation.acceptance.decay_per_1k_tokens",
+                    acc.decay_per_1k_tokens, 0.5, 1.5)
+        )  # fmt: skip
+    if spec.enabled and draft_forward(drafter, model) is not None:
+        out.append(
+            _scaled("draft forward overhead", "engine.forward_overhead_s",
+                    hw.forward_overhead_s, 0.5, 2.0)
+        )  # fmt: skip
+    elif spec.enabled and drafter.cpu_s_per_ctx_token > 0:
+        out.append(
+            _scaled("drafter CPU per context token", "engine.cpu_s_per_ctx_token",
+                    drafter.cpu_s_per_ctx_token, 0.5, 2.0)
+        )  # fmt: skip
+    if model.is_moe:
+        loc = sc.generation.routing_locality
+        key = "generation.routing_locality"
+        out.append(("MoE routing locality", key, loc, min(1.0, loc + 0.5)))
+    if model.is_moe and sc.generation.ep > 1:
+        out.append(_scaled("MoE routing skew", "generation.routing_skew",
+                           sc.generation.routing_skew, 1.0, 1.5))  # fmt: skip
+    return out
 
 
 def _speedup_with(sc: Scenario, key: str, value: float) -> float:

@@ -45,6 +45,14 @@ class Segment:
     n_seqs: int
     k: int
     steps: int
+    tokens: float = 0.0  # tokens emitted (decode segments)
+
+
+def acceptance_of(segments: list[Segment]) -> float:
+    """Tokens emitted per sequence-step over the speculative segments (k > 0); 0 if none."""
+    spec = [s for s in segments if s.k > 0]
+    seq_steps = sum(s.steps * s.n_seqs for s in spec)
+    return sum(s.tokens for s in spec) / seq_steps if seq_steps else 0.0
 
 
 @dataclass
@@ -69,6 +77,11 @@ class ReplicaResult:
         return self.time_in(lambda s: s.k > 0) / decode if decode else 0.0
 
     @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per sequence-step of speculative steps (what vLLM reports); 0 if none."""
+        return acceptance_of(self.segments)
+
+    @property
     def mean_batch(self) -> float:
         """Time-weighted number of running sequences during decode."""
         decode = [s for s in self.segments if s.k >= 0]
@@ -86,6 +99,11 @@ class RolloutResult:
     def throughput(self) -> float:
         return self.tokens / self.time_s if self.time_s else 0.0
 
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per sequence-step of the speculative steps of all replicas."""
+        return acceptance_of([s for r in self.replicas for s in r.segments])
+
     def summary(self) -> dict[str, float]:
         n = len(self.replicas)
         return {
@@ -96,6 +114,7 @@ class RolloutResult:
             "prefill_s_mean": sum(r.prefill_s for r in self.replicas) / n,
             "mean_batch": sum(r.mean_batch for r in self.replicas) / n,
             "spec_fraction": sum(r.spec_fraction for r in self.replicas) / n,
+            "acceptance_length": self.acceptance_length,
             "preemptions": float(sum(r.preemptions for r in self.replicas)),
         }
 
@@ -165,12 +184,16 @@ def _preempt(st: _Replica, capacity: float) -> int:
     return count
 
 
-def _segment_steps(st: _Replica, act: np.ndarray, tps: np.ndarray, cfg: EngineConfig, cap) -> int:
-    remaining = st.target[act] - st.generated[act]
+def _segment_steps(
+    remaining: np.ndarray, tps: np.ndarray, ctx_sum: float, cfg: EngineConfig, cap: float
+) -> int:
+    """Steps until the first sequence finishes, the next replan, or the KV cache fills.
+    remaining, tps: [n] tokens left and tokens per step of the running sequences."""
+    tps_sum = float(tps.sum())
     to_finish = int(np.ceil(remaining / tps).min())
-    to_replan = max(1, int(cfg.replan_tokens / float(tps.mean())))
-    free = cap - float(st.context(act).sum())
-    to_full = max(1, int(free / float(tps.sum()))) if free > 0 else 1
+    to_replan = max(1, int(cfg.replan_tokens * len(tps) / tps_sum))
+    free = cap - ctx_sum
+    to_full = max(1, int(free / tps_sum)) if free > 0 else 1
     return max(1, min(to_finish, to_replan, to_full))
 
 
@@ -180,23 +203,27 @@ def _decode_segment(
     """Advance the running batch by one segment of identical steps (at most ``max_dt`` seconds,
     but at least one step) and retire the sequences that finish."""
     act = np.flatnonzero(st.active)
-    ctx = st.context(act)
-    positions = st.generated[act]
-    inp = PolicyInput(
-        cfg.costs, cfg.acceptance, len(act), float(ctx.mean()), positions, cfg.rl_step, cfg.k
-    )
+    n_seqs = len(act)
+    generated, target = st.generated[act], st.target[act]  # [n]
+    ctx_sum = float((st.prompt[act] + generated).sum())
+    ctx_mean = ctx_sum / n_seqs
+    inp = PolicyInput(cfg.costs, cfg.acceptance, n_seqs, ctx_mean, generated, cfg.rl_step, cfg.k)
     k = POLICIES[cfg.policy](inp) if cfg.costs.drafter is not None else 0
-    tps = cfg.acceptance.expected_tokens(k, positions, cfg.rl_step)
-    n = _segment_steps(st, act, tps, cfg, cap)
+    tps = cfg.acceptance.expected_tokens(k, generated, cfg.rl_step)  # [n]
+    n = _segment_steps(target - generated, tps, ctx_sum, cfg, cap)
     if np.isfinite(max_dt):
-        n = max(1, min(n, int(max_dt / cfg.costs.step(len(act), k, float(ctx.mean())))))
-    mid = float(ctx.mean() + tps.mean() * (n - 1) / 2)
-    dt = n * cfg.costs.step(len(act), k, mid)
-    st.generated[act] = np.minimum(st.generated[act] + n * tps, st.target[act])
-    finished = act[st.generated[act] >= st.target[act] - 1e-9]
-    st.active[finished] = False
-    st.order[:] = [i for i in st.order if st.active[i]]
-    return Segment(t0, t0 + dt, len(act), k, n)
+        n = max(1, min(n, int(max_dt / cfg.costs.step(n_seqs, k, ctx_mean))))
+    mid = ctx_mean + float(tps.sum()) / n_seqs * (n - 1) / 2
+    dt = n * cfg.costs.step(n_seqs, k, mid)
+    advanced = np.minimum(generated + n * tps, target)  # [n]
+    st.generated[act] = advanced
+    done = advanced >= target - 1e-9
+    if done.any():
+        finished = act[done]
+        st.active[finished] = False
+        gone = set(finished.tolist())
+        st.order[:] = [i for i in st.order if i not in gone]
+    return Segment(t0, t0 + dt, n_seqs, k, n, float(advanced.sum() - generated.sum()))
 
 
 def simulate_replica(

@@ -1,6 +1,7 @@
 """Run a Scenario: rollouts with and without speculation, RL phases, schedules, speedups.
 
-Contract: ``run_scenario(sc)`` first checks the scenario (validate.py: a bad input raises
+Contract: ``run_scenario(sc)`` first checks the scenario (``check_inputs``: validate.py, and an
+acceptance measured over the rollout must be reachable on every length draw; a bad input raises
 SimInputError before any simulation), then, for each response-length draw (``workload.seed`` and
 the next ``workload.seeds - 1``; one draw when nothing is random), simulates three pipelines on
 the same sampled lengths: ``speculative`` (the scenario as given), ``no_spec`` (same pipeline,
@@ -17,9 +18,11 @@ period) carries a warning.
 ``overlap_floor_s`` is a lower bound on an async step: the trainer's phases, or the generation
 pool's work at perfect packing (``generation_floor_s``), whichever is longer; for sync it is the
 step itself.
-Training costs 6 * N_active * tokens FLOPs (logprobs 2 * N_active * tokens per pass) over
-GPUs * peak * MFU; a refit costs a fixed time plus weight bytes over the refit bandwidth; online
-drafter training costs 6 * N_drafter * tokens.
+The scenario's ``engine`` table overrides the hardware profile's and drafter spec's engine terms
+(``hardware``, ``drafter``). The trainer's phases come from training.py (FLOPs over GPUs * peak *
+the model class's measured MFU, plus the layout's collectives); a refit costs a fixed time plus
+the generators' weight bytes over the refit bandwidth; online drafter training is the drafter's
+own training step.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams, alpha_for_length
+from specrl.sim.acceptance import (
+    AcceptanceModel,
+    AcceptanceParams,
+    alpha_for_length,
+    alpha_for_rollout_length,
+)
 from specrl.sim.continuous import simulate_continuous
 from specrl.sim.cost import StepCostModel
+from specrl.sim.errors import SimInputError
 from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases, StepWindow, steady_window
 from specrl.sim.rollout import (
     EngineConfig,
@@ -39,33 +48,82 @@ from specrl.sim.rollout import (
     sample_lengths_capped_mean,
     simulate_rollout,
 )
-from specrl.sim.scenario import Acceptance, Scenario
-from specrl.sim.specs import load_drafter, load_hardware, load_model
+from specrl.sim.scenario import Scenario
+from specrl.sim.specs import (
+    DrafterSpec,
+    HardwareSpec,
+    load_drafter,
+    load_hardware,
+    load_model,
+    with_overrides,
+)
+from specrl.sim.training import load_efficiency, logprob_seconds, train_seconds
 from specrl.sim.validate import check_scenario
 
 
-def acceptance_model(cfg: Acceptance) -> AcceptanceModel:
+def acceptance_model(sc: Scenario, responses: np.ndarray | None = None) -> AcceptanceModel:
+    """The scenario's acceptance model, shaped over draft positions by its drafter's profile.
+    With ``measured_over = "rollout"`` the start rate is solved so that a rollout of
+    ``responses`` (default: the workload's lengths) reports ``acceptance_length`` at ``at_k``."""
+    cfg = sc.speculation.acceptance
+    ratio = cfg.position_ratio or load_drafter(sc.speculation.drafter).position_ratio
     params = AcceptanceParams(
-        alpha=alpha_for_length(cfg.acceptance_length, cfg.at_k),
+        alpha=alpha_for_length(cfg.acceptance_length, cfg.at_k, ratio),
         per_position=tuple(cfg.per_position),
         decay_per_1k_tokens=cfg.decay_per_1k_tokens,
         decay_per_rl_step=cfg.decay_per_rl_step,
         floor=cfg.floor,
+        position_ratio=ratio,
+        decay_after_tokens=float(cfg.decay_after_tokens),
     )
-    return AcceptanceModel(cfg.kind, params)
+    model = AcceptanceModel(cfg.kind, params)
+    if cfg.measured_over != "rollout":
+        return model
+    lengths = workload_lengths(sc)[1] if responses is None else responses
+    try:
+        alpha = alpha_for_rollout_length(
+            model, cfg.at_k, lengths, cfg.acceptance_length, sc.workload.rl_step
+        )
+    except ValueError as e:
+        raise SimInputError(f"speculation.acceptance: {e}") from None
+    return AcceptanceModel(cfg.kind, replace(params, alpha=alpha))
+
+
+def hardware(sc: Scenario) -> HardwareSpec:
+    """The scenario's hardware profile with its ``engine`` overrides applied."""
+    hw = load_hardware(sc.hardware)
+    e = sc.engine
+    changes = {
+        "step_overhead_s": e.step_overhead_s,
+        "forward_overhead_s": e.forward_overhead_s,
+        "verify_s_per_logit": e.verify_s_per_logit,
+    }
+    return with_overrides(hw, **{k: v for k, v in changes.items() if v is not None})
+
+
+def drafter(sc: Scenario) -> DrafterSpec:
+    """The scenario's drafter spec with its ``engine`` overrides applied."""
+    spec = load_drafter(sc.speculation.drafter)
+    if sc.engine.cpu_s_per_ctx_token is None:
+        return spec
+    return with_overrides(spec, cpu_s_per_ctx_token=sc.engine.cpu_s_per_ctx_token)
 
 
 def step_costs(sc: Scenario, spec: bool) -> StepCostModel:
+    g = sc.generation
     return StepCostModel(
         target=load_model(sc.model),
-        hw=load_hardware(sc.hardware),
-        gpus=sc.generation.gpus_per_replica,
-        drafter=load_drafter(sc.speculation.drafter) if spec else None,
+        hw=hardware(sc),
+        gpus=g.gpus_per_replica,
+        drafter=drafter(sc) if spec else None,
         tree_width=sc.speculation.tree_width,
         tree_verify_tokens=sc.speculation.tree_verify_tokens,
-        routing_locality=sc.generation.routing_locality,
-        prefill_group=sc.generation.prefill_group,
+        routing_locality=g.routing_locality,
+        prefill_group=g.prefill_group,
         draft_coverage=tuple(sc.speculation.draft_coverage),
+        ep=g.ep,
+        precision=g.precision,
+        routing_skew=g.routing_skew,
     )
 
 
@@ -84,7 +142,7 @@ def engine_config(sc: Scenario, spec: bool) -> EngineConfig:
     s = sc.speculation
     return EngineConfig(
         costs=step_costs(sc, spec),
-        acceptance=acceptance_model(s.acceptance),
+        acceptance=acceptance_model(sc),
         policy=s.policy if spec else "off",
         k=s.k,
         max_num_seqs=sc.generation.max_num_seqs,
@@ -104,21 +162,27 @@ def simulate_generation(sc: Scenario, spec: bool, gpus: int | None = None) -> Ro
 
 
 def rl_phases(sc: Scenario, generation_s: float, spec: bool, train_gpus: int) -> StepPhases:
-    """Seconds of each RL phase for one step given the simulated generation time."""
-    model, hw = load_model(sc.model), load_hardware(sc.hardware)
+    """Seconds of each RL phase for one step given the simulated generation time (training.py
+    prices the trainer; the refit moves the generators' weights at their precision)."""
+    model, hw, t = load_model(sc.model), load_hardware(sc.hardware), sc.training
     _, responses = workload_lengths(sc)
-    tokens = float(sc.workload.samples_per_step * sc.workload.prompt_len + responses.sum())
-    rate = train_gpus * hw.peak_flops * (sc.training.mfu or hw.train_mfu(model))
+    n = sc.workload.samples_per_step
+    tokens = float(n * sc.workload.prompt_len + responses.sum())
+    seq_len = tokens / n
+    eff = load_efficiency(model)
     costs = step_costs(sc, spec)
     draft = costs.draft_model if spec else None
-    drafter_flops = 6.0 * draft.params_active * tokens if draft and sc.training.train_drafter else 0
-    weight_bytes = model.weight_bytes + (draft.weight_bytes if draft else 0.0)
+    drafter_s = 0.0
+    if draft is not None and t.train_drafter:
+        drafter_s = train_seconds(draft, hw, train_gpus, tokens, seq_len, eff, t.mfu)
     return StepPhases(
         generation=generation_s,
-        logprobs=2.0 * model.params_active * tokens * sc.training.logprob_passes / rate,
-        train=6.0 * model.params_active * tokens / rate,
-        drafter_train=drafter_flops / rate,
-        refit=sc.pipeline.refit_fixed_s + weight_bytes / sc.pipeline.refit_bandwidth,
+        logprobs=logprob_seconds(
+            model, hw, train_gpus, tokens, seq_len, t.logprob_passes, eff, t.logprob_mfu
+        ),
+        train=train_seconds(model, hw, train_gpus, tokens, seq_len, eff, t.mfu),
+        drafter_train=drafter_s,
+        refit=sc.pipeline.refit_fixed_s + costs.weight_bytes() / sc.pipeline.refit_bandwidth,
         overhead=sc.pipeline.framework_overhead_s,
     )
 
@@ -372,7 +436,7 @@ def length_seeds(sc: Scenario) -> list[int]:
 
 
 def _run_seed(sc: Scenario, seed: int) -> SeedRun:
-    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"seed": seed})})
+    sc = with_seed(sc, seed)
     mode = sc.pipeline.mode
     spec = run_pipeline(sc, sc.speculation.enabled, mode)
     base = run_pipeline(sc, False, mode) if sc.speculation.enabled else spec
@@ -407,8 +471,21 @@ def convergence_warnings(sc: Scenario, runs: tuple[SeedRun, ...]) -> tuple[str, 
     return tuple(out)
 
 
+def with_seed(sc: Scenario, seed: int) -> Scenario:
+    return sc.model_copy(update={"workload": sc.workload.model_copy(update={"seed": seed})})
+
+
+def check_inputs(sc: Scenario) -> None:
+    """Every check that needs the workload's lengths, before any simulation: a measured-over-
+    the-rollout acceptance must be reachable on every length draw (SimInputError otherwise)."""
+    check_scenario(sc)
+    if sc.speculation.enabled and sc.speculation.acceptance.measured_over == "rollout":
+        for seed in length_seeds(sc):
+            acceptance_model(with_seed(sc, seed))
+
+
 def run_scenario(sc: Scenario) -> ScenarioResult:
     """Validate the scenario (SimInputError before any work), then simulate each length draw."""
-    check_scenario(sc)
+    check_inputs(sc)
     runs = tuple(_run_seed(sc, seed) for seed in length_seeds(sc))
     return ScenarioResult(sc, runs, convergence_warnings(sc, runs))

@@ -3,7 +3,9 @@
 Contract: a Scenario names a model, a hardware profile and a drafter (spec files), and gives the
 workload, generation layout, speculation settings, training efficiency and pipeline mode. Every
 field carries a description; ``field_help()`` renders them for ``specrl simulate --help``. Overrides
-use dotted paths (``speculation.k=5``) and TOML literals (strings may be bare). Values are
+use dotted paths (``speculation.k=5``) and TOML literals (strings may be bare). A scenario file
+may start from another (``extends = "name"``: that scenario's values, then this file's), so a
+variant states only what differs. Values are
 checked strictly (TOML types: a bool is not an int, no inf/nan) and every bad input, an unknown
 scenario or key (with the valid keys and a did-you-mean), a wrong type or range, a malformed or
 unreadable file, raises ``SimInputError`` with one line saying where it came from (the file or the
@@ -66,6 +68,18 @@ class Generation(_Strict):
     prefill_group: int = Field(
         1, ge=1, description="sequences sharing one prompt, prefilled once (1: each its own)"
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="MoE: expert-parallel degree inside a replica (1: experts tensor-parallel,"
+        " vLLM's default; > 1: E/ep experts per GPU, all-to-all dispatch and combine)",
+    )
+    precision: str = Field("bf16", description="weight precision of the generators: bf16 | fp8")
+    routing_skew: float = Field(
+        1.0,
+        ge=1,
+        description="MoE with ep > 1: the busiest rank's token load over a uniform router's",
+    )
 
 
 class Acceptance(_Strict):
@@ -80,6 +94,20 @@ class Acceptance(_Strict):
     decay_per_1k_tokens: float = Field(0.0, description="drift: rate lost per 1k response tokens")
     decay_per_rl_step: float = Field(0.0, description="drift: rate lost per RL step of staleness")
     floor: float = Field(0.0, ge=0, le=1, description="drift: lowest per-token rate")
+    decay_after_tokens: int = Field(
+        0, ge=0, description="drift: response tokens before the decay starts"
+    )
+    position_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="acceptance of draft i+1 over draft i's (None: the drafter spec's profile)",
+    )
+    measured_over: str = Field(
+        "start",
+        description="start: acceptance_length holds at response position 0 | rollout: it is the"
+        " rollout's mean (tokens per sequence-step, as vLLM reports it) and the start rate is"
+        " solved to match it",
+    )
 
 
 class Speculation(_Strict):
@@ -103,7 +131,12 @@ class Speculation(_Strict):
 
 class Training(_Strict):
     gpus: int = Field(0, ge=0, description="training GPUs (async only; sync uses generation.gpus)")
-    mfu: float = Field(0.0, ge=0, le=1, description="training MFU (0: hardware profile default)")
+    mfu: float = Field(
+        0.0, ge=0, le=1, description="training MFU (0: the model class's, data/training.toml)"
+    )
+    logprob_mfu: float = Field(
+        0.0, ge=0, le=1, description="logprob-pass MFU (0: the model class's, data/training.toml)"
+    )
     logprob_passes: int = Field(2, ge=0, description="logprob forwards per token (policy + ref)")
     train_drafter: bool = Field(False, description="train the drafter online every step")
 
@@ -142,6 +175,23 @@ class PipelineCfg(_Strict):
     )
 
 
+class Engine(_Strict):
+    """Overrides of the engine terms of the hardware profile and drafter spec (sensitivity)."""
+
+    step_overhead_s: float | None = Field(
+        None, ge=0, description="seconds per engine step (None: the hardware profile's)"
+    )
+    forward_overhead_s: float | None = Field(
+        None, ge=0, description="seconds per drafter forward (None: the hardware profile's)"
+    )
+    verify_s_per_logit: float | None = Field(
+        None, ge=0, description="sampler seconds per verified logit (None: the profile's)"
+    )
+    cpu_s_per_ctx_token: float | None = Field(
+        None, ge=0, description="model-free drafter: CPU s per context token (None: the spec's)"
+    )
+
+
 class Scenario(_Strict):
     name: str = Field(description="scenario name")
     description: str = Field("", description="what the scenario represents")
@@ -153,6 +203,7 @@ class Scenario(_Strict):
     speculation: Speculation = Field(default_factory=Speculation)
     training: Training = Field(default_factory=Training)
     pipeline: PipelineCfg = Field(default_factory=PipelineCfg)
+    engine: Engine = Field(default_factory=Engine)
 
 
 def parse_value(text: str) -> Any:
@@ -288,12 +339,39 @@ def validation_message(error: ValidationError, source: str, overrides: list[str]
     return f"{origin or source}: {text}{more}"
 
 
+MAX_EXTENDS = 8  # depth of `extends` chains (a longer one is a cycle or a mistake)
+
+
+def scenario_data(name: str, depth: int = 0) -> tuple[dict[str, Any], str]:
+    """A scenario file's table with its ``extends`` chain merged in (the base scenario's values,
+    then this file's), and the path it came from."""
+    path = spec_path("scenarios", name)
+    data = read_toml(path)
+    base = data.pop("extends", None)
+    if base is None:
+        return data, str(path)
+    if not isinstance(base, str) or depth >= MAX_EXTENDS:
+        raise SimInputError(
+            f"scenario {path}: extends must name a scenario, at most {MAX_EXTENDS} deep"
+            f" (got {base!r})"
+        )
+    merged, _ = scenario_data(base, depth + 1)
+    return _merge(merged, data), str(path)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = _deep_copy(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
 def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
     """Load a bundled scenario by name (or a TOML path) and apply overrides; any bad input
     raises SimInputError with a one-line message."""
     overrides = list(overrides or [])
-    path = spec_path("scenarios", name)
-    data = read_toml(path)
+    data, path = scenario_data(name)
     check_override_keys(overrides)
     try:
         return Scenario.model_validate(apply_overrides(data, overrides))

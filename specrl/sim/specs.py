@@ -2,9 +2,11 @@
 
 Contract: every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes
 from one of these frozen dataclasses, built only from a TOML file (or an equivalent dict). Nothing
-here computes times; derived sizes (KV bytes per token, expert sizes) live here
-because they are facts about the spec, not about cost. Files are looked up by name in
-``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too. An unknown
+here computes times; derived sizes (KV bytes per token, expert sizes, weight bytes at a precision)
+live here because they are facts about the spec, not about cost. ``PRECISIONS`` names the weight
+formats a replica may serve (bf16, fp8: bytes per parameter and which peak the GEMMs run at).
+Files are looked up by name in ``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file
+is accepted too. An unknown
 name, a missing, unreadable, non-UTF-8 or malformed file, and unknown, missing or mistyped fields
 raise ``SimInputError`` (one line, naming the valid choices).
 """
@@ -16,11 +18,29 @@ import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from specrl.sim.errors import SimInputError, read_text, unknown
 
-DTYPE_BYTES = 2  # bf16 weights and KV cache everywhere in the simulator
+DTYPE_BYTES = 2  # bf16 activations and KV cache everywhere in the simulator
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A weight format: bytes per parameter, and whether GEMMs run at the FP8 peak."""
+
+    name: str
+    weight_bytes: float
+    fp8_compute: bool
+
+
+PRECISIONS: MappingProxyType[str, Precision] = MappingProxyType(
+    {
+        "bf16": Precision("bf16", 2.0, False),
+        "fp8": Precision("fp8", 1.0, True),  # weights and GEMMs in FP8; KV cache stays bf16
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,10 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         return self.params_total * DTYPE_BYTES
 
+    def weight_bytes_at(self, precision: str) -> float:
+        """Bytes of all weights stored at ``precision`` (a ``PRECISIONS`` name)."""
+        return self.params_total * PRECISIONS[precision].weight_bytes
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -91,15 +115,23 @@ class HardwareSpec:
     forward_overhead_s: float
     comm_latency_s: float
     mem_fraction: float
-    train_mfu_dense: float
-    train_mfu_moe: float
     # Extra seconds per logit the speculative verifier processes (target and residual
-    # distributions over the vocabulary at each of the k+1 positions) beyond a plain step's
-    # sampling: 0 where the fitted forward covers it (GPUs); fitted on CPUs, where it is large.
+    # distributions, logprobs, over the vocabulary at each of the k+1 positions) beyond a plain
+    # step's sampling: GPUs derive it from the bytes the sampler moves; fitted on CPUs.
     verify_s_per_logit: float = 0.0
+    peak_flops_fp8: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores)
+    # expert-parallel all-to-all (dispatch or combine, one MoE layer): latency + bytes over the
+    # link bandwidth times this efficiency (fitted on DeepEP's published kernel times)
+    a2a_latency_s: float = 0.0
+    a2a_efficiency: float = 1.0
 
-    def train_mfu(self, model: ModelSpec) -> float:
-        return self.train_mfu_moe if model.is_moe else self.train_mfu_dense
+    def peak(self, precision: str) -> float:
+        """Dense GEMM FLOP/s at a weight precision; FP8 on a device without it is an error."""
+        if not PRECISIONS[precision].fp8_compute:
+            return self.peak_flops
+        if self.peak_flops_fp8 <= 0:
+            raise SimInputError(f"hardware {self.name} has no FP8 peak (peak_flops_fp8 = 0)")
+        return self.peak_flops_fp8
 
 
 @dataclass(frozen=True)
@@ -113,6 +145,11 @@ class DrafterSpec:
     intermediate: int = 0  # 0: the target's dense intermediate size
     model: str = ""  # draft_model kind: name of a model spec
     cpu_s_per_seq: float = 0.0  # model-free kinds: CPU seconds per sequence per speculation round
+    # model-free kinds: CPU seconds per context token per sequence per round (the match scan)
+    cpu_s_per_ctx_token: float = 0.0
+    # acceptance profile over draft positions: P(accept draft i+1 | drafts 1..i accepted) is
+    # position_ratio times that of draft i (1: the same at every position)
+    position_ratio: float = 1.0
 
 
 def data_root() -> Path:

@@ -3,17 +3,21 @@
 Contract: ``check_scenario(sc)`` returns None for a scenario the simulator can run and otherwise
 raises ``SimInputError`` with one line naming the input, what is wrong and what would fix it:
 
-- the model, hardware and drafter specs exist and load; the drafter's kind, the acceptance kind,
-  the speculation policy, the pipeline mode and the async generation model are registered names
-  (the message lists the valid ones, with a did-you-mean);
+- the model, hardware and drafter specs exist and load; the drafter's kind, the acceptance kind
+  and how it was measured, the speculation policy, the pipeline mode, the async generation model
+  and the generators' precision are registered names (the message lists the valid ones, with a
+  did-you-mean); FP8 needs a hardware profile with an FP8 peak;
+- expert parallelism: ``generation.ep`` > 1 needs an MoE model whose experts it divides, and
+  divides ``gpus_per_replica``;
 - acceptance: ``acceptance_length`` at most ``at_k + 1`` (k drafts accept at most k tokens plus
   the bonus token); per-position rates and draft coverage are probabilities;
 - GPU counts: ``generation.gpus`` is a whole number of replicas of ``gpus_per_replica``; async
   needs ``training.gpus > 0`` and its sync baseline (generation + training GPUs) is a whole number
   of replicas too; sync trains on the generation GPUs, so ``training.gpus`` must be 0 there;
-- memory: one generation replica holds the target's (and drafter's) bf16 weights plus the KV cache
-  of one full-length sequence (``prompt_len + max_response_len``) within ``mem_fraction`` of its
-  HBM (``replica_memory``). Training memory is not modelled (nor checked).
+- memory: one generation replica holds the target's weights (at the generators' precision; the
+  drafter's in bf16) plus the KV cache of one full-length sequence (``prompt_len +
+  max_response_len``) within ``mem_fraction`` of its HBM (``replica_memory``). Training memory is
+  not modelled (nor checked).
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from specrl.sim.drafters import DRAFTER_KINDS, draft_forward
 from specrl.sim.errors import SimInputError, unknown
 from specrl.sim.pipeline import ASYNC_GENERATION, PIPELINES
 from specrl.sim.scenario import Scenario
-from specrl.sim.specs import HardwareSpec, ModelSpec, load_drafter, load_hardware, load_model
+from specrl.sim.specs import (
+    PRECISIONS,
+    HardwareSpec,
+    ModelSpec,
+    load_drafter,
+    load_hardware,
+    load_model,
+)
 
 GB = 1e9
 
@@ -49,9 +60,10 @@ def check_scenario(sc: Scenario) -> None:
     """Raise SimInputError if the scenario cannot be simulated (see module doc)."""
     model, hw = load_model(sc.model), load_hardware(sc.hardware)
     draft = _check_drafter(sc, model)
-    _check_names(sc)
+    _check_names(sc, hw)
     _check_acceptance(sc)
     _check_gpu_counts(sc)
+    _check_expert_parallel(sc, model)
     _check_generation_memory(sc, model, hw, draft)
 
 
@@ -62,10 +74,23 @@ def _check_drafter(sc: Scenario, model: ModelSpec) -> ModelSpec | None:
     return draft_forward(drafter, model) if sc.speculation.enabled else None
 
 
-def _check_names(sc: Scenario) -> None:
+MEASURED_OVER = ("start", "rollout")
+
+
+def _check_names(sc: Scenario, hw: HardwareSpec) -> None:
     acc = sc.speculation.acceptance
     if acc.kind not in ACCEPTANCE_KINDS:
         raise unknown("speculation.acceptance.kind", acc.kind, ACCEPTANCE_KINDS)
+    if acc.measured_over not in MEASURED_OVER:
+        raise unknown("speculation.acceptance.measured_over", acc.measured_over, MEASURED_OVER)
+    precision = sc.generation.precision
+    if precision not in PRECISIONS:
+        raise unknown("generation.precision", precision, PRECISIONS)
+    if PRECISIONS[precision].fp8_compute and hw.peak_flops_fp8 <= 0:
+        raise SimInputError(
+            f"generation.precision={precision}: hardware {hw.name} has no FP8 peak"
+            " (peak_flops_fp8 = 0); use bf16 or a profile with FP8 tensor cores"
+        )
     policies = [p for p in POLICIES if p != "off"]  # off: speculation.enabled = false
     if sc.speculation.policy not in policies:
         raise unknown("speculation.policy", sc.speculation.policy, policies)
@@ -124,6 +149,22 @@ def _check_gpu_counts(sc: Scenario) -> None:
         )
 
 
+def _check_expert_parallel(sc: Scenario, model: ModelSpec) -> None:
+    ep, per_replica = sc.generation.ep, sc.generation.gpus_per_replica
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise SimInputError(
+            f"generation.ep={ep} needs a mixture-of-experts model; {model.name} is dense"
+            " (set generation.ep=1)"
+        )
+    if per_replica % ep or model.experts % ep:
+        raise SimInputError(
+            f"generation.ep={ep} must divide generation.gpus_per_replica={per_replica} and the"
+            f" {model.experts} experts of {model.name}"
+        )
+
+
 def _whole_replicas(what: str, gpus: int, per_replica: int) -> None:
     if gpus % per_replica:
         raise SimInputError(
@@ -140,8 +181,9 @@ def replica_memory(
     longest = max(w.length_trace) if w.length_trace else w.max_response_len
     context = w.prompt_len + longest
     kv_per_token = model.kv_bytes + (draft.kv_bytes if draft else 0)
+    precision = sc.generation.precision if sc.generation.precision in PRECISIONS else "bf16"
     return ReplicaMemory(
-        weights=model.weight_bytes + (draft.weight_bytes if draft else 0.0),
+        weights=model.weight_bytes_at(precision) + (draft.weight_bytes if draft else 0.0),
         kv_one_sequence=float(context * kv_per_token),
         context=context,
         usable=hw.hbm_bytes * hw.mem_fraction * sc.generation.gpus_per_replica,
@@ -158,14 +200,18 @@ def _check_generation_memory(
     fitting = [d for d in range(least, sc.generation.gpus + 1) if sc.generation.gpus % d == 0]
     example = f", e.g. {fitting[0]}" if fitting and fitting[0] != least else ""
     weights = "weights (target + drafter)" if draft else "weights"
+    precision = sc.generation.precision
+    fp8 = ", or FP8 weights (generation.precision=fp8: half the bytes)"
+    fp8 = "" if precision == "fp8" else fp8
     raise SimInputError(
         f"model {model.name} does not fit one generation replica of {g} x {hw.name}: it needs"
-        f" {mem.weights / GB:.1f} GB of bf16 {weights} + {mem.kv_one_sequence / GB:.2f} GB of"
-        f" KV cache for one {mem.context}-token sequence (prompt_len + max_response_len)"
+        f" {mem.weights / GB:.1f} GB of {precision} {weights} +"
+        f" {mem.kv_one_sequence / GB:.2f} GB of KV cache for one {mem.context}-token sequence"
+        " (prompt_len + max_response_len)"
         f" = {mem.needed / GB:.1f} GB, and {g} x {hw.hbm_bytes / GB:.0f} GB x mem_fraction"
         f" {hw.mem_fraction} = {mem.usable / GB:.1f} GB is usable; use more GPUs per replica"
         f" (a larger TP: generation.gpus_per_replica >= {least}{example}),"
-        " GPUs with more memory, or FP8 weights (half the bytes; the simulator prices bf16)"
+        f" GPUs with more memory{fp8}"
     )
 
 

@@ -32,6 +32,7 @@ ONE_SEED = "workload.seeds=1"
 # a cheap trainer (MFU 1, no fixed per-step costs): the generators, not the trainer, set the pace
 CHEAP_TRAINER = [
     "training.mfu=1.0",
+    "training.logprob_mfu=1.0",
     "pipeline.framework_overhead_s=0",
     "pipeline.refit_fixed_s=0",
     "workload.samples_per_step=256",

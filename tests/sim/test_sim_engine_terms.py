@@ -20,9 +20,17 @@ def costs(**kw) -> StepCostModel:
     return StepCostModel(SMOL, load_hardware("cpu-2core"), 1, load_drafter("ngram"), **kw)
 
 
+SAMPLER_BYTES_PER_LOGIT = 40.0  # the GPU profiles' rejection sampler + logprobs traffic
+
+
 @pytest.mark.parametrize("hw", list_specs("hardware"))
-def test_bundled_hardware_has_no_verify_sampler_term(hw):
-    assert load_hardware(hw).verify_s_per_logit == 0.0
+def test_gpu_profiles_price_the_sampler_by_its_bytes_and_the_cpu_base_fits_it(hw):
+    spec = load_hardware(hw)
+    if hw.startswith("cpu"):
+        assert spec.verify_s_per_logit == 0.0  # `specrl simulate calibrate` fits it
+        return
+    bandwidth = spec.hbm_bandwidth * spec.eta_mem
+    assert spec.verify_s_per_logit == pytest.approx(SAMPLER_BYTES_PER_LOGIT / bandwidth, rel=2e-3)
 
 
 def test_default_terms_change_nothing():

@@ -21,6 +21,8 @@ from specrl.sim.specs import data_root
 
 SYNC = "paper-8b-sync"
 ASYNC = "paper-235b-async"
+RLZERO = "paper-8b-rlzero-sync"
+MOE = "paper-235b-async-512"
 
 
 def _no_work(*args, **kwargs):
@@ -119,12 +121,42 @@ RUN_CASES = {
     ),
     "warmup-negative": (_set(ASYNC, "pipeline.warmup_periods=-1"), "pipeline.warmup_periods"),
     "seeds-zero": (_set(SYNC, "workload.seeds=0"), "workload.seeds"),
+    "fp8-without-fp8-peak": (
+        _set(RLZERO, "hardware=cpu-2core", "model=smollm2-135m", "generation.precision=fp8"),
+        "no FP8 peak",
+    ),
+    "unknown-precision": (_set(RLZERO, "generation.precision=fp16"), "valid: bf16, fp8"),
+    "expert-parallel-dense": (_set(RLZERO, "generation.ep=2"), "qwen3-8b is dense"),
+    "expert-parallel-not-dividing": (_set(MOE, "generation.ep=3"), "must divide"),
+    "unknown-measured-over": (
+        _set(RLZERO, "speculation.acceptance.measured_over=end"),
+        "valid: rollout, start",
+    ),
+    "rollout-acceptance-unreachable": (
+        _set(RLZERO, "speculation.acceptance.acceptance_length=3.99"),
+        "outside the reachable",
+    ),
 }
 
 
 @pytest.mark.parametrize("args,expect", list(RUN_CASES.values()), ids=list(RUN_CASES))
 def test_bad_run_input_is_one_error_line(args, expect):
     _assert_one_error_line(_invoke(args), expect)
+
+
+def test_a_bad_extends_is_one_error_line(tmp_path):
+    bad = _write(tmp_path / "bad.toml", 'extends = 3\nname = "x"\n')
+    _assert_one_error_line(_invoke([str(bad)]), "extends must name a scenario")
+    missing = _write(tmp_path / "missing.toml", 'extends = "paper-8b-rlzero-syn"\n')
+    _assert_one_error_line(_invoke([str(missing)]), "did you mean paper-8b-rlzero-sync?")
+
+
+def test_extends_merges_tables_and_the_child_wins():
+    child = load_scenario("paper-8b-rlzero-k5-sync")
+    base = load_scenario("paper-8b-rlzero-sync")
+    assert child.speculation.k == 5 and child.speculation.acceptance.acceptance_length == 4.35
+    assert child.speculation.acceptance.position_ratio == base.speculation.acceptance.position_ratio
+    assert child.workload == base.workload and child.engine == base.engine
 
 
 def _scenario_text() -> str:

@@ -1,0 +1,164 @@
+"""Published serving measurements (plain and speculative decoding, dense and MoE, batch 1-64,
+TP 1-8, H100/H200), each with its source, and how the simulator evaluates them.
+
+Contract: ``SERVING`` lists ``ServingPoint`` rows. A point is either a steady batch (``batch``
+sequences of ``prompt_len`` + ``output_len`` tokens on one replica, all admitted at once, so the
+batch holds until they finish: a closed-loop benchmark at that concurrency) or a phase of a
+bundled scenario (``scenario``, ``phase``). Its ``quantity`` is ``tok_per_s`` (output tokens per
+second of the replica), ``speedup`` (plain time over speculative time at the same batch) or
+``seconds`` (the scenario phase). A speculative point takes its acceptance length from a
+publication when one states it (``acceptance_length``, ``acceptance_source``); otherwise its
+``group``'s "fit" row sets it (the acceptance of that drafter on that benchmark, found by
+bisection in ``fit_group_acceptance``) and the group's "heldout" rows use it. Held-out rows are
+never used to fit anything. ``serving_value(point)`` returns the simulated value. Inputs the
+source does not state (prompt and output lengths, k, the verify layout) are ASSUMED in
+``assumed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrl.sim.runner import run_scenario, simulate_generation
+from specrl.sim.scenario import Scenario, load_scenario
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    key: str
+    label: str
+    role: str  # "fit" | "heldout"
+    quantity: str  # "tok_per_s" | "speedup" | "seconds"
+    published: float
+    source: str
+    model: str = ""
+    hardware: str = ""
+    gpus: int = 1  # GPUs of the replica (TP)
+    precision: str = "bf16"
+    batch: int = 1
+    prompt_len: int = 150
+    output_len: int = 400
+    drafter: str = ""  # "" = plain decoding
+    k: int = 0
+    group: str = ""  # points sharing one fitted acceptance length
+    scenario: str = ""  # a bundled scenario instead of a steady batch
+    phase: str = ""
+    assumed: str = ""
+    acceptance_length: float = 0.0  # published acceptance (0: fitted on the group's fit row)
+    acceptance_source: str = ""
+
+    @property
+    def kind(self) -> str:
+        """dense or moe, plain or speculative (for the table)."""
+        spec = "spec" if self.drafter else "plain"
+        return f"{'moe' if self.model.startswith(('deepseek', 'qwen3-30b')) else 'dense'} {spec}"
+
+
+SGLANG_DOCS = (
+    "SGLang documentation, speculative decoding (docs.sglang.ai, 2025): Llama-3.1-8B-Instruct on"
+    " 1 H100, MT-bench, one request at a time: 158.34 tok/s without speculation"
+)
+EAGLE3_TABLE = (
+    "EAGLE-3 (Li et al., arXiv 2503.01840), throughput in SGLang on H100, LLaMA-Instruct 3.1 8B,"
+    " MT-bench, by batch size (speedup over SGLang without speculation; the abstract states"
+    " 1.38x at batch 64; the other columns recalled)"
+)
+SGLANG_DEEPSEEK = (
+    "SGLang documentation, DeepSeek V3/R1 usage, multi-token prediction: decoding 1.8x faster at"
+    " batch size 1 and 1.5x at batch size 32 on H200 TP8 (DeepSeek-V3, FP8 weights)"
+)
+DEEPSEEK_MTP_ACCEPTANCE = (
+    "DeepSeek-V3 technical report (arXiv 2412.19437, section 5.4.3): the second token predicted by"
+    " the MTP module is accepted 85-90% of the time; 1.875 tokens per step at k = 1 (the midpoint)"
+)
+NEMO_V03 = "NeMo-RL v0.3 Megatron-Core blog: GRPO step breakdown, generation phase (vLLM)"
+STEADY = "MT-bench-like 150-token prompts and 400-token outputs"
+EAGLE_LAYOUT = "chain k = 3 (the table does not state its draft tree)"
+
+SERVING: tuple[ServingPoint, ...] = (
+    ServingPoint("sglang-llama8b-b1", "Llama-3.1-8B, 1xH100, batch 1, plain", "heldout",
+                 "tok_per_s", 158.34, SGLANG_DOCS, "llama-3.1-8b", "h100", assumed=STEADY),
+    *(
+        ServingPoint(f"eagle3-sglang-b{b}", f"Llama-3.1-8B, 1xH100, batch {b}, EAGLE-3",
+                     "fit" if b == 2 else "heldout", "speedup", value, EAGLE3_TABLE,
+                     "llama-3.1-8b", "h100", batch=b, drafter="eagle3", k=3,
+                     group="eagle3-sglang-mtbench", assumed=f"{STEADY}; {EAGLE_LAYOUT}")
+        for b, value in ((2, 1.81), (4, 1.82), (8, 1.62), (16, 1.48), (24, 1.39), (32, 1.32),
+                         (64, 1.38))
+    ),
+    *(
+        ServingPoint(f"deepseek-mtp-b{b}", f"DeepSeek-V3, 8xH200 TP8, batch {b}, MTP",
+                     "heldout", "speedup", value, SGLANG_DEEPSEEK,
+                     "deepseek-v3", "h200", gpus=8, precision="fp8", batch=b, drafter="mtp",
+                     k=1, acceptance_length=1.875, acceptance_source=DEEPSEEK_MTP_ACCEPTANCE,
+                     assumed=f"{STEADY}; one MTP draft (k = 1, SGLang's minimal MTP setting);"
+                     " experts tensor-parallel (SGLang's TP8 default)")
+        for b, value in ((1, 1.8), (32, 1.5))
+    ),
+    ServingPoint("nemo-v03-llama8b-generation", "Llama-3.1-8B, 8xH100 TP1, RL rollout, plain",
+                 "heldout", "seconds", 58.0, NEMO_V03 + ": Llama-3.1-8B-Instruct, 8 H100",
+                 "llama-3.1-8b", "h100", scenario="nemo-rl-v03-llama8b-8xh100",
+                 phase="generation", assumed="scenario inputs (prompt length, TP, tail)"),
+    ServingPoint("nemo-v03-qwen30b-generation", "Qwen3-30B-A3B, 64xH100 TP2, RL rollout, plain",
+                 "heldout", "seconds", 78.0, NEMO_V03 + ": Qwen3-30B-A3B, 64 H100",
+                 "qwen3-30b-a3b", "h100", gpus=2, scenario="nemo-rl-v03-qwen3-30b-a3b-64xh100",
+                 phase="generation", assumed="scenario inputs (prompt length, TP2, tail)"),
+)  # fmt: skip
+
+
+def steady_scenario(point: ServingPoint, acceptance_length: float = 1.0) -> Scenario:
+    """One replica serving ``batch`` equal sequences at once (the steady batch of a point)."""
+    k = max(point.k, 1)
+    data = {
+        "name": point.key,
+        "model": point.model,
+        "hardware": point.hardware,
+        "workload": {
+            "samples_per_step": point.batch,
+            "prompt_len": point.prompt_len,
+            "mean_response_len": float(point.output_len),
+            "response_sigma": 0.0,
+            "max_response_len": point.output_len,
+        },
+        "generation": {
+            "gpus": point.gpus,
+            "gpus_per_replica": point.gpus,
+            "max_num_seqs": point.batch,
+            "precision": point.precision,
+        },
+        "speculation": {
+            "enabled": bool(point.drafter),
+            "drafter": point.drafter or "eagle3",
+            "k": k,
+            "acceptance": {"acceptance_length": acceptance_length, "at_k": k},
+        },
+    }
+    return Scenario.model_validate(data)
+
+
+def _steady_value(point: ServingPoint, acceptance_length: float) -> float:
+    sc = steady_scenario(point, acceptance_length)
+    plain = simulate_generation(sc, False)
+    if point.quantity == "tok_per_s":
+        return plain.throughput
+    return plain.time_s / simulate_generation(sc, True).time_s
+
+
+def fit_group_acceptance(group: str) -> float:
+    """The acceptance length at which the group's "fit" point reproduces its published value."""
+    point = next(p for p in SERVING if p.group == group and p.role == "fit")
+    lo, hi = 1.0, float(max(point.k, 1) + 1)
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _steady_value(point, mid) < point.published else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def serving_value(point: ServingPoint, acceptance_length: float | None = None) -> float:
+    """The simulated value of a point (a group's acceptance fitted when not given)."""
+    if point.scenario:
+        res = run_scenario(load_scenario(point.scenario, ["workload.seeds=1"]))
+        return float(getattr(res.no_spec.phases, point.phase))
+    if point.drafter and acceptance_length is None:
+        acceptance_length = point.acceptance_length or fit_group_acceptance(point.group)
+    return _steady_value(point, acceptance_length or 1.0)

@@ -1,0 +1,144 @@
+"""Training-side phases of an RL step: policy update and logprob passes from FLOPs and MFU.
+
+Contract: ``train_seconds`` and ``logprob_seconds`` price one RL step's trainer work on
+``gpus`` GPUs of ``hw`` for ``tokens`` tokens (prompt + response) in sequences of mean length
+``seq_len``:
+
+    T_train    = 3 * F_fwd / (gpus * peak_bf16 * train_mfu[class])  + T_parallel(3 passes)
+    T_logprobs = passes * (F_fwd / (gpus * peak_bf16 * logprob_mfu[class]) + T_parallel(1))
+    F_fwd      = 2 * N_active * tokens + attention (2 * layers * heads * head_dim * seq_len per
+                 token: causal attention over half the sequence on average, QK and PV)
+
+The MFU is per model class (``dense``, ``moe``), read from ``data/training.toml`` where every
+value names the published measurement it was fitted on (published.py refits it). It is the
+compute efficiency of the framework's RL training (small micro-batches, sequence packing,
+recomputation), not a pre-training MFU. The parallelism adds what the class's layout moves between
+GPUs, priced by cost.py's collectives: the data-parallel gradient all-reduce of the bf16
+gradients once per step, and for MoE the expert-parallel dispatch and combine of every MoE
+layer (EP = the class's ``expert_parallel`` GPUs), once per forward and twice per backward. The
+gradient all-reduce spans all GPUs (NVLink within a node, else the scale-out link), each GPU
+holding the gradients of its model-parallel shard (``model_parallel_shards``: enough GPUs for 16
+bytes of training state per parameter, and the EP group).
+A scenario may override either MFU (``training.mfu``, ``training.logprob_mfu``).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from specrl.sim.cost import all_reduce_time, all_to_all_time
+from specrl.sim.errors import SimInputError, read_text
+from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec
+
+MODEL_CLASSES = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class TrainingEfficiency:
+    """Measured RL-training efficiency of one model class, with where it comes from."""
+
+    model_class: str
+    train_mfu: float
+    logprob_mfu: float
+    expert_parallel: int  # EP degree of the class's training layout (1 for dense)
+    sources: tuple[str, ...]
+
+
+def model_class(model: ModelSpec) -> str:
+    return "moe" if model.is_moe else "dense"
+
+
+def _table_path() -> Path:
+    return Path(str(resources.files("specrl.sim") / "data" / "training.toml"))
+
+
+def load_efficiency(model: ModelSpec, path: Path | None = None) -> TrainingEfficiency:
+    """The efficiency row of ``model``'s class from the training table."""
+    path = path or _table_path()
+    try:
+        table = tomllib.loads(read_text(path, "a .toml file"))
+        row = table[model_class(model)]
+        return TrainingEfficiency(
+            model_class(model),
+            float(row["train_mfu"]),
+            float(row["logprob_mfu"]),
+            int(row.get("expert_parallel", 1)),
+            tuple(row.get("sources", ())),
+        )
+    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as e:
+        raise SimInputError(f"{path}: bad training table ({e!r})") from None
+
+
+def forward_flops(model: ModelSpec, tokens: float, seq_len: float) -> float:
+    """One forward over ``tokens`` tokens in causal sequences of mean length ``seq_len``."""
+    attention = 2.0 * model.layers * model.heads * model.head_dim * seq_len
+    return tokens * (2.0 * model.params_active + attention)
+
+
+def parallel_seconds(
+    model: ModelSpec, hw: HardwareSpec, gpus: int, tokens: float, passes: int, ep: int
+) -> float:
+    """Expert-parallel all-to-alls of ``passes`` passes over the tokens (MoE only)."""
+    if not model.is_moe or ep <= 1:
+        return 0.0
+    per_gpu = tokens / gpus * model.experts_per_token * model.hidden * DTYPE_BYTES
+    return passes * model.moe_layers * 2 * all_to_all_time(hw, min(ep, gpus), per_gpu)
+
+
+TRAIN_BYTES_PER_PARAM = 16  # bf16 weights and grads, fp32 master weights and two Adam moments
+TRAIN_MEMORY_FRACTION = 0.8  # of HBM for model state (the rest: activations, buffers)
+
+
+def model_parallel_shards(model: ModelSpec, hw: HardwareSpec, gpus: int, ep: int) -> int:
+    """GPUs one copy of the model state is split over: at least the class's EP degree (MoE) and
+    enough GPUs to hold 16 bytes per parameter in 80% of their HBM; at most all of them."""
+    needed = math.ceil(
+        model.params_total * TRAIN_BYTES_PER_PARAM / (hw.hbm_bytes * TRAIN_MEMORY_FRACTION)
+    )
+    return max(1, min(gpus, max(needed, ep if model.is_moe else 1)))
+
+
+def gradient_sync_seconds(model: ModelSpec, hw: HardwareSpec, gpus: int, shards: int) -> float:
+    """One all-reduce of the bf16 gradients, each GPU holding 1/``shards`` of them, across the
+    gpus / shards data-parallel copies (the link of the whole pool)."""
+    shards = max(1, min(shards, gpus))
+    grads = model.params_total * DTYPE_BYTES / shards
+    return all_reduce_time(hw, gpus // shards, grads, span=gpus)
+
+
+def train_seconds(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    gpus: int,
+    tokens: float,
+    seq_len: float,
+    eff: TrainingEfficiency,
+    mfu: float = 0.0,
+) -> float:
+    """Seconds of the policy update (forward + backward = 3 forwards) on ``gpus`` GPUs."""
+    rate = gpus * hw.peak_flops * (mfu or eff.train_mfu)
+    compute = 3.0 * forward_flops(model, tokens, seq_len) / rate
+    comm = parallel_seconds(model, hw, gpus, tokens, 3, eff.expert_parallel)
+    shards = model_parallel_shards(model, hw, gpus, eff.expert_parallel)
+    return compute + comm + gradient_sync_seconds(model, hw, gpus, shards)
+
+
+def logprob_seconds(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    gpus: int,
+    tokens: float,
+    seq_len: float,
+    passes: int,
+    eff: TrainingEfficiency,
+    mfu: float = 0.0,
+) -> float:
+    """Seconds of ``passes`` logprob forwards (old policy, reference) on ``gpus`` GPUs."""
+    rate = gpus * hw.peak_flops * (mfu or eff.logprob_mfu)
+    one = forward_flops(model, tokens, seq_len) / rate
+    one += parallel_seconds(model, hw, gpus, tokens, 1, eff.expert_parallel)
+    return passes * one
