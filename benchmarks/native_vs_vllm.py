@@ -1,17 +1,23 @@
 """The native and vLLM rollout backends side by side, through the ``RolloutBackend`` seam.
 
 Usage: python benchmarks/native_vs_vllm.py [--batch-sizes 1,8,32,64] [--new-tokens 128]
-       [--methods none,ngram] [--dtype fp32] [--repeats 1] [--out PATH]
+       [--methods none,ngram,draft,eagle3 --eagle3-head DIR] [--dtype fp32] [--repeats 1]
+       [--rl-steps 2] [--out PATH]
 
 Writes benchmarks/results/native_vs_vllm.json (command, date, machine, versions, this machine's
-roofline measured in the same run). Same GRPO-like requests for both backends: B completions
-as B // G chat prompts x G samples (G = min(8, B)), temperature 1, exactly ``new_tokens`` each
-(no stop token), the same seeds. Per method: ``none`` (plain), ``ngram`` (k=3, fixed k), ``draft``
-(k=3; the draft model is the target's first ``--draft-layers`` layers, saved as a Hugging Face
-directory both backends load). Each (backend, method, batch) is run ``--warmup`` times untimed
-(vLLM's first calls in a process take seconds each), then timed best of ``--repeats``.
+roofline measured in the same run). Same GRPO-like requests for both backends: B completions as B
+// G chat prompts x G samples (G = min(8, B)), temperature 1, exactly ``new_tokens`` each (no stop
+token), the same seeds. Per method: ``none`` (plain), ``ngram`` (k=3, fixed k), ``draft`` (k=3; the
+draft model is the target's first ``--draft-layers`` layers, saved as a Hugging Face directory both
+backends load), ``eagle3`` (k=3; a head trained with ``specrl train-drafter --drafter eagle3
+--head-arch eagle3``, ``--eagle3-head``: the native engine loads it, vLLM its export by
+``specrl.drafters.export.export_eagle3``). Each (backend, method, batch) is run ``--warmup`` times
+untimed (vLLM's first calls in a process take seconds each), then timed best of ``--repeats``.
 Reports tokens/s, acceptance (vLLM's own counters for vLLM), fraction of the roofline, and the
-ratios vLLM / native and speculative / plain. Run it alone on the machine: it times both.
+ratios vLLM / native and speculative / plain. Then ``--rl-steps`` steps of the default ``specrl
+train`` run on each backend (``rollout.spec`` none and ngram; same seeds), with the generation,
+learner and step seconds of each step (the first step includes warm-up; compare the last).
+Run it alone on the machine: it times both.
 """
 
 from __future__ import annotations
@@ -85,6 +91,37 @@ def timed(backend, reqs, spec, repeats: int, warmup: int) -> dict:
     }
 
 
+def rl_steps(steps: int, dtype: str) -> list[dict]:
+    """``steps`` steps of the default run per backend and speculation (none, ngram), same seeds:
+    one row per step with its generation / learner / step seconds and acceptance."""
+    from specrl.config import load_config
+    from specrl.pipelines.build import build_run
+    from specrl.pipelines.train import train
+
+    keep = ("step", "gen_time_s", "train_time_s", "step_time_s", "rollout_tokens_per_s",
+            "acceptance_length", "reward_mean", "logprob_delta_mean")  # fmt: skip
+    out = []
+    for backend in ("native", "vllm"):
+        for spec in ("none", "ngram"):
+            sets = [f"rollout.backend={backend}", f"rollout.spec={spec}", f"run.steps={steps}",
+                    "run.eval_every=0", "run.checkpoint_every=0",
+                    f"model.dtype={dtype}"]  # fmt: skip
+            parts = build_run(load_config(None, sets))
+            try:
+                with tempfile.TemporaryDirectory(prefix="specrl-rl-") as run_dir:
+                    rows = train(parts, run_dir, progress=False)
+            finally:
+                parts.backend.close()
+            for r in rows:
+                out.append({"backend": backend, "spec": spec} | {k: r.get(k) for k in keep})
+                print(
+                    f"RL step {r['step']} {backend:>6} {spec:>5}: gen {r['gen_time_s']:.2f}s "
+                    f"train {r['train_time_s']:.2f}s step {r['step_time_s']:.2f}s",
+                    flush=True,
+                )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8,32,64")
@@ -95,8 +132,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    ap.add_argument("--eagle3-head", type=Path, default=None, help="specrl eagle3-layout head")
+    ap.add_argument("--rl-steps", type=int, default=2, help="RL steps per backend (0 = none)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    if "eagle3" in args.methods.split(",") and args.eagle3_head is None:
+        raise SystemExit("--methods eagle3 needs --eagle3-head DIR (a trained eagle3-layout head)")
 
     from specrl.backends.native import NativeBackend
     from specrl.backends.vllm import VllmBackend
@@ -134,11 +175,19 @@ def main() -> None:
         if method == "draft":
             draft_dir = save_draft(target, model_dir, args.draft_layers, Path(tmp.name))
             draft = load_model(draft_dir, dtype=dtype)
+        native_spec = spec
+        if method == "eagle3":
+            from specrl.drafters.export import export_eagle3
+            from specrl.spec.config import drafter_spec
+
+            native_spec, _ = drafter_spec(method, args.k, str(args.eagle3_head), target, tok)
+            draft_dir = export_eagle3(args.eagle3_head, target, Path(tmp.name) / "eagle3")
         t0 = time.perf_counter()
         vllm = VllmBackend(model_dir, dtype=dtype, spec=spec, drafter_dir=draft_dir,
                            max_batch=max(batches))  # fmt: skip
         print(f"[{method}] vLLM engine built in {time.perf_counter() - t0:.1f}s", flush=True)
-        native = NativeBackend(Engine(target, max_batch=max(batches), spec=spec, draft_model=draft))
+        native = NativeBackend(Engine(target, max_batch=max(batches), spec=native_spec,
+                                      draft_model=draft))  # fmt: skip
         for batch in batches:
             reqs = requests(tok, batch, args.new_tokens, seed=1000 * batch)
             context = len(reqs[0].prompt_ids) + args.new_tokens // 2
@@ -146,7 +195,7 @@ def main() -> None:
                                          machine["copy_bandwidth_bytes_s"],
                                          machine["gemm_flops"])  # fmt: skip
             for name, backend in (("native", native), ("vllm", vllm)):
-                r = timed(backend, reqs, spec, args.repeats, args.warmup)
+                r = timed(backend, reqs, backend.spec, args.repeats, args.warmup)
                 row = {"backend": name, "spec": method, "num_spec_tokens": spec.k,
                        "batch_size": batch, "group_size": min(8, batch),
                        "new_tokens": args.new_tokens, "dtype": args.dtype, **r,
@@ -177,13 +226,14 @@ def main() -> None:
         print(
             f"batch {q['batch_size']:>3}: {q['name']:>14} / {q['baseline']:<12} {q['ratio']:.2f}x"
         )
+    steps = rl_steps(args.rl_steps, args.dtype) if args.rl_steps else []
     meta = run_metadata() | {
         "machine_measured": machine,
         "load_average_before": load,
         "load_average_after": os.getloadavg(),
         "settings": vars(args) | {"out": str(args.out)},
     }
-    write_result({"meta": meta, "results": rows, "ratios": ratios}, args.out)
+    write_result({"meta": meta, "results": rows, "ratios": ratios, "rl_steps": steps}, args.out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ Contract:
   logprobs (raw). A request the native engine would reject (bad sampling values, empty prompt,
   out-of-vocabulary id, prompt filling the context) comes back as an ``"error"`` completion; a
   completion stops one token short of the context (room for that prefill). The same seeds
-  give the same tokens, with or without speculation (not the native engine's tokens: the
-  random streams differ).
+  give the same tokens on the same engine (not the native engine's tokens: the random streams
+  differ; nor, in general, those of an engine with other speculative settings).
   Token versions: every token carries the version served when the call started (updates that
   arrive during a call apply after it: no in-flight updates, ``features`` is empty).
 - Speculation (``vllm_speculative_config``): specrl's ``ngram`` -> vLLM's ``ngram``
@@ -45,7 +45,9 @@ Contract:
   per-request metrics and ``verify_steps`` = tokens - 1 - accepted. Per-position drafted counts
   are exact when every draft had k tokens (ngram, draft model at fixed k), else filled longest
   first (vLLM exports no per-position drafted counter). Phase times (prefill/draft/verify) are
-  not exported by vLLM and stay 0.
+  not exported by vLLM and stay 0. vLLM keeps these counters for the newest engine of a process:
+  building a second ``VllmBackend`` in the same process leaves the first one's counts at 0
+  (build the one whose acceptance you read last).
 - ``update_weights(named, version)``: our parameter names (``models.checkpoints.name_map``) ->
   Hugging Face names -> vLLM's in-place layerwise reload (what ``Worker.reload_weights`` runs:
   every layer reloaded and its weight post-processing re-run), then the tied ``lm_head``'s CPU GEMM
@@ -249,10 +251,10 @@ def eagle3_ours(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = name.replace("q_proj", "qkv_proj") if len(theirs) == 3 else name
         name = name.replace("gate_proj", "gate_up_proj") if len(theirs) == 2 else name
         if name in named:
-            out[ours] = named[name]
+            out[ours] = named[name].cpu()
     offsets = named.get("draft_id_to_target_id")  # [Vd]: target id = i + offsets[i]
     if offsets is not None:
-        out["d2t"] = offsets + torch.arange(len(offsets), dtype=offsets.dtype)
+        out["d2t"] = offsets.cpu() + torch.arange(len(offsets), dtype=offsets.dtype)
     return out
 
 
@@ -450,7 +452,7 @@ class VllmBackend:
         head = {n: t.detach() for n, t in state.items()}
         d2t = head.pop("d2t", None)  # [Vd] target ids, or None
         served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
-        lm_head = served.get("lm_head.weight", served["model.embed_tokens.weight"])  # [V, H]
+        lm_head = served.get("lm_head.weight", served["model.embed_tokens.weight"]).cpu()  # [V, H]
         try:
             tensors = eagle3_tensors(head, self.config, lm_head, d2t)
         except ExportError as e:

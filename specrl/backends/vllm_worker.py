@@ -41,13 +41,14 @@ def expand_batch_to_tokens(
 
 
 # vLLM warnings that are expected on every start or weight update of this backend (the layerwise
-# reload finds no weights for rotary embeddings, which have none, and for a tied output layer,
-# which the reload rebuilds from the embedding; the CPU worker refuses thread changes this backend
-# does not make; fp32 checkpoint tensors cast to the engine's bf16). A real failure to load is
-# caught by the weight-sync guard, which reads the engine's tensors.
+# reload finds no weights for rotary embeddings, which have none, for a tied output layer, which
+# the reload rebuilds from the embedding, and for an EAGLE-3 head's embedding, the target's; the
+# CPU worker refuses thread changes this backend does not make; fp32 checkpoint tensors cast to
+# the engine's bf16). A real failure to load is caught by the weight-sync guard, which reads the
+# engine's tensors.
 BENIGN_WARNINGS = (  # (vLLM module whose logger says it, message prefix, first arguments or ())
     ("model_executor.model_loader.reload.layerwise", "%s: Failed to load weights",
-     ("RotaryEmbedding", "ParallelLMHead")),
+     ("RotaryEmbedding", "ParallelLMHead", "VocabParallelEmbedding")),
     ("model_executor.models.utils", "Attempted to load weight %s with dtype %s into", ()),
     ("v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", ()),
     ("utils.torch_utils", "OMP_NUM_THREADS=%s is set; leaving Torch threads at", ()),
