@@ -574,6 +574,9 @@ class VllmBackend:
         wall0 = time.time()
         try:
             outs = self.llm.generate(inputs, params, use_tqdm=False)
+        except BaseException:
+            self._abort_unfinished()  # a failed call leaves nothing behind for the next one
+            raise
         finally:
             if scheduler is not None:
                 scheduler.dynamic_sd_lookup = saved
@@ -587,6 +590,13 @@ class VllmBackend:
             self._raw_pass(need_raw)
         self._stats(stats, [c for c, _ in live], delta)
         return comps, stats
+
+    def _abort_unfinished(self) -> None:
+        """Drop every request vLLM still holds (an interrupted or failed ``llm.generate`` leaves
+        its requests queued, and the next call would run and return them)."""
+        engine = self.llm.llm_engine
+        with contextlib.suppress(Exception):
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def _fill(self, c: Completion, req: Request, out: Any, version: int, wall0: float) -> None:
         o = out.outputs[0]

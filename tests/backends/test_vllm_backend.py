@@ -211,8 +211,14 @@ def test_update_weights_in_place_serves_what_native_serves(backend, native, smol
 def test_update_during_a_call_applies_after_it(backend, smollm2, prompt):
     named = dict(smollm2.named_parameters())
     box = {}
-    runner = threading.Thread(target=lambda: box.setdefault(
-        "out", backend.generate([greedy(prompt, n_tokens=96)], spec=PLAIN)))  # fmt: skip
+
+    def run() -> None:
+        try:
+            box["out"] = backend.generate([greedy(prompt, n_tokens=96)], spec=PLAIN)
+        except BaseException as e:  # shown by the assertion below, not lost in the thread
+            box["error"] = e
+
+    runner = threading.Thread(target=run)
     runner.start()
     while not backend._busy and runner.is_alive():
         time.sleep(0.01)
@@ -220,8 +226,30 @@ def test_update_during_a_call_applies_after_it(backend, smollm2, prompt):
     backend.update_weights(named, v)
     assert backend.versions().policy == v  # received; the running call keeps its version
     runner.join()
+    assert "error" not in box, repr(box.get("error"))
     assert set(box["out"].completions[0].token_versions) == {v - 1}
     assert backend.generate([greedy(prompt, n_tokens=2)]).completions[0].token_versions == [v] * 2
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_failed_call_leaves_nothing_behind(backend, prompt, monkeypatch):
+    engine = backend.llm.llm_engine
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:  # mid-generation: the requests are in vLLM's queues
+            raise RuntimeError("engine step failed")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="engine step failed"):
+        backend.generate([greedy(prompt, n_tokens=16), greedy(prompt, n_tokens=8)], spec=PLAIN)
+    monkeypatch.undo()
+    assert not engine.output_processor.request_states and not backend._busy
+    out = backend.generate([greedy(prompt, n_tokens=4)], spec=PLAIN)
+    assert [len(c.token_ids) for c in out.completions] == [4]
 
 
 @pytest.mark.slow
