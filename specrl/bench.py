@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specrl.fsutil import atomic_write, writable_problem
-from specrl.paths import drafter_cache_dir
+from specrl.paths import cached_drafter
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -190,8 +190,8 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
 
 def default_drafter_path(model: str, method: str) -> str | None:
     """The cached trained head of ``specrl train-drafter`` for this model, if there is one."""
-    path = drafter_cache_dir(model, method)
-    return str(path) if path.exists() else None
+    path = cached_drafter(model, method)
+    return None if path is None else str(path)
 
 
 def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Callable:

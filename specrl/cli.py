@@ -83,7 +83,9 @@ SiblingsOpt = Annotated[
 DrafterOpt = Annotated[
     str | None,
     typer.Option(
-        "--drafter", help="draft model: a model dir/.gguf, or prefix:N (target's first N layers)"
+        "--drafter",
+        help="draft model: a model dir/.gguf, or prefix:N (target's first N layers); for eagle3/"
+        "mtp a head dir (default: the one `specrl train-drafter` cached), or 'untrained'",
     ),
 ]
 
@@ -268,6 +270,7 @@ def generate(
     try:
         params = params.replace(stop_token_ids=tok.stop_token_ids)
         net = load_model(model, dtype=torch_dtype)
+        drafter = head_dir(spec, drafter, model)
         spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
         spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings).validate()
         engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
@@ -293,6 +296,22 @@ def generate(
             )
     if failed:
         raise typer.Exit(2)
+
+
+def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
+    """``--drafter`` for a learned head (eagle3, mtp): as given, else the cached trained head;
+    'untrained' says on stderr that a random head runs."""
+    from specrl.paths import cached_drafter
+    from specrl.spec.config import UNTRAINED
+    from specrl.spec.proposers import proposer_takes
+
+    if not proposer_takes(spec, "drafter_path"):
+        return drafter
+    if drafter == UNTRAINED:
+        typer.echo(f"warning: --spec {spec} runs an untrained (random) head: lossless, but "
+                   "expect acceptance near 1 and no speed-up", err=True)  # fmt: skip
+    cached = cached_drafter(model, spec)
+    return drafter or (None if cached is None else str(cached))
 
 
 def completion_json(c, text: str) -> dict:
@@ -335,8 +354,15 @@ def bench_generate(
     """Tokens/s of the engine at several batch sizes: no speculation vs each --spec drafter,
     and optionally transformers (--compare hf) and vLLM (--compare vllm), all in one run, with
     ratios."""
-    from specrl.bench import GenerateBench, check_writable, run_generate_bench
+    from specrl.bench import (
+        GenerateBench,
+        check_writable,
+        default_drafter_path,
+        run_generate_bench,
+    )
     from specrl.models.checkpoints import CheckpointError, resolve_model
+    from specrl.spec.config import missing_head
+    from specrl.spec.proposers import proposer_takes
 
     sizes = parse_batch_sizes(batch_sizes)
     if new_tokens < 1:
@@ -350,6 +376,9 @@ def bench_generate(
     torch_dtype = parse_dtype(dtype)
     if json_path is not None and (problem := check_writable(json_path)):
         fail(f"cannot write --json: {problem}")
+    for method in methods:  # before any work: a learned drafter needs its cached head
+        if proposer_takes(method, "drafter_path") and default_drafter_path(model, method) is None:
+            fail(missing_head(method))
     bench = GenerateBench(model=model, dtype=torch_dtype, batch_sizes=sizes,
                           new_tokens=new_tokens, compare=others, repeats=repeats,
                           methods=methods, k=num_spec_tokens, group_size=group_size,

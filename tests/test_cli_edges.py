@@ -426,6 +426,13 @@ def test_compare_vllm_runs_vllm_on_the_same_prompts(tiny_dir, tmp_path, fake_vll
     assert prompts[0] == tok.encode_chat(BENCH_QUESTIONS[0])  # the prompt specrl gets
 
 
+def test_bench_with_a_learned_drafter_and_no_head_is_one_line(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    result = invoke(["bench", "generate", "--model", str(tiny_dir), "--dtype", "float32",
+                     "--batch-sizes", "1", "--new-tokens", "2", "--spec", "eagle3"])  # fmt: skip
+    assert_one_error(result, "needs a trained head", "specrl train-drafter --drafter eagle3")
+
+
 # --------------------------------------------------------------------------- fuzz
 
 TEXT = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates too

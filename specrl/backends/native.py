@@ -39,7 +39,7 @@ from specrl.engine.types import Request
 from specrl.models.fingerprint import fingerprint
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
-from specrl.paths import drafter_cache_dir
+from specrl.paths import cached_drafter
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward
 from specrl.spec.proposers import proposer_takes
 
@@ -183,10 +183,8 @@ def drafter_dir(cfg: Config) -> str | None:
     the model, if it exists."""
     if cfg.rollout.drafter_path is not None:
         return str(Path(cfg.rollout.drafter_path).expanduser())
-    spec = cfg.rollout.spec
-    cached = drafter_cache_dir(cfg.model.name, spec)
-    marker = "config.json" if proposer_takes(spec, "draft_model") else "head.json"
-    return str(cached) if (cached / marker).exists() else None
+    cached = cached_drafter(cfg.model.name, cfg.rollout.spec)
+    return None if cached is None else str(cached)
 
 
 def check_drafter(cfg: Config) -> None:

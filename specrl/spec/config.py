@@ -99,16 +99,31 @@ class SpecConfig:
         return self
 
 
+UNTRAINED = "untrained"  # --drafter value: run a learned drafter's random head on purpose
+
+
+def missing_head(method: str) -> str:
+    """The one-line refusal of a learned drafter that has no trained head."""
+    return (
+        f"--spec {method} needs a trained head: make one with `specrl train-drafter --drafter "
+        f"{method}` (or pass --drafter DIR; --drafter {UNTRAINED} runs a random head, lossless "
+        f"but slower than no speculation)"
+    )
+
+
 def drafter_spec(
     method: str, k: int, drafter: str | None, target: Transformer, tokenizer: TextTokenizer
 ) -> tuple[SpecConfig, Transformer | None]:
     """(SpecConfig, draft model or None): a learned head (eagle3, mtp) takes ``drafter`` as its
-    directory option, loaded here (``load_drafter_head``), a ``draft`` drafter a model
+    directory option, loaded here (``load_drafter_head``); without one it is refused (a random
+    head would run silently) unless ``drafter`` is ``UNTRAINED``; a ``draft`` drafter a model
     (``models.checkpoints.load_draft_model``). A drafter that cannot be loaded raises
     ``ValueError`` (``CheckpointError`` is one) with one line naming it."""
     if proposer_takes(method, "drafter_path"):
-        if not drafter:
+        if drafter == UNTRAINED:
             return SpecConfig(method, k), None
+        if not drafter:
+            raise ValueError(missing_head(method))
         options: dict[str, Any] = {"drafter_path": drafter}
         if proposer_takes(method, "drafter"):
             options["drafter"] = load_drafter_head(drafter, target, method)

@@ -149,6 +149,30 @@ def test_generate_with_an_unusable_drafter_is_one_error_line(tmp_path, case):
     assert match in line and drafter in line
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_learned_drafter_without_a_head_is_refused_or_run_on_request(tmp_path, monkeypatch,
+                                                                        method):  # fmt: skip
+    """No --drafter and no cached head: one line naming train-drafter (a random head used to run
+    silently); --drafter untrained runs it, with a warning; a cached head is taken by default."""
+    from specrl.paths import drafter_cache_dir
+
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    model_dir = save_model_dir(tmp_path / "model")
+    args = ["generate", "--no-chat-template", "--model", str(model_dir), "--spec", method,
+            "--num-spec-tokens", "2", "--max-new-tokens", "3", "--temperature", "0"]  # fmt: skip
+    line = one_error_line(CliRunner().invoke(app, [*args, "w1 w2"]))
+    assert f"specrl train-drafter --drafter {method}" in line and "untrained" in line
+    ran = CliRunner().invoke(app, [*args, "--drafter", "untrained", "w1 w2"])
+    assert ran.exit_code == 0, ran.output
+    assert "warning: --spec" in ran.stderr and "untrained" in ran.stderr
+    assert "--- prompt 1, sample 1 (3 tokens" in ran.stdout
+    cached = drafter_cache_dir(str(model_dir), method)
+    cached.mkdir(parents=True)
+    (cached / "head.json").write_text("[]")  # found (so loaded, and refused as damaged)
+    line = one_error_line(CliRunner().invoke(app, [*args, "w1 w2"]))
+    assert f"cannot load the {method} drafter from {cached}" in line
+
+
 def test_load_config_errors_are_checkpoint_errors(tmp_path):
     """The library raises ``CheckpointError`` (a ValueError) with one line for each case."""
     for case, (text, match) in CONFIGS.items():
