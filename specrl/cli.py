@@ -80,6 +80,14 @@ SiblingsOpt = Annotated[
         "draft), verified losslessly in the same forward; raises acceptance at T > 0",
     ),
 ]
+ExactOpt = Annotated[
+    str,
+    typer.Option(
+        "--spec-exact",
+        help="verification rule: 'distribution' (rejection sampling, the policy's distribution) "
+        "or 'sample' (plain sampling's tokens, one for one with the same --seed)",
+    ),
+]
 DrafterOpt = Annotated[
     str | None,
     typer.Option(
@@ -188,14 +196,14 @@ def encode_prompts(
 
 
 def check_generate_options(
-    params: SamplingParams, max_batch: int, spec: str, k: int, siblings: int
+    params: SamplingParams, max_batch: int, spec: str, k: int, siblings: int, exact: str
 ) -> None:
     """Sampling, batch and speculation values, checked before anything is loaded."""
     from specrl.spec.config import SpecConfig
 
     try:
         params.validate()
-        SpecConfig(spec, k, siblings=siblings).validate()
+        SpecConfig(spec, k, siblings=siblings, exact=exact).validate()
     except ValueError as e:
         fail(str(e))
     if max_batch < 1:
@@ -232,6 +240,7 @@ def generate(
     spec: SpecOpt = "none",
     num_spec_tokens: KOpt = 3,
     spec_siblings: SiblingsOpt = 0,
+    spec_exact: ExactOpt = "distribution",
     drafter: DrafterOpt = None,
 ) -> None:
     """Generate completions with the native engine (optionally speculative).
@@ -247,7 +256,7 @@ def generate(
     items = read_prompts(prompts or [], prompts_file, chat=chat_template)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens, n=n, seed=seed)  # fmt: skip
-    check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings)
+    check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings, spec_exact)
     torch_dtype = parse_dtype(dtype)
     if all(item.error is not None for item in items):  # nothing to answer: load nothing
         encode_prompts(items, encode=lambda prompt: [])  # one line each; encodes nothing
@@ -272,7 +281,8 @@ def generate(
         net = load_model(model, dtype=torch_dtype)
         drafter = head_dir(spec, drafter, model)
         spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
-        spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings).validate()
+        spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings, exact=spec_exact)
+        spec_cfg = spec_cfg.validate()
         engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
     except (CheckpointError, ValueError) as e:
         fail(str(e))

@@ -128,6 +128,13 @@ class RolloutCfg(_Section):
         "(eagle3, mtp, draft), verified in the same forward by recursive rejection sampling "
         "(lossless); used only while live_rows * (k + 1 + this) <= max_tokens_per_forward.",
     )
+    spec_exact: Literal["distribution", "sample"] = Field(
+        "distribution",
+        description="Verification rule: 'distribution' (rejection sampling: outputs follow the "
+        "policy's distribution) or 'sample' (outputs are plain sampling's, token for token with "
+        "the same seed; a stochastic drafter draws with plain sampling's random numbers, which "
+        "costs it acceptance). Native backend only; no spec_siblings with 'sample'.",
+    )
     drafter_path: str | None = Field(
         None,
         description="Drafter weights (must exist): a model directory for 'draft', a head "

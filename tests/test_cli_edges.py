@@ -250,6 +250,8 @@ def test_tokenizer_without_chat_template_is_one_line(tmp_path):
         (["--num-spec-tokens", "99", "--spec", "ngram"], ["num_spec_tokens"]),
         (["--spec-siblings", "99"], ["siblings"]),
         (["--spec", "bogus"], ["unknown speculation method 'bogus'"]),
+        (["--spec-exact", "bitwise"], ["spec_exact", "'bitwise'"]),
+        (["--spec", "draft", "--spec-exact", "sample", "--spec-siblings", "2"], ["no siblings"]),
         (["--dtype", "float8"], ["unknown dtype"]),
         (["--model", "/no/such/model"], ["does not exist"]),
     ],
@@ -273,6 +275,19 @@ def test_largest_seed_is_accepted_and_differs_from_seed_0(tiny_dir):
         return json.loads(result.stdout.splitlines()[0])["token_ids"]
 
     assert tokens(str(2**63 - 1)) != tokens("0")
+
+
+def test_spec_exact_sample_prints_what_plain_sampling_prints(tiny_dir):
+    def tokens(*spec: str) -> list[list[int]]:
+        result = invoke(gen(tiny_dir, "hi", "w1 w2 w1 w2 w1", "--temperature", "1", "--n", "2",
+                            "--max-new-tokens", "16", "--seed", "5", *spec))  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
+
+    plain = tokens()
+    assert tokens("--spec", "ngram", "--spec-exact", "sample") == plain
+    assert tokens("--spec", "self", "--spec-exact", "sample") == plain
+    assert tokens("--spec", "self") != plain  # the standard rule: same distribution, not tokens
 
 
 # --------------------------------------------------------------------------- bench generate

@@ -219,6 +219,7 @@ def spec_config(cfg: Config) -> SpecConfig:
         options={"drafter_path": drafter_dir(cfg)} if heads else {},
         max_tokens_per_forward=cap,
         siblings=cfg.rollout.spec_siblings,
+        exact=cfg.rollout.spec_exact,
     )
 
 

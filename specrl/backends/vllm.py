@@ -66,7 +66,10 @@ Contract:
   linear weight into a oneDNN handle and drops the parameter; this module keeps the parameter
   (the tensor the handle is packed from, re-packed on every reload) so it can be read.
 - ``versions()``, ``state_dict()`` (``{}``), ``load_state_dict``, ``close()`` (idempotent) as in
-  ``base``. Thread-safe for one generating thread plus one updating thread.
+  ``base``. Thread-safe for one generating thread plus one updating thread: vLLM itself is
+  built and called on one engine thread of the backend's own (its CPU attention kernels check
+  that the OpenMP thread count is the one their metadata was made with, and a caller's thread
+  may have another), so any thread may call the backend.
 - ``build_vllm(cfg, policy)``: from a run ``Config`` (``model.name``, ``model.dtype``,
   ``rollout.*``), then the policy's current weights are pushed (version 0), so the engine serves
   exactly ``policy`` even when it differs from the checkpoint on disk.
@@ -82,10 +85,11 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -106,6 +110,7 @@ if TYPE_CHECKING:
     from specrl.config import Config
     from specrl.models.config import ModelConfig
 
+T = TypeVar("T")
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see the docstring)
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -166,6 +171,11 @@ def vllm_speculative_config(
         raise ValueError(f"rollout.spec={method!r} is not supported by the vllm backend")
     if spec.siblings:
         raise ValueError("rollout.spec_siblings > 0 is not supported by the vllm backend")
+    if spec.exact != "distribution":
+        raise ValueError(
+            f"rollout.spec_exact={spec.exact!r} is not supported by the vllm backend (its "
+            "rejection sampler is vLLM's own); use rollout.backend=native"
+        )
     out: dict[str, Any] = {"num_speculative_tokens": spec.k}
     if method == "ngram":
         opts = spec.options
@@ -338,8 +348,16 @@ class VllmBackend:
             kwargs |= {"speculative_config": speculative,
                        "per_request_spec_decode_metrics": "summary"}  # fmt: skip
         kwargs |= dict(engine_kwargs or {})
-        with process_state_kept():
-            self.llm = LLM(**kwargs)
+        # vLLM's CPU build binds OpenMP state to the thread that builds it (its attention kernels
+        # check the thread count their metadata was made with): every call into vLLM runs on
+        # this one engine thread, whichever thread calls the backend.
+        self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specrl-vllm")
+        self._engine_thread: threading.Thread | None = None
+        try:
+            self.llm = self._on_engine(self._build, LLM, kwargs)
+        except BaseException:
+            self._engine.shutdown(wait=False)
+            raise
         self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -350,6 +368,23 @@ class VllmBackend:
         self._newest = policy_version
         self._drafter_version = 0
         self._record = self._fingerprints()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _build(self, llm_class: Any, kwargs: dict[str, Any]) -> Any:
+        self._engine_thread = threading.current_thread()
+        with process_state_kept():
+            return llm_class(**kwargs)
+
+    def _rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(worker, *args)`` in vLLM's (single, in-process) worker, on the engine thread."""
+        return self._on_engine(lambda: self.llm.collective_rpc(fn, args=args)[0])
+
+    def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine thread (directly when already on it)."""
+        if threading.current_thread() is self._engine_thread:
+            return fn(*args)
+        return self._engine.submit(fn, *args).result()
 
     # ------------------------------------------------------------------ protocol
 
@@ -366,7 +401,7 @@ class VllmBackend:
             version = self._version
         try:
             t0 = time.perf_counter()
-            comps, stats = self._generate(list(requests), version, lookup, t0)
+            comps, stats = self._on_engine(self._generate, list(requests), version, lookup, t0)
             seconds = time.perf_counter() - t0
         finally:
             with self._lock:
@@ -430,7 +465,8 @@ class VllmBackend:
             self._closed = True
             llm, self.llm = self.llm, None
         with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+            self._on_engine(llm.llm_engine.engine_core.shutdown)
+        self._engine.shutdown(wait=True)
         del llm
         gc.collect()
 
@@ -451,7 +487,7 @@ class VllmBackend:
 
         head = {n: t.detach() for n, t in state.items()}
         d2t = head.pop("d2t", None)  # [Vd] target ids, or None
-        served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
+        served = self._rpc(parameters_by_name, False)
         lm_head = served.get("lm_head.weight", served["model.embed_tokens.weight"]).cpu()  # [V, H]
         try:
             tensors = eagle3_tensors(head, self.config, lm_head, d2t)
@@ -463,26 +499,30 @@ class VllmBackend:
 
     def _apply_pending(self) -> None:
         """Apply staged updates (lock held, no generate running)."""
+        if self._pending:
+            self._on_engine(self._apply_pending_now)
+
+    def _apply_pending_now(self) -> None:
         while self._pending:
             kind, weights, version = self._pending.pop(0)
             if kind == "policy":
-                self.llm.collective_rpc(load_policy, args=(weights,))
+                self._rpc(load_policy, weights)
                 self._version = version
                 if self._eagle3:  # the head's LM head is the policy's (rows): rebuild it
-                    draft = self.llm.collective_rpc(parameters_by_name, args=(True,))[0]
+                    draft = self._rpc(parameters_by_name, True)
                     head = self._eagle3_staged(eagle3_ours(draft))
-                    self.llm.collective_rpc(load_drafter, args=(head,))
+                    self._rpc(load_drafter, head)
             else:
-                self.llm.collective_rpc(load_drafter, args=(weights,))
+                self._rpc(load_drafter, weights)
                 self._drafter_version = version
             self.llm.reset_prefix_cache()
 
     def _fingerprints(self) -> Served:
-        served = self.llm.collective_rpc(parameters_by_name, args=(False,))[0]
+        served = self._rpc(parameters_by_name, False)
         policy = self._ours(served, self.config)
         drafter = None
         if self._draft_config is not None or self._eagle3:
-            draft = self.llm.collective_rpc(parameters_by_name, args=(True,))[0]
+            draft = self._rpc(parameters_by_name, True)
             ours = eagle3_ours(draft) if self._eagle3 else self._ours(draft, self._draft_config)
             drafter = fingerprint(ours, self.dtype)
         policy_fp = fingerprint(policy, self.dtype)

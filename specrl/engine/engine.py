@@ -39,7 +39,13 @@ from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
 from specrl.models.transformer import Transformer
-from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
+from specrl.sampling import (
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    SamplingParams,
+    sample_logits,
+    uniforms,
+)
 from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
@@ -442,6 +448,7 @@ class Engine(InflightUpdates):
             counters=counters,
             prompt_lengths=[len(s.comp.prompt_ids) for s in rows],
             hidden=self._take_hidden(rows),
+            draft_stream=STREAM_SAMPLE if self._active[0].exact == "sample" else STREAM_DRAFT,
         )
         draft = proposer.propose(batch, k)
         room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
@@ -466,7 +473,8 @@ class Engine(InflightUpdates):
         logits = out.logits.float()  # [B, width, V]
         probs = None if draft.probs is None else draft.probs[:, :kk]
         sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
-        v = verify(ids[:, 1 : kk + 1], lengths, probs, logits[:, : kk + 1], *sampling)
+        v = verify(ids[:, 1 : kk + 1], lengths, probs, logits[:, : kk + 1], *sampling,
+                   rule=self._active[0].exact)  # fmt: skip
         if tree is not None:
             v, chosen = resolve_siblings(v, lengths, draft.tokens[:, 0], draft.probs[:, 0],
                                          tree.tokens, tree.valid, logits[:, 0],

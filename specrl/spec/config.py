@@ -21,6 +21,7 @@ import torch
 from specrl.errors import one_line, unknown
 from specrl.sampling import MAX_SIBLINGS
 from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
+from specrl.spec.verify import RULES
 
 if TYPE_CHECKING:
     from specrl.models.heads import DraftHead
@@ -56,6 +57,9 @@ class SpecConfig:
     verified in the same forward by recursive rejection sampling. Only stochastic drafters (those
     returning q) get them; a step drops them when B * (k + 1 + siblings) would pass
     ``max_tokens_per_forward``.
+    exact: "distribution" (rejection sampling: the output distribution is the target's) or
+    "sample" (the output is plain sampling's, token for token with the same seed;
+    ``specrl.spec.verify``); "sample" takes no siblings.
     """
 
     method: str = "none"
@@ -63,6 +67,7 @@ class SpecConfig:
     options: dict[str, Any] = field(default_factory=dict)
     max_tokens_per_forward: int | None = None
     siblings: int = 0
+    exact: str = "distribution"  # verify's rule: "distribution" (standard) or "sample"
 
     def siblings_for_batch(self, batch: int, k: int) -> int:
         """Sibling candidates for a step of ``batch`` rows drafting ``k`` tokens (0 = none)."""
@@ -93,6 +98,11 @@ class SpecConfig:
         cap = self.max_tokens_per_forward
         if cap is not None and cap < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1 or unset, got {cap}")
+        if self.exact not in RULES:
+            raise ValueError(f"spec_exact must be one of {', '.join(RULES)}, got {self.exact!r}")
+        if self.exact == "sample" and self.siblings:
+            raise ValueError("spec_exact='sample' takes no siblings (plain sampling draws one "
+                             f"token per position), got siblings={self.siblings}")  # fmt: skip
         known = ["none", *available_proposers()]
         if self.method not in known:
             raise ValueError(unknown("speculation method", self.method, known))

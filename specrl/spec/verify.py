@@ -24,6 +24,16 @@ Contract (Leviathan et al. 2023; Chen et al. 2023):
   raw (temperature 1, untruncated) log-probabilities of every emitted token. Positions at or after
   ``num_emitted`` hold ``PAD_TOKEN`` and logprob 0.
 
+- ``rule="sample"`` (sample-exact speculation, ``SpecConfig.exact``): position i's token is what
+  plain sampling draws there, ``sample_logits(target_logits[:, i], .., uniforms(seeds,
+  counters + i, STREAM_SAMPLE))`` (the very function plain decoding calls), and a draft is accepted
+  iff it equals that token; the first mismatch (or the bonus position) emits it. With the same
+  logits the output is therefore token for token plain sampling's, at any temperature and
+  top-k/top-p. A deterministic drafter loses no acceptance against the standard rule's
+  ``p_i(x_i)`` on average only where p is concentrated; a stochastic drafter must draw its token
+  with the same uniform (``ProposerBatch.draft_stream = STREAM_SAMPLE``: an inverse-CDF coupling
+  of q and p) for its drafts to match. ``draft_probs`` is not used by this rule.
+
 Counters: this step consumes counters ``counters .. counters + num_emitted - 1`` of each row;
 the next step of the row starts at ``counters + num_emitted``.
 
@@ -43,11 +53,13 @@ from specrl.sampling import (
     STREAM_SAMPLE,
     processed_logprobs,
     raw_logprobs_reusing,
+    sample_logits,
     sample_probs,
     uniforms,
 )
 
 PAD_TOKEN = -1  # token id at positions >= num_emitted of ``Verified.tokens``
+RULES = ("distribution", "sample")  # verify's rules: rejection sampling, plain sampling's tokens
 
 
 @dataclass(frozen=True)
@@ -71,16 +83,26 @@ def verify(
     top_p: torch.Tensor,  # [B] float; 1 = off
     seeds: torch.Tensor,  # [B] int64
     counters: torch.Tensor,  # [B] int64; counter of the first token emitted this step
+    rule: str = "distribution",
 ) -> Verified:
-    """Accept a prefix of each row's drafts and emit one recovered or bonus token after it."""
+    """Accept a prefix of each row's drafts and emit one recovered or bonus token after it
+    (``rule``: "distribution", the rejection sampler, or "sample", plain sampling's tokens)."""
     _, k = _check_shapes(draft_tokens, draft_lengths, draft_probs, target_logits)
     lengths = draft_lengths.to(torch.int64)
     counters = counters.to(torch.int64)
     logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
     valid = torch.arange(k, device=lengths.device)[None, :] < lengths[:, None]  # [B, k]
     drafts = torch.where(valid, draft_tokens.to(torch.int64), 0)  # [B, k], padding -> 0
-    num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
-    final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
+    if rule == "sample":
+        plain = _plain_tokens(target_logits, temperature, top_k, top_p, seeds, counters)
+        num_accepted = (drafts == plain[:, :k]) & valid  # [B, k]
+        num_accepted = num_accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+        final = plain.gather(1, num_accepted[:, None])[:, 0]  # [B]
+    elif rule == "distribution":
+        num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
+        final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
+    else:
+        raise ValueError(f"unknown verification rule {rule!r} (choose {', '.join(RULES)})")
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
     emitted = tokens >= 0  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
@@ -93,6 +115,25 @@ def verify(
         logprobs_raw=torch.where(emitted, raw.gather(-1, safe).squeeze(-1), zero),
         num_accepted=num_accepted,
     )
+
+
+def _plain_tokens(
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    seeds: torch.Tensor,  # [B]
+    counters: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """Tokens [B, k+1]: what plain sampling draws at each position (its own function and
+    uniforms, so the same logits give the same tokens bit for bit)."""
+    batch, positions, vocab = target_logits.shape
+    steps = torch.arange(positions, device=counters.device)
+    u = uniforms(seeds, counters[:, None] + steps[None, :], STREAM_SAMPLE)  # [B, k+1]
+    rows = [x.repeat_interleave(positions) for x in (temperature, top_k, top_p)]
+    flat = target_logits.reshape(batch * positions, vocab)
+    tokens, _, _ = sample_logits(flat, *rows, u.reshape(-1))
+    return tokens.view(batch, positions)
 
 
 def _check_shapes(

@@ -114,3 +114,19 @@ def test_a_drafter_vllm_cannot_run_is_refused_before_the_engine_starts(monkeypat
     with pytest.raises(ConfigError, match="'suffix' is not supported by the vllm backend") as e:
         vllm.build_vllm(cfg, None)
     assert "\n" not in str(e.value)
+
+
+def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
+    from specrl.backends.native import make_engine, spec_config
+    from tests.conftest import make_tiny
+
+    cfg = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample"])
+    assert spec_config(cfg).exact == "sample"
+    assert make_engine(cfg, make_tiny()).spec.exact == "sample"
+    assert spec_config(load_config(None, [])).exact == "distribution"
+    with pytest.raises(ConfigError, match="spec_exact"):
+        load_config(None, ["rollout.spec_exact=bitwise"])
+    both = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample",
+                              "rollout.spec_siblings=2"])  # fmt: skip
+    with pytest.raises(ConfigError, match="takes no siblings"):
+        make_engine(both, make_tiny())

@@ -48,6 +48,7 @@ QUESTION = "Repeat exactly: one two three four five, one two three four five, on
         (SpecConfig("eagle3", 3), "HEAD", "needs a head in vLLM's EAGLE-3 layout"),
         (SpecConfig("draft", 3), None, "needs a draft model directory"),
         (SpecConfig("ngram", 3, siblings=2), None, "spec_siblings > 0 is not supported"),
+        (SpecConfig("ngram", 3, exact="sample"), None, "spec_exact='sample' is not supported"),
     ],
 )
 def test_unsupported_drafters_are_refused_in_one_line(spec, drafter, words, tmp_path):
@@ -213,6 +214,7 @@ def test_update_during_a_call_applies_after_it(backend, smollm2, prompt):
     box = {}
 
     def run() -> None:
+        torch.set_num_threads(1)  # a caller's thread whose OpenMP count is not vLLM's
         try:
             box["out"] = backend.generate([greedy(prompt, n_tokens=96)], spec=PLAIN)
         except BaseException as e:  # shown by the assertion below, not lost in the thread
@@ -229,6 +231,20 @@ def test_update_during_a_call_applies_after_it(backend, smollm2, prompt):
     assert "error" not in box, repr(box.get("error"))
     assert set(box["out"].completions[0].token_versions) == {v - 1}
     assert backend.generate([greedy(prompt, n_tokens=2)]).completions[0].token_versions == [v] * 2
+
+
+def worker_thread(worker) -> str:
+    return threading.current_thread().name
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_runs_on_the_backends_engine_thread_whoever_calls(backend):
+    names = [backend._rpc(worker_thread)]
+    other = threading.Thread(target=lambda: names.append(backend._rpc(worker_thread)))
+    other.start()
+    other.join()
+    assert len(names) == 2 and names[0] == names[1] and names[0].startswith("specrl-vllm")
 
 
 @pytest.mark.slow

@@ -30,6 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specrl.sampling import STREAM_DRAFT
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -87,6 +89,10 @@ class ProposerBatch:
     # token history[i + 1]. None when the proposer asks for no layers.
     hidden: list[torch.Tensor] | None = None
     prompt_lengths: list[int] | None = None  # per row: prompt tokens at the start of histories
+    # The random stream a stochastic drafter draws slot i's token with (uniforms(seeds,
+    # counters + i, draft_stream)): its own STREAM_DRAFT, or plain sampling's STREAM_SAMPLE
+    # under sample-exact verification (the coupling that lets drafts equal plain tokens).
+    draft_stream: int = STREAM_DRAFT
 
     def __len__(self) -> int:
         return len(self.histories)

@@ -5,9 +5,10 @@ Contract: ``DraftModelProposer(model)`` keeps its own KV cache with one slot per
 row's history the drafter has not seen (a new row's prompt is prefilled; after verification the
 cache is valid up to the longest common prefix of what it was fed and the history, the rest is
 overwritten), then samples k tokens autoregressively at the row's processed distribution
-(temperature/top-k/top-p, greedy = argmax) with ``STREAM_DRAFT`` uniforms, returning q
-(``probs``) for the verifier. ``bind`` checks vocabulary and context against the engine before
-any generation. ``self`` is the same class with the target model: q == p, acceptance 1.
+(temperature/top-k/top-p, greedy = argmax) with ``ProposerBatch.draft_stream`` uniforms,
+returning q (``probs``) for the verifier. ``bind`` checks vocabulary and context against the
+engine before any generation. ``self`` is the same class with the target model: q == p,
+acceptance 1.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specrl.models.transformer import Transformer
-from specrl.sampling import STREAM_DRAFT, draw, uniforms
+from specrl.sampling import draw, uniforms
 from specrl.spec.proposers import register_proposer
 from specrl.spec.proposers.base import Draft, ProposerBatch
 
@@ -92,7 +93,8 @@ class DraftModelProposer:
         logits = self._catch_up(rows, batch.histories)  # [B, V]
         slots = torch.tensor([r.slot for r in rows])
         tokens, probs = [], []
-        u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
+        steps = batch.counters[:, None] + torch.arange(k)[None, :]  # [B, k]
+        u = uniforms(batch.seeds, steps, batch.draft_stream)  # [B, k]
         for i in range(k):
             tok, q = draw(logits, batch.temperature, batch.top_k, batch.top_p, u[:, i])
             tokens.append(tok)

@@ -12,7 +12,8 @@ slot per live row, plus one scratch slot that padding writes into); positions th
 head's own drafts are simply overwritten, since the true features replace them. The output at the
 last fed position gives the first draft; k-1 more steps feed the head's own output back. Tokens are
 sampled from the processed distribution (temperature/top-k/top-p of the row) of the head's logits
-with ``STREAM_DRAFT`` uniforms and that distribution is returned as q (``deterministic=False``);
+with ``ProposerBatch.draft_stream`` uniforms and that distribution is returned as q
+(``deterministic=False``);
 a head with a reduced draft vocabulary samples over its Vd tokens and returns q scattered into the
 target vocabulary (zero outside it).
 ``check`` refuses a head built for a target of another hidden size, vocabulary or depth.
@@ -24,7 +25,7 @@ import torch
 
 from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config, load_head
 from specrl.models.transformer import Transformer
-from specrl.sampling import STREAM_DRAFT, draw, uniforms
+from specrl.sampling import draw, uniforms
 from specrl.spec.proposers import register_proposer
 from specrl.spec.proposers.base import Draft, ProposerBatch
 
@@ -102,7 +103,8 @@ class Eagle3Proposer:
         ends = [len(h) - 1 for h in batch.histories]  # next head position per row
         g, logits = self._catch_up(batch, slots, ends)
         tokens, probs = [], []
-        u = uniforms(batch.seeds, batch.counters[:, None] + torch.arange(k)[None, :], STREAM_DRAFT)
+        steps = batch.counters[:, None] + torch.arange(k)[None, :]  # [B, k]
+        u = uniforms(batch.seeds, steps, batch.draft_stream)  # [B, k]
         settings = (batch.temperature, batch.top_k, batch.top_p)
         first = torch.tensor(ends)[:, None]  # [B, 1] head position of the first own step
         for i in range(k):
