@@ -231,7 +231,7 @@ def main() -> None:
         "machine_measured": machine,
         "load_average_before": load,
         "load_average_after": os.getloadavg(),
-        "settings": vars(args) | {"out": str(args.out)},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
     write_result({"meta": meta, "results": rows, "ratios": ratios, "rl_steps": steps}, args.out)
 
