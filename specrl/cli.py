@@ -320,8 +320,10 @@ def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
     if drafter == UNTRAINED:
         typer.echo(f"warning: --spec {spec} runs an untrained (random) head: lossless, but "
                    "expect acceptance near 1 and no speed-up", err=True)  # fmt: skip
+    if drafter:
+        return drafter
     cached = cached_drafter(model, spec)
-    return drafter or (None if cached is None else str(cached))
+    return None if cached is None else str(cached)
 
 
 def completion_json(c, text: str) -> dict:
