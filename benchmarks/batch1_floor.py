@@ -29,7 +29,7 @@ import torch
 from specrl.bench import bench_prompts, hf_runner, measure_machine, run_metadata, write_result
 from specrl.engine import Engine, Request
 from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
-from specrl.models.transformer import Linear, set_native_gemv
+from specrl.models.transformer import Linear, set_native_kernels
 from specrl.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
@@ -85,7 +85,7 @@ def main() -> None:
                                                    "engine_onednn", "hf")}  # fmt: skip
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
         for suffix, native in PATHS.items():
-            set_native_gemv(model, native)
+            set_native_kernels(model, native)
             ms["gemv" + suffix].append(1e3 * statistics.median(timed(gemv) for _ in range(10)))
             ms["engine" + suffix].append(1e3 * step())
         full, one = timed(hf), timed(lambda: hf(1))  # per token: (full - prefill) / (n - 1)

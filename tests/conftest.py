@@ -32,6 +32,13 @@ def smollm2() -> Transformer:
 
 
 @pytest.fixture(scope="session")
+def smollm2_bf16() -> Transformer:
+    from specrl.models.checkpoints import load_model
+
+    return load_model(dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tok():
     from specrl.models.checkpoints import load_tokenizer
 

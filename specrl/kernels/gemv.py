@@ -1,4 +1,5 @@
-"""A bf16 GEMV kernel for batch-1..4 decoding on AVX512-BF16 CPUs, built on first use.
+"""Native bf16 kernels on AVX512-BF16 CPUs, built on first use: matrix products for any
+number of rows and attention over the KV cache, both batch-invariant.
 
 Contract. ``gemv_kernel()`` returns a ``GemvKernel`` or ``None`` when it cannot run here: not
 Linux/x86 with the ``avx512f avx512bw avx512vl avx512_bf16`` flags, no C compiler (``$CC`` or
@@ -8,13 +9,19 @@ result is cached per process (``functools.cache``).
 
 ``GemvKernel.pack(weight [N, K] bf16) -> [N/16, K/2, 16, 2]`` lays the weight out once;
 ``GemvKernel.matmul(x [M, K] bf16, packed, n) -> [M, N] bf16`` computes ``x @ weight.T`` with
-float32 accumulation for 0 <= M <= ``MAX_ROWS`` (M = 0 returns an empty [0, N] without calling
-the library), reading the weight once per call, its output rows split over
-``torch.get_num_threads()`` OpenMP threads (the same values for any thread count).
-Why: one core streams these small-batch products at ~25-28 GB/s against ~12-16 GB/s for oneDNN's
-prepacked bf16 linear on this project's (non-AMX) CPU, and batch-1 decoding is nearly all such
-products.
-The sum order differs from oneDNN's, so results agree to bf16 rounding, not bit for bit.
+float32 accumulation for any M >= 0 (M = 0 returns an empty [0, N] without calling the
+library). Up to ``MAX_ROWS`` rows it reads the weight once per call (the GEMV path: decoding is
+weight streaming); more rows run as a tiled GEMM (4 rows x 32 columns in registers, a weight
+tile reused from cache by every row). ``GemvKernel.attention(q, cache_k, cache_v, slots, lens,
+mask)`` attends each query to its visible cached keys (float32 scores, softmax and sum).
+Batch invariance: every output element is computed by one thread in one fixed order that does
+not depend on M, on the other rows, on how many queries share a forward or on the thread
+count, so a position's logits are the same bit for bit whether it is decoded alone, in a batch
+of 64 or verified among k+1 drafted positions (the premise of speculation that changes nothing).
+Why: one core streams small-batch products at ~25-28 GB/s against ~12-16 GB/s for oneDNN's
+prepacked bf16 linear on this project's (non-AMX) CPU, the tiled GEMM keeps up with oneDNN at
+64 rows, and one packed copy of each weight serves every batch size.
+The sum order differs from oneDNN's, so results agree with it to bf16 rounding, not bit for bit.
 
 Kernel cache (``open_library``). The library is compiled from ``gemv_bf16.c`` (shipped with the
 package) into ``$SPECRL_CACHE/kernels/`` (~0.3 s) and loaded with ctypes (no torch headers).
@@ -68,7 +75,7 @@ import torch
 from specrl.fsutil import atomic_write
 from specrl.paths import cache_dir
 
-MAX_ROWS = 4  # input rows per call the kernel takes (it reads the weight once for all)
+MAX_ROWS = 4  # rows the GEMV path multiplies in one pass over the weight (more: tiled GEMM)
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 FLAGS = (
     "-O3",
@@ -89,13 +96,23 @@ COMPILE_TIMEOUT_S = 120
 
 
 class GemvKernel:
-    """The loaded library's ``specrl_gemv_bf16`` with packing and shape checks."""
+    """The loaded library's products (``specrl_gemm_bf16``) and attention
+    (``specrl_attention_bf16``), with packing and shape checks."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.specrl_gemv_bf16
+        fn = lib.specrl_gemm_bf16
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        att = lib.specrl_attention_bf16
+        att.argtypes = (
+            [ctypes.c_void_p] * 6
+            + [ctypes.c_int64, ctypes.c_void_p]
+            + [ctypes.c_int64] * 6
+            + [ctypes.c_float, ctypes.c_int]
+        )
+        att.restype = ctypes.c_int
+        self._attention = att
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -115,7 +132,8 @@ class GemvKernel:
         return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """x [M, K] bf16 (M <= MAX_ROWS) times the packed [N, K] weight transposed -> [M, N]."""
+        """x [M, K] bf16 (any M) times the packed [N, K] weight transposed -> [M, N]; each
+        output element is the same whatever M and the other rows are (batch-invariant)."""
         m, k = x.shape
         if packed.shape[0] * 16 != n or packed.shape[1] * 2 != k:
             raise ValueError(
@@ -133,6 +151,49 @@ class GemvKernel:
         ):
             raise ValueError(f"gemv kernel refused shapes M={m}, N={n}, K={k}")
         return y
+
+    @staticmethod
+    def attention_fits(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
+        """Whether ``attention`` takes these: bf16 on the CPU, head_dim % 32 == 0 and <= 256."""
+        d = q.shape[-1]
+        return (
+            q.dtype == cache_k.dtype == torch.bfloat16
+            and q.device.type == cache_k.device.type == "cpu"
+            and d % 32 == 0
+            and d <= 256
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [B, T, H, D] bf16
+        cache_k: torch.Tensor,  # [slots, KV, Lmax, D] bf16, one layer's keys
+        cache_v: torch.Tensor,  # [slots, KV, Lmax, D] bf16
+        slots: torch.Tensor,  # [B] int64 cache slot of each row
+        lens: torch.Tensor,  # [B, T] int32 keys j < lens[b, t] considered
+        mask: torch.Tensor | None,  # [B, T, L] bool, True = visible; None = all j < lens
+    ) -> torch.Tensor:
+        """Attention output [B, T, H, D] (bf16): query (b, t) over the visible keys of slot
+        ``slots[b]``, float32 scores/softmax/sum in one fixed order per query, so the result
+        depends on that query and those keys only (not on B, T or the other rows)."""
+        b, t, h, d = q.shape
+        kv, lmax = cache_k.shape[1], cache_k.shape[2]
+        q, cache_k, cache_v = q.contiguous(), cache_k.contiguous(), cache_v.contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        lens = lens.to(torch.int32).contiguous()
+        m = None if mask is None else mask.to(torch.uint8).contiguous()
+        out = torch.empty_like(q)
+        rc = self._attention(
+            q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), slots.data_ptr(),
+            lens.data_ptr(), None if m is None else m.data_ptr(),
+            0 if m is None else m.shape[-1], out.data_ptr(),
+            b, t, h, kv, d, lmax, d**-0.5, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(
+                f"attention kernel refused q {tuple(q.shape)}, cache {tuple(cache_k.shape)}"
+                f" (code {rc})"
+            )
+        return out
 
 
 @functools.cache

@@ -1,4 +1,6 @@
-/* bf16 matrix-vector products for decoding: y[m, n] = sum_k x[m, k] * W[n, k], m < M <= 4.
+/* Native bf16 kernels: products y[m, n] = sum_k x[m, k] * W[n, k] (specrl_gemv_bf16 for
+ * M <= 4 rows, specrl_gemm_bf16 for any M, the same sums) and attention over a KV cache
+ * (specrl_attention_bf16); every output element is computed in one fixed order (batch-invariant).
  *
  * Built by specrl/kernels/gemv.py (gcc, AVX512-BF16) and called through ctypes.
  * Weights are pre-packed once as Wp[N/16][K/2][16][2] (16 output rows, each a pair of
@@ -12,7 +14,9 @@
  * thread count.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifndef MIN_SPLIT
 #define MIN_SPLIT 512 /* output rows from which a call is split over the threads */
@@ -66,4 +70,175 @@ int specrl_gemv_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N >= MIN_SPLIT)
     for (int64_t nb = 0; nb < blocks_n; nb++) fn(wp + nb * kp * 32, xs, y + nb * 16, N, kp);
     return 0;
+}
+
+/* Batch-invariant bf16 GEMM for any M: the same per-element sum as the GEMV above (float32,
+ * partial sums over even and odd k-pairs in k order, added at the end, rounded once), so an
+ * output element does not depend on M, on the other rows or on the thread count. Tiles of
+ * up to 4 input rows x 32 output columns (two packed 16-row blocks) keep 16 accumulators in
+ * registers; each thread takes whole column tiles and runs every row group through them, so a
+ * weight tile is read from memory once and reused from cache by all rows. */
+static inline __attribute__((always_inline)) void tile(const int rows, const int nb,
+                                                       const uint16_t *w, int64_t wstride,
+                                                       const uint32_t *const *xs, uint16_t *y,
+                                                       int64_t N, int64_t kp) {
+    __m512 a[4][2], b[4][2];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nb; j++) a[r][j] = b[r][j] = ZERO;
+    for (int64_t k = 0; k < kp; k += 2) {
+        __m512bh w0[2], w1[2];
+        for (int j = 0; j < nb; j++) {
+            w0[j] = (__m512bh)_mm512_loadu_si512(w + j * wstride + k * 32);
+            w1[j] = (__m512bh)_mm512_loadu_si512(w + j * wstride + k * 32 + 32);
+        }
+        for (int r = 0; r < rows; r++) {
+            __m512bh x0 = BCAST(xs[r], k), x1 = BCAST(xs[r], k + 1);
+            for (int j = 0; j < nb; j++) {
+                a[r][j] = _mm512_dpbf16_ps(a[r][j], w0[j], x0);
+                b[r][j] = _mm512_dpbf16_ps(b[r][j], w1[j], x1);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nb; j++) store_bf16(y + r * N + j * 16, a[r][j], b[r][j]);
+}
+
+#define TILE(R, NB)                                                                            \
+    static void tile_##R##_##NB(const uint16_t *w, int64_t ws, const uint32_t *const *xs,     \
+                                uint16_t *y, int64_t N, int64_t kp) {                          \
+        tile(R, NB, w, ws, xs, y, N, kp);                                                      \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+
+typedef void (*tile_fn)(const uint16_t *, int64_t, const uint32_t *const *, uint16_t *, int64_t,
+                        int64_t);
+
+/* wp: packed weights [N/16][K/2][16][2]; x: [M, K]; y: [M, N]; any M >= 1. */
+int specrl_gemm_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                     int64_t K, int threads) {
+    static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1},
+                                        {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
+    if (M < 1 || N % 16 != 0 || K % 4 != 0) return 1;
+    if (M <= 4) return specrl_gemv_bf16(wp, x, y, M, N, K, threads); /* same sums, M-way */
+    int64_t kp = K / 2, ws = kp * 32, blocks_n = N / 16, tiles_n = (blocks_n + 1) / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M >= MIN_SPLIT)
+    for (int64_t t = 0; t < tiles_n; t++) {
+        int nb = (2 * t + 2 <= blocks_n) ? 2 : 1;
+        const uint32_t *xs[4];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int rows = (M - m0) < 4 ? (int)(M - m0) : 4;
+            for (int r = 0; r < rows; r++) xs[r] = (const uint32_t *)(x + (m0 + r) * K);
+            tiles[nb - 1][rows - 1](wp + 2 * t * ws, ws, xs, y + m0 * N + 2 * t * 16, N, kp);
+        }
+    }
+    return 0;
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction and a degree-6
+ * polynomial (Cephes expf coefficients), ~1 ulp; the same instructions whatever the caller. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* One query head over its visible keys idx[0..n) of one KV head: scores (float32 dot products,
+ * times scale), softmax, and the weighted sum of values, each a fixed sequence of operations
+ * over the visible keys in order, so the result depends on the query and those keys only. */
+static void attend_one(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                       const int32_t *idx, int64_t n, int64_t D, float scale, float *s,
+                       uint16_t *out) {
+    if (n == 0) { /* nothing visible: zeros, not 0/0 */
+        for (int64_t d = 0; d < D; d++) out[d] = 0;
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < n; c++) {
+        const uint16_t *kr = kh + (int64_t)idx[c] * D;
+        __m512 acc = ZERO;
+        for (int64_t d = 0; d < D; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                   (__m512bh)_mm512_loadu_si512(kr + d));
+        s[c] = _mm512_reduce_add_ps(acc) * scale;
+        mx = s[c] > mx ? s[c] : mx;
+    }
+    __m512 sum = ZERO, vmx = _mm512_set1_ps(mx);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 live = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + c), vmx));
+        _mm512_mask_storeu_ps(s + c, live, e);
+        sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    __m512 o[16]; /* D <= 256 */
+    for (int64_t d = 0; d < D / 16; d++) o[d] = ZERO;
+    for (int64_t c = 0; c < n; c++) {
+        const uint16_t *vr = vh + (int64_t)idx[c] * D;
+        __m512 p = _mm512_set1_ps(s[c]);
+        for (int64_t d = 0; d < D / 16; d++) {
+            __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vr + d * 16)));
+            o[d] = _mm512_fmadd_ps(p, v, o[d]);
+        }
+    }
+    __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < D / 16; d++)
+        _mm256_storeu_si256((__m256i *)(out + d * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], vinv)));
+}
+
+/* Attention of queries q [B, T, H, D] over one layer's cache k/v [slots, KV, Lmax, D] (bf16,
+ * contiguous): row b reads slot slots[b]; query (b, t) sees the keys j < lens[b, t] for which
+ * mask[b, t, j] is set (mask [B, T, mask_len] bytes, or NULL = all of them). out [B, T, H, D].
+ * Query heads h = kv * (H / KV) + g share KV head kv. Work is split over (b, kv) pairs; each
+ * query's result is computed by one thread in one fixed order (see attend_one). Requires
+ * D % 32 == 0, D <= 256, H % KV == 0, lens[b, t] <= Lmax (and <= mask_len with a mask). */
+int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                          const int64_t *slots, const int32_t *lens, const uint8_t *mask,
+                          int64_t mask_len, uint16_t *out, int64_t B, int64_t T, int64_t H,
+                          int64_t KV, int64_t D, int64_t Lmax, float scale, int threads) {
+    if (D % 32 != 0 || D > 256 || KV < 1 || H % KV != 0) return 1;
+    for (int64_t i = 0; i < B * T; i++)
+        if (lens[i] < 0 || lens[i] > Lmax || (mask && lens[i] > mask_len)) return 1;
+    int64_t G = H / KV;
+    int bad = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && B * KV > 1)
+    {
+        float *s = malloc(sizeof(float) * (Lmax + 16));
+        int32_t *idx = malloc(sizeof(int32_t) * (Lmax + 1));
+        if (!s || !idx) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kv = 0; kv < KV; kv++) {
+                if (!s || !idx) continue;
+                const uint16_t *kh = kc + (slots[b] * KV + kv) * Lmax * D;
+                const uint16_t *vh = vc + (slots[b] * KV + kv) * Lmax * D;
+                for (int64_t t = 0; t < T; t++) {
+                    int64_t bt = b * T + t, n = 0;
+                    const uint8_t *m = mask ? mask + bt * mask_len : NULL;
+                    for (int64_t j = 0; j < lens[bt]; j++)
+                        if (!m || m[j]) idx[n++] = (int32_t)j;
+                    for (int64_t g = 0; g < G; g++) {
+                        int64_t h = kv * G + g;
+                        attend_one(q + (bt * H + h) * D, kh, vh, idx, n, D, scale, s,
+                                   out + (bt * H + h) * D);
+                    }
+                }
+            }
+        free(s);
+        free(idx);
+    }
+    return bad ? 2 : 0;
 }

@@ -38,10 +38,11 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` that, in inference (no grad) with a bf16/fp16 CPU weight, multiplies with a
-    prepacked copy of the weight: for bf16 inputs of at most ``gemv.MAX_ROWS`` rows our native
-    GEMV kernel (``specrl.kernels.gemv``; ~2x oneDNN's speed at batch 1 on this project's CPU)
-    when it can run here and ``native`` is True, else oneDNN's prepacked linear (no per-call
-    weight reorder; ~10x faster than ``F.linear`` at batch 1).
+    prepacked copy of the weight: for bf16 inputs our native kernel (``specrl.kernels.gemv``:
+    any number of rows, batch-invariant sums, ~2x oneDNN's speed at batch 1 and on par from
+    batch 64 on this project's CPU) when it can run here and ``native`` is True, else oneDNN's
+    prepacked linear (no per-call weight reorder; ~10x faster than ``F.linear`` at batch 1).
+    Either way one packed copy is held besides the weight.
 
     An input with no rows (M = 0) gives an empty output through ``F.linear``, never the kernel.
     Each packed copy is built on first use and rebuilt whenever the weight tensor changed (its
@@ -49,11 +50,10 @@ class Linear(nn.Linear):
     copy in use.
     """
 
-    native: bool = True  # use the native GEMV kernel where it applies (see set_native_gemv)
+    native: bool = True  # use the native kernel where it applies (see set_native_kernels)
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
-    # native-packed weight, its key, the kernel, the most input elements it takes (MAX_ROWS * K)
-    _native: tuple[torch.Tensor, tuple, gemv.GemvKernel, int] | None = None
+    _native: tuple[torch.Tensor, tuple, gemv.GemvKernel] | None = None  # packed, key, kernel
 
     def _use_packed(self) -> bool:
         w = self.weight
@@ -72,7 +72,7 @@ class Linear(nn.Linear):
             and not torch.is_grad_enabled()
             and x.dtype == nat[0].dtype
             and x.shape[-1] == self.in_features
-            and 0 < x.numel() <= nat[3]  # no rows: the kernel refuses M = 0
+            and x.numel() > 0  # no rows: the kernel refuses M = 0
         ):
             w = self.weight
             if nat[1] == (w.data_ptr(), w._version, w.dtype):
@@ -89,30 +89,33 @@ class Linear(nn.Linear):
         if rows == 0:  # an empty product: neither the native kernel nor oneDNN is needed
             return F.linear(x, w, self.bias)
         fits = x.dtype == w.dtype and x.shape[-1] == self.in_features
-        if self.native and rows <= gemv.MAX_ROWS and fits:
+        if self.native and fits:
             kernel = gemv.gemv_kernel()
             if kernel is not None and kernel.fits(w):
                 if self._native is None or self._native[1] != key:
-                    packed = kernel.pack(w)
-                    self._native = (packed, key, kernel, gemv.MAX_ROWS * self.in_features)
+                    self._native = None  # drop the old copy before packing the new one
+                    self._native = (kernel.pack(w), key, kernel)
+                self._packed = self._packed_key = None  # one packed copy, not two
                 return self._native_forward(x, self._native)
         if self._packed_key != key:
+            self._native = self._packed = None  # one packed copy, not two
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def _native_forward(self, x: torch.Tensor, nat: tuple) -> torch.Tensor:
-        """x [..., K] (at most MAX_ROWS rows) through the native kernel -> [..., N]."""
-        packed, _, kernel, _ = nat
+        """x [..., K] through the native kernel -> [..., N]."""
+        packed, _, kernel = nat
         n = self.out_features
         y = kernel.matmul(x.reshape(-1, x.shape[-1]), packed, n).view(*x.shape[:-1], n)
         return y if self.bias is None else y + self.bias
 
 
-def set_native_gemv(model: nn.Module, enabled: bool) -> None:
-    """Turn the native GEMV kernel on or off for every ``Linear`` in ``model`` (for A/B runs)."""
+def set_native_kernels(model: nn.Module, enabled: bool) -> None:
+    """Turn the native kernels (products and attention) on or off for every ``Linear`` and
+    ``Attention`` in ``model`` (for A/B runs)."""
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, Attention)):
             m.native = enabled
 
 
@@ -202,6 +205,11 @@ def grouped_attention(
 
 
 class Attention(nn.Module):
+    """Self-attention with fused q/k/v; reading a bf16 cache it uses the native attention kernel
+    (``native``, see ``set_native_kernels``) where that runs, else ``grouped_attention``."""
+
+    native: bool = True
+
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.c = layer, c
@@ -245,13 +253,32 @@ class Attention(nn.Module):
         if ctx.cache is not None:
             at = ctx.positions if ctx.store is None else ctx.store
             ctx.cache.write(self.layer, ctx.rows, at, k, v)
-        if ctx.cache is not None and ctx.read_cache:
-            keys, values = ctx.cache.read(self.layer, b, ctx.kv_len, ctx.slots)
+        reads = ctx.cache is not None and ctx.read_cache
+        out = self._attend_native(q, ctx) if reads else None  # [B, T, heads, head_dim]
+        if out is None:
+            if reads:
+                keys, values = ctx.cache.read(self.layer, b, ctx.kv_len, ctx.slots)
+            else:
+                keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            attend = grouped_attention if ctx.read_cache and q.dtype != torch.float32 else sdpa
+            out = attend(q.transpose(1, 2), keys, values, ctx.mask).transpose(1, 2)
+        return self.o(out.reshape(b, t, -1))
+
+    def _attend_native(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor | None:
+        """q [B, T, heads, D] over the cache with the native kernel -> [B, T, heads, D]; None
+        where it does not apply (turned off, not built here, not bf16, head_dim). Causal reads
+        see the keys at positions <= the query's (below kv_len); a draft tree's, its mask."""
+        kernel = gemv.gemv_kernel() if self.native else None
+        cache = ctx.cache
+        if kernel is None or not kernel.attention_fits(q, cache.k):
+            return None
+        b, t = q.shape[:2]
+        if ctx.store is None:
+            lens, mask = (ctx.positions + 1).clamp(max=ctx.kv_len), None
         else:
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        attend = grouped_attention if ctx.read_cache and q.dtype != torch.float32 else sdpa
-        out = attend(q.transpose(1, 2), keys, values, ctx.mask)  # [B, heads, T, head_dim]
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+            lens, mask = torch.full((b, t), ctx.kv_len), ctx.mask[:, 0]  # [B, T, kv_len]
+        slots = _rows(ctx.slots, b, q.device)
+        return kernel.attention(q, cache.k[self.layer], cache.v[self.layer], slots, lens, mask)
 
 
 class MLP(nn.Module):

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 MAX_SPEC_TOKENS = 16  # the verifier handles any k; past ~8 the cost always exceeds the gain
 # Tokens per forward up to which a bf16 verification costs about one decode step on this
-# project's 2-core CPU: 16 with oneDNN's linears, but only the native kernel's rows with it
-# (a 4-token forward ~1.1x a 1-token one, 5 tokens ~1.7x: oneDNN takes over there).
+# project's 2-core CPU: 16 with oneDNN's linears, the native GEMV path's rows with the native
+# kernels (SmolLM2 bf16, 2 threads, context 200: 4 tokens ~1.2x a 1-token forward, 8 ~1.5x,
+# 16 ~1.9x; no step at 5 since the tiled GEMM took over from oneDNN).
 ONEDNN_TOKENS_PER_FORWARD = 16
 
 

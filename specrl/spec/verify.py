@@ -90,29 +90,58 @@ def verify(
     _, k = _check_shapes(draft_tokens, draft_lengths, draft_probs, target_logits)
     lengths = draft_lengths.to(torch.int64)
     counters = counters.to(torch.int64)
-    logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
     valid = torch.arange(k, device=lengths.device)[None, :] < lengths[:, None]  # [B, k]
     drafts = torch.where(valid, draft_tokens.to(torch.int64), 0)  # [B, k], padding -> 0
     if rule == "sample":
-        plain = _plain_tokens(target_logits, temperature, top_k, top_p, seeds, counters)
-        num_accepted = (drafts == plain[:, :k]) & valid  # [B, k]
-        num_accepted = num_accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
-        final = plain.gather(1, num_accepted[:, None])[:, 0]  # [B]
-    elif rule == "distribution":
-        num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
-        final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
-    else:
+        return _verify_sample(drafts, valid, target_logits, temperature, top_k, top_p, seeds,
+                              counters)  # fmt: skip
+    if rule != "distribution":
         raise ValueError(f"unknown verification rule {rule!r} (choose {', '.join(RULES)})")
+    logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
+    num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
+    final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
-    emitted = tokens >= 0  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
     raw = raw_logprobs_reusing(target_logits, logp, temperature, top_k, top_p)  # [B, k+1, V]
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return _verified(
+        tokens, num_accepted, logp.gather(-1, safe).squeeze(-1), raw.gather(-1, safe).squeeze(-1)
+    )
+
+
+def _verify_sample(
+    drafts: torch.Tensor,  # [B, k] int64, padding replaced by 0
+    valid: torch.Tensor,  # [B, k] bool
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    seeds: torch.Tensor,  # [B]
+    counters: torch.Tensor,  # [B]
+) -> Verified:
+    """The "sample" rule: accept drafts while they equal what plain sampling draws; emit plain
+    sampling's tokens with its own logprobs (the same function: the same numbers)."""
+    k = drafts.shape[1]
+    plain, lp, raw = _plain_tokens(target_logits, temperature, top_k, top_p, seeds, counters)
+    num_accepted = (drafts == plain[:, :k]) & valid  # [B, k]
+    num_accepted = num_accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+    final = plain.gather(1, num_accepted[:, None])[:, 0]  # [B]
+    return _verified(_assemble(drafts, num_accepted, final), num_accepted, lp, raw)
+
+
+def _verified(
+    tokens: torch.Tensor,  # [B, k+1], PAD_TOKEN after the emitted ones
+    num_accepted: torch.Tensor,  # [B]
+    logprobs: torch.Tensor,  # [B, k+1] processed logprob of each position's token
+    raw: torch.Tensor,  # [B, k+1] raw (T=1) logprob of each position's token
+) -> Verified:
+    """``Verified`` with logprobs zeroed past the emitted tokens."""
+    emitted = tokens >= 0  # [B, k+1]
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return Verified(
         tokens=tokens,
         num_emitted=num_accepted + 1,
-        logprobs_processed=torch.where(emitted, logp.gather(-1, safe).squeeze(-1), zero),
-        logprobs_raw=torch.where(emitted, raw.gather(-1, safe).squeeze(-1), zero),
+        logprobs_processed=torch.where(emitted, logprobs, zero),
+        logprobs_raw=torch.where(emitted, raw, zero),
         num_accepted=num_accepted,
     )
 
@@ -124,16 +153,16 @@ def _plain_tokens(
     top_p: torch.Tensor,  # [B]
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
-) -> torch.Tensor:
-    """Tokens [B, k+1]: what plain sampling draws at each position (its own function and
-    uniforms, so the same logits give the same tokens bit for bit)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, processed and raw logprobs [B, k+1] each: what plain sampling draws at each
+    position (its own function and uniforms: the same logits give the same numbers)."""
     batch, positions, vocab = target_logits.shape
     steps = torch.arange(positions, device=counters.device)
     u = uniforms(seeds, counters[:, None] + steps[None, :], STREAM_SAMPLE)  # [B, k+1]
     rows = [x.repeat_interleave(positions) for x in (temperature, top_k, top_p)]
     flat = target_logits.reshape(batch * positions, vocab)
-    tokens, _, _ = sample_logits(flat, *rows, u.reshape(-1))
-    return tokens.view(batch, positions)
+    tokens, lp, raw = sample_logits(flat, *rows, u.reshape(-1))
+    return tokens.view(batch, positions), lp.view(batch, positions), raw.view(batch, positions)
 
 
 def _check_shapes(
