@@ -6,7 +6,8 @@ table with ratios and this machine's roofline, and returns a JSON-ready dict
 ``{"meta": ..., "results": [{"engine", "batch_size", "new_tokens", "tokens_per_s", ...}]}``.
 Engines: specrl (plain and each drafter of ``methods``) and, in ``compare``, ``hf``
 (transformers ``generate``) and ``vllm`` (vLLM's ``LLM.generate``, ``min_tokens = max_tokens``);
-each runs in this process, one after the other. ``check_writable`` tells why a results path
+each runs in this process, one after the other (vLLM last: its engine processes use CPU even
+between calls). ``check_writable`` tells why a results path
 cannot be written (or ``None``), before a benchmark runs; ``write_result`` writes one atomically.
 Timing thresholds never live in tests; numbers live in benchmarks/results/.
 """
@@ -106,18 +107,38 @@ def roofline_tokens_per_s(
 
 
 def measure_machine(dtype: torch.dtype = torch.bfloat16) -> dict:
-    """This machine's copy bandwidth (read+write bytes/s) and GEMM FLOP/s, measured now."""
-    src = torch.empty(64 * 2**20, dtype=torch.float32)
+    """This machine's copy bandwidth (read+write bytes/s; 1 GiB buffers, several times the
+    largest caches) and GEMM FLOP/s, measured now: the faster of PyTorch's 2048^3 product and,
+    for bf16, the native kernel's 256 x 2048 x 4096 (both recorded)."""
+    src = torch.empty(256 * 2**20, dtype=torch.float32)
     dst = torch.empty_like(src)
-    a = torch.randn(1024, 1024).to(dtype)
-    b = torch.randn(1024, 1024).to(dtype)
+    n = 2048
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
     copy_s = _best(lambda: dst.copy_(src), 5)
-    gemm_s = _best(lambda: a @ b, 5)
+    torch_flops = 2 * n**3 / _best(lambda: a @ b, 5)
+    native_flops = _native_gemm_flops(dtype)
     return {
         "copy_bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s,
-        "gemm_flops": 2 * 1024**3 / gemm_s,
+        "gemm_flops": max(torch_flops, native_flops or 0.0),
+        "torch_gemm_flops": torch_flops,
+        "native_gemm_flops": native_flops,
         "gemm_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def _native_gemm_flops(dtype: torch.dtype) -> float | None:
+    """FLOP/s of the native bf16 kernel on a 256 x 2048 x 4096 product (None where it cannot
+    run here, or for another dtype)."""
+    from specrl.kernels.gemv import gemv_kernel
+
+    kernel = gemv_kernel() if dtype == torch.bfloat16 else None
+    if kernel is None:
+        return None
+    m, k, n = 256, 2048, 4096
+    x = torch.randn(m, k).to(dtype)
+    packed = kernel.pack(torch.randn(n, k).to(dtype))
+    return 2 * m * n * k / _best(lambda: kernel.matmul(x, packed, n), 5)
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -145,6 +166,7 @@ class GenerateBench:
     group_size: int = 1  # samples per prompt
     drafter: str | None = None  # for method "draft": a model path or prefix:N
     max_tokens_per_forward: int | None = None  # adaptive k (SpecConfig); None = fixed k
+    exact: str = "distribution"  # the verification rule (SpecConfig.exact)
 
 
 def bench_prompts(tokenizer, batch: int, group_size: int = 1) -> list[list[int]]:
@@ -176,7 +198,7 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
     from specrl.sampling import SamplingParams
 
     group = b.group_size
-    spec = dataclasses.replace(spec, max_tokens_per_forward=b.max_tokens_per_forward)
+    spec = dataclasses.replace(spec, max_tokens_per_forward=b.max_tokens_per_forward, exact=b.exact)
     engine = Engine(model, max_batch=len(prompts) * group, spec=spec, draft_model=draft)
     params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=group)
 
@@ -225,7 +247,12 @@ def hf_runner(model_dir, dtype, prompts: list[list[int]], new_tokens: int) -> Ca
 
 
 def vllm_engine(model_dir: str | os.PathLike, dtype: torch.dtype) -> LLM:
-    """One vLLM ``LLM`` for the whole benchmark (built once: it holds its own KV cache)."""
+    """One vLLM ``LLM`` for the whole benchmark (built once: it holds its own KV cache, 4 GiB
+    unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise; vLLM's own default takes most of RAM), on
+    every core (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless set; vLLM's default keeps one core for
+    its engine process, half of a 2-core machine, which is not the contest we want)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM
 
     return LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), seed=0)
@@ -248,13 +275,8 @@ def vllm_runner(llm: LLM, prompts: list[list[int]], new_tokens: int) -> Callable
     return run
 
 
-def _runners(
-    b: GenerateBench,
-    model: Transformer,
-    tok: TextTokenizer,
-    batch: int,
-    llm: LLM | None = None,
-) -> dict[str, Callable]:
+def _runners(b: GenerateBench, model: Transformer, tok: TextTokenizer, batch: int) -> dict:
+    """Runners of every engine but vLLM at one batch size (same prompts), by name."""
     from specrl.models.checkpoints import resolve_model
     from specrl.spec.config import SpecConfig, drafter_spec
     from specrl.spec.proposers import proposer_takes
@@ -267,64 +289,78 @@ def _runners(
         path = default_drafter_path(b.model, method) if head else b.drafter
         spec, draft = drafter_spec(method, b.k, path, model, tok)
         runners[method] = specrl_runner(model, prompts, b, spec, draft)
-    flat = [p for p in prompts for _ in range(b.group_size)]
     if "hf" in b.compare:
-        runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, flat, b.new_tokens)
-    if llm is not None:
-        runners["vllm"] = vllm_runner(llm, flat, b.new_tokens)
+        runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, _flat(b, prompts), b.new_tokens)
     return runners
 
 
+def _flat(b: GenerateBench, prompts: list[list[int]]) -> list[list[int]]:
+    """One prompt per sequence: each group's prompt repeated group-size times."""
+    return [p for p in prompts for _ in range(b.group_size)]
+
+
 def run_generate_bench(b: GenerateBench) -> dict:
-    """Time every engine at each batch size; print a table with ratios; return JSON-ready."""
+    """Time every engine at each batch size; print a table with ratios; return JSON-ready.
+    vLLM runs last, after every other engine's rows: its engine processes, once started, use
+    CPU even between calls and would slow whatever ran beside them."""
     from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 
     tok = load_tokenizer(b.model)
     model = load_model(b.model, dtype=b.dtype)
-    llm = vllm_engine(resolve_model(b.model), b.dtype) if "vllm" in b.compare else None
     machine = measure_machine(b.dtype)
     print(
         f"machine: copy {machine['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, "
         f"GEMM {machine['gemm_flops'] / 1e12:.2f} TFLOP/s ({machine['gemm_dtype']})"
     )
+    context = len(bench_prompts(tok, 1)[0]) + b.new_tokens // 2
     results = []
     for batch in b.batch_sizes:
-        context = len(bench_prompts(tok, 1)[0]) + b.new_tokens // 2
-        roof = roofline_tokens_per_s(model.config, batch, b.dtype, context)
-        roof_measured = roofline_tokens_per_s(
-            model.config,
-            batch,
-            b.dtype,
-            context,
-            machine["copy_bandwidth_bytes_s"],
-            machine["gemm_flops"],
-        )
-        for name, run in _runners(b, model, tok, batch, llm).items():
-            seconds, tokens, accept = time_call(run, b.repeats)
-            plain = name == "none" or name in OTHER_ENGINES
-            row = {
-                "engine": name if name in OTHER_ENGINES else "specrl",
-                "spec": None if plain else name,
-                "num_spec_tokens": 0 if plain else b.k,
-                "batch_size": batch,
-                "group_size": group_for(batch, b.group_size),
-                "new_tokens": b.new_tokens,
-                "tokens_per_s": tokens / seconds,
-                "acceptance_length": accept,
-                "seconds": seconds,
-                "roofline_tokens_per_s": roof,
-                "fraction_of_roofline": tokens / seconds / roof,
-                "measured_roofline_tokens_per_s": roof_measured,
-                "fraction_of_measured_roofline": tokens / seconds / roof_measured,
-                "dtype": str(b.dtype).removeprefix("torch."),
-            }
-            results.append(row)
-            print(_fmt(row), flush=True)
+        for name, run in _runners(b, model, tok, batch).items():
+            results.append(_timed_row(b, name, run, batch, model.config, context, machine))
+    if "vllm" in b.compare:
+        llm = vllm_engine(resolve_model(b.model), b.dtype)
+        for batch in b.batch_sizes:
+            group = group_for(batch, b.group_size)
+            flat = _flat(dataclasses.replace(b, group_size=group), bench_prompts(tok, batch, group))
+            run = vllm_runner(llm, flat, b.new_tokens)
+            results.append(_timed_row(b, "vllm", run, batch, model.config, context, machine))
     ratios = _ratios(results)
     for r in ratios:
         print(f"batch {r['batch_size']:>3}: {r['name']:>8} / {r['baseline']}: {r['ratio']:.2f}x")
+    vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     meta = run_metadata() | {"bench": _jsonable(b), "machine_measured": machine}
-    return {"meta": meta, "results": results, "ratios": ratios}
+    return {"meta": meta | {"vllm_env": vllm_env}, "results": results, "ratios": ratios}
+
+
+def _timed_row(
+    b: GenerateBench, name: str, run: Callable, batch: int, config, context: int, machine: dict
+) -> dict:
+    """Time one runner and print its row: tokens/s against both rooflines (the reference
+    machine's and the one measured in this run)."""
+    seconds, tokens, accept = time_call(run, b.repeats)
+    roof = roofline_tokens_per_s(config, batch, b.dtype, context)
+    roof_measured = roofline_tokens_per_s(
+        config, batch, b.dtype, context, machine["copy_bandwidth_bytes_s"], machine["gemm_flops"]
+    )
+    plain = name == "none" or name in OTHER_ENGINES
+    row = {
+        "engine": name if name in OTHER_ENGINES else "specrl",
+        "spec": None if plain else name,
+        "num_spec_tokens": 0 if plain else b.k,
+        "batch_size": batch,
+        "group_size": group_for(batch, b.group_size),
+        "new_tokens": b.new_tokens,
+        "tokens_per_s": tokens / seconds,
+        "acceptance_length": accept,
+        "seconds": seconds,
+        "roofline_tokens_per_s": roof,
+        "fraction_of_roofline": tokens / seconds / roof,
+        "measured_roofline_tokens_per_s": roof_measured,
+        "fraction_of_measured_roofline": tokens / seconds / roof_measured,
+        "dtype": str(b.dtype).removeprefix("torch."),
+    }
+    print(_fmt(row), flush=True)
+    return row
 
 
 def check_writable(path: str | os.PathLike) -> str | None:
@@ -372,7 +408,8 @@ def _fmt(row: dict) -> str:
     return (
         f"batch {row['batch_size']:>3} {_label(row):>8}: {row['tokens_per_s']:8.1f} tok/s  "
         f"accept {row['acceptance_length']:.2f}  "
-        f"({row['fraction_of_roofline']:.0%} of roofline {row['roofline_tokens_per_s']:.0f})"
+        f"({row['fraction_of_measured_roofline']:.0%} of this run's roofline "
+        f"{row['measured_roofline_tokens_per_s']:.0f})"
     )
 
 

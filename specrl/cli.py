@@ -362,6 +362,7 @@ def bench_generate(
         int, typer.Option("--group-size", help="samples per prompt (GRPO group); divides batch")
     ] = 1,
     drafter: DrafterOpt = None,
+    spec_exact: ExactOpt = "distribution",
 ) -> None:
     """Tokens/s of the engine at several batch sizes: no speculation vs each --spec drafter,
     and optionally transformers (--compare hf) and vLLM (--compare vllm), all in one run, with
@@ -375,6 +376,7 @@ def bench_generate(
     from specrl.models.checkpoints import CheckpointError, resolve_model
     from specrl.spec.config import missing_head
     from specrl.spec.proposers import proposer_takes
+    from specrl.spec.verify import RULES
 
     sizes = parse_batch_sizes(batch_sizes)
     if new_tokens < 1:
@@ -388,13 +390,15 @@ def bench_generate(
     torch_dtype = parse_dtype(dtype)
     if json_path is not None and (problem := check_writable(json_path)):
         fail(f"cannot write --json: {problem}")
+    if spec_exact not in RULES:
+        fail(f"--spec-exact must be one of {', '.join(RULES)}, got {spec_exact!r}")
     for method in methods:  # before any work: a learned drafter needs its cached head
         if proposer_takes(method, "drafter_path") and default_drafter_path(model, method) is None:
             fail(missing_head(method))
     bench = GenerateBench(model=model, dtype=torch_dtype, batch_sizes=sizes,
                           new_tokens=new_tokens, compare=others, repeats=repeats,
                           methods=methods, k=num_spec_tokens, group_size=group_size,
-                          drafter=drafter)  # fmt: skip
+                          drafter=drafter, exact=spec_exact)  # fmt: skip
     try:
         resolve_model(model)
         result = run_generate_bench(bench)

@@ -314,6 +314,10 @@ def no_vllm(monkeypatch):
         (["--group-size", "3", "--batch-sizes", "4"], ["--group-size 3"]),
         (["--dtype", "int8"], ["unknown dtype"]),
         (["--model", "/no/such/model"], ["does not exist"]),
+        (
+            ["--spec-exact", "bits"],
+            ["--spec-exact must be one of distribution, sample, got 'bits'"],
+        ),
     ],
 )
 def test_bad_bench_option_is_one_line_before_work(no_work, args, words):
@@ -361,6 +365,16 @@ def test_json_written_and_not_left_behind_when_refused(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == RESULT
     refused = invoke(["bench", "generate", "--repeats", "0", "--json", str(tmp_path / "x.json")])
     assert refused.exit_code == 2 and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("rule", ["distribution", "sample"])
+def test_bench_spec_exact_reaches_the_benchmark(monkeypatch, rule):
+    seen = []
+    monkeypatch.setattr("specrl.bench.run_generate_bench", lambda b: seen.append(b) or RESULT)
+    monkeypatch.setattr(checkpoints, "resolve_model", lambda m: Path(m))
+    result = invoke(["bench", "generate", "--spec", "ngram", "--spec-exact", rule])
+    assert result.exit_code == 0, result.output
+    assert seen[0].exact == rule and seen[0].methods == ["ngram"]
 
 
 def test_results_printed_when_the_final_write_fails(tmp_path, monkeypatch):
