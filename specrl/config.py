@@ -116,8 +116,8 @@ class RolloutCfg(_Section):
         "auto",
         description="Adaptive k: draft min(k, this // live_rows - 1) tokens per step, plain "
         "decoding when < 1, so verification stays memory-bound (speculation works in the "
-        "long tail, not at full batch). 'auto': 4 for bf16 on specrl's native GEMV kernel "
-        "(there a 4-token forward costs ~1.1x a 1-token one, a 5-token one ~1.7x), else 16. "
+        "long tail, not at full batch). 'auto': 4 for bf16 on specrl's native kernels (there "
+        "a 4-token forward costs ~1.2x a 1-token one, 8 tokens ~1.5x, 16 ~1.9x), else 16. "
         "None = always k.",
     )
     spec_siblings: int = Field(

@@ -156,7 +156,8 @@ def test_used_run_dir_is_not_overwritten(tmp_path):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_auto_tokens_per_forward_follows_the_engine_dtype(dtype):
     """'auto' (the default) caps a step at the native kernel's rows for bf16 where the kernel
-    runs (larger forwards cost ~1.7x there) and at 16 tokens otherwise; an integer is kept."""
+    runs (the GEMV path: one pass over the weights) and at 16 tokens otherwise; an integer is
+    kept."""
     from specrl.kernels.gemv import MAX_ROWS, gemv_kernel
 
     cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=auto",
