@@ -290,13 +290,14 @@ def _runners(b: GenerateBench, model: Transformer, tok: TextTokenizer, batch: in
         spec, draft = drafter_spec(method, b.k, path, model, tok)
         runners[method] = specrl_runner(model, prompts, b, spec, draft)
     if "hf" in b.compare:
-        runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, _flat(b, prompts), b.new_tokens)
+        flat = _flat(prompts, b.group_size)
+        runners["hf"] = hf_runner(resolve_model(b.model), b.dtype, flat, b.new_tokens)
     return runners
 
 
-def _flat(b: GenerateBench, prompts: list[list[int]]) -> list[list[int]]:
-    """One prompt per sequence: each group's prompt repeated group-size times."""
-    return [p for p in prompts for _ in range(b.group_size)]
+def _flat(prompts: list[list[int]], group: int) -> list[list[int]]:
+    """One prompt per sequence: each group's prompt repeated ``group`` times."""
+    return [p for p in prompts for _ in range(group)]
 
 
 def run_generate_bench(b: GenerateBench) -> dict:
@@ -321,7 +322,7 @@ def run_generate_bench(b: GenerateBench) -> dict:
         llm = vllm_engine(resolve_model(b.model), b.dtype)
         for batch in b.batch_sizes:
             group = group_for(batch, b.group_size)
-            flat = _flat(dataclasses.replace(b, group_size=group), bench_prompts(tok, batch, group))
+            flat = _flat(bench_prompts(tok, batch, group), group)
             run = vllm_runner(llm, flat, b.new_tokens)
             results.append(_timed_row(b, "vllm", run, batch, model.config, context, machine))
     ratios = _ratios(results)
