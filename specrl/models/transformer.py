@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -272,12 +272,7 @@ class Attention(nn.Module):
         cache = ctx.cache
         if kernel is None or not kernel.attention_fits(q, cache.k):
             return None
-        b, t = q.shape[:2]
-        if ctx.store is None:
-            lens, mask = (ctx.positions + 1).clamp(max=ctx.kv_len), None
-        else:
-            lens, mask = torch.full((b, t), ctx.kv_len), ctx.mask[:, 0]  # [B, T, kv_len]
-        slots = _rows(ctx.slots, b, q.device)
+        slots, lens, mask = ctx.visible_keys()
         return kernel.attention(q, cache.k[self.layer], cache.v[self.layer], slots, lens, mask)
 
 
@@ -317,6 +312,23 @@ class AttnContext:
     read_cache: bool = True  # False: prefill, attend only within the new tokens
     slots: torch.Tensor | None = None  # [B] slots read (None: slots 0..B-1, a view)
     store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
+    _visible: tuple | None = field(default=None, repr=False)  # visible_keys(), once per forward
+
+    def visible_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The native attention kernel's view of which cached keys each query sees, built once
+        for all layers: slots [B] int64, lens [B, T] int32 (keys j < lens considered) and a
+        draft tree's mask [B, T, kv_len] uint8 (None for causal reads: positions <= the
+        query's, below kv_len)."""
+        if self._visible is None:
+            b, t = self.positions.shape
+            if self.store is None:
+                lens, mask = (self.positions + 1).clamp(max=self.kv_len), None
+            else:
+                lens = torch.full((b, t), self.kv_len)
+                mask = self.mask[:, 0].to(torch.uint8).contiguous()  # [B, T, kv_len]
+            slots = _rows(self.slots, b, self.positions.device).to(torch.int64).contiguous()
+            self._visible = (slots, lens.to(torch.int32).contiguous(), mask)
+        return self._visible
 
 
 @dataclass
