@@ -210,7 +210,7 @@ def vllm_backend(cfg, policy: torch.nn.Module, engine_kwargs: dict[str, Any]):
     from specrl.models.precision import torch_dtype
 
     backend = VllmBackend(resolve_model(cfg.model.name), dtype=torch_dtype(cfg.model.dtype),
-                          spec=spec_config(cfg), drafter_dir=drafter_dir(cfg),
+                          spec=spec_config(cfg, native=False), drafter_dir=drafter_dir(cfg),
                           max_batch=cfg.rollout.max_batch, seed=cfg.run.seed,
                           engine_kwargs=engine_kwargs)  # fmt: skip
     backend.update_weights(dict(policy.named_parameters()), 0)

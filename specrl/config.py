@@ -13,6 +13,8 @@ Contract:
   ``false``, a number field an integer or a float but never a boolean or a string
   (``run.steps=true``, ``run.steps=2.0`` and ``learner.lr="1e-5"`` are refused, naming the key
   and the expected type); numbers are finite (no ``inf``/``nan``).
+- ``load_config(..., preset=NAME)`` starts from a preset shipped in ``specrl/presets`` (the
+  file and the overrides apply over it); an unknown name raises ``ConfigError`` listing them.
 - ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config.
 Only types and bounds are checked here: this module is a leaf (it imports nothing from specrl).
 Names (task, template, drafter, loss, advantage estimator) are checked against their registries
@@ -36,6 +38,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+PRESETS_DIR = Path(__file__).parent / "presets"  # shipped run configs (``--preset NAME``)
 
 
 class ConfigError(ValueError):
@@ -114,11 +118,14 @@ class RolloutCfg(_Section):
     num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
     max_tokens_per_forward: int | Literal["auto"] | None = Field(
         "auto",
-        description="Adaptive k: draft min(k, this // live_rows - 1) tokens per step, plain "
-        "decoding when < 1, so verification stays memory-bound (speculation works in the "
-        "long tail, not at full batch). 'auto': 4 for bf16 on specrl's native kernels (there "
-        "a 4-token forward costs ~1.2x a 1-token one, 8 tokens ~1.5x, 16 ~1.9x), else 16. "
-        "None = always k.",
+        description="How many of the k draft tokens a step drafts. 'auto': the cost-model "
+        "controller picks 0..k per step for the most expected tokens/s, from the engine's "
+        "measured step times (timed at engine start, refitted as it runs), the drafter's cost "
+        "and running acceptance per draft position (speculation turns itself off at large "
+        "batch and on in the tail; with spec_exact='distribution' the choices follow timings, "
+        "so a seed reproduces the distribution, not the tokens; on vLLM 'auto' is the fixed "
+        "cap 4 for bf16, else 16). An integer: draft min(k, this // live_rows - 1), plain "
+        "decoding when < 1. None = always k.",
     )
     spec_siblings: int = Field(
         0,
@@ -126,14 +133,18 @@ class RolloutCfg(_Section):
         le=16,  # specrl.sampling.MAX_SIBLINGS (this module stays torch-free; a test checks)
         description="Extra candidates for the first draft token of a stochastic drafter "
         "(eagle3, mtp, draft), verified in the same forward by recursive rejection sampling "
-        "(lossless); used only while live_rows * (k + 1 + this) <= max_tokens_per_forward.",
+        "(lossless); used only while live_rows * (k + 1 + this) <= an integer "
+        "max_tokens_per_forward (with 'auto' or None at every speculative step).",
     )
-    spec_exact: Literal["distribution", "sample"] = Field(
-        "distribution",
+    spec_exact: Literal["auto", "distribution", "sample"] = Field(
+        "auto",
         description="Verification rule: 'distribution' (rejection sampling: outputs follow the "
         "policy's distribution) or 'sample' (outputs are plain sampling's, token for token with "
-        "the same seed; a stochastic drafter draws with plain sampling's random numbers, which "
-        "costs it acceptance). Native backend only; no spec_siblings with 'sample'.",
+        "the same seed, whatever k each step drafts; a stochastic drafter draws with plain "
+        "sampling's random numbers, which costs it acceptance). Native backend only; no "
+        "spec_siblings with 'sample'. 'auto': 'sample' for a deterministic drafter (ngram, "
+        "suffix: it costs them nothing, and keeps a seed's rollouts identical under the "
+        "timing-driven controller) on the native backend without siblings, else 'distribution'.",
     )
     drafter_path: str | None = Field(
         None,
@@ -358,21 +369,50 @@ class Config(_Section):
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    preset: str | None = None,
 ) -> Config:
-    """Defaults <- TOML file (if given) <- ``key.sub=value`` overrides, validated."""
-    data: dict[str, Any] = {}
+    """Defaults <- preset (if named) <- TOML file (if given) <- ``key.sub=value`` overrides,
+    validated."""
+    data = _read_toml(preset_path(preset)) if preset is not None else {}
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"invalid TOML in {path}: {e}") from None
+        _merge(data, _read_toml(Path(path)))
     for item in overrides:
         key, value = parse_override(item)
         _set_path(data, key, value)
     return validate_config(data)
+
+
+def preset_names() -> list[str]:
+    """The presets shipped with specrl (``specrl/presets/<name>.toml``)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """The TOML file of preset ``name``; ``ConfigError`` naming the valid ones if unknown."""
+    path = PRESETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r} (presets: {', '.join(preset_names())})")
+    return path
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"invalid TOML in {path}: {e}") from None
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> None:
+    """Merge ``top`` into ``base`` in place, table by table (``top``'s values win)."""
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def validate_config(data: dict[str, Any]) -> Config:

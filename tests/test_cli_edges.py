@@ -604,6 +604,9 @@ def test_sigint_during_generate_says_interrupted(tmp_path):
         text=True,
         cwd=Path(__file__).resolve().parents[1],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
+        # a suite started in the background (``pytest &``) ignores SIGINT, and so would the
+        # child (Python keeps an inherited SIG_IGN): start it as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         with open(fifo, "w"):  # returns once the process has opened the FIFO to read it

@@ -41,7 +41,7 @@ from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import cached_drafter
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward
-from specrl.spec.proposers import proposer_takes
+from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
 
 
 class NativeBackend:
@@ -207,11 +207,15 @@ def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
     return load_model(drafter_dir(cfg), dtype=dtype)
 
 
-def spec_config(cfg: Config) -> SpecConfig:
-    """The engine's speculation settings from ``rollout.*`` ('auto' cap resolved)."""
+def spec_config(cfg: Config, native: bool = True) -> SpecConfig:
+    """The speculation settings from ``rollout.*`` for the native engine, or (``native`` False)
+    for vLLM. ``max_tokens_per_forward='auto'`` is the native engine's cost-model controller
+    (``SpecConfig.adaptive``); for vLLM, which takes a per-batch-size schedule, the fixed cap
+    ``auto_tokens_per_forward`` gives. ``spec_exact='auto'``: ``exact_rule``."""
     cap = cfg.rollout.max_tokens_per_forward
+    adaptive = cap == "auto" and native
     if cap == "auto":
-        cap = auto_tokens_per_forward(torch_dtype(cfg.model.dtype))
+        cap = None if adaptive else auto_tokens_per_forward(torch_dtype(cfg.model.dtype))
     heads = proposer_takes(cfg.rollout.spec, "drafter_path")
     return SpecConfig(
         cfg.rollout.spec,
@@ -219,8 +223,20 @@ def spec_config(cfg: Config) -> SpecConfig:
         options={"drafter_path": drafter_dir(cfg)} if heads else {},
         max_tokens_per_forward=cap,
         siblings=cfg.rollout.spec_siblings,
-        exact=cfg.rollout.spec_exact,
+        exact=exact_rule(cfg, native),
+        adaptive=adaptive,
     )
+
+
+def exact_rule(cfg: Config, native: bool = True) -> str:
+    """``rollout.spec_exact`` with 'auto' resolved: 'sample' for a deterministic drafter on the
+    native engine without siblings (no acceptance lost), else 'distribution'."""
+    exact, method = cfg.rollout.spec_exact, cfg.rollout.spec
+    if exact != "auto":
+        return exact
+    known = method in available_proposers()
+    plain_draft = known and get_proposer_class(method).deterministic
+    return "sample" if native and plain_draft and not cfg.rollout.spec_siblings else "distribution"
 
 
 def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:

@@ -31,8 +31,9 @@ Contract:
   with a head already in vLLM's EAGLE-3 layout (a directory whose config.json names an Eagle3
   architecture). Everything else raises a one-line ``ValueError`` naming what is unsupported:
   ``suffix`` and ``self`` (native-only drafters), ``mtp`` (vLLM's MTP needs the model's own MTP
-  layers), a specrl ``eagle3`` head directory (head.json), ``spec_siblings``. The adaptive-k cap
-  (``max_tokens_per_forward``) becomes vLLM's per-batch-size schedule
+  layers), a specrl ``eagle3`` head directory (head.json), ``spec_siblings``. The adaptive-k
+  cap (``max_tokens_per_forward``; 'auto' is ``auto_tokens_per_forward``'s fixed cap here, the
+  native engine's controller does not drive vLLM) becomes vLLM's per-batch-size schedule
   (``num_speculative_tokens_per_batch_size``: ``SpecConfig.k_for_batch``); a per-call ``spec``
   override of the same method (``none`` included: the end-of-run speed check's plain rollout)
   swaps that schedule for the call; another method raises ``ValueError``.
@@ -735,7 +736,7 @@ def build_vllm(cfg: Config, policy: torch.nn.Module) -> VllmBackend:
             "rollout.backend='vllm' needs the vllm extra: pip install -e '.[vllm]' "
             "(see the README for the CPU build)"
         )
-    spec = spec_config(cfg)
+    spec = spec_config(cfg, native=False)
     try:
         backend = VllmBackend(
             resolve_model(cfg.model.name),

@@ -17,7 +17,10 @@ plain (one token per row) or speculative (a ``spec.SpecStep`` drafts k tokens, t
 verifies k+1 positions in one forward, each row advances by its own count; cache positions past
 a row's length are stale and masked). With ``SpecConfig.siblings`` a stochastic draft also gets
 first-token siblings, read as leaves of a draft tree in the same forward; an accepted sibling's
-cache entries and features move to the first draft position.
+cache entries and features move to the first draft position. A step's k is
+``spec.k_for_batch`` or, for an adaptive spec, the choice of the engine's ``controller``
+(``specrl.spec.controller``: started on the first call that needs it and kept across calls, so
+its estimates follow the run).
 With ``record_steps=True`` every prefill, plain decode, draft and verify is also timed into
 ``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
 ``stage_weights`` (from any thread) swaps the weights between two decode steps of a running call;
@@ -47,6 +50,7 @@ from specrl.sampling import (
     uniforms,
 )
 from specrl.spec.config import SpecConfig, build_proposer
+from specrl.spec.controller import SpecController, start_controller
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
 from specrl.spec.verify import Verified, verify
@@ -158,6 +162,7 @@ class Engine(InflightUpdates):
         self.proposer = self.make_proposer(self.spec)
         self._active = (self.spec, None)  # (speculation, proposer) of the running call
         self._weight_stage = WeightStage()  # in-flight weight updates (``stage_weights``)
+        self.controller: SpecController | None = None  # chooses k per step (spec.adaptive)
 
     def make_proposer(self, spec: SpecConfig):
         """Build and check a drafter for this engine (errors here, never mid-generation)."""
@@ -391,17 +396,36 @@ class Engine(InflightUpdates):
             return []
         t0, draft0 = time.perf_counter(), self.stats.draft_s
         spec, proposer = self._active
-        k = spec.k_for_batch(len(rows)) if proposer is not None else 0
+        control = self._controller(spec) if proposer is not None else None
+        context = sum(s.pos for s in rows) / len(rows)
+        if control is not None:
+            k = control.choose(len(rows), context)
+        else:
+            k = spec.k_for_batch(len(rows)) if proposer is not None else 0
+        accepted: list[int] = []
         if k == 0:
             finished = self._plain_step(rows, start)
         else:
-            finished = self._spec_step(rows, start, proposer, k)
+            finished = self._spec_step(rows, start, proposer, k, accepted)
         elapsed = time.perf_counter() - t0
+        draft_s = self.stats.draft_s - draft0
         self.stats.decode_s += elapsed
         self.stats.steps += 1
+        self.stats.spec_steps += k > 0
+        if control is not None:
+            control.observe(len(rows), k, context, elapsed, draft_s, accepted)
         if self.record_steps:
-            self._record_step(k, elapsed, self.stats.draft_s - draft0)
+            self._record_step(k, elapsed, draft_s)
         return finished
+
+    def _controller(self, spec: SpecConfig) -> SpecController | None:
+        """The cost-model controller of an adaptive ``spec`` (started on first use and kept
+        across calls while k is the same: its estimates carry over from step to step)."""
+        if not spec.adaptive:
+            return None
+        if self.controller is None or self.controller.k_max != spec.k:
+            self.controller = start_controller(self.model, spec.k, self.max_batch)
+        return self.controller
 
     def _record_step(self, k: int, elapsed: float, draft_s: float) -> None:
         """A plain step is one decode record; a speculative one a draft and a verify record."""
@@ -432,8 +456,11 @@ class Engine(InflightUpdates):
         s = sample_rows(out.logits[:, 0].float(), self._tensors(rows), counters)
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
 
-    def _spec_step(self, rows: list[Seq], start: float, proposer, k: int) -> list[int]:
-        """Draft, verify k+1 positions in one target forward, advance each row by its count."""
+    def _spec_step(
+        self, rows: list[Seq], start: float, proposer, k: int, accepted: list[int]
+    ) -> list[int]:
+        """Draft, verify k+1 positions in one target forward, advance each row by its count
+        (its accepted drafts appended to ``accepted``)."""
         t0 = time.perf_counter()
         t = self._tensors(rows)
         counters = torch.tensor([len(s.comp.token_ids) for s in rows])
@@ -482,6 +509,7 @@ class Engine(InflightUpdates):
             self.stats.sibling_accepted += tree.adopt(self._cache, pos, chosen, feats)
         self.stats.verify_s += time.perf_counter() - t1
         self._count(rows, lengths, v.num_accepted)
+        accepted.extend(v.num_accepted.tolist())
         proposer.observe(batch.row_ids, v.num_emitted)
         self._keep_hidden(rows, feats, v.num_emitted.tolist())
         return self._emit_verified(rows, v, start)

@@ -20,7 +20,8 @@ Contract:
   ``updates`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
   (never rewritten), otherwise it is written now.
 - ``METRIC_KEYS``: the numeric keys every step row has, in both modes; ``TIMING_KEYS``: those
-  that vary from run to run (equality tests ignore them).
+  that vary from run to run (times, and speculation statistics, which follow the speculation
+  controller's timing-driven choices; equality tests ignore them).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ METRIC_KEYS = (
 TIMING_KEYS = frozenset(
     {"gen_time_s", "rollout_tokens_per_s", "train_time_s", "refit_time_s", "step_time_s",
      "logprob_time_s", "score_time_s", "prefill_s", "decode_s", "draft_s", "verify_s",
-     "eval_time_s", "learner_time_s", "learner_idle_s", "generator_idle_s", "samples_per_s"}
+     "eval_time_s", "learner_time_s", "learner_idle_s", "generator_idle_s", "samples_per_s",
+     # speculation statistics: the controller's k per step follows measured step times
+     "acceptance_length", "draft_acceptance_rate", "draft_acceptance_length", "drafting_steps",
+     "spec_step_share"}
 )  # fmt: skip
 
 Echo = Callable[[str], None]

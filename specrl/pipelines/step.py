@@ -141,6 +141,7 @@ def rollout_metrics(out: Rollout) -> dict[str, Any]:
         "draft_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,
         "draft_acceptance_length": draft_acceptance_length(out),
         "drafting_steps": drafting_steps(out),
+        "spec_step_share": st.spec_steps / st.steps if st.steps else 0.0,
         "response_length": tokens / max(len(comps), 1),
         "truncated_frac": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
         "prefill_s": st.prefill_s,

@@ -167,6 +167,12 @@ def features(model: ModelSpec, rec: Record) -> np.ndarray:
     return np.array([1.0, moved, forward_flops(model, shape), logits])
 
 
+def design(model: ModelSpec, records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
+    """Features [n, 4] and measured seconds [n] of ``records``."""
+    x = np.stack([features(model, r) for r in records])
+    return x, np.array([r.step_time_s for r in records])
+
+
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0 by dropping negative ones and refitting (columns
     scaled to unit norm first: the features span ~11 orders of magnitude)."""
@@ -239,6 +245,17 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
     )
 
 
+def fit_records(
+    model: ModelSpec, records: list[Record], base: HardwareSpec, name: str
+) -> HardwareSpec:
+    """The profile whose c0, byte, FLOP and verify-logit rates best fit ``records`` (decode,
+    verify or prefill records of ``model``; at least one). The speculation controller
+    (``specrl.spec.controller``) fits the engine it drives with this, from a start-up
+    measurement and the engine's own steps, so it and the simulator price a step alike."""
+    x, y = design(model, records)
+    return profile_from_coefficients(base, nnls(x, y), name)
+
+
 def fit_trace(
     trace: Trace,
     base: HardwareSpec,
@@ -252,8 +269,7 @@ def fit_trace(
     recs = [r for r in trace.records if r.kind != "draft"]
     if len(recs) < 3:
         raise SimInputError("need at least 3 decode/verify/prefill records to fit")
-    x = np.stack([features(model, r) for r in recs])
-    y = np.array([r.step_time_s for r in recs])
+    x, y = design(model, recs)
     fit_idx, out_idx = split_records(recs, heldout_fraction, seed, heldout_configs)
     if len(fit_idx) < 3:
         raise SimInputError(

@@ -61,6 +61,9 @@ class SpecConfig:
     exact: "distribution" (rejection sampling: the output distribution is the target's) or
     "sample" (the output is plain sampling's, token for token with the same seed;
     ``specrl.spec.verify``); "sample" takes no siblings.
+    adaptive: each step drafts the k in 0..``k`` that the engine's cost-model controller
+    (``specrl.spec.controller``) expects to emit the most tokens per second; takes no
+    ``max_tokens_per_forward`` (that is the fixed rule ``k_for_batch`` it replaces).
     """
 
     method: str = "none"
@@ -69,6 +72,7 @@ class SpecConfig:
     max_tokens_per_forward: int | None = None
     siblings: int = 0
     exact: str = "distribution"  # verify's rule: "distribution" (standard) or "sample"
+    adaptive: bool = False  # k per step from the engine's cost-model controller (0..k)
 
     def siblings_for_batch(self, batch: int, k: int) -> int:
         """Sibling candidates for a step of ``batch`` rows drafting ``k`` tokens (0 = none)."""
@@ -99,6 +103,9 @@ class SpecConfig:
         cap = self.max_tokens_per_forward
         if cap is not None and cap < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1 or unset, got {cap}")
+        if self.adaptive and cap is not None:
+            raise ValueError("an adaptive spec chooses k itself: max_tokens_per_forward must "
+                             f"be unset, got {cap}")  # fmt: skip
         if self.exact not in RULES:
             raise ValueError(f"spec_exact must be one of {', '.join(RULES)}, got {self.exact!r}")
         if self.exact == "sample" and self.siblings:

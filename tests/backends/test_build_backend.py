@@ -116,6 +116,23 @@ def test_a_drafter_vllm_cannot_run_is_refused_before_the_engine_starts(monkeypat
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("sets", "want"),
+    [
+        ([], "sample"),  # the default drafter, suffix: deterministic
+        (["rollout.spec=ngram"], "sample"),
+        (["rollout.spec=self"], "distribution"),  # stochastic: 'sample' would cost acceptance
+        (["rollout.spec=self", "rollout.spec_siblings=2"], "distribution"),
+        (["rollout.spec=none"], "distribution"),
+    ],
+)
+def test_auto_exactness_is_sample_only_where_it_costs_nothing(sets, want):
+    from specrl.backends.native import spec_config
+
+    assert spec_config(load_config(None, sets)).exact == want
+    assert spec_config(load_config(None, sets), native=False).exact == "distribution"
+
+
 def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
     from specrl.backends.native import make_engine, spec_config
     from tests.conftest import make_tiny
@@ -123,7 +140,9 @@ def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
     cfg = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample"])
     assert spec_config(cfg).exact == "sample"
     assert make_engine(cfg, make_tiny()).spec.exact == "sample"
-    assert spec_config(load_config(None, [])).exact == "distribution"
+    assert spec_config(load_config(None, ["rollout.spec_exact=distribution"])).exact == (
+        "distribution"
+    )
     with pytest.raises(ConfigError, match="spec_exact"):
         load_config(None, ["rollout.spec_exact=bitwise"])
     both = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample",

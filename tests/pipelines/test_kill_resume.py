@@ -75,8 +75,12 @@ def make_model_dir(path: Path, seed: int = 0) -> Path:
 
 def train_sets(model: Path, *extra: str) -> list[str]:
     """``--set`` arguments of a small run on ``model`` (weight decay: every step changes the
-    weights even when a group's rewards are all equal)."""
+    weights even when a group's rewards are all equal). A fixed speculation cap: under the
+    default 'auto' the controller picks k from measured times, and in fp32 a token's logprob
+    from a k + 1 wide verify differs from a plain step's in the last bits (the tokens do not;
+    tests/spec/test_controller.py), so two runs agree in tokens but not in every weight bit."""
     sets = [f"model.name={model}", "model.dtype=fp32", "learner.dtype=fp32",
+            "rollout.max_tokens_per_forward=16",
             "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
             "env.num_train=16", "env.num_eval=4", f"run.steps={STEPS}", "run.checkpoint_every=1",
             "run.eval_every=7", "learner.weight_decay=0.1", "learner.lr=0.01", *extra]  # fmt: skip

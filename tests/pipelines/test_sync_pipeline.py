@@ -153,19 +153,30 @@ def test_used_run_dir_is_not_overwritten(tmp_path):
         train(tiny_parts(tiny_config()), str(tmp_path), progress=False)
 
 
+def test_auto_tokens_per_forward_is_the_controller_and_an_integer_a_fixed_cap():
+    """'auto' (the default) hands k to the engine's cost-model controller; an integer is the
+    fixed cap, kept."""
+    cfg = tiny_config("rollout.max_tokens_per_forward=auto", "rollout.spec=ngram")
+    spec = tiny_parts(cfg).backend.spec
+    assert spec.adaptive and spec.max_tokens_per_forward is None
+    cfg = tiny_config("rollout.max_tokens_per_forward=8", "rollout.spec=ngram")
+    spec = tiny_parts(cfg).backend.spec
+    assert not spec.adaptive and spec.max_tokens_per_forward == 8
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_auto_tokens_per_forward_follows_the_engine_dtype(dtype):
-    """'auto' (the default) caps a step at the native kernel's rows for bf16 where the kernel
-    runs (the GEMV path: one pass over the weights) and at 16 tokens otherwise; an integer is
-    kept."""
+def test_auto_without_the_controller_follows_the_engine_dtype(dtype):
+    """Where the controller does not run (vLLM), 'auto' caps a step at the native kernel's rows
+    for bf16 where the kernel runs (the GEMV path: one pass over the weights) and at 16 tokens
+    otherwise."""
+    from specrl.backends.native import spec_config
     from specrl.kernels.gemv import MAX_ROWS, gemv_kernel
 
     cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=auto",
                       "rollout.spec=ngram")  # fmt: skip
-    spec = tiny_parts(cfg).backend.spec
+    spec = spec_config(cfg, native=False)
     native = dtype == "bf16" and gemv_kernel() is not None
+    assert not spec.adaptive
     assert spec.max_tokens_per_forward == (MAX_ROWS if native else 16)
     assert spec.k_for_batch(1) == 3
     assert spec.k_for_batch(2) == (1 if native else 3)  # 2 rows x (1 + 1) tokens = 4
-    cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=8")
-    assert tiny_parts(cfg).backend.spec.max_tokens_per_forward == 8

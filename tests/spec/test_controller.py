@@ -1,0 +1,197 @@
+"""The speculation controller: its estimates, its choice of k, bounded exploration, the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrl.engine import Engine, Request
+from specrl.sampling import SamplingParams
+from specrl.sim.calibrate import Record
+from specrl.sim.cost import StepCostModel
+from specrl.sim.specs import load_hardware, load_model, with_overrides
+from specrl.spec.config import SpecConfig
+from specrl.spec.controller import (
+    Acceptance,
+    DraftCost,
+    SpecController,
+    TargetCost,
+    calibration_shapes,
+    model_spec,
+)
+from tests.conftest import make_tiny
+
+TRUE_HW = with_overrides(
+    load_hardware("cpu-2core"), eta_mem=0.5, eta_compute=0.1, step_overhead_s=0.02,
+    verify_s_per_logit=1e-9,
+)  # fmt: skip
+
+
+def true_records(model, shapes) -> list[Record]:
+    """Records priced by the simulator on a known profile (what a perfect machine measures)."""
+    cost = StepCostModel(model, TRUE_HW)
+    out = []
+    for rows, tokens in shapes:
+        if tokens == 1:
+            out.append(Record(rows, 1, 64.0, cost.decode(rows, 64.0), "decode"))
+        else:
+            t = TRUE_HW.step_overhead_s + cost.verify(rows, tokens - 1, 64.0)
+            out.append(Record(rows, tokens, 64.0, t, "verify"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def test_acceptance_counts_rows_reaching_each_position():
+    acc = Acceptance(3, decay=1.0)
+    acc.observe(3, [0, 1, 3, 2])  # position 1: 3 of 4, 2: 2 of 4, 3: 1 of 4
+    np.testing.assert_allclose(acc.reach(), [0.75, 0.5, 0.25])
+    assert acc.emitted(0) == 1.0
+    assert acc.emitted(2) == pytest.approx(2.25)
+    acc.observe(1, [1, 1])  # only position 1 asked: 5 of 6 there, the others unchanged
+    np.testing.assert_allclose(acc.reach(), [5 / 6, 0.5, 0.25])
+
+
+def test_acceptance_is_non_increasing_and_fades():
+    acc = Acceptance(2, decay=0.5)
+    acc.observe(2, [2])
+    acc.observe(1, [0, 0, 0])  # position 1 now mostly misses; position 2 keeps its old hit
+    reach = acc.reach()
+    assert reach[1] <= reach[0] < 1.0
+    tries = acc.tries.copy()
+    acc.observe(0, [])  # a plain step: the evidence fades
+    np.testing.assert_allclose(acc.tries, tries * 0.5)
+
+
+def test_draft_cost_recovers_a_linear_cost():
+    cost = DraftCost()
+    truth = np.array([1e-3, 2e-4, 5e-5, 1e-5])
+    for rows in (1, 4, 16, 64):
+        for k in (1, 2, 3):
+            cost.observe(rows, k, float(DraftCost.features(rows, k) @ truth))
+    assert cost.predict(8, 2) == pytest.approx(float(DraftCost.features(8, 2) @ truth))
+    assert cost.predict(8, 0) == 0.0
+
+
+def test_target_cost_fit_is_the_simulators_model(smollm2):
+    """Fitted on records the simulator priced, the controller predicts what the simulator does
+    at shapes it never saw (one cost model for both users)."""
+    shapes = calibration_shapes(64, 3)
+    target = TargetCost(smollm2, true_records(smollm2, shapes))
+    truth = StepCostModel(smollm2, TRUE_HW)
+    for rows, k, ctx in [(2, 0, 64.0), (48, 0, 64.0), (5, 2, 64.0), (20, 3, 64.0)]:
+        want = truth.decode(rows, ctx) if k == 0 else 0.02 + truth.verify(rows, k, ctx)
+        assert target.predict(rows, k, ctx) == pytest.approx(want, rel=1e-3)
+
+
+def test_calibration_shapes_cover_plain_and_verify_widths():
+    shapes = calibration_shapes(64, 3)
+    assert (1, 1) in shapes and (64, 1) in shapes and (1, 4) in shapes and (32, 4) in shapes
+    assert (64, 4) not in shapes  # 128 tokens at most, beyond it the model is linear
+    assert all(b <= 4 for b, _ in calibration_shapes(4, 7))
+
+
+def controller(smollm2, k_max=3) -> SpecController:
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, k_max)))
+    return SpecController(k_max, target)
+
+
+def brute_force_best(ctl: SpecController, rows: int, reach: list[float]) -> int:
+    def rate(k):
+        return rows * (1 + sum(reach[:k])) / ctl.predict(rows, k, 64.0)
+
+    return max(range(ctl.k_max + 1), key=rate)
+
+
+@pytest.mark.parametrize("reach", [[0.9, 0.8, 0.7], [0.5, 0.2, 0.05], [0.0, 0.0, 0.0]])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_choice_maximises_expected_tokens_per_second(smollm2, reach, rows):
+    ctl = controller(smollm2)
+    ctl.acceptance.tries[:] = 1000.0  # well measured: no exploration
+    ctl.acceptance.hits[:] = 1000.0 * np.array(reach)
+    assert ctl.choose(rows, 64.0) == brute_force_best(ctl, rows, reach)
+
+
+def test_speculation_on_in_the_tail_off_at_full_batch(smollm2):
+    """Good acceptance pays at one row, not at 64 where verifying 4 tokens per row is ~4x the
+    compute of a plain step on this profile (compute-bound there)."""
+    ctl = controller(smollm2)
+    ctl.acceptance.tries[:] = 1000.0
+    ctl.acceptance.hits[:] = [600.0, 300.0, 100.0]
+    assert ctl.choose(1, 64.0) > 0
+    assert ctl.predict(64, 3, 64.0) > 2.0 * ctl.predict(64, 0, 64.0)
+    assert ctl.choose(64, 64.0) == 0
+
+
+def test_exploration_spends_at_most_its_share(smollm2):
+    """With nothing measured, the controller explores k_max, and the predicted extra time of
+    exploring never exceeds explore_share of the time of the steps it chose."""
+    ctl = controller(smollm2)
+    spent, base = 0.0, 0.0
+    for _ in range(400):
+        k = ctl.choose(8, 64.0)
+        t0 = ctl.predict(8, 0, 64.0)
+        base += t0
+        if k:
+            spent += ctl.predict(8, k, 64.0) - t0
+        ctl.acceptance.observe(k, [0] * 8 if k else [])  # drafts never accepted
+    assert ctl.explored > 0
+    assert spent <= ctl.explore_share * base + 1e-12
+
+
+def test_engine_controller_is_lossless_and_learns():
+    """Greedy tokens with the controller equal plain decoding's; the controller sees every
+    step and explores (the self drafter's drafts always match, measured as such)."""
+    target = make_tiny(seed=3, vocab_size=16)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5]]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40, temperature=0.0, n=2)) for p in prompts]
+    plain = Engine(target, max_batch=4).generate(reqs)
+    engine = Engine(target, max_batch=4, spec=SpecConfig("self", 3, adaptive=True))
+    for _ in range(3):
+        out = engine.generate(reqs)
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    ctl = engine.controller
+    assert ctl is not None and ctl.steps == engine.total_stats.steps
+    assert ctl.acceptance.reach()[0] == pytest.approx(1.0)  # self-drafts are the target's own
+    assert engine.total_stats.spec_steps >= ctl.explored > 0
+
+
+def test_sampled_output_follows_the_target_with_the_controller():
+    """Sample-exact verification: sampled tokens equal plain sampling's whatever k the
+    controller picks per step."""
+    target = make_tiny(seed=4, vocab_size=16)
+    reqs = [Request([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=30, n=4, seed=7))]
+    plain = Engine(target, max_batch=4).generate(reqs)
+    spec = SpecConfig("ngram", 3, adaptive=True, exact="sample")
+    out = Engine(target, max_batch=4, spec=spec).generate(reqs)
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+
+
+def test_adaptive_takes_no_fixed_cap():
+    with pytest.raises(ValueError, match="max_tokens_per_forward"):
+        SpecConfig("ngram", 3, adaptive=True, max_tokens_per_forward=16).validate()
+
+
+def test_model_spec_counts_the_models_parameters():
+    model = make_tiny()
+    spec = model_spec(model)
+    assert spec.params_total == sum(p.numel() for p in model.parameters())
+    assert (spec.layers, spec.vocab) == (model.config.num_layers, model.config.vocab_size)
+
+
+def test_controller_and_simulator_calibration_agree(smollm2):
+    """One cost model, two users: the simulator's trace calibration (``fit_trace``) and the
+    controller's fit of the same records give the same hardware profile."""
+    from dataclasses import replace
+
+    from specrl.sim.calibrate import Trace, fit_trace
+
+    records = true_records(smollm2, calibration_shapes(64, 3))
+    trace = Trace("test", "smollm2-135m", "bf16", tuple(records))
+    base = load_hardware("cpu-2core")
+    simulator = fit_trace(trace, base, heldout_fraction=0.0).profile
+    controller = TargetCost(smollm2, records).cost.hw
+    assert replace(controller, name=simulator.name) == simulator
