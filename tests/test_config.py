@@ -4,7 +4,7 @@ registered names (task, template, drafter, loss, advantage, correction) checked 
 
 import pytest
 
-from specrl.config import Config, ConfigError, load_config, parse_override
+from specrl.config import Config, ConfigError, load_config, parse_override, preset_names
 from specrl.pipelines.validate import check_names
 
 
@@ -174,3 +174,29 @@ def test_largest_run_seed_keeps_request_seeds_in_the_engine_range():
     most_steps = next(m.le for m in bounds if hasattr(m, "le"))
     most_prompts = 100_000  # env.num_eval's bound: the largest prompt index of one call
     assert 0 <= request_seed(MAX_RUN_SEED, most_steps, most_prompts, 3) <= MAX_SEED
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_names_registered_things(name):
+    cfg = load_config(None, [], preset=name)
+    check_names(cfg)
+    assert cfg != Config()  # a preset that changes nothing is no preset
+
+
+def test_reasoning_preset_then_file_then_overrides(tmp_path):
+    """The preset is the base; a --config file and --set overrides apply over it, table by
+    table (a file's [rollout] keeps the preset's other rollout keys)."""
+    assert "reasoning" in preset_names()
+    cfg = load_config(None, [], preset="reasoning")
+    assert cfg.env.template == "step_by_step" and cfg.rollout.max_new_tokens == 256
+    path = tmp_path / "run.toml"
+    path.write_text("[rollout]\ngroup_size = 4\n")
+    cfg = load_config(path, ["rollout.max_new_tokens=128"], preset="reasoning")
+    assert cfg.rollout.group_size == 4 and cfg.rollout.max_new_tokens == 128
+    assert cfg.env.template == "step_by_step"  # from the preset
+
+
+def test_unknown_preset_is_one_line_naming_the_presets():
+    with pytest.raises(ConfigError, match="unknown preset 'reasonin'.*reasoning") as e:
+        load_config(None, [], preset="reasonin")
+    assert "\n" not in str(e.value)

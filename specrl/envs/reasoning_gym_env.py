@@ -136,6 +136,12 @@ TEMPLATES: dict[str, Template] = {
     ),
     "answer_line": Template(None, "\nEnd your reply with a line 'Answer: <answer>'.", extract_line),
     "answer_only": Template(None, "\nReply with only the final answer.", extract_last_line),
+    # long, variable replies (the reasoning preset): the last "answer is X" or last line's value
+    "step_by_step": Template(
+        None,
+        "\nExplain your reasoning step by step, then end with 'The answer is <answer>.'",
+        extract_last_line,
+    ),
 }
 
 

@@ -74,16 +74,20 @@ def check_resumable(run: RunDir) -> None:
 
 
 def resolve_config(
-    config: Path | None, sets: list[str], run_dir: Path | None, resume: Path | None
+    config: Path | None,
+    sets: list[str],
+    run_dir: Path | None,
+    resume: Path | None,
+    preset: str | None = None,
 ) -> tuple[Config, Path]:
     """The validated config and the run directory (``ConfigError`` or ``RunDirError``, both
     ``ValueError``, on any bad input)."""
     if resume is not None:
-        if config is not None:
+        if config is not None or preset is not None:
             raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
         check_resumable(RunDir(resume))
         return with_run_dir(load_config(resume / "config.toml", sets), resume), resume
-    cfg = load_config(config, sets)
+    cfg = load_config(config, sets, preset)
     base = run_dir or Path(cfg.run.run_dir)
     require_writable_dir(base, "run dir")
     target = free_run_dir(base)
@@ -100,6 +104,15 @@ def train_command(
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="override: section.key=value (repeatable)")
     ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            "--preset",
+            help="start from a shipped config (--config and --set apply over it): "
+            "'reasoning' = step-by-step answers with long, variable lengths, where "
+            "speculation pays (docs/training.md)",
+        ),
+    ] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="run directory")] = None,
     resume: Annotated[
         Path | None, typer.Option("--resume", help="continue the run in RUN_DIR")
@@ -114,7 +127,7 @@ def train_command(
     from specrl.pipelines.build import build_run
 
     try:
-        cfg, target = resolve_config(config, sets or [], run_dir, resume)
+        cfg, target = resolve_config(config, sets or [], run_dir, resume, preset)
         parts = None if cfg.cluster.rollout_workers > 0 else build_run(cfg)
         if parts is None:  # built by the learner actor; what can be checked first is
             from specrl.pipelines.ray_run import precheck

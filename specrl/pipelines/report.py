@@ -72,6 +72,7 @@ def summarize(
         "response_length_last": _mean(last, "response_length"),
         "rollout_tokens_per_s": _mean(rows, "rollout_tokens_per_s"),
         "acceptance_length": _mean(rows, "acceptance_length"),
+        "spec_step_share": _mean(rows, "spec_step_share"),
         "logprob_delta_mean": _mean(rows, "logprob_delta_mean"),
         "step_time_s": _mean(rows, "step_time_s"),
         "total_step_time_s": sum(r["step_time_s"] for r in rows),
@@ -116,6 +117,9 @@ def summary_text(s: dict[str, Any]) -> str:
             f"{s['eval_last_greedy_accuracy']:.3f}, sampled "
             f"{s['eval_first_sampled_accuracy']:.3f} -> {s['eval_last_sampled_accuracy']:.3f}"
         )
+    share = s.get("spec_step_share", float("nan"))
+    if share == share:  # nan: rows from before the metric (or another backend's)
+        lines.append(speculation_line(share, s["acceptance_length"]))
     if "speed_rollout_speedup" in s:
         lines.append(
             f"rollout speedup (same prompts, weights, seeds): {s['speed_rollout_speedup']:.2f}x "
@@ -123,6 +127,18 @@ def summary_text(s: dict[str, Any]) -> str:
             f"plain, acceptance length {s['speed_spec_acceptance_length']:.2f})"
         )
     return "\n".join(lines)
+
+
+def speculation_line(share: float, acceptance: float) -> str:
+    """What speculation did in the run, and why so little when it barely ran."""
+    line = f"speculation: drafted in {share:.0%} of decode steps"
+    if share >= 0.05:
+        return line + f" (acceptance length {acceptance:.2f} over all steps)"
+    return line + (
+        " (the controller (rollout.max_tokens_per_forward='auto') drafts only where it expects "
+        "more tokens/s: with many live rows a verify forward costs more than the drafts it "
+        "accepts, and short replies leave no tail; long replies do: --preset reasoning)"
+    )
 
 
 # --------------------------------------------------------------------------- plots

@@ -61,7 +61,8 @@ def test_reward_of_correct_and_wrong_answers(env, template):
     answer = p.meta["answer"]
     good = {"answer_tag": f"Let me think.\n<answer>{answer}</answer>",
             "answer_line": f"Some work.\nAnswer: {answer}",
-            "answer_only": f"{answer}"}[template]  # fmt: skip
+            "answer_only": f"{answer}",
+            "step_by_step": f"First, 2 + 2 = 4.\nSo the answer is {answer}."}[template]  # fmt: skip
     assert env.reward(good, p.meta) == 1.0 and env.correct(good, p.meta)
     wrong = good.replace(answer, str(int(answer) + 1))
     assert env.reward(wrong, p.meta) < 1.0 and not env.correct(wrong, p.meta)

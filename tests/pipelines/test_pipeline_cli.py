@@ -36,6 +36,8 @@ def app() -> typer.Typer:
         (["--set", "rollout.spec=suffx"], "did you mean suffix"),
         (["--config", "/no/such.toml"], "cannot read config file"),
         (["--resume", "/no/such/run"], "cannot resume"),
+        (["--preset", "reasonin"], "unknown preset 'reasonin' (presets: reasoning)"),
+        (["--resume", "/no/such/run", "--preset", "reasoning"], "--resume reads RUN_DIR"),
     ],
 )
 def test_bad_input_is_one_line_before_work(app, tmp_path, monkeypatch, args, match):
@@ -95,3 +97,18 @@ def test_summary_windows():
     s = summarize(rows)
     assert s["window"] == 3 and s["reward_first"] == 1.0 and s["reward_last"] == 7.0
     assert s["time_other_s"] == pytest.approx(0.5)
+
+
+def test_summary_says_what_speculation_did_and_why_not():
+    """The console summary reports the share of drafting steps; when speculation barely ran it
+    says why and what would change it."""
+    pairs = [(1.0, 0.0), (1.02, 0.01)]  # (acceptance length, share of drafting steps)
+    rows = [{"step": i, "reward_mean": 0.0, "step_time_s": 1.0, "acceptance_length": a,
+             "spec_step_share": s} for i, (a, s) in enumerate(pairs)]  # fmt: skip
+    idle = summary_text(summarize(rows))
+    assert "drafted in 0% of decode steps" in idle and "--preset reasoning" in idle
+    rows[1]["spec_step_share"] = 0.5
+    busy = summary_text(summarize(rows))
+    assert "drafted in 25% of decode steps" in busy and "--preset" not in busy
+    old = [{k: v for k, v in r.items() if k != "spec_step_share"} for r in rows]
+    assert "drafted in" not in summary_text(summarize(old))
