@@ -50,7 +50,7 @@ from specrl.sampling import (
     uniforms,
 )
 from specrl.spec.config import SpecConfig, build_proposer
-from specrl.spec.controller import SpecController, start_controller
+from specrl.spec.controller import SpecController, StepOutcome, start_controller
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
 from specrl.spec.verify import Verified, verify
@@ -119,6 +119,30 @@ def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> 
     """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
     u = uniforms(t.seeds, counters, STREAM_SAMPLE)
     return Sampled(*sample_logits(logits, t.temperature, t.top_k, t.top_p, u))
+
+
+@dataclass
+class SpecDrafts:
+    """One step's drafts as the controller sees them: the cap it puts on a deterministic
+    draft (``capped``) and what the step verified and accepted (``record``)."""
+
+    context: float  # mean tokens cached per row
+    control: SpecController | None
+    verified: int = 0  # draft positions in the verify forward
+    drafted: list[int] = field(default_factory=list)  # [B] drafts verified per row
+    accepted: list[int] = field(default_factory=list)  # [B]
+
+    def capped(self, lengths: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        """``lengths`` [B] limited to the controller's cap (deterministic drafts only)."""
+        if self.control is None or not deterministic:
+            return lengths
+        cap = self.control.cap(len(lengths), self.context, lengths.tolist())
+        return lengths.clamp(max=cap)
+
+    def record(self, verified: int, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.verified = verified
+        self.drafted = lengths.tolist()
+        self.accepted = accepted.tolist()
 
 
 class Engine(InflightUpdates):
@@ -396,35 +420,39 @@ class Engine(InflightUpdates):
             return []
         t0, draft0 = time.perf_counter(), self.stats.draft_s
         spec, proposer = self._active
-        control = self._controller(spec) if proposer is not None else None
+        control = self._controller(spec, proposer) if proposer is not None else None
         context = sum(s.pos for s in rows) / len(rows)
         if control is not None:
             k = control.choose(len(rows), context)
         else:
             k = spec.k_for_batch(len(rows)) if proposer is not None else 0
-        accepted: list[int] = []
+        drafts = SpecDrafts(context, control)
         if k == 0:
             finished = self._plain_step(rows, start)
         else:
-            finished = self._spec_step(rows, start, proposer, k, accepted)
+            finished = self._spec_step(rows, start, proposer, k, drafts)
         elapsed = time.perf_counter() - t0
         draft_s = self.stats.draft_s - draft0
         self.stats.decode_s += elapsed
         self.stats.steps += 1
-        self.stats.spec_steps += k > 0
+        self.stats.spec_steps += drafts.verified > 0
         if control is not None:
-            control.observe(len(rows), k, context, elapsed, draft_s, accepted)
+            control.observe(StepOutcome(len(rows), k, drafts.verified, context, elapsed,
+                                        draft_s, drafts.drafted, drafts.accepted))  # fmt: skip
         if self.record_steps:
             self._record_step(k, elapsed, draft_s)
         return finished
 
-    def _controller(self, spec: SpecConfig) -> SpecController | None:
+    def _controller(self, spec: SpecConfig, proposer) -> SpecController | None:
         """The cost-model controller of an adaptive ``spec`` (started on first use and kept
-        across calls while k is the same: its estimates carry over from step to step)."""
+        across calls while k and the kind of drafter are the same: its estimates carry over
+        from step to step)."""
         if not spec.adaptive:
             return None
-        if self.controller is None or self.controller.k_max != spec.k:
-            self.controller = start_controller(self.model, spec.k, self.max_batch)
+        cheap = bool(proposer.deterministic)
+        ctl = self.controller
+        if ctl is None or ctl.k_max != spec.k or ctl.cheap_drafts != cheap:
+            self.controller = start_controller(self.model, spec.k, self.max_batch, cheap)
         return self.controller
 
     def _record_step(self, k: int, elapsed: float, draft_s: float) -> None:
@@ -457,10 +485,10 @@ class Engine(InflightUpdates):
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
 
     def _spec_step(
-        self, rows: list[Seq], start: float, proposer, k: int, accepted: list[int]
+        self, rows: list[Seq], start: float, proposer, k: int, drafts: SpecDrafts
     ) -> list[int]:
         """Draft, verify k+1 positions in one target forward, advance each row by its count
-        (its accepted drafts appended to ``accepted``)."""
+        (``drafts`` caps a deterministic draft through its controller and records the step)."""
         t0 = time.perf_counter()
         t = self._tensors(rows)
         counters = torch.tensor([len(s.comp.token_ids) for s in rows])
@@ -480,6 +508,7 @@ class Engine(InflightUpdates):
         draft = proposer.propose(batch, k)
         room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
+        lengths = drafts.capped(lengths, draft.probs is None)
         kk = int(lengths.max())
         count = self._active[0].siblings_for_batch(len(rows), kk)
         tree = SiblingDraft.draw(draft, lengths, kk, count, t.seeds, counters)
@@ -509,7 +538,7 @@ class Engine(InflightUpdates):
             self.stats.sibling_accepted += tree.adopt(self._cache, pos, chosen, feats)
         self.stats.verify_s += time.perf_counter() - t1
         self._count(rows, lengths, v.num_accepted)
-        accepted.extend(v.num_accepted.tolist())
+        drafts.record(kk, lengths, v.num_accepted)
         proposer.observe(batch.row_ids, v.num_emitted)
         self._keep_hidden(rows, feats, v.num_emitted.tolist())
         return self._emit_verified(rows, v, start)

@@ -40,7 +40,7 @@ class EngineStats:
     """Cumulative counters of one ``generate`` call."""
 
     steps: int = 0
-    spec_steps: int = 0  # decode steps that drafted (k > 0)
+    spec_steps: int = 0  # decode steps that verified at least one draft token
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0

@@ -17,12 +17,13 @@ engine's ``record_steps`` records, read here)::
 
 Contract: every non-draft record is priced by the cost model's own features, bytes moved, FLOPs
 (cost.weight_bytes_read, kv_bytes_read, forward_flops on one device) and, for verify records, the
-logits the rejection sampler processes (tokens x vocab), and the fit solves
-``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit`` by non-negative least
-squares (numpy; a feature whose coefficient goes negative is dropped and the rest refitted). The
-result is written as a hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff /
-peak_flops, step_overhead_s = c0, verify_s_per_logit = s_logit, keeping every other field of the
-base profile. Draft records of a model-free
+logits the rejection sampler processes (tokens x vocab) and a constant, and the fit solves
+``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit + verify * c_v`` by
+non-negative least squares on relative errors (numpy; a feature whose coefficient goes negative
+is dropped and the rest refitted). The result is written as a hardware profile: eta_mem = B_eff
+/ hbm_bandwidth, eta_compute = F_eff / peak_flops, step_overhead_s = c0, verify_s_per_logit =
+s_logit, verify_overhead_s = c_v (the fixed part of a verify step), keeping every other field of
+the base profile. Draft records of a model-free
 drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (least squares
 through the origin in the batch size); other draft records set forward_overhead_s to their median
 time. Records are split into fit and held-out sets by a seeded permutation, or by run when
@@ -160,11 +161,13 @@ def load_trace(path: Path) -> Trace:
 
 
 def features(model: ModelSpec, rec: Record) -> np.ndarray:
-    """[1, bytes moved, FLOPs, verified logits] of one record, as the cost model counts them."""
+    """[1, bytes moved, FLOPs, verified logits, 1 if a verify] of one record, as the cost model
+    counts them."""
     shape = ForwardShape(rec.batch_size, rec.tokens_per_seq, rec.context_len)
     moved = weight_bytes_read(model, shape.tokens) + kv_bytes_read(model, shape)
-    logits = shape.tokens * model.vocab if rec.kind == "verify" else 0.0
-    return np.array([1.0, moved, forward_flops(model, shape), logits])
+    verify = float(rec.kind == "verify")
+    logits = shape.tokens * model.vocab * verify
+    return np.array([1.0, moved, forward_flops(model, shape), logits, verify])
 
 
 def design(model: ModelSpec, records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
@@ -184,6 +187,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         if (coef >= 0).all():
             return coef
         keep &= coef > 0
+
+
+def relative_nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``nnls`` minimising relative errors (each record's row divided by its time): a batch-1
+    step of 20 ms counts as much as a batch-64 step of 300 ms, as in the error reported."""
+    return nnls(x / y[:, None], np.ones_like(y))
 
 
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
@@ -232,9 +241,11 @@ def apply_drafts(
 
 
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
-    c0, per_byte, per_flop, per_logit = (float(c) for c in coef)
-    eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else base.eta_mem
-    eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else base.eta_compute
+    """The profile pricing a step as the fit does: a rate the fit dropped (coefficient 0)
+    becomes an infinite efficiency, so that term costs nothing in the simulator either."""
+    c0, per_byte, per_flop, per_logit, verify_s = (float(c) for c in coef)
+    eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
+    eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
     return replace(
         base,
         name=name,
@@ -242,6 +253,7 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
         eta_compute=eta_compute,
         step_overhead_s=c0,
         verify_s_per_logit=per_logit,
+        verify_overhead_s=verify_s,
     )
 
 
@@ -253,7 +265,7 @@ def fit_records(
     (``specrl.spec.controller``) fits the engine it drives with this, from a start-up
     measurement and the engine's own steps, so it and the simulator price a step alike."""
     x, y = design(model, records)
-    return profile_from_coefficients(base, nnls(x, y), name)
+    return profile_from_coefficients(base, relative_nnls(x, y), name)
 
 
 def fit_trace(
@@ -275,7 +287,7 @@ def fit_trace(
         raise SimInputError(
             "need at least 3 decode/verify/prefill records outside the held-out runs"
         )
-    coef = nnls(x[fit_idx], y[fit_idx])
+    coef = relative_nnls(x[fit_idx], y[fit_idx])
     profile = profile_from_coefficients(base, coef, name or f"{base.name}-calibrated")
     drafts = [r for r in trace.records if r.kind == "draft" and r.config not in heldout_configs]
     profile, drafter = apply_drafts(trace, model, profile, drafts)
@@ -286,6 +298,7 @@ def fit_trace(
             "s_per_byte": float(coef[1]),
             "s_per_flop": float(coef[2]),
             "s_per_verify_logit": float(coef[3]),
+            "verify_overhead_s": float(coef[4]),
         },
         fit_error=mape(x[fit_idx] @ coef, y[fit_idx]),
         heldout_error=mape(x[out_idx] @ coef, y[out_idx]),

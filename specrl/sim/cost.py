@@ -8,6 +8,7 @@ Contract (all times in seconds, one replica of ``gpus`` GPUs holding one copy of
     T_plain   = step_overhead + T_forward(target, 1 token per sequence)
     T_spec    = step_overhead + T_draft(k) + T_forward(target, k + 1 tokens per sequence)
               + n_seqs * (k + 1) * vocab * verify_s_per_logit          rejection sampler, logprobs
+              + verify_overhead_s                                     its fixed part (0 on GPUs)
     T_prefill = step_overhead + T_forward(target, n_seqs / prefill_group prompts, prompt tokens)
 
 Weights: every dense weight, plus for MoE the experts the forward's T routed tokens touch. With
@@ -304,7 +305,8 @@ class StepCostModel:
         """Target forward over the k drafts plus one position per sequence, and the rejection
         sampler over their logits (no step overhead)."""
         tokens = self.verify_tokens(k, n_seqs)
-        return self.target_forward(n_seqs, tokens, context) + self.sampler(n_seqs, tokens)
+        forward = self.target_forward(n_seqs, tokens, context)
+        return forward + self.sampler(n_seqs, tokens) + self.hw.verify_overhead_s
 
     def draft_forward(self, n_seqs: float, tokens_per_seq: float, context: float) -> float:
         """One forward of the draft network (its overhead, weights, own KV cache and FLOPs)."""

@@ -119,6 +119,9 @@ class HardwareSpec:
     # distributions, logprobs, over the vocabulary at each of the k+1 positions) beyond a plain
     # step's sampling: GPUs derive it from the bytes the sampler moves; fitted on CPUs.
     verify_s_per_logit: float = 0.0
+    # Seconds a speculative step's verification adds whatever its size (building the draft
+    # batch, the rejection sampler's setup and bookkeeping): fitted on CPUs, 0 elsewhere.
+    verify_overhead_s: float = 0.0
     peak_flops_fp8: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores)
     # expert-parallel all-to-all (dispatch or combine, one MoE layer): latency + bytes over the
     # link bandwidth times this efficiency (fitted on DeepEP's published kernel times)

@@ -94,35 +94,51 @@ def measure_forwards(
 
 @dataclass
 class Acceptance:
-    """Decayed counts, per draft position, of rows asked for it and rows that accepted it."""
+    """Decayed counts, per draft position, of rows that drafted it and rows that accepted it."""
 
     k_max: int
     decay: float = 0.995  # per observed step: the evidence of ~200 steps
-    tries: np.ndarray = field(init=False)  # [k_max]
-    hits: np.ndarray = field(init=False)  # [k_max]
+    asks: np.ndarray = field(init=False)  # [k_max] rows asked for a draft at the position
+    tries: np.ndarray = field(init=False)  # [k_max] rows that drafted it
+    hits: np.ndarray = field(init=False)  # [k_max] rows that accepted it
 
     def __post_init__(self) -> None:
+        self.asks = np.zeros(self.k_max)
         self.tries = np.zeros(self.k_max)
         self.hits = np.zeros(self.k_max)
 
-    def observe(self, k: int, accepted: list[int]) -> None:
-        """A step that asked ``k`` drafts of each row, which accepted ``accepted`` [rows]."""
-        self.tries *= self.decay
-        self.hits *= self.decay
-        if k == 0 or not accepted:
+    def observe(self, drafted: list[int], accepted: list[int], asked: int | None = None) -> None:
+        """A step whose rows were asked for ``asked`` drafts (default: as many as they
+        drafted), drafted ``drafted`` [rows] and accepted ``accepted`` [rows] of them (both
+        empty for a plain step)."""
+        for counts in (self.asks, self.tries, self.hits):
+            counts *= self.decay
+        if not drafted:
             return
-        acc = np.asarray(accepted)
-        self.tries[:k] += len(acc)
-        self.hits[:k] += (acc[:, None] > np.arange(k)[None, :]).sum(0)
+        pos = np.arange(self.k_max)[None, :]  # [1, k_max]
+        drafted_at = (np.asarray(drafted)[:, None] > pos).sum(0)
+        self.asks += drafted_at if asked is None else len(drafted) * (pos[0] < asked)
+        self.tries += drafted_at
+        self.hits += (np.asarray(accepted)[:, None] > pos).sum(0)
+
+    def coverage(self) -> np.ndarray:
+        """P(a row drafts position i when asked) for i = 1..k_max [k_max] (0 if never asked)."""
+        return np.divide(self.tries, self.asks, out=np.zeros(self.k_max), where=self.asks > 0)
 
     def reach(self) -> np.ndarray:
-        """P(accepted >= i) for i = 1..k_max [k_max], non-increasing (0 where never tried)."""
+        """P(accepted >= i | drafted >= i) for i = 1..k_max [k_max], non-increasing (0 where
+        never drafted)."""
         p = np.divide(self.hits, self.tries, out=np.zeros(self.k_max), where=self.tries > 0)
         return np.minimum.accumulate(p)
 
     def emitted(self, k: int) -> float:
-        """Expected tokens a row emits in a step with ``k`` drafts."""
+        """Expected tokens a row emits in a step that drafts ``k`` tokens for it."""
         return 1.0 + float(self.reach()[:k].sum())
+
+    def emitted_rows(self, lengths: np.ndarray, cap: int) -> float:
+        """Expected tokens all rows emit when row r verifies min(cap, lengths[r]) drafts."""
+        cum = np.concatenate([[0.0], np.cumsum(self.reach())])  # [k_max + 1]
+        return float(len(lengths) + cum[np.minimum(lengths, cap)].sum())
 
 
 @dataclass
@@ -181,12 +197,31 @@ class TargetCost:
         return c.hw.step_overhead_s + c.verify(rows, k, context)
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the engine reports after a step: its shape, times and per-row drafts."""
+
+    rows: int
+    asked: int  # draft tokens asked of the drafter (0: a plain step)
+    verified: int  # draft positions in the verify forward (its width - 1)
+    context: float  # mean tokens cached per row
+    step_s: float  # wall seconds of the whole step, drafting included
+    draft_s: float
+    drafted: list[int] = field(default_factory=list)  # [rows] drafts verified per row
+    accepted: list[int] = field(default_factory=list)  # [rows]
+
+
 @dataclass
 class SpecController:
-    """Chooses k per step (module docstring); ``observe`` feeds back each step's outcome."""
+    """Chooses k per step (module docstring); ``observe`` feeds back each step's outcome.
+
+    ``cheap_drafts`` (a deterministic drafter: n-gram, suffix): every step drafts ``k_max``
+    (``choose``), and ``cap`` then decides, seeing each row's draft length, how many of them
+    the verify forward takes (rows without a draft cost nothing to verify)."""
 
     k_max: int
     target: TargetCost
+    cheap_drafts: bool = False
     explore_share: float = 0.02
     min_tries: int = 4
     refit_every: int = 16
@@ -194,63 +229,112 @@ class SpecController:
     draft: DraftCost = field(default_factory=DraftCost)
     budget: float = 0.0  # seconds of exploration the controller may still spend
     steps: int = 0
-    explored: int = 0  # steps run at k_max to measure acceptance
-    # (rows, k, predicted s, measured s) of recent steps, the prediction made before each ran
+    explored: int = 0  # steps that verified more than the estimates asked, to measure them
+    # (rows, verified k, predicted s, measured s) of recent steps, the prediction made first
     predictions: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.k_max)
 
-    def predict(self, rows: int, k: int, context: float) -> float:
-        """Predicted seconds of a step of ``rows`` rows drafting ``k`` tokens (0 = plain)."""
-        return self.draft.predict(rows, k) + self.target.predict(rows, k, context)
+    def predict(self, rows: int, k: int, context: float, asked: int | None = None) -> float:
+        """Predicted seconds of a step of ``rows`` rows verifying ``k`` drafts (0 = plain),
+        drafting ``asked`` (default ``k``) of them."""
+        asked = k if asked is None else asked
+        return self.draft.predict(rows, asked) + self.target.predict(rows, k, context)
 
     def rates(self, rows: int, context: float) -> list[float]:
-        """Expected emitted tokens per second for k = 0..k_max."""
+        """Expected emitted tokens per second for k = 0..k_max, every row drafting k."""
         acc = self.acceptance
         return [
             rows * acc.emitted(k) / max(self.predict(rows, k, context), 1e-9)
             for k in range(self.k_max + 1)
         ]
 
+    def capped_rates(self, rows: int, context: float) -> list[float]:
+        """Cheap drafts: expected tokens per second of a plain step (index 0) and of drafting
+        k_max then verifying at most c drafts per row (index c), rows drafting position i with
+        the measured coverage c_i: the verify forward reaches position i when any row drafted
+        it, with probability 1 - (1 - c_i)^rows (the simulator's ``draft_coverage`` term)."""
+        acc = self.acceptance
+        cov = acc.coverage()
+        gain = np.cumsum(acc.reach() * cov)  # [k_max] expected accepted drafts per row
+        wide = 1.0 - (1.0 - cov) ** rows  # [k_max] P(the forward verifies position i)
+        t = [self.target.predict(rows, c, context) for c in range(self.k_max + 1)]
+        extra = np.cumsum(wide * np.diff(t))  # [k_max] expected verify time beyond a plain one
+        drafting = self.draft.predict(rows, self.k_max)
+        return [rows / max(t[0], 1e-9)] + [
+            rows * (1.0 + gain[c]) / max(drafting + t[0] + extra[c], 1e-9)
+            for c in range(self.k_max)
+        ]
+
     def choose(self, rows: int, context: float) -> int:
-        """Draft tokens for the next step (0 = plain), exploring k_max within the budget."""
-        rates = self.rates(rows, context)
+        """Draft tokens to ask for in the next step (0 = plain), exploring k_max within the
+        budget. With cheap drafts: k_max (``cap`` decides after the draft) unless no k is
+        expected to pay even where rows draft as often as they have (then a plain step: no
+        drafting cost either)."""
+        rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
         best = int(np.argmax(rates))
-        t_best = self.predict(rows, best, context)
+        if self.cheap_drafts and best > 0:
+            return self.k_max
+        return self._explore(rows, context, best, self.k_max, asked_counts=self.cheap_drafts)
+
+    def cap(self, rows: int, context: float, lengths: list[int]) -> int:
+        """With cheap drafts: the most drafts per row the verify forward takes, given each
+        row's draft length, for the most expected tokens per second (the draft is paid)."""
+        lens = np.asarray(lengths)
+        longest = int(lens.max()) if len(lens) else 0
+        acc = self.acceptance
+        rates = [
+            acc.emitted_rows(lens, c) / max(self.target.predict(rows, c, context), 1e-9)
+            for c in range(longest + 1)
+        ]
+        return self._explore(rows, context, int(np.argmax(rates)), longest, self.k_max)
+
+    def _explore(
+        self,
+        rows: int,
+        context: float,
+        best: int,
+        widest: int,
+        asked: int | None = None,
+        asked_counts: bool = False,
+    ) -> int:
+        """``best``, or ``widest`` when position ``widest`` is under-measured (fewer than
+        ``min_tries`` rows drafted it, or with ``asked_counts`` were asked for it) and the
+        budget (``explore_share`` of every step's predicted time) pays its predicted extra
+        time (``asked``: drafts already asked of the drafter, else as many as verified)."""
+        t_best = self.predict(rows, best, context, asked)
         self.budget += self.explore_share * t_best
-        if best == self.k_max or self.acceptance.tries[-1] >= self.min_tries:
+        acc = self.acceptance
+        measured = (acc.asks if asked_counts else acc.tries)[widest - 1] if widest else 0.0
+        if widest <= best or measured >= self.min_tries:
             return best
-        extra = max(self.predict(rows, self.k_max, context) - t_best, 0.0)
+        extra = max(self.predict(rows, widest, context, asked) - t_best, 0.0)
         if extra > self.budget:
             return best
         self.budget -= extra
         self.explored += 1
-        return self.k_max
+        return widest
 
-    def observe(
-        self,
-        rows: int,
-        k: int,
-        context: float,
-        step_s: float,
-        draft_s: float,
-        accepted: list[int],
-    ) -> None:
-        """One finished step: its shape, wall time (drafting included) and accepted drafts per
-        row (empty for a plain step)."""
-        self.predictions.append((rows, k, self.predict(rows, k, context), step_s))
-        self.acceptance.observe(k, accepted)
-        if k:
-            self.draft.observe(rows, k, draft_s)
-        kind, tokens = ("verify", k + 1) if k else ("decode", 1)
-        self.target.observe(Record(rows, tokens, context, step_s - draft_s, kind))
+    def observe(self, out: StepOutcome) -> None:
+        """One finished step (``StepOutcome``)."""
+        predicted = self.predict(out.rows, out.verified, out.context, out.asked)
+        self.predictions.append((out.rows, out.verified, predicted, out.step_s))
+        self.acceptance.observe(out.drafted, out.accepted, out.asked if out.asked else None)
+        if out.asked:
+            self.draft.observe(out.rows, out.asked, out.draft_s)
+        k = out.verified
+        kind, tokens = ("verify", k + 1) if out.asked else ("decode", 1)
+        seconds = out.step_s - out.draft_s
+        self.target.observe(Record(out.rows, tokens, out.context, seconds, kind))
         self.steps += 1
         if self.steps % self.refit_every == 0:
             self.target.refit()
 
 
-def start_controller(model: torch.nn.Module, k_max: int, max_batch: int) -> SpecController:
+def start_controller(
+    model: torch.nn.Module, k_max: int, max_batch: int, cheap_drafts: bool = False
+) -> SpecController:
     """A controller for ``model`` after timing its forwards at ``calibration_shapes``."""
     records = measure_forwards(model, calibration_shapes(max_batch, k_max))
-    return SpecController(k_max, TargetCost(model_spec(model), records))
+    return SpecController(k_max, TargetCost(model_spec(model), records), cheap_drafts)

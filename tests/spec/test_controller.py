@@ -47,22 +47,32 @@ def smollm2():
 
 def test_acceptance_counts_rows_reaching_each_position():
     acc = Acceptance(3, decay=1.0)
-    acc.observe(3, [0, 1, 3, 2])  # position 1: 3 of 4, 2: 2 of 4, 3: 1 of 4
+    acc.observe([3, 3, 3, 3], [0, 1, 3, 2])  # position 1: 3 of 4, 2: 2 of 4, 3: 1 of 4
     np.testing.assert_allclose(acc.reach(), [0.75, 0.5, 0.25])
     assert acc.emitted(0) == 1.0
     assert acc.emitted(2) == pytest.approx(2.25)
-    acc.observe(1, [1, 1])  # only position 1 asked: 5 of 6 there, the others unchanged
+    acc.observe([1, 1], [1, 1])  # only position 1 drafted: 5 of 6 there, the others unchanged
     np.testing.assert_allclose(acc.reach(), [5 / 6, 0.5, 0.25])
+
+
+def test_acceptance_counts_only_the_positions_a_row_drafted():
+    """A row with a short (or no) draft tells nothing about the positions it did not draft."""
+    acc = Acceptance(3, decay=1.0)
+    acc.observe([0, 1, 3], [0, 1, 2])
+    np.testing.assert_allclose(acc.tries, [2, 1, 1])
+    np.testing.assert_allclose(acc.reach(), [1.0, 1.0, 0.0])
+    # rows drafting 0, 2 and 3 tokens, capped at 2: 3 rows + the reach of what each verifies
+    assert acc.emitted_rows(np.array([0, 2, 3]), 2) == pytest.approx(3 + 0 + 2 + 2)
 
 
 def test_acceptance_is_non_increasing_and_fades():
     acc = Acceptance(2, decay=0.5)
-    acc.observe(2, [2])
-    acc.observe(1, [0, 0, 0])  # position 1 now mostly misses; position 2 keeps its old hit
+    acc.observe([2], [2])
+    acc.observe([1, 1, 1], [0, 0, 0])  # position 1 now mostly misses; position 2 keeps its hit
     reach = acc.reach()
     assert reach[1] <= reach[0] < 1.0
     tries = acc.tries.copy()
-    acc.observe(0, [])  # a plain step: the evidence fades
+    acc.observe([], [])  # a plain step: the evidence fades
     np.testing.assert_allclose(acc.tries, tries * 0.5)
 
 
@@ -137,9 +147,31 @@ def test_exploration_spends_at_most_its_share(smollm2):
         base += t0
         if k:
             spent += ctl.predict(8, k, 64.0) - t0
-        ctl.acceptance.observe(k, [0] * 8 if k else [])  # drafts never accepted
+        ctl.acceptance.observe([k] * 8 if k else [], [0] * 8 if k else [])  # never accepted
     assert ctl.explored > 0
     assert spent <= ctl.explore_share * base + 1e-12
+
+
+@pytest.mark.parametrize("reach", [[0.9, 0.8, 0.7], [0.3, 0.1, 0.0]])
+def test_cap_on_cheap_drafts_maximises_tokens_per_second(smollm2, reach):
+    """With a deterministic drafter the controller drafts k_max where drafting can pay and
+    caps what is verified by the rows' draft lengths: rows without a draft add no expected
+    tokens, so a step whose rows mostly have none verifies none."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target, cheap_drafts=True)
+    ctl.acceptance.asks[:] = ctl.acceptance.tries[:] = 1000.0  # every row always drafts
+    ctl.acceptance.hits[:] = 1000.0 * np.array(reach)
+    assert ctl.choose(16, 64.0) == (3 if reach[0] > 0.5 else 0)  # 0: not even drafting pays
+    assert ctl.choose(1, 64.0) == 3  # one row: a verify costs little more than a decode
+    for lengths in ([3] * 16, [0] * 15 + [3], [1, 2, 3, 0] * 4):
+        lens = np.array(lengths)
+
+        def rate(c, lens=lens):
+            return ctl.acceptance.emitted_rows(lens, c) / target.predict(16, c, 64.0)
+
+        want = max(range(int(lens.max()) + 1), key=rate)
+        assert ctl.cap(16, 64.0, lengths) == want
+    assert ctl.cap(16, 64.0, [0] * 15 + [3]) == 0  # one row's draft never pays 16 rows' verify
 
 
 def test_engine_controller_is_lossless_and_learns():
@@ -195,3 +227,25 @@ def test_controller_and_simulator_calibration_agree(smollm2):
     simulator = fit_trace(trace, base, heldout_fraction=0.0).profile
     controller = TargetCost(smollm2, records).cost.hw
     assert replace(controller, name=simulator.name) == simulator
+
+
+def test_a_dropped_rate_costs_nothing_in_the_fitted_profile(smollm2):
+    """Steps that take the same time whatever their size fit a pure overhead; the profile then
+    predicts exactly that (a dropped byte or FLOP rate must not fall back to a default)."""
+    records = [Record(b, t, 64.0, 0.02, "decode" if t == 1 else "verify")
+               for b, t in calibration_shapes(64, 3)]  # fmt: skip
+    target = TargetCost(smollm2, records)
+    assert target.predict(17, 0, 300.0) == pytest.approx(0.02, rel=1e-6)
+    assert target.predict(3, 2, 10.0) == pytest.approx(0.02, rel=1e-6)
+
+
+def test_cheap_drafts_rarely_there_mean_plain_steps(smollm2):
+    """Drafts that rows rarely have (coverage 1/16) do not pay their drafting cost: the
+    controller asks for none once it has measured that."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target, cheap_drafts=True)
+    for _ in range(50):  # 50 steps of 16 rows asked for 3 drafts, one of them drafting
+        ctl.acceptance.observe([3] + [0] * 15, [3] + [0] * 15, asked=3)
+    np.testing.assert_allclose(ctl.acceptance.coverage(), 1 / 16, rtol=1e-6)
+    ctl.draft.observe(16, 3, 0.004)  # and drafting costs 4 ms
+    assert ctl.choose(16, 64.0) == 0
