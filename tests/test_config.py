@@ -188,7 +188,7 @@ def test_reasoning_preset_then_file_then_overrides(tmp_path):
     table (a file's [rollout] keeps the preset's other rollout keys)."""
     assert "reasoning" in preset_names()
     cfg = load_config(None, [], preset="reasoning")
-    assert cfg.env.template == "step_by_step" and cfg.rollout.max_new_tokens == 256
+    assert cfg.env.template == "step_by_step" and cfg.rollout.max_new_tokens == 512
     path = tmp_path / "run.toml"
     path.write_text("[rollout]\ngroup_size = 4\n")
     cfg = load_config(path, ["rollout.max_new_tokens=128"], preset="reasoning")

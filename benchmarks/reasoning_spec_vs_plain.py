@@ -1,0 +1,147 @@
+"""Speculation inside real RL steps on the reasoning preset: rollout and step speedup, interleaved.
+
+Usage: python benchmarks/reasoning_spec_vs_plain.py [--steps 8] [--warmup 1] [--set k=v ...]
+
+One synchronous GRPO run of ``specrl train --preset reasoning`` (SmolLM2-135M, bf16 engine, the
+configured drafter: suffix by default, with the cost-model controller and sample-exact
+verification). Every step rolls its prompts out twice on the same weights with the same request
+seeds: once plain (timing only) and once with speculation (the step's real rollout, which the
+learner trains on), the order alternating from step to step so drift on the machine cancels.
+With sample-exact verification both rollouts emit the same tokens (checked: ``same_tokens``),
+so the plain step is the same RL step without speculation. Per step: generation seconds plain
+and speculative, learner seconds, the share of a plain sync step spent generating, response
+length percentiles (p10/p50/p90/max), the share of plain rollout time spent with <= 4 live rows
+(from the engine's step records), acceptance, the controller's share of speculative steps, and
+reward. Summary over the steps after ``--warmup``: rollout speedup (sum plain / sum spec
+generation time), step speedup ((plain gen + learn) / (spec gen + learn)), the free-drafter
+ceiling (speculative time less drafting time).
+Writes benchmarks/results/reasoning_spec_vs_plain.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrl.bench import run_metadata, write_result
+from specrl.config import load_config
+from specrl.pipelines.build import build_run
+from specrl.pipelines.step import collect, draw_prompts, learn, rollout
+from specrl.spec.config import SpecConfig
+
+OUT = Path(__file__).parent / "results" / "reasoning_spec_vs_plain.json"
+FEW_ROWS = 4
+
+
+def few_rows_share(records) -> float:
+    """Share of decode time spent in steps with <= FEW_ROWS live rows."""
+    steps = [r for r in records if r.kind in ("decode", "verify", "draft")]
+    total = sum(r.step_time_s for r in steps)
+    few = sum(r.step_time_s for r in steps if r.batch_size <= FEW_ROWS)
+    return few / total if total else 0.0
+
+
+def plain_rollout(parts, step: int) -> tuple[float, list, float]:
+    """Seconds, completions and the <= 4 rows share of the step's prompts rolled out plain."""
+    engine = parts.backend.engine
+    engine.record_steps = True
+    t0 = time.perf_counter()
+    out = rollout(parts, draw_prompts(parts, step), step, spec=SpecConfig("none", 0))
+    seconds = time.perf_counter() - t0
+    engine.record_steps = False
+    return seconds, out.completions, few_rows_share(out.stats.step_records)
+
+
+def one_step(parts, step: int) -> dict:
+    """Both rollouts of ``step`` (order alternating), then the learner on the speculative one."""
+    if step % 2 == 0:
+        plain_s, plain, few = plain_rollout(parts, step)
+    t0 = time.perf_counter()
+    batch = collect(parts, step)
+    spec_s = time.perf_counter() - t0
+    if step % 2 == 1:
+        plain_s, plain, few = plain_rollout(parts, step)
+    t1 = time.perf_counter()
+    learned = learn(parts, batch)
+    learn_s = time.perf_counter() - t1
+    m = batch.metrics
+    lengths = [len(c.token_ids) for c in batch.completions]
+    return {
+        "step": step,
+        "plain_gen_s": plain_s,
+        "spec_gen_s": spec_s,
+        "learn_s": learn_s,
+        "spec_draft_s": m["draft_s"],
+        "gen_share_of_plain_step": plain_s / (plain_s + learn_s),
+        "same_tokens": [c.token_ids for c in plain] == [c.token_ids for c in batch.completions],
+        "tokens": sum(lengths),
+        "length_p10_p50_p90_max": [float(x) for x in np.percentile(lengths, [10, 50, 90, 100])],
+        "plain_time_share_at_most_4_rows": few,
+        "acceptance_length": m["acceptance_length"],
+        "spec_step_share": m["spec_step_share"],
+        "reward_mean": m["reward_mean"],
+        "accuracy": m["accuracy"],
+        "loss": learned.get("learner_loss"),
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    plain = sum(r["plain_gen_s"] for r in rows)
+    spec = sum(r["spec_gen_s"] for r in rows)
+    learn_s = sum(r["learn_s"] for r in rows)
+    undrafted = spec - sum(r["spec_draft_s"] for r in rows)
+    return {
+        "steps": len(rows),
+        "rollout_speedup": plain / spec,
+        "step_speedup": (plain + learn_s) / (spec + learn_s),
+        "free_drafter_rollout_speedup": plain / undrafted,
+        "free_drafter_step_speedup": (plain + learn_s) / (undrafted + learn_s),
+        "gen_share_of_plain_step": plain / (plain + learn_s),
+        "plain_time_share_at_most_4_rows": float(
+            np.mean([r["plain_time_share_at_most_4_rows"] for r in rows])
+        ),
+        "all_same_tokens": all(r["same_tokens"] for r in rows),
+        "acceptance_length_mean": float(np.mean([r["acceptance_length"] for r in rows])),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the summary")
+    ap.add_argument("--preset", default="reasoning")
+    ap.add_argument("--set", action="append", default=[], help="config override key=value")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    sets = [*args.set, f"run.steps={args.steps}", "run.eval_every=0", "run.checkpoint_every=0"]
+    cfg = load_config(None, sets, preset=args.preset)
+    torch.manual_seed(cfg.run.seed)
+    with tempfile.TemporaryDirectory() as d:
+        cfg.run.run_dir = d
+        parts = build_run(cfg)
+        rows = []
+        for step in range(args.steps):
+            row = one_step(parts, step)
+            rows.append(row)
+            print(
+                f"step {step}: gen plain {row['plain_gen_s']:.1f}s spec {row['spec_gen_s']:.1f}s "
+                f"learn {row['learn_s']:.1f}s | accept {row['acceptance_length']:.2f} "
+                f"spec steps {row['spec_step_share']:.0%} | lengths "
+                f"{row['length_p10_p50_p90_max']} | <=4 rows "
+                f"{row['plain_time_share_at_most_4_rows']:.0%}"
+                f" | reward {row['reward_mean']:.3f} | same tokens {row['same_tokens']}",
+                flush=True,
+            )  # fmt: skip
+    summary = summarize(rows[args.warmup :] or rows)
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
+    meta = run_metadata() | {"args": vars(args) | {"out": str(args.out)}, "config": cfg.to_toml()}
+    write_result({"meta": meta, "summary": summary, "steps": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
