@@ -15,16 +15,19 @@ from three estimates, each refreshed by what the engine reports after every step
   starts, about a second) and then from the engine's own recent decode and verify steps;
 - the drafter's time: least squares on its recent steps over [1, k, rows, k * rows] (a
   model-free drafter costs per row, a draft network per forward and per row-forward);
-- acceptance: per draft position i, the decayed share of rows that emitted at least i accepted
-  draft tokens when i or more were asked (drafts shorter than asked count as rejections), so
-  E[emitted | k] = 1 + sum_{i <= k} P(accepted >= i).
+- acceptance: per draft position i, the decayed share of rows that accepted i drafts among the
+  rows that drafted i, so E[emitted | k] = 1 + sum_{i <= k} P(accepted >= i | drafted >= i), and
+  coverage: how often a row asked for a draft at position i has one.
 
-Speculation that never runs is never measured: while the estimate at position k_max rests on
-fewer than ``min_tries`` rows the controller explores (a step at k_max) whenever the predicted
-extra time of doing so fits a budget that grows by ``explore_share`` of every step's predicted
-time, so exploring costs at most that share of decoding time. Every decision depends on
-measured times, so with rejection sampling ("distribution") the completions of a seed are
-reproducible in distribution, not token for token ("sample" exactness keeps them identical).
+A deterministic drafter (``cheap_drafts``: ngram, suffix) is asked for k_max drafts whenever
+that can pay at the measured coverage (``capped_rates``), and ``cap`` then limits what the verify
+forward takes, given each row's actual draft length (a step whose rows have no draft verifies
+nothing). Speculation that never runs is never measured: while a position rests on fewer than
+``min_tries`` rows the controller explores it whenever the predicted extra time fits a budget
+that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
+share of decoding time. Every decision depends on measured times, so with rejection sampling
+("distribution") the completions of a seed are reproducible in distribution, not token for
+token ("sample" exactness keeps them identical).
 """
 
 from __future__ import annotations
