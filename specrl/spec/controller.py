@@ -102,31 +102,39 @@ class Acceptance:
     k_max: int
     decay: float = 0.995  # per observed step: the evidence of ~200 steps
     asks: np.ndarray = field(init=False)  # [k_max] rows asked for a draft at the position
-    tries: np.ndarray = field(init=False)  # [k_max] rows that drafted it
+    drafts: np.ndarray = field(init=False)  # [k_max] rows that had one (verified or not)
+    tries: np.ndarray = field(init=False)  # [k_max] rows that verified one
     hits: np.ndarray = field(init=False)  # [k_max] rows that accepted it
 
     def __post_init__(self) -> None:
-        self.asks = np.zeros(self.k_max)
-        self.tries = np.zeros(self.k_max)
-        self.hits = np.zeros(self.k_max)
+        for name in ("asks", "drafts", "tries", "hits"):
+            setattr(self, name, np.zeros(self.k_max))
 
-    def observe(self, drafted: list[int], accepted: list[int], asked: int | None = None) -> None:
-        """A step whose rows were asked for ``asked`` drafts (default: as many as they
-        drafted), drafted ``drafted`` [rows] and accepted ``accepted`` [rows] of them (both
-        empty for a plain step)."""
-        for counts in (self.asks, self.tries, self.hits):
+    def observe(
+        self,
+        verified: list[int],
+        accepted: list[int],
+        asked: int | None = None,
+        drafted: list[int] | None = None,
+    ) -> None:
+        """A step whose rows were asked for ``asked`` drafts, had ``drafted`` [rows] (before a
+        cap), verified ``verified`` [rows] and accepted ``accepted`` [rows] of them (``asked``
+        and ``drafted`` default to ``verified``; all empty for a plain step)."""
+        for counts in (self.asks, self.drafts, self.tries, self.hits):
             counts *= self.decay
-        if not drafted:
+        if not verified:
             return
         pos = np.arange(self.k_max)[None, :]  # [1, k_max]
-        drafted_at = (np.asarray(drafted)[:, None] > pos).sum(0)
-        self.asks += drafted_at if asked is None else len(drafted) * (pos[0] < asked)
-        self.tries += drafted_at
+        tried = (np.asarray(verified)[:, None] > pos).sum(0)
+        had = tried if drafted is None else (np.asarray(drafted)[:, None] > pos).sum(0)
+        self.asks += had if asked is None else len(verified) * (pos[0] < asked)
+        self.drafts += had
+        self.tries += tried
         self.hits += (np.asarray(accepted)[:, None] > pos).sum(0)
 
     def coverage(self) -> np.ndarray:
         """P(a row drafts position i when asked) for i = 1..k_max [k_max] (0 if never asked)."""
-        return np.divide(self.tries, self.asks, out=np.zeros(self.k_max), where=self.asks > 0)
+        return np.divide(self.drafts, self.asks, out=np.zeros(self.k_max), where=self.asks > 0)
 
     def reach(self) -> np.ndarray:
         """P(accepted >= i | drafted >= i) for i = 1..k_max [k_max], non-increasing (0 where
@@ -210,8 +218,9 @@ class StepOutcome:
     context: float  # mean tokens cached per row
     step_s: float  # wall seconds of the whole step, drafting included
     draft_s: float
-    drafted: list[int] = field(default_factory=list)  # [rows] drafts verified per row
+    verified_rows: list[int] = field(default_factory=list)  # [rows] drafts verified per row
     accepted: list[int] = field(default_factory=list)  # [rows]
+    drafted: list[int] = field(default_factory=list)  # [rows] drafts before the cap
 
 
 @dataclass
@@ -323,7 +332,8 @@ class SpecController:
         """One finished step (``StepOutcome``)."""
         predicted = self.predict(out.rows, out.verified, out.context, out.asked)
         self.predictions.append((out.rows, out.verified, predicted, out.step_s))
-        self.acceptance.observe(out.drafted, out.accepted, out.asked if out.asked else None)
+        self.acceptance.observe(out.verified_rows, out.accepted, out.asked or None,
+                                out.drafted or None)  # fmt: skip
         if out.asked:
             self.draft.observe(out.rows, out.asked, out.draft_s)
         k = out.verified

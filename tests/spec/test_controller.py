@@ -159,7 +159,8 @@ def test_cap_on_cheap_drafts_maximises_tokens_per_second(smollm2, reach):
     tokens, so a step whose rows mostly have none verifies none."""
     target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
     ctl = SpecController(3, target, cheap_drafts=True)
-    ctl.acceptance.asks[:] = ctl.acceptance.tries[:] = 1000.0  # every row always drafts
+    acc = ctl.acceptance
+    acc.asks[:] = acc.drafts[:] = acc.tries[:] = 1000.0  # every row always drafts
     ctl.acceptance.hits[:] = 1000.0 * np.array(reach)
     assert ctl.choose(16, 64.0) == (3 if reach[0] > 0.5 else 0)  # 0: not even drafting pays
     assert ctl.choose(1, 64.0) == 3  # one row: a verify costs little more than a decode
@@ -247,5 +248,9 @@ def test_cheap_drafts_rarely_there_mean_plain_steps(smollm2):
     for _ in range(50):  # 50 steps of 16 rows asked for 3 drafts, one of them drafting
         ctl.acceptance.observe([3] + [0] * 15, [3] + [0] * 15, asked=3)
     np.testing.assert_allclose(ctl.acceptance.coverage(), 1 / 16, rtol=1e-6)
+    capped = Acceptance(3, decay=1.0)  # a cap hides nothing from the coverage
+    capped.observe([1] * 4, [1] * 4, asked=3, drafted=[3] * 4)
+    np.testing.assert_allclose(capped.coverage(), [1, 1, 1])
+    np.testing.assert_allclose(capped.tries, [4, 0, 0])
     ctl.draft.observe(16, 3, 0.004)  # and drafting costs 4 ms
     assert ctl.choose(16, 64.0) == 0
