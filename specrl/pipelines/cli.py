@@ -109,8 +109,8 @@ def train_command(
         typer.Option(
             "--preset",
             help="start from a shipped config (--config and --set apply over it): "
-            "'reasoning' = step-by-step answers with long, variable lengths, where "
-            "speculation pays (docs/training.md)",
+            "'reasoning' = step-by-step answers with long, variable lengths and a tail of "
+            "few live rows (docs/training.md)",
         ),
     ] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="run directory")] = None,
