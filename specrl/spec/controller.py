@@ -20,12 +20,13 @@ from three estimates, each refreshed by what the engine reports after every step
   coverage: how often a row asked for a draft at position i has one.
 
 A deterministic drafter (``cheap_drafts``: ngram, suffix) is asked for k_max drafts whenever
-that can pay at the measured coverage (``capped_rates``), and ``cap`` then limits what the verify
-forward takes, given each row's actual draft length (a step whose rows have no draft verifies
-nothing). Speculation that never runs is never measured: while a position rests on fewer than
-``min_tries`` rows the controller explores it whenever the predicted extra time fits a budget
-that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
-share of decoding time. Every decision depends on measured times, so with rejection sampling
+that can pay at the measured coverage (``capped_rates``), or else when its drafting time fits the
+exploration budget, and ``cap`` then limits what the verify forward takes, given each row's
+actual draft length (a step whose rows have no draft verifies nothing). Speculation that never
+runs is never measured: while a position rests on fewer than ``min_tries`` verified rows the
+controller explores it whenever the predicted extra time fits a budget that grows by
+``explore_share`` of every step's predicted time, so exploring costs at most that share of
+decoding time. Every decision depends on measured times, so with rejection sampling
 ("distribution") the completions of a seed are reproducible in distribution, not token for
 token ("sample" exactness keeps them identical).
 """
@@ -284,11 +285,23 @@ class SpecController:
         budget. With cheap drafts: k_max (``cap`` decides after the draft) unless no k is
         expected to pay even where rows draft as often as they have (then a plain step: no
         drafting cost either)."""
-        rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
-        best = int(np.argmax(rates))
-        if self.cheap_drafts and best > 0:
+        if self.cheap_drafts:
+            return self._choose_cheap(rows, context)
+        best = int(np.argmax(self.rates(rows, context)))
+        return self._explore(rows, context, best, self.k_max)
+
+    def _choose_cheap(self, rows: int, context: float) -> int:
+        """Cheap drafts: k_max where drafting is expected to pay, else k_max anyway when the
+        drafting time alone fits the exploration budget (coverage changes as the drafter's
+        history grows; ``cap`` still decides whether anything is verified), else 0."""
+        if int(np.argmax(self.capped_rates(rows, context))) > 0:
             return self.k_max
-        return self._explore(rows, context, best, self.k_max, asked_counts=self.cheap_drafts)
+        self.budget += self.explore_share * self.target.predict(rows, 0, context)
+        drafting = self.draft.predict(rows, self.k_max)
+        if drafting > self.budget:
+            return 0
+        self.budget -= drafting
+        return self.k_max
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
@@ -309,17 +322,14 @@ class SpecController:
         best: int,
         widest: int,
         asked: int | None = None,
-        asked_counts: bool = False,
     ) -> int:
-        """``best``, or ``widest`` when position ``widest`` is under-measured (fewer than
-        ``min_tries`` rows drafted it, or with ``asked_counts`` were asked for it) and the
-        budget (``explore_share`` of every step's predicted time) pays its predicted extra
-        time (``asked``: drafts already asked of the drafter, else as many as verified)."""
+        """``best``, or ``widest`` when fewer than ``min_tries`` rows verified a draft at
+        position ``widest`` and the budget (``explore_share`` of every step's predicted time)
+        pays its predicted extra time (``asked``: drafts already asked of the drafter, else as
+        many as verified)."""
         t_best = self.predict(rows, best, context, asked)
         self.budget += self.explore_share * t_best
-        acc = self.acceptance
-        measured = (acc.asks if asked_counts else acc.tries)[widest - 1] if widest else 0.0
-        if widest <= best or measured >= self.min_tries:
+        if widest <= best or self.acceptance.tries[widest - 1] >= self.min_tries:
             return best
         extra = max(self.predict(rows, widest, context, asked) - t_best, 0.0)
         if extra > self.budget:
