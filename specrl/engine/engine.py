@@ -129,26 +129,19 @@ class SpecDrafts:
     context: float  # mean tokens cached per row
     control: SpecController | None
     verified: int = 0  # draft positions in the verify forward
-    verified_rows: list[int] = field(default_factory=list)  # [B] drafts verified per row
+    drafted: list[int] = field(default_factory=list)  # [B] drafts verified per row
     accepted: list[int] = field(default_factory=list)  # [B]
-    drafted: list[int] = field(default_factory=list)  # [B] drafts before the cap
 
     def capped(self, lengths: torch.Tensor, deterministic: bool) -> torch.Tensor:
         """``lengths`` [B] limited to the controller's cap (deterministic drafts only)."""
-        self.drafted = lengths.tolist()
         if self.control is None or not deterministic:
             return lengths
-        cap = self.control.cap(len(lengths), self.context, self.drafted)
+        cap = self.control.cap(len(lengths), self.context, lengths.tolist())
         return lengths.clamp(max=cap)
-
-    def outcome(self, rows: int, asked: int, step_s: float, draft_s: float) -> StepOutcome:
-        """The step as the controller's ``observe`` takes it."""
-        return StepOutcome(rows, asked, self.verified, self.context, step_s, draft_s,
-                           self.verified_rows, self.accepted, self.drafted)  # fmt: skip
 
     def record(self, verified: int, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
         self.verified = verified
-        self.verified_rows = lengths.tolist()
+        self.drafted = lengths.tolist()
         self.accepted = accepted.tolist()
 
 
@@ -444,7 +437,8 @@ class Engine(InflightUpdates):
         self.stats.steps += 1
         self.stats.spec_steps += drafts.verified > 0
         if control is not None:
-            control.observe(drafts.outcome(len(rows), k, elapsed, draft_s))
+            control.observe(StepOutcome(len(rows), k, drafts.verified, context, elapsed,
+                                        draft_s, drafts.drafted, drafts.accepted))  # fmt: skip
         if self.record_steps:
             self._record_step(k, elapsed, draft_s)
         return finished

@@ -20,13 +20,12 @@ from three estimates, each refreshed by what the engine reports after every step
   coverage: how often a row asked for a draft at position i has one.
 
 A deterministic drafter (``cheap_drafts``: ngram, suffix) is asked for k_max drafts whenever
-that can pay at the measured coverage (``capped_rates``), or else when its drafting time fits the
-exploration budget, and ``cap`` then limits what the verify forward takes, given each row's
-actual draft length (a step whose rows have no draft verifies nothing). Speculation that never
-runs is never measured: while a position rests on fewer than ``min_tries`` verified rows the
-controller explores it whenever the predicted extra time fits a budget that grows by
-``explore_share`` of every step's predicted time, so exploring costs at most that share of
-decoding time. Every decision depends on measured times, so with rejection sampling
+that can pay at the measured coverage (``capped_rates``), and ``cap`` then limits what the verify
+forward takes, given each row's actual draft length (a step whose rows have no draft verifies
+nothing). Speculation that never runs is never measured: while a position rests on fewer than
+``min_tries`` rows the controller explores it whenever the predicted extra time fits a budget
+that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
+share of decoding time. Every decision depends on measured times, so with rejection sampling
 ("distribution") the completions of a seed are reproducible in distribution, not token for
 token ("sample" exactness keeps them identical).
 """
@@ -103,39 +102,31 @@ class Acceptance:
     k_max: int
     decay: float = 0.995  # per observed step: the evidence of ~200 steps
     asks: np.ndarray = field(init=False)  # [k_max] rows asked for a draft at the position
-    drafts: np.ndarray = field(init=False)  # [k_max] rows that had one (verified or not)
-    tries: np.ndarray = field(init=False)  # [k_max] rows that verified one
+    tries: np.ndarray = field(init=False)  # [k_max] rows that drafted it
     hits: np.ndarray = field(init=False)  # [k_max] rows that accepted it
 
     def __post_init__(self) -> None:
-        for name in ("asks", "drafts", "tries", "hits"):
-            setattr(self, name, np.zeros(self.k_max))
+        self.asks = np.zeros(self.k_max)
+        self.tries = np.zeros(self.k_max)
+        self.hits = np.zeros(self.k_max)
 
-    def observe(
-        self,
-        verified: list[int],
-        accepted: list[int],
-        asked: int | None = None,
-        drafted: list[int] | None = None,
-    ) -> None:
-        """A step whose rows were asked for ``asked`` drafts, had ``drafted`` [rows] (before a
-        cap), verified ``verified`` [rows] and accepted ``accepted`` [rows] of them (``asked``
-        and ``drafted`` default to ``verified``; all empty for a plain step)."""
-        for counts in (self.asks, self.drafts, self.tries, self.hits):
+    def observe(self, drafted: list[int], accepted: list[int], asked: int | None = None) -> None:
+        """A step whose rows were asked for ``asked`` drafts (default: as many as they
+        drafted), drafted ``drafted`` [rows] and accepted ``accepted`` [rows] of them (both
+        empty for a plain step)."""
+        for counts in (self.asks, self.tries, self.hits):
             counts *= self.decay
-        if not verified:
+        if not drafted:
             return
         pos = np.arange(self.k_max)[None, :]  # [1, k_max]
-        tried = (np.asarray(verified)[:, None] > pos).sum(0)
-        had = tried if drafted is None else (np.asarray(drafted)[:, None] > pos).sum(0)
-        self.asks += had if asked is None else len(verified) * (pos[0] < asked)
-        self.drafts += had
-        self.tries += tried
+        drafted_at = (np.asarray(drafted)[:, None] > pos).sum(0)
+        self.asks += drafted_at if asked is None else len(drafted) * (pos[0] < asked)
+        self.tries += drafted_at
         self.hits += (np.asarray(accepted)[:, None] > pos).sum(0)
 
     def coverage(self) -> np.ndarray:
         """P(a row drafts position i when asked) for i = 1..k_max [k_max] (0 if never asked)."""
-        return np.divide(self.drafts, self.asks, out=np.zeros(self.k_max), where=self.asks > 0)
+        return np.divide(self.tries, self.asks, out=np.zeros(self.k_max), where=self.asks > 0)
 
     def reach(self) -> np.ndarray:
         """P(accepted >= i | drafted >= i) for i = 1..k_max [k_max], non-increasing (0 where
@@ -219,9 +210,8 @@ class StepOutcome:
     context: float  # mean tokens cached per row
     step_s: float  # wall seconds of the whole step, drafting included
     draft_s: float
-    verified_rows: list[int] = field(default_factory=list)  # [rows] drafts verified per row
+    drafted: list[int] = field(default_factory=list)  # [rows] drafts verified per row
     accepted: list[int] = field(default_factory=list)  # [rows]
-    drafted: list[int] = field(default_factory=list)  # [rows] drafts before the cap
 
 
 @dataclass
@@ -285,23 +275,11 @@ class SpecController:
         budget. With cheap drafts: k_max (``cap`` decides after the draft) unless no k is
         expected to pay even where rows draft as often as they have (then a plain step: no
         drafting cost either)."""
-        if self.cheap_drafts:
-            return self._choose_cheap(rows, context)
-        best = int(np.argmax(self.rates(rows, context)))
-        return self._explore(rows, context, best, self.k_max)
-
-    def _choose_cheap(self, rows: int, context: float) -> int:
-        """Cheap drafts: k_max where drafting is expected to pay, else k_max anyway when the
-        drafting time alone fits the exploration budget (coverage changes as the drafter's
-        history grows; ``cap`` still decides whether anything is verified), else 0."""
-        if int(np.argmax(self.capped_rates(rows, context))) > 0:
+        rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
+        best = int(np.argmax(rates))
+        if self.cheap_drafts and best > 0:
             return self.k_max
-        self.budget += self.explore_share * self.target.predict(rows, 0, context)
-        drafting = self.draft.predict(rows, self.k_max)
-        if drafting > self.budget:
-            return 0
-        self.budget -= drafting
-        return self.k_max
+        return self._explore(rows, context, best, self.k_max, asked_counts=self.cheap_drafts)
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
@@ -322,14 +300,17 @@ class SpecController:
         best: int,
         widest: int,
         asked: int | None = None,
+        asked_counts: bool = False,
     ) -> int:
-        """``best``, or ``widest`` when fewer than ``min_tries`` rows verified a draft at
-        position ``widest`` and the budget (``explore_share`` of every step's predicted time)
-        pays its predicted extra time (``asked``: drafts already asked of the drafter, else as
-        many as verified)."""
+        """``best``, or ``widest`` when position ``widest`` is under-measured (fewer than
+        ``min_tries`` rows drafted it, or with ``asked_counts`` were asked for it) and the
+        budget (``explore_share`` of every step's predicted time) pays its predicted extra
+        time (``asked``: drafts already asked of the drafter, else as many as verified)."""
         t_best = self.predict(rows, best, context, asked)
         self.budget += self.explore_share * t_best
-        if widest <= best or self.acceptance.tries[widest - 1] >= self.min_tries:
+        acc = self.acceptance
+        measured = (acc.asks if asked_counts else acc.tries)[widest - 1] if widest else 0.0
+        if widest <= best or measured >= self.min_tries:
             return best
         extra = max(self.predict(rows, widest, context, asked) - t_best, 0.0)
         if extra > self.budget:
@@ -342,8 +323,7 @@ class SpecController:
         """One finished step (``StepOutcome``)."""
         predicted = self.predict(out.rows, out.verified, out.context, out.asked)
         self.predictions.append((out.rows, out.verified, predicted, out.step_s))
-        self.acceptance.observe(out.verified_rows, out.accepted, out.asked or None,
-                                out.drafted or None)  # fmt: skip
+        self.acceptance.observe(out.drafted, out.accepted, out.asked if out.asked else None)
         if out.asked:
             self.draft.observe(out.rows, out.asked, out.draft_s)
         k = out.verified

@@ -159,10 +159,8 @@ def test_cap_on_cheap_drafts_maximises_tokens_per_second(smollm2, reach):
     tokens, so a step whose rows mostly have none verifies none."""
     target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
     ctl = SpecController(3, target, cheap_drafts=True)
-    acc = ctl.acceptance
-    acc.asks[:] = acc.drafts[:] = acc.tries[:] = 1000.0  # every row always drafts
+    ctl.acceptance.asks[:] = ctl.acceptance.tries[:] = 1000.0  # every row always drafts
     ctl.acceptance.hits[:] = 1000.0 * np.array(reach)
-    ctl.draft.observe(16, 3, 0.004)  # drafting 16 rows costs 4 ms: more than the budget has
     assert ctl.choose(16, 64.0) == (3 if reach[0] > 0.5 else 0)  # 0: not even drafting pays
     assert ctl.choose(1, 64.0) == 3  # one row: a verify costs little more than a decode
     for lengths in ([3] * 16, [0] * 15 + [3], [1, 2, 3, 0] * 4):
@@ -249,21 +247,5 @@ def test_cheap_drafts_rarely_there_mean_plain_steps(smollm2):
     for _ in range(50):  # 50 steps of 16 rows asked for 3 drafts, one of them drafting
         ctl.acceptance.observe([3] + [0] * 15, [3] + [0] * 15, asked=3)
     np.testing.assert_allclose(ctl.acceptance.coverage(), 1 / 16, rtol=1e-6)
-    capped = Acceptance(3, decay=1.0)  # a cap hides nothing from the coverage
-    capped.observe([1] * 4, [1] * 4, asked=3, drafted=[3] * 4)
-    np.testing.assert_allclose(capped.coverage(), [1, 1, 1])
-    np.testing.assert_allclose(capped.tries, [4, 0, 0])
     ctl.draft.observe(16, 3, 0.004)  # and drafting costs 4 ms
     assert ctl.choose(16, 64.0) == 0
-
-
-def test_cheap_drafts_are_still_drafted_within_the_budget(smollm2):
-    """Where drafting does not pay the controller still drafts now and then, spending at most
-    explore_share of the plain steps' time on it (the drafter's coverage grows with its
-    history; the cap decides what is verified)."""
-    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
-    ctl = SpecController(3, target, cheap_drafts=True)
-    ctl.draft.observe(16, 3, 0.004)
-    drafted = sum(ctl.choose(16, 64.0) == 3 for _ in range(400))
-    plain_s = target.predict(16, 0, 64.0)
-    assert 0 < drafted * 0.004 <= ctl.explore_share * 400 * plain_s + 1e-12
