@@ -283,6 +283,57 @@ class PipelineCfg(_Section):
     )
 
 
+class DrafterCfg(_Section):
+    """Training a learned drafter (rollout.spec = eagle3 or mtp) during RL."""
+
+    mode: Literal["auto", "frozen", "online", "refresh"] = Field(
+        "auto",
+        description="'frozen': the head is never trained during RL; 'online': trained on every "
+        "step's rollouts (the learner's training forward provides the target's features), "
+        "within drafter.time_share of the step time; 'refresh': trained only when measured "
+        "drift asks for it (the head's KL to the policy on the step's fresh tokens above its "
+        "best level, draft acceptance below its running level, or drafter.max_lag policy "
+        "versions since the last training), with the same time budget. 'auto': 'refresh' for a "
+        "learned drafter, nothing for the others. Without a trained head (none cached, no "
+        "rollout.drafter_path) 'online' and 'refresh' start from a random head and train it "
+        "from the first step; 'frozen' then refuses to run.",
+    )
+    time_share: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="Most drafter training time as a share of the step time, on average "
+        "(unused time carries over for refresh bursts, up to 4 steps' worth).",
+    )
+    lr: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate of the head.")
+    batch_tokens: int = Field(
+        1024, ge=16, le=1_000_000, description="Tokens per drafter training mini-batch."
+    )
+    buffer_steps: int = Field(
+        4, ge=1, le=1024, description="Rollouts of the last N RL steps are the training data."
+    )
+    max_updates: int = Field(
+        16, ge=1, le=10_000, description="Most head optimizer steps per RL step."
+    )
+    drift_tolerance: float = Field(
+        0.1,
+        gt=0.0,
+        le=10.0,
+        description="refresh: train when the head's KL on fresh tokens exceeds (1 + this) x "
+        "its best level, or draft acceptance falls below (1 - this) x its running level.",
+    )
+    max_lag: int = Field(
+        8, ge=1, le=1_000_000, description="refresh: train at least every N policy versions."
+    )
+    vocab: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description="Draft vocabulary of a head started from scratch: the N most frequent "
+        "tokens of the first step's rollouts (0 = the full vocabulary).",
+    )
+
+
 class RunCfg(_Section):
     """Length, cadence and place of the run."""
 
@@ -353,6 +404,9 @@ class Config(_Section):
     rollout: RolloutCfg = Field(default_factory=RolloutCfg, description="Generation.")
     learner: LearnerCfg = Field(default_factory=LearnerCfg, description="Learning.")
     pipeline: PipelineCfg = Field(default_factory=PipelineCfg, description="Scheduling.")
+    drafter: DrafterCfg = Field(
+        default_factory=DrafterCfg, description="Drafter training during RL."
+    )
     run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
     cluster: ClusterCfg = Field(default_factory=ClusterCfg, description="Ray placement.")
 

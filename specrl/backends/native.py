@@ -7,11 +7,12 @@ Contract:
   snapshots them (engine dtype) and applies them before the next call, or, with ``in_flight``
   ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
   decode steps of the running call (``Engine.stage_weights``). ``update_drafter`` loads a learned
-  drafter's tensors into the engine's proposer. ``served`` fingerprints the engine's own model
-  and drafter tensors (``drafter_tensors``) when no call runs (after applying a pending update),
-  and during a call returns the newest record taken while idle. ``state_dict`` holds the drafter's
-  cross-call state (the suffix drafter's history); during a generate call it waits for the
-  call to end.
+  drafter's tensors into the engine's proposer at once, or during a generate call (the async
+  learner trains the drafter while the producer generates) before the next call. ``served``
+  fingerprints the engine's own model and drafter tensors (``drafter_tensors``) when no call
+  runs (after applying pending updates), and during a call returns the newest record taken
+  while idle. ``state_dict`` holds the drafter's cross-call state (the suffix drafter's
+  history); during a generate call it waits for the call to end.
   Thread-safe for one generating thread plus one updating thread (the async pipeline's producer
   and learner).
 - ``build_native(cfg, policy)`` resolves everything from a run ``Config``: the drafter (a
@@ -55,6 +56,7 @@ class NativeBackend:
         self._idle = threading.Condition(self._lock)  # notified when a generate call ends
         self._busy = False
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending_drafter: tuple[dict[str, torch.Tensor], int] | None = None
         self._newest = engine.policy_version  # the newest version received
         self._drafter_version = 0
         if in_flight:
@@ -97,6 +99,10 @@ class NativeBackend:
         return time.perf_counter() - t0
 
     def _apply_pending(self) -> None:
+        if self._pending_drafter is not None:
+            state, version = self._pending_drafter
+            self.engine.proposer.load_weights(state)
+            self._drafter_version, self._pending_drafter = version, None
         if self._pending is not None:
             staged, version = self._pending
             copy_weights(self.engine.model, staged)
@@ -112,10 +118,12 @@ class NativeBackend:
             raise ValueError("update_drafter: this backend runs no learned drafter")
         t0 = time.perf_counter()
         with self._lock:
-            if self._busy:
-                raise RuntimeError("update_drafter during a generate call is not supported")
-            proposer.load_weights(dict(state))
-            self._drafter_version = version
+            if self._busy:  # applied before the next generate call (a copy: the caller trains on)
+                staged = {k: v.detach().clone() for k, v in state.items()}
+                self._pending_drafter = (staged, version)
+            else:
+                proposer.load_weights(dict(state))
+                self._drafter_version, self._pending_drafter = version, None
         return time.perf_counter() - t0
 
     def versions(self) -> Versions:
@@ -187,9 +195,33 @@ def drafter_dir(cfg: Config) -> str | None:
     return None if cached is None else str(cached)
 
 
+def training_mode(cfg: Config) -> str | None:
+    """``drafter.mode`` resolved: 'online' or 'refresh' when the run trains its drafter during
+    RL, else None. 'auto' is 'refresh' for a learned head (eagle3, mtp) on the native engine;
+    an explicit mode for a drafter that has no head to train is refused (it would be ignored)."""
+    mode, spec = cfg.drafter.mode, cfg.rollout.spec
+    learned = spec in available_proposers() and proposer_takes(spec, "drafter_path")
+    if mode == "auto":
+        return "refresh" if learned and cfg.rollout.backend == "native" else None
+    if not learned:
+        raise ConfigError(
+            f"drafter.mode={mode!r} needs a learned head (rollout.spec='eagle3' or 'mtp'), "
+            f"got rollout.spec={spec!r}: it would be ignored"
+        )
+    if mode != "frozen" and cfg.rollout.backend != "native":
+        raise ConfigError(
+            f"drafter.mode={mode!r} needs rollout.backend='native' (vLLM serves an exported "
+            "head that specrl does not train during RL)"
+        )
+    return None if mode == "frozen" else mode
+
+
 def check_drafter(cfg: Config) -> None:
-    """A drafter that takes a draft model or a trained head needs one (checked up front)."""
+    """A drafter that takes a draft model or a trained head needs one (checked up front),
+    unless the run trains its head from scratch (``training_mode``)."""
     spec = cfg.rollout.spec
+    if training_mode(cfg) is not None:
+        return
     for takes, what in (("draft_model", "a model directory"), ("drafter_path", "a head directory")):
         if proposer_takes(spec, takes) and drafter_dir(cfg) is None:
             raise ConfigError(

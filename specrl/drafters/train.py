@@ -307,7 +307,9 @@ def train_head(
 
     losses = fit(head, examples, cfg, loss_fn, state_path, progress)
     if out is not None:
-        save_head(head, out, extra={"train": asdict(cfg), "final_loss": losses[-1:]})
+        longest = max(min(len(e.tokens), cfg.max_len) for e in examples)
+        save_head(head, out, extra={"train": asdict(cfg), "final_loss": losses[-1:],
+                                    "trained_len": longest})  # fmt: skip
     return losses
 
 

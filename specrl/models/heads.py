@@ -150,6 +150,12 @@ class DraftHead(nn.Module):
         x = x + blk.attn(a, cos, sin, ctx)
         return x + blk.mlp(blk.mlp_norm(x))
 
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Use draft vocabulary ``ids`` ([Vd] sorted target ids; None = the full vocabulary)
+        from now on (a head started from scratch picks it once it has seen rollouts)."""
+        vocab = None if ids is None else _check_vocab(ids, self.target_config.vocab_size)
+        self.d2t, self._lm = vocab, None
+
     @property
     def draft_vocab_size(self) -> int:
         return self.target_config.vocab_size if self.d2t is None else len(self.d2t)

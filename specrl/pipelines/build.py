@@ -7,7 +7,8 @@ and the pipeline options against what the backend supports, all before any work,
 -> token ids, ids -> text), learner (owns the float32 policy) and the rollout backend (its own
 copy of the policy; ``specrl.backends.build_backend`` per ``rollout.placement``), the weight-sync
 guard (``pipelines.guard.WeightGuard`` in the engine's dtype, expecting the learner's weights
-as version 0) and the acceptance alarm (``rollout.alarm_action``). ``RunParts.push_weights``
+as version 0), the acceptance alarm (``rollout.alarm_action``) and, for a learned head, its
+trainer (``pipelines.drafter``). ``RunParts.push_weights``
 sends the learner's weights through the guard, so a backend that skips or corrupts an update
 fails the run with a ``WeightSyncError``. Tests pass a tiny model, codec and env, or a fake
 backend.
@@ -25,6 +26,7 @@ from specrl.backends import IN_FLIGHT, RolloutBackend, build_backend, placement
 from specrl.config import Config, ConfigError
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
+from specrl.pipelines.drafter import DrafterSide, build_drafter_side
 from specrl.pipelines.guard import AcceptanceAlarm, WeightGuard
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
@@ -68,6 +70,7 @@ class RunParts:
     orders: dict[int, list[Prompt]] = field(default_factory=dict)  # epoch -> train order
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
+    drafter: DrafterSide | None = None  # a learned head: its trainer / training length
 
     def push_weights(self) -> float:
         """Send the learner's weights to the backend as version ``self.version`` and check what
@@ -168,5 +171,6 @@ def build_run(
     check_backend(cfg, backend)
     guard = WeightGuard(torch_dtype(cfg.model.dtype))
     guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
+    drafter = build_drafter_side(cfg, learner.model, backend, guard)
     return RunParts(cfg, env, codec, learner, backend, guard=guard,
-                    alarm=AcceptanceAlarm(cfg.rollout.alarm_action))  # fmt: skip
+                    alarm=AcceptanceAlarm(cfg.rollout.alarm_action), drafter=drafter)  # fmt: skip

@@ -15,6 +15,8 @@ Layout of a run directory::
                                 state, "format": 2 (this layout, manifest included)
         backend.json            the rollout backend's cross-step state (e.g. the suffix
                                 drafter's history), if it has any
+        drafter.safetensors     a learned drafter trained during RL: its head and AdamW
+        drafter.safetensors.json    state, and its counters (``drafters.online``), if any
         manifest.json           size and sha256 of every file above, written last
 
 Contract:
@@ -55,7 +57,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -72,7 +74,14 @@ MANIFEST = "manifest.json"
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
 BACKEND = "backend.json"
+DRAFTER = "drafter.safetensors"
 _CHUNK = 1 << 20
+
+
+class Savable(Protocol):
+    """Something that writes its own files into a checkpoint (a drafter trainer)."""
+
+    def save(self, path: Path) -> list[Path]: ...
 
 
 class RunDirError(ValueError):
@@ -286,6 +295,7 @@ def _write_files(
     optimizer: torch.optim.Optimizer,
     state: Mapping[str, Any],
     backend_state: Mapping[str, Any] | None,
+    drafter: Savable | None = None,
 ) -> list[str]:
     """Write a checkpoint's files into ``tmp``; their names."""
     save_file(hf_state_dict(policy), str(tmp / "policy.safetensors"))
@@ -294,10 +304,13 @@ def _write_files(
     (tmp / "optimizer.json").write_text(json.dumps(meta))
     marked = dict(state) | {"format": FORMAT, "torch_rng": rng_state()}
     (tmp / "state.json").write_text(json.dumps(marked))
+    names = list(REQUIRED)
     if backend_state:
         (tmp / BACKEND).write_text(json.dumps(dict(backend_state)))
-        return [*REQUIRED, BACKEND]
-    return list(REQUIRED)
+        names.append(BACKEND)
+    if drafter is not None:
+        names += [p.name for p in drafter.save(tmp / DRAFTER)]
+    return names
 
 
 def _write_manifest(tmp: Path, names: list[str]) -> None:
@@ -318,6 +331,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: Mapping[str, Any],
     backend_state: Mapping[str, Any] | None = None,
+    drafter: Savable | None = None,
 ) -> Path:
     """Write a complete checkpoint directory atomically (see the module docstring). A failure
     while writing (a full disk) removes ``step_N.tmp`` and leaves ``step_N`` as it was; one
@@ -328,7 +342,7 @@ def save_checkpoint(
         shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_manifest(tmp, _write_files(tmp, policy, optimizer, state, backend_state))
+        _write_manifest(tmp, _write_files(tmp, policy, optimizer, state, backend_state, drafter))
         fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -360,6 +374,7 @@ class CheckpointData:
     state: dict[str, Any]  # state.json without the RNG
     rng: torch.Tensor
     backend: dict[str, Any]
+    drafter: Path | None = None  # a learned drafter's training state, verified, not yet read
 
 
 def verify_manifest(ckpt: Path) -> None:
@@ -454,7 +469,8 @@ def read_checkpoint(ckpt: Path) -> CheckpointData:
     backend = _parse(ckpt, BACKEND, _json) if (ckpt / BACKEND).exists() else {}
     if not isinstance(backend, dict):
         raise CheckpointDamaged(f"{BACKEND}: not a JSON object")
-    return CheckpointData(ckpt, policy, optimizer, state, rng, backend)
+    drafter = ckpt / DRAFTER if (ckpt / DRAFTER).is_file() else None
+    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter)
 
 
 def apply_checkpoint(

@@ -21,8 +21,9 @@ Contract:
   fingerprint than the one pushed for that version (skipped: old weights under the new
   version, or corrupted); a version it keeps no fingerprint of (only the ``KEEP`` newest are
   kept) and a ``None`` fingerprint are not compared. ``push_drafter(backend, state, version)``
-  does the same for a learned drafter's tensors; a drafter update applies at once, so it is
-  checked before it returns (no pipeline pushes drafter weights yet; the API is here for one).
+  does the same for a learned drafter's tensors (``pipelines.drafter`` pushes every head the
+  learner side trains): checked at once when the backend is idle (``idle``), else after the
+  next rollout.
 - ``AcceptanceAlarm(action)``: per step, ``observe(step, acceptance, drafts, version)`` with
   the acceptance length of the (row, verify step) pairs that drafted (``pipelines.step``'s
   ``draft_acceptance_length``), how many there were (``drafting_steps``) and the batch's policy
@@ -134,16 +135,23 @@ class WeightGuard:
         return time.perf_counter() - t0
 
     def push_drafter(
-        self, backend: RolloutBackend, state: Mapping[str, torch.Tensor], version: int
+        self,
+        backend: RolloutBackend,
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        idle: bool = True,
     ) -> float:
-        """Send a learned drafter's tensors and check them at once; seconds, check included."""
+        """Fingerprint, send and check a learned drafter's tensors; seconds, check included.
+        ``idle``: no generate call runs, so the update must be served at once (an older
+        version is a skipped update); else (the async producer is generating) it is checked as
+        ``push`` checks a policy update, after the next rollout."""
         t0 = time.perf_counter()
+        held = backend.served().drafter
+        if held is not None:  # fingerprinted in the dtype the engine's drafter holds
+            self.drafter.remember(version, fingerprint(state, fingerprint_dtype(held)))
         backend.update_drafter(state, version)
-        served = backend.served()
-        if served.drafter is not None:  # fingerprinted in the dtype the engine's drafter holds
-            self.drafter.remember(version, fingerprint(state, fingerprint_dtype(served.drafter)))
         self.drafter.acked = version
-        self.verify(served, self.floor())
+        self.verify(backend.served(), self.floor() if idle else None)
         return time.perf_counter() - t0
 
     def floor(self) -> Versions:

@@ -3,7 +3,8 @@
 Contract:
 - ``open_run(parts, run, resume, say)``: a fresh run refuses a used directory; a resume
   restores the newest checkpoint that verifies (policy, optimizer, RNG, the learner version, the
-  backend's state such as the suffix drafter's history), saying in one line (``say``, else a
+  backend's state such as the suffix drafter's history, and a drafter trained during RL with
+  its optimizer, pushed under its version), saying in one line (``say``, else a
   warning) which newer ones were damaged and skipped; a run that has no checkpoint yet restarts
   from step 0 (said too); if none of several verifies, ``RunDirError`` names each one's damage.
   Before reading checkpoints a resume finishes interrupted replaces
@@ -21,7 +22,8 @@ Contract:
   (never rewritten), otherwise it is written now.
 - ``METRIC_KEYS``: the numeric keys every step row has, in both modes; ``TIMING_KEYS``: those
   that vary from run to run (times, and speculation statistics, which follow the speculation
-  controller's timing-driven choices; equality tests ignore them).
+  controller's timing-driven choices, and a trained drafter's fields: its updates are paid from a
+  time budget; equality tests ignore them).
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ TIMING_KEYS = frozenset(
      "eval_time_s", "learner_time_s", "learner_idle_s", "generator_idle_s", "samples_per_s",
      # speculation statistics: the controller's k per step follows measured step times
      "acceptance_length", "draft_acceptance_rate", "draft_acceptance_length", "drafting_steps",
-     "spec_step_share"}
+     "spec_step_share",
+     # a drafter trained during RL takes as many updates as its time budget pays
+     "drafter_train_s", "drafter_sync_s", "drafter_updates", "drafter_kl", "drafter_loss",
+     "drafter_version", "drafter_trigger", "drafter_trained_len"}
 )  # fmt: skip
 
 Echo = Callable[[str], None]
@@ -88,8 +93,10 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
 
 def save(parts: RunParts, run: RunDir, updates: int) -> Path:
     state = {"step": updates, "policy_version": parts.version, "alarm": parts.alarm.state_dict()}
+    trainer = parts.drafter.trainer if parts.drafter is not None else None
     return save_checkpoint(run.checkpoint_dir(updates), parts.learner.model,
-                           parts.learner.optimizer, state, parts.backend.state_dict())  # fmt: skip
+                           parts.learner.optimizer, state, parts.backend.state_dict(),
+                           trainer)  # fmt: skip
 
 
 def _report(say: Echo | None, line: str) -> None:
@@ -134,9 +141,27 @@ def restore(parts: RunParts, run: RunDir, say: Echo | None = None) -> int:
     parts.version = state["policy_version"]
     parts.alarm.load_state_dict(state.get("alarm", {}))
     parts.push_weights()
+    restore_drafter(parts, data, say)
     parts.backend.load_state_dict(backend_state)
     run.truncate(state["step"])
     return state["step"]
+
+
+def restore_drafter(parts: RunParts, data: CheckpointData, say: Echo | None = None) -> None:
+    """A drafter trained during RL continues from its checkpointed head and optimizer (pushed
+    to the backend under its version); without that state it starts as built, saying so."""
+    trainer = parts.drafter.trainer if parts.drafter is not None else None
+    if trainer is None:
+        return
+    if data.drafter is None:
+        _report(say, f"{data.path.name} holds no drafter state: the drafter trains from its start")
+        return
+    try:
+        trainer.load(data.drafter)
+    except ValueError as e:
+        raise RunDirError(f"checkpoint {data.path} does not fit this run: {e}") from None
+    parts.drafter.trained_len = trainer.ledger.trained_len
+    parts.guard.push_drafter(parts.backend, trainer.state(), trainer.ledger.version)
 
 
 def open_run(parts: RunParts, run: RunDir, resume: bool, say: Echo | None = None) -> int:
@@ -170,6 +195,8 @@ def finish_step(
     log.say(format_row(row))
     if line := alarm_line(row):
         log.say(line)
+    if note := row.get("drafter_warning"):
+        log.say(f"warning: {note}")
     if checkpoint_due(parts.cfg, row["step"] + 1):
         save(parts, run, row["step"] + 1)
     return stop is None or not stop.requested

@@ -6,7 +6,9 @@ Contract:
   dict: first/last-window means of reward and accuracy (window = min(5, max(1, steps // 3))),
   first/last eval accuracies, mean rollout tokens/s, acceptance length, logprob mismatch, and
   the mean step-time breakdown (generation, learner, logprob check, refit, other), mean idle
-  times of learner and generator, mean token staleness and in-flight tokens reused.
+  times of learner and generator, mean token staleness and in-flight tokens reused; with a
+  drafter trained during the run, its updates, version, share of step time and draft acceptance
+  (first/last window).
 - ``summary_markdown(summary)`` renders it as a markdown table; ``summary_text`` as console lines.
 - ``write_report(run_dir, out=None)`` writes ``reward_accuracy.png``, ``rollout_throughput.png``,
   ``acceptance_length.png``, ``step_time.png``, ``pipeline.png`` (learner and generator idle
@@ -82,11 +84,30 @@ def summarize(
         "reused_tokens": sum(r.get("reused_tokens", 0) for r in rows),
     }
     out |= {f"time_{k.replace(' ', '_')}_s": v for k, v in step_breakdown(rows).items()}
+    if any("drafter_version" in r for r in rows):  # a drafter trained during the run
+        out |= drafter_summary(rows, first, last)
     for e, tag in ((evals[:1], "first"), (evals[-1:], "last")):
         for key in ("step", "greedy_accuracy", "sampled_accuracy"):
             if e and key in e[0]:
                 out[f"eval_{tag}_{key}"] = e[0][key]
     return out | {f"speed_{k}": v for k, v in (speed or {}).items()}
+
+
+def drafter_summary(
+    rows: list[dict[str, Any]], first: list[dict[str, Any]], last: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """How the drafter trained during the run: its updates, final version, its share of the
+    step time, and draft acceptance (tokens per drafting row step) in the first/last window."""
+    total = sum(r["step_time_s"] for r in rows)
+    return {
+        "drafter_updates": sum(r.get("drafter_updates", 0) for r in rows),
+        "drafter_version": rows[-1].get("drafter_version", 0),
+        "drafter_time_share": sum(r.get("drafter_train_s", 0.0) for r in rows) / total
+        if total
+        else 0.0,
+        "draft_acceptance_first": _mean(first, "draft_acceptance_length"),
+        "draft_acceptance_last": _mean(last, "draft_acceptance_length"),
+    }
 
 
 def _fmt(v: Any) -> str:
@@ -120,6 +141,12 @@ def summary_text(s: dict[str, Any]) -> str:
     share = s.get("spec_step_share", float("nan"))
     if share == share:  # nan: rows from before the metric (or another backend's)
         lines.append(speculation_line(share, s["acceptance_length"]))
+    if "drafter_updates" in s:
+        lines.append(
+            f"drafter: {s['drafter_updates']} updates during the run (version "
+            f"{s['drafter_version']}, {s['drafter_time_share']:.1%} of step time), draft "
+            f"acceptance {s['draft_acceptance_first']:.2f} -> {s['draft_acceptance_last']:.2f}"
+        )
     if "speed_rollout_speedup" in s:
         lines.append(
             f"rollout speedup (same prompts, weights, seeds): {s['speed_rollout_speedup']:.2f}x "

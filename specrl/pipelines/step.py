@@ -23,6 +23,9 @@ Contract:
   otherwise; 'tis' always hands the processed logprobs to the truncated importance weight, see
   ``specrl.rl.corrections``), then ``parts.version += 1`` and the new weights pushed to the
   backend through the guard (``RunParts.push_weights``; ``refit_time_s`` includes the check).
+  A learned drafter trained during RL (``pipelines.drafter``) gets the features of that same
+  training forward (``learner.FeatureSink``) and trains after the push, in the learner's
+  thread (overlapping the async producer's rollout); its fields join the row.
   Returns the metrics of the learning half, including the
   staleness of the batch's tokens (``learner version - token version``: mean, max, histogram).
 No pipeline module touches engine internals: all generation goes through ``parts.backend``.
@@ -44,6 +47,7 @@ from specrl.config import Config
 from specrl.engine.types import Completion, Request
 from specrl.envs.reasoning_gym_env import Prompt
 from specrl.pipelines.build import RunParts, truncated
+from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import alarm_fields
 from specrl.rl import Learner, TrainSample, compute_advantages
 from specrl.sampling import SamplingParams
@@ -260,15 +264,21 @@ def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
     row |= alarm_fields(parts.alarm, batch.step, batch.metrics, batch.behaviour_version)
     row |= staleness(parts.version, comps)
     samples = train_samples(comps, batch.advantages, uses_behaviour_logprobs(parts.cfg))
+    t0 = time.perf_counter()
+    sink = parts.drafter.sink() if parts.drafter is not None else None
     if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
         kept: list[torch.Tensor] = []
-        stats = learner.train_step(samples, keep=kept)
+        stats = learner.train_step(samples, keep=kept, capture=sink)
         row |= logprob_delta(learner, comps, kept)
     else:
         row |= logprob_delta(learner, comps)
-        stats = learner.train_step(samples)
+        stats = learner.train_step(samples, capture=sink)
     row |= {"train_time_s": stats.pop("time_s")} | {f"learner_{k}": v for k, v in stats.items()}
     parts.version += 1
     row["refit_time_s"] = parts.push_weights()
     row["policy_version"] = parts.version
+    if parts.drafter is not None:
+        step_s = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
+        captured = [] if sink is None else sink.captured
+        row |= drafter_fields(parts, comps, batch.metrics, captured, step_s)
     return row

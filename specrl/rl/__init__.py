@@ -8,12 +8,21 @@ recomputation and the optimizer step.
 
 from specrl.rl.advantages import ADVANTAGES, compute_advantages, get_advantage
 from specrl.rl.corrections import CORRECTIONS, get_correction
-from specrl.rl.learner import Learner, TrainSample, raw_logprobs, token_logprobs
+from specrl.rl.learner import (
+    Captured,
+    FeatureSink,
+    Learner,
+    TrainSample,
+    raw_logprobs,
+    token_logprobs,
+)
 from specrl.rl.losses import LOSSES, LossNorm, LossOutput, get_loss
 
 __all__ = [
     "ADVANTAGES",
     "CORRECTIONS",
+    "Captured",
+    "FeatureSink",
     "LOSSES",
     "Learner",
     "LossNorm",

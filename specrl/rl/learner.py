@@ -20,6 +20,9 @@ Contract:
   ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
   gradient equals the whole-batch gradient; then gradient-norm clipping and AdamW. Returns float
   metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s).
+  With ``capture=FeatureSink(layers)`` the same training forward also records, per sample, the
+  outputs of those layers and the final hidden state over prompt + completion (``Captured``,
+  bfloat16, detached): a learned drafter's training data at no extra forward.
 - Precision: ``dtype="fp32"`` runs everything in float32. ``dtype="bf16"`` keeps float32 master
   weights, gradients and AdamW state and runs the trunk under CPU bf16 autocast (AMX matmuls);
   the LM head and log-softmax always run in float32, because bf16 logits (8-bit mantissa) would
@@ -37,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +79,37 @@ class PackedBatch:
     cols: torch.Tensor  # [M] column of the predicting position
     targets: torch.Tensor  # [M] the completion token ids
     lengths: list[int]  # completion length per sequence (sum = M)
+    spans: list[Span] = field(default_factory=list)  # where each sequence's tokens sit
+
+
+@dataclass(frozen=True)
+class Span:
+    """One packed sequence's place: its row, the column and length of its (possibly shared)
+    prompt segment, and the column where its completion starts."""
+
+    row: int
+    prompt_col: int
+    prompt_len: int
+    completion_col: int
+
+    def columns(self, completion_len: int) -> torch.Tensor:  # [prompt_len + completion_len]
+        """The columns of the sequence's tokens in order: prompt, then completion."""
+        p = torch.arange(self.prompt_col, self.prompt_col + self.prompt_len)
+        c = torch.arange(self.completion_col, self.completion_col + completion_len)
+        return torch.cat([p, c])
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The policy's features over one sample's tokens (prompt + completion), taken from the
+    learner's training forward (before its update): the outputs of the requested layers
+    concatenated ``feats`` [T, F] and the final normed hidden ``final`` [T, H], both detached
+    copies in bfloat16 (what an EAGLE-3 / MTP head learns from, with no extra forward)."""
+
+    tokens: torch.Tensor  # [T] int64
+    prompt_len: int
+    feats: torch.Tensor  # [T, F]
+    final: torch.Tensor  # [T, H]
 
 
 @dataclass
@@ -132,7 +166,7 @@ def pack_sequences(
     positions = torch.zeros(shape, dtype=torch.long)
     segments = torch.full(shape, -1, dtype=torch.long)
     parents = torch.full(shape, -2, dtype=torch.long)
-    rows, cols, targets, lengths = [], [], [], []
+    rows, cols, targets, lengths, spans = [], [], [], [], []
     seg = 0
     for b, (r, start) in zip(blocks, place, strict=True):
         n = len(b.prompt)
@@ -151,11 +185,12 @@ def pack_sequences(
             cols += [start + n - 1, *range(col, col + len(c) - 1)][: len(c)]
             targets += c
             lengths.append(len(c))
+            spans.append(Span(r, start, n, col))
             col += len(c)
         seg += 1
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return PackedBatch(ids, positions, segments, parents, as_long(rows), as_long(cols),
-                       as_long(targets), lengths)  # fmt: skip
+                       as_long(targets), lengths, spans)  # fmt: skip
 
 
 def _chunk_logprobs(
@@ -191,13 +226,41 @@ def head_logprobs(
 
 
 def packed_logprobs(
-    model: nn.Module, batch: PackedBatch, temperature: float = 1.0, chunk: int = 256
+    model: nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    chunk: int = 256,
+    capture: tuple[int, ...] | None = None,
+    captured: list[Captured] | None = None,
 ) -> torch.Tensor:  # [M] flat, in sequence order
-    hidden, _ = model.hidden_states(
-        batch.ids, batch.positions, segments=batch.segments, parents=batch.parents
-    )
+    """Completion logprobs of a packed batch; with ``capture`` (layer indices, possibly empty)
+    one ``Captured`` per sequence is appended to ``captured`` from the same forward."""
+    hidden, layers = model.hidden_states(
+        batch.ids, batch.positions, segments=batch.segments, parents=batch.parents,
+        capture=tuple(capture or ()),
+    )  # fmt: skip
+    if capture is not None and captured is not None:
+        captured.extend(capture_features(batch, hidden, layers))
     selected = hidden[batch.rows, batch.cols]  # [M, H]
     return head_logprobs(selected, model.lm_head.weight, batch.targets, temperature, chunk)
+
+
+@torch.no_grad()
+def capture_features(
+    batch: PackedBatch,
+    hidden: torch.Tensor,  # [R, L, H]
+    layers: list[torch.Tensor],  # each [R, L, H]
+) -> list[Captured]:
+    """One ``Captured`` per sequence of ``batch`` (bfloat16 copies, detached)."""
+    feats = torch.cat(layers, dim=-1) if layers else hidden.new_zeros(*hidden.shape[:2], 0)
+    out = []
+    for span, n in zip(batch.spans, batch.lengths, strict=True):
+        cols = span.columns(n)
+        row = batch.ids[span.row, cols]  # [T]
+        out.append(Captured(row.clone(), span.prompt_len,
+                            feats[span.row, cols].detach().to(torch.bfloat16),
+                            hidden[span.row, cols].detach().to(torch.bfloat16)))  # fmt: skip
+    return out
 
 
 def token_logprobs(
@@ -241,6 +304,15 @@ def micro_batches(
             used += extra
         groups[-1].append(i)
     return groups
+
+
+@dataclass
+class FeatureSink:
+    """Which target layers to capture in the training forward, and where the ``Captured``
+    features go (one per non-empty sample, in order)."""
+
+    layers: tuple[int, ...]
+    captured: list[Captured] = field(default_factory=list)
 
 
 def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, width]
@@ -336,17 +408,24 @@ class Learner:
             flat = packed_logprobs(self.model, batch, 1.0, self.chunk)
         return list(flat.split(batch.lengths))
 
-    def _logprobs(self, model: nn.Module, batch: PackedBatch) -> torch.Tensor:  # [M]
+    def _logprobs(
+        self, model: nn.Module, batch: PackedBatch, capture: FeatureSink | None = None
+    ) -> torch.Tensor:  # [M]
+        layers, sink = (None, None) if capture is None else (capture.layers, capture.captured)
         with self._autocast():
-            return packed_logprobs(model, batch, self.temperature, self.chunk)
+            return packed_logprobs(model, batch, self.temperature, self.chunk, layers, sink)
 
     def _micro_step(
-        self, samples: list[TrainSample], norm: LossNorm, keep: list[torch.Tensor] | None
+        self,
+        samples: list[TrainSample],
+        norm: LossNorm,
+        keep: list[torch.Tensor] | None,
+        capture: FeatureSink | None = None,
     ) -> dict[str, float]:
         pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
         batch = pack_sequences(pairs, self.row_len, self.share_prompts)
         width = max(batch.lengths)
-        per_sample = list(self._logprobs(self.model, batch).split(batch.lengths))
+        per_sample = list(self._logprobs(self.model, batch, capture).split(batch.lengths))
         if keep is not None:
             keep.extend(lp.detach() for lp in per_sample)
         logprobs = _padded(per_sample, width)
@@ -384,32 +463,40 @@ class Learner:
         return old, has
 
     def train_step(
-        self, samples: Sequence[TrainSample], keep: list[torch.Tensor] | None = None
+        self,
+        samples: Sequence[TrainSample],
+        keep: list[torch.Tensor] | None = None,
+        capture: FeatureSink | None = None,
     ) -> dict[str, float]:
         """One optimizer step on ``samples`` (gradient accumulated over micro-batches). With
         ``keep`` (a list), the logprobs of the step's forward (before the update, at the
         learner's temperature) are appended to it, one [len(completion)] tensor per sample
-        with a non-empty completion, in order."""
+        with a non-empty completion, in order; with ``capture``, that forward's features of
+        the same samples (``Captured``, in the same order) are appended to
+        ``capture.captured``."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(samples, keep)
+        metrics = self.accumulate_gradients(samples, keep, capture)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         metrics.update(grad_norm=float(grad_norm), time_s=time.perf_counter() - t0)
         return metrics
 
     def accumulate_gradients(
-        self, samples: Sequence[TrainSample], keep: list[torch.Tensor] | None = None
+        self,
+        samples: Sequence[TrainSample],
+        keep: list[torch.Tensor] | None = None,
+        capture: FeatureSink | None = None,
     ) -> dict[str, float]:
         """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch); no step
-        (``keep``: see ``train_step``)."""
+        (``keep``, ``capture``: see ``train_step``)."""
         samples = [s for s in samples if len(s.completion_ids) > 0]
         if not samples:
             raise ValueError("a training batch needs at least one non-empty completion")
         tokens = sum(len(s.completion_ids) for s in samples)
         norm = LossNorm(len(samples), tokens)
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
-        parts = [self._micro_step([samples[i] for i in g], norm, keep) for g in groups]
+        parts = [self._micro_step([samples[i] for i in g], norm, keep, capture) for g in groups]
         metrics = _combine(parts)
         metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))
         return metrics

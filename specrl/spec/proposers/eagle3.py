@@ -86,6 +86,12 @@ class Eagle3Proposer:
             self.free.append(slot)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a head state dict; one that carries another draft vocabulary (``d2t``: a head
+        trained from scratch during RL picks it after its first rollouts) switches to it."""
+        vocab = state.get("d2t")
+        current = self.head.d2t
+        if vocab is not None and (current is None or not torch.equal(current, vocab)):
+            self.head.set_draft_vocab(vocab.clone())
         self.head.load_state_dict(cast_floats(state, self.head.dtype))
 
     # ------------------------------------------------------------------ drafting

@@ -1,0 +1,337 @@
+"""Training a learned drafter (EAGLE-3 / MTP head) during RL, on the steps' own rollouts.
+
+Contract:
+- ``OnlineDrafter(head, cfg, mode, fresh, seed)`` trains ``head`` (a ``DraftHead`` over the
+  learner's float32 policy; float32 master weights, bf16 autocast, AdamW at ``cfg.lr``) with
+  the training-time-test loss of ``specrl.drafters.train`` (``ttt_loss``). ``mode`` is
+  "online" (train every step) or "refresh" (train when a drift signal fires: ``Trigger``).
+  ``sink()`` is the ``FeatureSink`` the learner fills during its training forward (the layers
+  the head reads, the final hidden state): the training data are the step's own rollouts and
+  the policy's features of them, with no extra forward.
+- ``step(captured, signals)`` (once per RL step, after the policy update): turns the captured
+  features into examples; measures the head's KL to the policy on those fresh tokens before
+  training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
+  ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
+  step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
+  says so, takes as many optimizer steps as the budget pays (at most ``cfg.max_updates``, at
+  least one when triggered), each on a mini-batch of about ``cfg.batch_tokens`` tokens drawn
+  from the buffer with a seed of (seed, update count). A head started from scratch
+  (``fresh``) first takes its draft vocabulary from the step's tokens (``cfg.vocab`` most
+  frequent; 0 = full) and trains on every step until its KL stops improving. Returns
+  ``DrafterUpdate``: the row's metrics (``drafter_kl``, ``drafter_loss``, ``drafter_updates``,
+  ``drafter_train_s``, ``drafter_version``, ``drafter_trigger``, ``drafter_trained_len``) and,
+  when it trained, the head's tensors to push with their new version.
+- ``Trigger`` decides refresh from measured signals: never trained yet (cold start); KL on
+  fresh tokens above (1 + tolerance) x its level (the best recent KL, drifting up 2% per step
+  so a policy that settled elsewhere stops triggering); draft acceptance rate below (1 -
+  tolerance) x its running level (with >= 32 drafting rows as evidence); or ``max_lag`` policy
+  versions since the last training; or the last step trained and the KL fell by more than the
+  tolerance since (training still pays: a cold head trains every step while it learns).
+- ``context_note(trained_len, lengths)``: a one-line warning when rollouts run past the longest
+  sequence the head has trained on (acceptance collapses past a drafter's training length).
+- ``save(path)`` / ``load(path)``: the head's trainable parameters and optimizer
+  (``drafters.train.save_state``: safetensors, never unpickled) plus ``<path>.json`` with the
+  draft vocabulary, version, trigger and budget; the example buffer is not saved (a resumed run
+  refills it from its next step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrl.config import DrafterCfg
+from specrl.drafters.data import Example
+from specrl.drafters.train import collate, load_state, save_state, target_probs, ttt_loss
+from specrl.fsutil import atomic_write
+from specrl.models.heads import DraftHead, draft_vocab_by_frequency
+from specrl.rl import Captured, FeatureSink
+
+UNROLL, DECAY = 3, 0.8  # training-time-test depth and weight (train-drafter's defaults)
+CARRY_STEPS = 4  # unused budget carries over up to this many steps' worth
+KL_DRIFT_UP = 1.02  # the KL level rises this much per step it is not beaten
+MIN_DRAFTS = 32  # drafting rows that make a step's acceptance evidence
+ACCEPT_DECAY = 0.8  # EMA weight of the running acceptance level
+
+
+@dataclass
+class StepSignals:
+    """What the pipeline measured this step: its time so far (rollout + learner), the policy
+    version after the update, the draft acceptance rate and how many rows drafted."""
+
+    step_s: float
+    version: int
+    accept_rate: float = 0.0
+    drafting_rows: int = 0
+
+
+@dataclass
+class Trigger:
+    """Refresh decisions from measured drift (see the module docstring)."""
+
+    tolerance: float
+    max_lag: int
+    kl_level: float | None = None
+    accept_level: float | None = None
+    trained_version: int | None = None
+    trained_kl: float | None = None  # the fresh KL of the last step that trained
+
+    def why(self, kl: float, signals: StepSignals) -> str:
+        """The reason to train now ('' = none); updates the levels."""
+        reason = ""
+        if self.trained_version is None:
+            reason = "cold"
+        elif self._improving(kl, signals):
+            reason = "improving"
+        elif self.kl_level is not None and kl > (1 + self.tolerance) * self.kl_level:
+            reason = "kl"
+        elif self._accept_fell(signals):
+            reason = "acceptance"
+        elif signals.version - self.trained_version >= self.max_lag:
+            reason = "lag"
+        self.kl_level = kl if self.kl_level is None else min(kl, self.kl_level * KL_DRIFT_UP)
+        if signals.drafting_rows >= MIN_DRAFTS and reason != "acceptance":
+            rate, level = signals.accept_rate, self.accept_level
+            ema = rate if level is None else ACCEPT_DECAY * level + (1 - ACCEPT_DECAY) * rate
+            self.accept_level = ema
+        return reason
+
+    def _improving(self, kl: float, signals: StepSignals) -> bool:
+        """Training on the previous step paid: the KL fell by more than the tolerance."""
+        last = signals.version - 1 == self.trained_version and self.trained_kl is not None
+        return last and kl < (1 - self.tolerance) * self.trained_kl
+
+    def _accept_fell(self, signals: StepSignals) -> bool:
+        level = self.accept_level
+        enough = signals.drafting_rows >= MIN_DRAFTS and level is not None
+        return enough and signals.accept_rate < (1 - self.tolerance) * level
+
+
+@dataclass
+class DrafterUpdate:
+    """One step's drafter metrics and, when it trained, the tensors to push."""
+
+    metrics: dict[str, Any]
+    state: dict[str, torch.Tensor] | None = None
+    version: int = 0
+
+
+@dataclass
+class _Ledger:
+    """Counters that go into a checkpoint besides the optimizer."""
+
+    version: int = 0
+    updates: int = 0
+    budget_s: float = 0.0
+    update_s: float | None = None  # measured seconds per optimizer step (EMA)
+    trained_len: int = 0
+    last_loss: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+class OnlineDrafter:
+    """See the module docstring."""
+
+    def __init__(
+        self, head: DraftHead, cfg: DrafterCfg, mode: str, fresh: bool, seed: int = 0
+    ) -> None:
+        if mode not in ("online", "refresh"):
+            raise ValueError(f"drafter mode must be 'online' or 'refresh', got {mode!r}")
+        self.head, self.cfg, self.mode, self.fresh, self.seed = head, cfg, mode, fresh, seed
+        head.float().requires_grad_(True)
+        self.opt = torch.optim.AdamW(
+            [p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+        )
+        self.buffer: deque[list[Example]] = deque(maxlen=cfg.buffer_steps)
+        self.trigger = Trigger(cfg.drift_tolerance, cfg.max_lag)
+        self.ledger = _Ledger()
+        head.eval()
+
+    # ------------------------------------------------------------------ the learner's side
+
+    def sink(self) -> FeatureSink:
+        """What the learner's training forward should capture for this drafter."""
+        return FeatureSink(tuple(self.head.feature_layers))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The head's tensors as ``update_drafter`` takes them (state dict, detached)."""
+        return {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+
+    # ------------------------------------------------------------------ one RL step
+
+    def step(self, captured: list[Captured], signals: StepSignals) -> DrafterUpdate:
+        """See the module docstring."""
+        t0 = time.perf_counter()
+        examples = [Example(c.tokens, c.prompt_len, c.feats, c.final) for c in captured]
+        examples = [e for e in examples if len(e.tokens) - e.prompt_len >= 1]
+        if self.fresh and self.ledger.updates == 0 and examples:
+            self._pick_vocab(examples)
+        kl = self.fresh_kl(examples) if examples else math.nan
+        if examples:
+            self.buffer.append(examples)
+        reason = self._reason(kl, signals)
+        share = self.cfg.time_share * signals.step_s
+        ledger = self.ledger
+        ledger.budget_s = min(ledger.budget_s + share, CARRY_STEPS * share)
+        ledger.budget_s -= time.perf_counter() - t0  # the KL measurement is drafter time too
+        t1 = time.perf_counter()
+        updates = self._train(self._affordable()) if reason and self.buffer else []
+        ledger.budget_s -= time.perf_counter() - t1
+        if updates:
+            ledger.version += 1
+            self.trigger.trained_version, self.trigger.trained_kl = signals.version, kl
+            ledger.last_loss = sum(updates) / len(updates)
+        spent = time.perf_counter() - t0
+        metrics = {
+            "drafter_kl": kl,
+            "drafter_loss": ledger.last_loss,
+            "drafter_updates": len(updates),
+            "drafter_train_s": spent,
+            "drafter_version": ledger.version,
+            "drafter_trigger": reason if updates else "",
+            "drafter_trained_len": ledger.trained_len,
+        }
+        state = self.state() if updates else None
+        return DrafterUpdate(metrics, state, ledger.version)
+
+    def _reason(self, kl: float, signals: StepSignals) -> str:
+        if self.mode == "online":
+            self.trigger.why(kl, signals)  # keeps the levels current for the metrics
+            return "online"
+        return self.trigger.why(kl, signals) if not math.isnan(kl) else ""
+
+    def _affordable(self) -> int:
+        """Optimizer steps the budget pays for (>= 1: a triggered step always trains once)."""
+        per = self.ledger.update_s
+        if per is None:
+            return 1
+        return max(1, min(self.cfg.max_updates, int(self.ledger.budget_s / per)))
+
+    def _pick_vocab(self, examples: list[Example]) -> None:
+        """A head trained from scratch drafts from the step's most frequent tokens."""
+        size = min(self.cfg.vocab, self.head.target_config.vocab_size)
+        if size <= 0:
+            return
+        tokens = [e.tokens.tolist() for e in examples]
+        vocab = draft_vocab_by_frequency(tokens, size, self.head.target_config.vocab_size)
+        self.head.set_draft_vocab(vocab)
+
+    # ------------------------------------------------------------------ training
+
+    def _train(self, n: int) -> list[float]:
+        """``n`` optimizer steps on mini-batches from the buffer; their losses."""
+        losses = []
+        target = self.head.target
+        frozen = [p for p in target.parameters() if p.requires_grad]
+        for p in frozen:  # the policy's shared embedding / LM head get no gradient here
+            p.requires_grad_(False)
+        self.head.train()
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                losses.append(self._update(self._batch()))
+                took = time.perf_counter() - t0
+                per = self.ledger.update_s
+                self.ledger.update_s = took if per is None else 0.5 * per + 0.5 * took
+        finally:
+            self.head.eval()
+            for p in frozen:
+                p.requires_grad_(True)
+        return losses
+
+    def _batch(self) -> list[Example]:
+        """About ``batch_tokens`` tokens of examples from the buffer (seeded by the update)."""
+        pool = [e for step in self.buffer for e in step]
+        random.Random(self.seed * 1_000_003 + self.ledger.updates).shuffle(pool)
+        return take_tokens(pool, self.cfg.batch_tokens)
+
+    def _update(self, batch: list[Example]) -> float:
+        longest = max(len(e.tokens) for e in batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ttt_loss(self.head, collate(batch, longest), UNROLL, DECAY)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.opt.step()
+        ledger = self.ledger
+        ledger.updates += 1
+        ledger.trained_len = max(ledger.trained_len, longest)
+        ledger.losses.append(float(loss.detach()))
+        return ledger.losses[-1]
+
+    @torch.no_grad()
+    def fresh_kl(self, examples: list[Example]) -> float:
+        """Mean KL(policy || head) at draft depth 0 over the completion positions of up to
+        ``batch_tokens`` tokens of ``examples`` (the policy restricted to the draft vocabulary,
+        as the loss sees it)."""
+        batch = take_tokens(examples, self.cfg.batch_tokens)
+        feats, toks, final, mask = collate(batch, max(len(e.tokens) for e in batch))
+        if not mask.any():
+            return math.nan
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            g = self.head.unroll(feats.to(self.head.dtype), toks, 1)[0]
+            lq = torch.log_softmax(self.head.logits(g[mask]).float(), -1)  # [N, Vd]
+            p = target_probs(self.head, final[mask])  # [N, Vd]
+        plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
+        return float((plogp - p * lq).sum(-1).mean())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: Path) -> list[Path]:
+        """Write the head + optimizer (``path``) and the counters (``path`` + .json)."""
+        save_state(path, self.head, self.opt, self.ledger.updates, self.ledger.losses)
+        d2t = self.head.d2t
+        meta = {
+            "ledger": asdict(self.ledger) | {"losses": []},
+            "trigger": asdict(self.trigger),
+            "d2t": None if d2t is None else d2t.tolist(),
+        }
+        side = path.with_name(path.name + ".json")
+        atomic_write(side, json.dumps(meta))
+        return [path, side]
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote (``ValueError`` naming the file when it does not fit)."""
+        side = path.with_name(path.name + ".json")
+        try:
+            meta = json.loads(side.read_text())
+            d2t = meta["d2t"]
+            self.head.set_draft_vocab(None if d2t is None else torch.tensor(d2t))
+            ledger, trigger = _Ledger(**meta["ledger"]), Trigger(**meta["trigger"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read drafter state {side}: {e}") from None
+        updates, losses = load_state(path, self.head, self.opt)
+        self.ledger, self.trigger = ledger, trigger
+        self.ledger.updates, self.ledger.losses = updates, losses
+
+
+def take_tokens(examples: list[Example], budget: int) -> list[Example]:
+    """The leading examples that fit ``budget`` tokens (at least one)."""
+    batch, tokens = [], 0
+    for e in examples:
+        if batch and tokens + len(e.tokens) > budget:
+            break
+        batch.append(e)
+        tokens += len(e.tokens)
+    return batch
+
+
+def context_note(trained_len: int, lengths: list[int]) -> str | None:
+    """A one-line warning when sequences (prompt + completion lengths ``lengths``) run past
+    ``trained_len``, the longest the drafter has trained on (0 = unknown: no warning)."""
+    over = [n for n in lengths if n > trained_len]
+    if trained_len <= 0 or not over:
+        return None
+    return (
+        f"drafter context: {len(over)} of {len(lengths)} rollouts run past the {trained_len} "
+        f"tokens the drafter was trained on (up to {max(over)}); acceptance may collapse there "
+        "(drafter.mode='online' or 'refresh' trains on them)"
+    )

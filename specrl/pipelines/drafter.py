@@ -1,0 +1,111 @@
+"""The learned drafter's side of a run: training it during RL and watching its context length.
+
+Contract:
+- ``build_drafter_side(cfg, policy, backend, guard)`` returns ``None`` for a run whose drafter
+  has no head (none, ngram, suffix, draft, self), else a ``DrafterSide``: with
+  ``backends.native.training_mode`` on, an ``OnlineDrafter`` over the head the backend loaded
+  (the same directory), or over a fresh random head (seeded by ``run.seed``) when none exists;
+  its tensors are pushed at once as drafter version 0 through the guard, so the engine drafts
+  with exactly the trainer's head from the first step. A frozen head keeps only the length of
+  the longest sequence it was trained on (``head.json``: ``extra.trained_len``, else the
+  ``train.max_len`` cut; 0 = unknown).
+- ``drafter_fields(parts, comps, rollout, captured, step_s)`` (in ``learn``, after the policy
+  update): ``OnlineDrafter.step`` with the step's signals, then a trained head pushed through
+  the guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
+  async one), plus ``drafter_warning`` the first time rollouts run past the head's training
+  length. Returns the row fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specrl.backends import RolloutBackend
+from specrl.backends.native import drafter_dir, training_mode
+from specrl.config import Config
+from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
+from specrl.engine.types import Completion
+from specrl.models.heads import DraftHead, load_head, read_head_config
+from specrl.pipelines.guard import WeightGuard
+from specrl.rl import Captured, FeatureSink
+from specrl.spec.proposers import available_proposers, proposer_takes
+
+if TYPE_CHECKING:
+    from specrl.pipelines.build import RunParts
+
+
+@dataclass
+class DrafterSide:
+    """The trainer (None: a frozen head) and the longest sequence the head has trained on."""
+
+    trainer: OnlineDrafter | None
+    trained_len: int = 0
+    warned: bool = False
+
+    def sink(self) -> FeatureSink | None:
+        return None if self.trainer is None else self.trainer.sink()
+
+
+def build_drafter_side(
+    cfg: Config, policy: torch.nn.Module, backend: RolloutBackend, guard: WeightGuard
+) -> DrafterSide | None:
+    """See the module docstring."""
+    spec = cfg.rollout.spec
+    if spec not in available_proposers() or not proposer_takes(spec, "drafter_path"):
+        return None
+    mode, path = training_mode(cfg), drafter_dir(cfg)
+    known = _trained_len(path) if path else 0
+    if mode is None:
+        return DrafterSide(None, known)
+    if path is not None:
+        head = load_head(path, policy, kind=spec)
+    else:
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.run.seed)
+            head = DraftHead(policy, spec)
+    trainer = OnlineDrafter(head, cfg.drafter, mode, fresh=path is None, seed=cfg.run.seed)
+    trainer.ledger.trained_len = known
+    guard.push_drafter(backend, trainer.state(), 0)
+    return DrafterSide(trainer, known)
+
+
+def _trained_len(path: str) -> int:
+    """The longest sequence a saved head trained on (0 when its head.json does not say)."""
+    try:
+        extra = read_head_config(path).get("extra") or {}
+        return int(extra.get("trained_len") or (extra.get("train") or {}).get("max_len") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def drafter_fields(
+    parts: RunParts,
+    comps: Sequence[Completion],
+    rollout: Mapping[str, Any],
+    captured: list[Captured],
+    step_s: float,
+) -> dict[str, Any]:
+    """See the module docstring (``comps`` and ``rollout``: the batch's completions and
+    rollout metrics; ``parts.drafter`` is set)."""
+    side: DrafterSide = parts.drafter
+    row: dict[str, Any] = {}
+    if side.trainer is not None:
+        rate = float(rollout.get("draft_acceptance_rate", 0.0))
+        signals = StepSignals(step_s, parts.version, rate, int(rollout.get("drafting_steps", 0)))
+        update = side.trainer.step(captured, signals)
+        row |= update.metrics
+        if update.state is not None:
+            idle = parts.cfg.pipeline.mode == "sync"
+            row["drafter_sync_s"] = parts.guard.push_drafter(
+                parts.backend, update.state, update.version, idle=idle
+            )
+        side.trained_len = side.trainer.ledger.trained_len
+    note = context_note(side.trained_len, [len(c.prompt_ids) + len(c.token_ids) for c in comps])
+    if note and not side.warned:
+        side.warned = True
+        row["drafter_warning"] = note
+    return row

@@ -1,0 +1,222 @@
+"""A learned drafter trained during RL (issue 16): the learner's forward feeds it, its updates
+reach the engine with a version, a fresh machine trains a head from scratch, resume restores it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrl.backends.native import training_mode
+from specrl.config import ConfigError
+from specrl.drafters.online import OnlineDrafter, StepSignals, Trigger, context_note
+from specrl.models.fingerprint import fingerprint, fingerprint_dtype
+from specrl.models.heads import DraftHead, save_head
+from specrl.pipelines.loop import open_run
+from specrl.pipelines.step import collect, learn
+from specrl.pipelines.train import train
+from specrl.rl import FeatureSink, Learner, TrainSample
+from tests.conftest import make_tiny
+from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
+
+EAGLE = ("rollout.spec=eagle3", "rollout.max_new_tokens=12", "drafter.vocab=0")
+
+
+@pytest.fixture
+def no_cache(tmp_path, monkeypatch):
+    """A fresh machine: no drafter was ever trained or cached."""
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "empty-cache"))
+
+
+def engine_head(parts) -> dict[str, torch.Tensor]:
+    return parts.backend.engine.proposer.head.state_dict()
+
+
+def test_learner_captures_each_samples_features_from_its_training_forward():
+    model = make_tiny(0)
+    learner = Learner(model, dtype="fp32", lr=0.0)
+    prompt = [5, 6, 7]
+    samples = [TrainSample(prompt, [9, 10, 11], 1.0), TrainSample(prompt, [12, 2], -1.0),
+               TrainSample([3, 4], [8], 0.5)]  # fmt: skip
+    sink = FeatureSink((0, 1))
+    learner.train_step(samples, capture=sink)
+    assert [c.tokens.tolist() for c in sink.captured] == [
+        list(s.prompt_ids) + list(s.completion_ids) for s in samples
+    ]
+    for s, c in zip(samples, sink.captured, strict=True):
+        ids = torch.tensor([list(s.prompt_ids) + list(s.completion_ids)])
+        with torch.no_grad():  # the sequence alone: packing and prompt sharing change nothing
+            final, layers = model.hidden_states(ids, torch.arange(ids.shape[1])[None],
+                                                capture=(0, 1))  # fmt: skip
+        assert c.prompt_len == len(s.prompt_ids)
+        torch.testing.assert_close(c.feats.float(), torch.cat(layers, -1)[0], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(c.final.float(), final[0], atol=2e-2, rtol=2e-2)
+
+
+def test_online_updates_reach_the_engine_with_version_and_content(no_cache):
+    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online"))
+    trainer = parts.drafter.trainer
+    before = {k: v.clone() for k, v in engine_head(parts).items()}
+    for step in range(2):
+        row = learn(parts, collect(parts, step))
+        assert row["drafter_updates"] >= 1 and row["drafter_version"] == step + 1
+        served = parts.backend.served()
+        assert served.drafter_version == trainer.ledger.version == step + 1
+        state = trainer.state()
+        assert served.drafter == fingerprint(state, fingerprint_dtype(served.drafter))
+        for name, t in engine_head(parts).items():
+            torch.testing.assert_close(t, state[name].to(t.dtype))
+    assert any(not torch.equal(before[k], v) for k, v in engine_head(parts).items())
+
+
+def test_training_data_are_each_steps_own_rollouts(no_cache):
+    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online", "drafter.buffer_steps=1"))
+    seen = []
+    for step in range(2):
+        batch = collect(parts, step)
+        learn(parts, batch)
+        expected = sorted(c.prompt_ids + c.token_ids for c in batch.completions if c.token_ids)
+        (buffered,) = parts.drafter.trainer.buffer
+        assert sorted(e.tokens.tolist() for e in buffered) == expected
+        seen.append(expected)
+    assert seen[0] != seen[1]
+
+
+def test_a_fresh_machine_trains_the_head_from_its_first_step(no_cache, tmp_path):
+    cfg = tiny_config(*EAGLE, "run.steps=3", "drafter.vocab=16")
+    assert cfg.drafter.mode == "auto" and training_mode(cfg) == "refresh"
+    parts = tiny_parts(cfg)
+    assert parts.drafter.trainer.fresh
+    rows = train(parts, str(tmp_path / "run"), progress=False)
+    assert rows[0]["drafter_trigger"] == "cold" and rows[0]["drafter_updates"] >= 1
+    head = parts.backend.engine.proposer.head  # the vocabulary the trainer picked, served
+    assert head.d2t is not None and len(head.d2t) == 16
+    assert torch.equal(head.d2t, parts.drafter.trainer.head.d2t)
+
+
+def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(no_cache):
+    with pytest.raises(ConfigError, match="specrl train-drafter --drafter eagle3"):
+        tiny_parts(tiny_config(*EAGLE, "drafter.mode=frozen"))
+    with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned head"):
+        tiny_parts(tiny_config("rollout.spec=suffix", "drafter.mode=online"))
+    assert training_mode(tiny_config("rollout.spec=suffix")) is None
+    with pytest.raises(ConfigError, match="rollout.backend='native'"):
+        training_mode(tiny_config(*EAGLE, "rollout.backend=vllm", "drafter.mode=online"))
+
+
+def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path):
+    cfg = tiny_config(*EAGLE, "drafter.mode=online", "run.steps=2", "run.checkpoint_every=2",
+                      "run.eval_every=0")  # fmt: skip
+    first = tiny_parts(cfg)
+    train(first, str(tmp_path / "run"), progress=False)
+    saved, opt = first.drafter.trainer.state(), first.drafter.trainer.opt.state_dict()
+    again = tiny_parts(cfg)
+    assert any(not torch.equal(v, saved[k]) for k, v in again.drafter.trainer.state().items())
+    assert open_run(again, again_dir := _run_dir(tmp_path), resume=True) == 2
+    trainer = again.drafter.trainer
+    for name, t in trainer.state().items():
+        assert torch.equal(t, saved[name]), name
+    restored = trainer.opt.state_dict()
+    assert restored["state"].keys() == opt["state"].keys()
+    for i, slot in opt["state"].items():
+        for key, value in slot.items():
+            assert torch.equal(torch.as_tensor(restored["state"][i][key]), torch.as_tensor(value))
+    assert trainer.ledger.version == first.drafter.trainer.ledger.version
+    assert again.backend.served().drafter_version == trainer.ledger.version
+    for name, t in engine_head(again).items():
+        torch.testing.assert_close(t, saved[name].to(t.dtype))
+    assert again_dir.latest_checkpoint() is not None
+
+
+def _run_dir(tmp_path):
+    from specrl.pipelines.checkpoint import RunDir
+
+    return RunDir(tmp_path / "run")
+
+
+def test_a_saved_head_starts_the_trainer_and_is_not_replaced(tmp_path, monkeypatch):
+    torch.manual_seed(3)
+    path = save_head(DraftHead(make_tiny(0), "eagle3"), tmp_path / "head",
+                     extra={"trained_len": 40})  # fmt: skip
+    parts = tiny_parts(tiny_config(*EAGLE, f"rollout.drafter_path={path}"))
+    assert not parts.drafter.trainer.fresh and parts.drafter.trained_len == 40
+    frozen = tiny_parts(tiny_config(*EAGLE, f"rollout.drafter_path={path}", "drafter.mode=frozen"))
+    assert frozen.drafter.trainer is None and frozen.drafter.trained_len == 40
+    for a, b in zip(engine_head(parts).values(), engine_head(frozen).values(), strict=True):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- units
+
+
+def signals(version: int, rate: float = 0.0, rows: int = 0) -> StepSignals:
+    return StepSignals(1.0, version, rate, rows)
+
+
+def test_trigger_fires_on_each_measured_signal_and_not_on_a_steady_one():
+    t = Trigger(tolerance=0.1, max_lag=5)
+    assert t.why(2.0, signals(1, 0.5, 64)) == "cold"
+    t.trained_version, t.trained_kl = 1, 2.0
+    assert t.why(1.5, signals(2, 0.5, 64)) == "improving"  # training paid: keep going
+    t.trained_version, t.trained_kl = 2, 1.5
+    assert t.why(1.45, signals(3, 0.5, 64)) == ""  # < 10% better: converged
+    assert t.why(1.46, signals(4, 0.5, 64)) == ""
+    assert t.why(1.8, signals(5, 0.5, 64)) == "kl"  # the policy moved away from the head
+    assert t.why(1.46, signals(6, 0.3, 64)) == "acceptance"
+    assert t.why(1.46, signals(6, 0.3, 4)) == ""  # 4 drafting rows are no evidence
+    assert t.why(1.46, signals(7, 0.5, 64)) == "lag"  # 5 versions since the last training
+
+
+def test_the_kl_level_drifts_up_so_a_settled_policy_stops_triggering():
+    t = Trigger(tolerance=0.1, max_lag=1000, trained_version=0)
+    t.why(1.0, signals(10))
+    fired = [t.why(1.2, signals(11 + i)) for i in range(12)]
+    assert fired[0] == "kl" and fired[-1] == ""
+
+
+def test_updates_are_paid_from_the_time_budget():
+    from specrl.config import DrafterCfg
+
+    trainer = OnlineDrafter(DraftHead(make_tiny(0), "eagle3"), DrafterCfg(max_updates=5),
+                            "online", fresh=False)  # fmt: skip
+    assert trainer._affordable() == 1  # cost unknown: one update measures it
+    trainer.ledger.update_s, trainer.ledger.budget_s = 0.1, 0.35
+    assert trainer._affordable() == 3
+    trainer.ledger.budget_s = 10.0
+    assert trainer._affordable() == 5
+    trainer.ledger.budget_s = -1.0
+    assert trainer._affordable() == 1
+
+
+def test_context_note_names_the_trained_length():
+    assert context_note(0, [5000]) is None and context_note(100, [100, 80]) is None
+    note = context_note(100, [90, 150, 130])
+    assert "2 of 3 rollouts" in note and "100 tokens" in note and "150" in note
+    assert "\n" not in note
+
+
+def test_a_drafter_update_during_a_generate_call_applies_before_the_next(no_cache):
+    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online"))
+    backend, trainer = parts.backend, parts.drafter.trainer
+    with torch.no_grad():
+        for p in trainer.head.parameters():
+            p.add_(0.25)
+    with backend._lock:
+        backend._busy = True  # as while the async producer generates
+    backend.update_drafter(trainer.state(), 7)
+    assert backend.versions().drafter == 0  # not yet: the call owns the engine
+    with backend._lock:
+        backend._busy = False
+    assert backend.served().drafter_version == 7  # idle again: applied
+    for name, t in engine_head(parts).items():
+        torch.testing.assert_close(t, trainer.state()[name].to(t.dtype))
+
+
+def test_the_run_summary_says_how_the_drafter_trained(no_cache, tmp_path):
+    from specrl.pipelines.report import summarize, summary_text
+
+    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online", "run.steps=2"))
+    rows = train(parts, str(tmp_path / "run"), progress=False)
+    s = summarize(rows, [], None)
+    assert s["drafter_updates"] == sum(r["drafter_updates"] for r in rows) >= 2
+    assert s["drafter_version"] == rows[-1]["drafter_version"] == 2
+    assert "drafter: " in summary_text(s) and "updates during the run (version 2" in summary_text(s)
