@@ -13,11 +13,13 @@ so acceptance is measured at every step, not only where the controller drafts), 
 (b) ``--generic`` (the same recipe on generic chat prompts), under every ``--modes`` value; then
 a cold start (no head at all: ``drafter.mode`` auto = refresh from a random head) and one async
 run (online, from the in-domain head, ``--async-steps`` steps) for the drafter's time share
-there. Every run ends with the run's own speed check (the next step's prompts rolled out plain
-and with the run's final drafter; ``rollout_speedup``). Writes the per-step series (draft
-acceptance length, reward, reply length, drafter updates / time / KL / trigger, step time),
-the end-of-run speedups, the drafter-time share of step time, and ``run_metadata()``; the plot
-shows acceptance per step for every run.
+there. The cold start checkpoints every 5 steps; each checkpoint's policy and drafter are then
+rolled out plain and speculative on 2 rows (where speculation can pay here): the step at which
+speculation first pays. Every run ends with the run's own speed check (the next step's
+prompts rolled out plain and with the run's final drafter; ``rollout_speedup``). Writes the
+per-step series (draft acceptance length, reward, reply length, drafter updates / time / KL /
+trigger, step time), the end-of-run speedups, the drafter-time share of step time, the cold
+start's speed by checkpoint, and ``run_metadata()``; the plot shows acceptance per step.
 """
 
 from __future__ import annotations
@@ -45,10 +47,18 @@ SERIES = ("draft_acceptance_length", "reward_mean", "response_length", "drafter_
           "train_time_s")  # fmt: skip
 
 
-def run(name: str, sets: list[str], steps: int, threads: int, env: dict[str, str]) -> dict:
-    """One ``specrl train`` run; its per-step series, speed check and drafter time share."""
+def run(
+    name: str,
+    sets: list[str],
+    steps: int,
+    threads: int,
+    env: dict[str, str],
+    keep: Path | None = None,
+) -> dict:
+    """One ``specrl train`` run; its per-step series, speed check and drafter time share
+    (``keep``: run there and leave the run directory, checkpoints included)."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = keep or Path(tmp) / "run"
         pairs = [("--set", s) for s in [*BASE, f"run.steps={steps}", *sets]]
         cmd = [sys.executable, "-m", "specrl.cli", "train", "--run-dir", str(run_dir),
                *[x for pair in pairs for x in pair]]  # fmt: skip
@@ -78,6 +88,44 @@ def run(name: str, sets: list[str], steps: int, threads: int, env: dict[str, str
           f"reward {out['reward_first5']:.3f} -> {out['reward_last5']:.3f}, end speedup "
           f"{speed.get('rollout_speedup', float('nan')):.3f}, drafter share "
           f"{out['drafter_time_share']:.3f}", flush=True)  # fmt: skip
+    return out
+
+
+def speed_by_checkpoint(run_dir: Path, sets: list[str], threads: int, cache: str) -> list[dict]:
+    """The cold-start run's speed at each checkpoint (and before any training): the policy and
+    drafter of step N restored, step N's prompts rolled out plain and speculative on 2 rows
+    (1 prompt x 2, where speculation can pay on this CPU), 5 times; the median speedup."""
+    import statistics
+
+    import torch
+
+    os.environ["SPECRL_CACHE"] = cache  # the cold run's empty cache: a fresh head is built
+    torch.set_num_threads(threads)
+    from specrl.config import load_config
+    from specrl.pipelines.build import build_run
+    from specrl.pipelines.checkpoint import RunDir, apply_checkpoint, read_checkpoint
+    from specrl.pipelines.loop import restore_drafter
+    from specrl.pipelines.speed import measure_speedup
+
+    cfg = load_config(run_dir / "config.toml", [*sets, "rollout.prompts_per_step=1",
+                                                "rollout.group_size=2"])  # fmt: skip
+    parts = build_run(cfg)
+    out = []
+    ckpts = sorted(RunDir(run_dir).checkpoints_newest_first(), key=lambda c: c.name)
+    for ckpt in [None, *ckpts]:
+        step = 0
+        if ckpt is not None:
+            data = read_checkpoint(ckpt)
+            state, _ = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
+            step, parts.version = state["step"], state["policy_version"]
+            parts.push_weights()
+            restore_drafter(parts, data)
+        checks = [measure_speedup(parts, step) for _ in range(5)]
+        speedup = statistics.median(c["rollout_speedup"] for c in checks)
+        acc = statistics.median(c["spec_acceptance_length"] for c in checks)
+        out.append({"step": step, "rollout_speedup": speedup, "acceptance_length": acc})
+        print(f"[cold start, 2 rows] step {step}: acceptance {acc:.2f}, speedup {speedup:.2f}x",
+              flush=True)  # fmt: skip
     return out
 
 
@@ -125,7 +173,10 @@ def main() -> None:
                 sets = [f"rollout.drafter_path={head}", f"drafter.mode={mode}"]
                 results[f"{start} {mode}"] = run(f"{start} {mode}", sets, a.steps, a.threads, env)
         cold_env = env | {"SPECRL_CACHE": empty}  # a fresh machine: nothing cached
-        results["cold start"] = run("cold start", [], a.steps, a.threads, cold_env)
+        cold_dir = Path(empty) / "cold-run"
+        results["cold start"] = run("cold start", ["run.checkpoint_every=5"], a.steps, a.threads,
+                                    cold_env, keep=cold_dir)  # fmt: skip
+        cold_speed = speed_by_checkpoint(cold_dir, ["run.checkpoint_every=5"], a.threads, empty)
         sync_async = run("async online", [f"rollout.drafter_path={a.in_domain}",
                                           "drafter.mode=online", "pipeline.mode=async"],
                          a.async_steps, a.threads, env)  # fmt: skip
@@ -136,6 +187,10 @@ def main() -> None:
         "steps": a.steps,
         "runs": results,
         "async_online": sync_async,
+        "cold_start_speed_2_rows": cold_speed,
+        "cold_start_first_pays_step": next(
+            (c["step"] for c in cold_speed if c["rollout_speedup"] > 1.0), None
+        ),
         "end_rollout_speedup": end,
         "drafter_time_share": {n: r["drafter_time_share"] for n, r in results.items()}
         | {"async online": sync_async["drafter_time_share"]},

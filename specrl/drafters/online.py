@@ -13,11 +13,12 @@ Contract:
   training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
   ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
   step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
-  says so, takes as many optimizer steps as the budget pays (at most ``cfg.max_updates``, at
-  least one when triggered), each on a mini-batch of about ``cfg.batch_tokens`` tokens drawn
-  from the buffer with a seed of (seed, update count). A head started from scratch
+  says so, takes as many optimizer steps as the budget pays at their measured cost (rounded to
+  the nearest; at least one while the budget is positive, none while an overrun is being paid
+  back; at most ``cfg.max_updates``), each on a mini-batch of about ``cfg.batch_tokens``
+  tokens drawn from the buffer with a seed of (seed, update count). A head started from scratch
   (``fresh``) first takes its draft vocabulary from the step's tokens (``cfg.vocab`` most
-  frequent; 0 = full) and trains on every step until its KL stops improving. Returns
+  frequent; 0 = full) and keeps training while its KL improves. Returns
   ``DrafterUpdate``: the row's metrics (``drafter_kl``, ``drafter_loss``, ``drafter_updates``,
   ``drafter_train_s``, ``drafter_version``, ``drafter_trigger``, ``drafter_trained_len``) and,
   when it trained, the head's tensors to push with their new version.
@@ -25,8 +26,8 @@ Contract:
   fresh tokens above (1 + tolerance) x its level (the best recent KL, drifting up 2% per step
   so a policy that settled elsewhere stops triggering); draft acceptance rate below (1 -
   tolerance) x its running level (with >= 32 drafting rows as evidence); or ``max_lag`` policy
-  versions since the last training; or the last step trained and the KL fell by more than the
-  tolerance since (training still pays: a cold head trains every step while it learns).
+  versions since the last training; or the KL fell by more than the tolerance since the last
+  training (training still pays: a cold head trains as the budget allows while it learns).
 - ``context_note(trained_len, lengths)``: a one-line warning when rollouts run past the longest
   sequence the head has trained on (acceptance collapses past a drafter's training length).
 - ``save(path)`` / ``load(path)``: the head's trainable parameters and optimizer
@@ -89,7 +90,7 @@ class Trigger:
         reason = ""
         if self.trained_version is None:
             reason = "cold"
-        elif self._improving(kl, signals):
+        elif self._improving(kl):
             reason = "improving"
         elif self.kl_level is not None and kl > (1 + self.tolerance) * self.kl_level:
             reason = "kl"
@@ -104,10 +105,9 @@ class Trigger:
             self.accept_level = ema
         return reason
 
-    def _improving(self, kl: float, signals: StepSignals) -> bool:
-        """Training on the previous step paid: the KL fell by more than the tolerance."""
-        last = signals.version - 1 == self.trained_version and self.trained_kl is not None
-        return last and kl < (1 - self.tolerance) * self.trained_kl
+    def _improving(self, kl: float) -> bool:
+        """Training pays: the KL fell by more than the tolerance since the last training."""
+        return self.trained_kl is not None and kl < (1 - self.tolerance) * self.trained_kl
 
     def _accept_fell(self, signals: StepSignals) -> bool:
         level = self.accept_level
@@ -209,11 +209,15 @@ class OnlineDrafter:
         return self.trigger.why(kl, signals) if not math.isnan(kl) else ""
 
     def _affordable(self) -> int:
-        """Optimizer steps the budget pays for (>= 1: a triggered step always trains once)."""
-        per = self.ledger.update_s
+        """Optimizer steps the budget pays for: none while it is spent (a step that overran it
+        is paid back first), else at least one (the last one may overrun), at most
+        ``cfg.max_updates``; one while the cost of a step is still unmeasured."""
+        per, budget = self.ledger.update_s, self.ledger.budget_s
         if per is None:
             return 1
-        return max(1, min(self.cfg.max_updates, int(self.ledger.budget_s / per)))
+        if budget <= 0:
+            return 0
+        return max(1, min(self.cfg.max_updates, math.ceil(budget / per - 0.5)))
 
     def _pick_vocab(self, examples: list[Example]) -> None:
         """A head trained from scratch drafts from the step's most frequent tokens."""

@@ -10,7 +10,9 @@ Contract:
   the longest sequence it was trained on (``head.json``: ``extra.trained_len``, else the
   ``train.max_len`` cut; 0 = unknown).
 - ``drafter_fields(parts, comps, rollout, captured, step_s)`` (in ``learn``, after the policy
-  update): ``OnlineDrafter.step`` with the step's signals, then a trained head pushed through
+  update; ``step_s`` is the previous step's wall time, or on the first step its rollout and
+  learning so far, so the budget is a share of what a step takes in either pipeline):
+  ``OnlineDrafter.step`` with the step's signals, then a trained head pushed through
   the guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
   async one), plus ``drafter_warning`` the first time rollouts run past the head's training
   length. Returns the row fields.

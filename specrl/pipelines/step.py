@@ -278,7 +278,9 @@ def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
     row["refit_time_s"] = parts.push_weights()
     row["policy_version"] = parts.version
     if parts.drafter is not None:
-        step_s = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
+        step_s = parts.last_step_s  # the previous step's wall time (either pipeline)
+        if step_s is None:  # the first step: its rollout and learning so far
+            step_s = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
         captured = [] if sink is None else sink.captured
         row |= drafter_fields(parts, comps, batch.metrics, captured, step_s)
     return row

@@ -201,7 +201,7 @@ def test_close_is_idempotent_and_final(worker):
 
 def test_startup_error_is_the_workers_message(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path))  # no cached drafter head to find
-    cfg = tiny_config(*PROCESS, "rollout.spec=eagle3")
+    cfg = tiny_config(*PROCESS, "rollout.spec=eagle3", "drafter.mode=frozen")
     err = call_within(60, lambda: build_process(cfg, make_tiny()))
     assert isinstance(err, ConfigError), err
     assert "needs rollout.drafter_path" in str(err)

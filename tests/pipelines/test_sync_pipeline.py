@@ -57,13 +57,15 @@ def test_engine_learner_logprob_mismatch_fp32(tmp_path, spec):
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
     """A trained-head drafter from ``rollout.drafter_path`` (or the cached default) drafts the
-    rollouts of a GRPO run with engine/learner logprobs in agreement; no head -> clear error."""
+    rollouts of a GRPO run with engine/learner logprobs in agreement; no head and a frozen
+    drafter -> clear error (the default trains one from scratch: test_online_drafter.py)."""
     from specrl.models.heads import DraftHead, save_head
     from specrl.paths import drafter_cache_dir as default_out
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=f"specrl train-drafter --drafter {kind}"):
-        tiny_parts(tiny_config(f"rollout.spec={kind}"))
+        tiny_parts(tiny_config(f"rollout.spec={kind}", "drafter.mode=frozen"))
+    assert tiny_parts(tiny_config(f"rollout.spec={kind}")).drafter.trainer.fresh
     torch.manual_seed(0)
     head = save_head(DraftHead(make_tiny(0), kind), tmp_path / "head")
     parts = tiny_parts(tiny_config(f"rollout.spec={kind}", f"rollout.drafter_path={head}"))
@@ -72,7 +74,8 @@ def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
     assert max(r["logprob_delta_mean"] for r in rows) <= 1e-3
     assert parts.backend.engine.stats.drafted > 0  # the head drafted in the last rollout
     save_head(DraftHead(make_tiny(0), kind), default_out(parts.cfg.model.name, kind))
-    tiny_parts(tiny_config(f"rollout.spec={kind}"))  # the cached default head is found
+    cached = tiny_parts(tiny_config(f"rollout.spec={kind}", "drafter.mode=frozen"))
+    assert cached.drafter.trainer is None  # the cached default head is found
 
 
 def test_draft_model_drafter_defaults_to_the_cached_one(tmp_path, monkeypatch):
