@@ -13,12 +13,13 @@ Contract:
   training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
   ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
   step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
-  says so, takes as many optimizer steps as the budget pays at their measured cost (rounded to
-  the nearest; at least one while the budget is positive, none while an overrun is being paid
-  back; at most ``cfg.max_updates``), each on a mini-batch of about ``cfg.batch_tokens``
-  tokens drawn from the buffer with a seed of (seed, update count). A head started from scratch
-  (``fresh``) first takes its draft vocabulary from the step's tokens (``cfg.vocab`` most
-  frequent; 0 = full) and keeps training while its KL improves. Returns
+  says so, takes as many optimizer steps as the budget pays in full at their measured cost
+  (at most ``cfg.max_updates``; the first one, whose cost is unknown, is taken anyway), each
+  on a mini-batch of about ``cfg.batch_tokens`` tokens drawn from the buffer with a seed of
+  (seed, update count). The KL measurement is paid from the budget too: with the budget
+  spent it is skipped (``drafter_kl`` None, no refresh decision that step). A head started
+  from scratch (``fresh``) first takes its draft vocabulary from the step's tokens
+  (``cfg.vocab`` most frequent; 0 = full) and keeps training while its KL improves. Returns
   ``DrafterUpdate``: the row's metrics (``drafter_kl``, ``drafter_loss``, ``drafter_updates``,
   ``drafter_train_s``, ``drafter_version``, ``drafter_trigger``, ``drafter_trained_len``) and,
   when it trained, the head's tensors to push with their new version.
@@ -174,14 +175,15 @@ class OnlineDrafter:
         examples = [e for e in examples if len(e.tokens) - e.prompt_len >= 1]
         if self.fresh and self.ledger.updates == 0 and examples:
             self._pick_vocab(examples)
-        kl = self.fresh_kl(examples) if examples else math.nan
         if examples:
             self.buffer.append(examples)
-        reason = self._reason(kl, signals)
         share = self.cfg.time_share * signals.step_s
         ledger = self.ledger
         ledger.budget_s = min(ledger.budget_s + share, CARRY_STEPS * share)
-        ledger.budget_s -= time.perf_counter() - t0  # the KL measurement is drafter time too
+        measure = examples and (ledger.budget_s > 0 or ledger.updates == 0)
+        kl = self.fresh_kl(examples) if measure else math.nan  # drafter time: paid from the budget
+        reason = self._reason(kl, signals)
+        ledger.budget_s -= time.perf_counter() - t0
         t1 = time.perf_counter()
         updates = self._train(self._affordable()) if reason and self.buffer else []
         ledger.budget_s -= time.perf_counter() - t1
@@ -191,7 +193,7 @@ class OnlineDrafter:
             ledger.last_loss = sum(updates) / len(updates)
         spent = time.perf_counter() - t0
         metrics = {
-            "drafter_kl": kl,
+            "drafter_kl": None if math.isnan(kl) else kl,
             "drafter_loss": ledger.last_loss,
             "drafter_updates": len(updates),
             "drafter_train_s": spent,
@@ -203,21 +205,18 @@ class OnlineDrafter:
         return DrafterUpdate(metrics, state, ledger.version)
 
     def _reason(self, kl: float, signals: StepSignals) -> str:
-        if self.mode == "online":
-            self.trigger.why(kl, signals)  # keeps the levels current for the metrics
-            return "online"
-        return self.trigger.why(kl, signals) if not math.isnan(kl) else ""
+        if math.isnan(kl):  # not measured (the budget is spent): no levels move
+            return "online" if self.mode == "online" else ""
+        why = self.trigger.why(kl, signals)  # online: keeps the levels current for the metrics
+        return "online" if self.mode == "online" else why
 
     def _affordable(self) -> int:
-        """Optimizer steps the budget pays for: none while it is spent (a step that overran it
-        is paid back first), else at least one (the last one may overrun), at most
-        ``cfg.max_updates``; one while the cost of a step is still unmeasured."""
+        """Optimizer steps the budget pays for in full at their measured cost (unused budget
+        carries over), at most ``cfg.max_updates``; one while that cost is still unmeasured."""
         per, budget = self.ledger.update_s, self.ledger.budget_s
         if per is None:
             return 1
-        if budget <= 0:
-            return 0
-        return max(1, min(self.cfg.max_updates, math.ceil(budget / per - 0.5)))
+        return max(0, min(self.cfg.max_updates, int(budget / per)))
 
     def _pick_vocab(self, examples: list[Example]) -> None:
         """A head trained from scratch drafts from the step's most frequent tokens."""

@@ -183,11 +183,11 @@ def test_updates_are_paid_from_the_time_budget():
                             "online", fresh=False)  # fmt: skip
     assert trainer._affordable() == 1  # cost unknown: one update measures it
     trainer.ledger.update_s, trainer.ledger.budget_s = 0.1, 0.35
-    assert trainer._affordable() == 3
+    assert trainer._affordable() == 3  # paid in full: 3.5 updates' worth buys 3
     trainer.ledger.budget_s = 10.0
     assert trainer._affordable() == 5
-    trainer.ledger.budget_s = 0.02  # a positive budget pays one (the overrun is paid back)
-    assert trainer._affordable() == 1
+    trainer.ledger.budget_s = 0.09  # less than one update: saved for the next step
+    assert trainer._affordable() == 0
     trainer.ledger.budget_s = -0.01
     assert trainer._affordable() == 0
 
