@@ -278,9 +278,10 @@ def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
     row["refit_time_s"] = parts.push_weights()
     row["policy_version"] = parts.version
     if parts.drafter is not None:
-        step_s = parts.last_step_s  # the previous step's wall time (either pipeline)
-        if step_s is None:  # the first step: its rollout and learning so far
-            step_s = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
+        so_far = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
+        # a lower bound of this step's time: its rollout and learning so far (sync), the
+        # previous step's wall time (async: the rollout overlapped it; steps get shorter)
+        step_s = so_far if parts.last_step_s is None else min(so_far, parts.last_step_s)
         captured = [] if sink is None else sink.captured
         row |= drafter_fields(parts, comps, batch.metrics, captured, step_s)
     return row
