@@ -146,6 +146,7 @@ def train_async(
             if batch.step != step:
                 raise RuntimeError(f"expected the batch of step {step}, got step {batch.step}")
             admit(parts, batch)
+            batch.metrics["learner_idle_s"] = idle  # the drafter's budget reads it in learn
             row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
             now = time.perf_counter()
             row |= {"learner_idle_s": idle, "step_time_s": now - last}

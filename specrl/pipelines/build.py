@@ -71,7 +71,6 @@ class RunParts:
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
     drafter: DrafterSide | None = None  # a learned head: its trainer / training length
-    last_step_s: float | None = None  # the previous step's wall time (the drafter's budget)
 
     def push_weights(self) -> float:
         """Send the learner's weights to the backend as version ``self.version`` and check what

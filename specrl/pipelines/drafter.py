@@ -10,9 +10,9 @@ Contract:
   the longest sequence it was trained on (``head.json``: ``extra.trained_len``, else the
   ``train.max_len`` cut; 0 = unknown).
 - ``drafter_fields(parts, comps, rollout, captured, step_s)`` (in ``learn``, after the policy
-  update; ``step_s`` is the lesser of the step's rollout + learning so far and the previous
-  step's wall time, a lower bound of the step's time in either pipeline, so the budget stays
-  within its share of what steps take):
+  update; ``step_s`` is the step's time so far, the learner's wait for the batch (sync: the
+  rollout) plus its learning: a lower bound of the step's time in either pipeline, so the
+  budget stays within its share of what steps take):
   ``OnlineDrafter.step`` with the step's signals, then a trained head pushed through
   the guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
   async one), plus ``drafter_warning`` the first time rollouts run past the head's training

@@ -190,7 +190,6 @@ def finish_step(
     """Log a finished step's row and checkpoint when due; whether to go on (see the module
     docstring)."""
     run.append(run.metrics, row)
-    parts.last_step_s = row["step_time_s"]
     log.bar.update(1)
     log.bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc_len=row["acceptance_length"])
     log.say(format_row(row))

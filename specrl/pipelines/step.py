@@ -278,10 +278,10 @@ def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
     row["refit_time_s"] = parts.push_weights()
     row["policy_version"] = parts.version
     if parts.drafter is not None:
-        so_far = float(batch.metrics.get("gen_time_s", 0.0)) + time.perf_counter() - t0
-        # a lower bound of this step's time: its rollout and learning so far (sync), the
-        # previous step's wall time (async: the rollout overlapped it; steps get shorter)
-        step_s = so_far if parts.last_step_s is None else min(so_far, parts.last_step_s)
+        # this step's time so far, a lower bound of it: the learner's wait for the batch (the
+        # async loop sets it; sync: the rollout) and its learning
+        wait = batch.metrics.get("learner_idle_s", batch.metrics.get("gen_time_s", 0.0))
+        step_s = float(wait) + time.perf_counter() - t0
         captured = [] if sink is None else sink.captured
         row |= drafter_fields(parts, comps, batch.metrics, captured, step_s)
     return row
