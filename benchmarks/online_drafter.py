@@ -1,8 +1,8 @@
 """Drafters that follow the policy: acceptance per RL step, frozen vs online vs refresh.
 
 Usage: python benchmarks/online_drafter.py --in-domain DIR --generic DIR [--steps 40]
-    [--modes frozen,online,refresh] [--async-steps 12] [--threads 2]
-    [--out benchmarks/results/online_drafter.json] [--plot docs/online_drafter.png]
+    [--modes frozen,online,refresh] [--draft-modes frozen,online,refresh] [--async-steps 12]
+    [--threads 2] [--out benchmarks/results/online_drafter.json] [--plot docs/online_drafter.png]
 
 Each run is a real ``specrl train`` (a subprocess, its own run directory) of SmolLM2-135M on the
 default task (basic_arithmetic, answer_only template), 4 prompts x 8 completions, up to 64 new
@@ -11,15 +11,18 @@ are recorded). The EAGLE-3 drafter drafts k = 3 at every step (``max_tokens_per_
 so acceptance is measured at every step, not only where the controller drafts), starting from
 (a) ``--in-domain`` (a head trained by ``specrl train-drafter`` on the task's own rollouts) and
 (b) ``--generic`` (the same recipe on generic chat prompts), under every ``--modes`` value; then
-a cold start (no head at all: ``drafter.mode`` auto = refresh from a random head) and one async
-run (online, from the in-domain head, ``--async-steps`` steps) for the drafter's time share
-there. The cold start checkpoints every 5 steps; each checkpoint's policy and drafter are then
-rolled out plain and speculative on 2 rows (where speculation can pay here): the step at which
-speculation first pays. Every run ends with the run's own speed check (the next step's
-prompts rolled out plain and with the run's final drafter; ``rollout_speedup``). Writes the
-per-step series (draft acceptance length, reward, reply length, drafter updates / time / KL /
-trigger, step time), the end-of-run speedups, the drafter-time share of step time, the cold
-start's speed by checkpoint, and ``run_metadata()``; the plot shows acceptance per step.
+a cold start (no head at all: ``drafter.mode`` auto = refresh from a random head), the draft
+model drafter (``rollout.spec=draft``, k = 3) under every ``--draft-modes`` value, each starting
+from the untrained draft a fresh machine starts from (the policy's first 4 layers, final norm
+and LM head: ``backends.native.untrained_draft``, saved once so that 'frozen' has weights to
+load), and one async run (online, from the in-domain head, ``--async-steps`` steps) for the
+drafter's time share there. The cold start checkpoints every 5 steps; each checkpoint's policy
+and drafter are then rolled out plain and speculative on 2 rows (where speculation can pay
+here): the step at which speculation first pays. Every run ends with the run's own speed check
+(the next step's prompts rolled out plain and with the run's final drafter; ``rollout_speedup``).
+Writes the per-step series (draft acceptance length, reward, reply length, drafter updates /
+time / KL / trigger, step time), the end-of-run speedups, the drafter-time share of step time,
+the cold start's speed by checkpoint, and ``run_metadata()``; the plot shows acceptance per step.
 """
 
 from __future__ import annotations
@@ -129,6 +132,21 @@ def speed_by_checkpoint(run_dir: Path, sets: list[str], threads: int, cache: str
     return out
 
 
+def untrained_draft_dir(out: Path) -> Path:
+    """The untrained draft model of the default policy (what a fresh machine trains), saved."""
+    import torch
+
+    from specrl.backends.native import untrained_draft
+    from specrl.config import load_config
+    from specrl.drafters.distill import save_draft_model
+    from specrl.models.checkpoints import load_model, resolve_model
+
+    name = load_config(None, []).model.name
+    policy = load_model(name, dtype=torch.float32)
+    return save_draft_model(untrained_draft(policy, torch.float32), out, policy.config,
+                            resolve_model(name))  # fmt: skip
+
+
 def _mean(xs: list) -> float:
     xs = [x for x in xs if x]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -143,11 +161,11 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, r in results.items():
         acc = r["series"]["draft_acceptance_length"]
-        style = "-" if name.startswith("in-domain") else "--" if name.startswith("generic") else ":"
+        style = {"in-domain": "-", "generic": "--", "draft": "-."}.get(name.split()[0], ":")
         ax.plot(range(len(acc)), acc, style, label=name)
     ax.set_xlabel("RL step")
     ax.set_ylabel("acceptance length (k = 3)")
-    ax.set_title("EAGLE-3 head during GRPO (SmolLM2-135M, basic_arithmetic)")
+    ax.set_title("Drafters during GRPO (SmolLM2-135M, basic_arithmetic)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +178,8 @@ def main() -> None:
     ap.add_argument("--generic", required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--modes", default="frozen,online,refresh")
+    ap.add_argument("--draft-modes", default="frozen,online,refresh",
+                    help="modes of the draft-model rows ('' = none)")  # fmt: skip
     ap.add_argument("--async-steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/online_drafter.json"))
@@ -177,6 +197,14 @@ def main() -> None:
         results["cold start"] = run("cold start", ["run.checkpoint_every=5"], a.steps, a.threads,
                                     cold_env, keep=cold_dir)  # fmt: skip
         cold_speed = speed_by_checkpoint(cold_dir, ["run.checkpoint_every=5"], a.threads, empty)
+        draft_dir = untrained_draft_dir(Path(empty) / "draft")
+        for mode in [m for m in a.draft_modes.split(",") if m]:
+            sets = [
+                "rollout.spec=draft",
+                f"rollout.drafter_path={draft_dir}",
+                f"drafter.mode={mode}",
+            ]
+            results[f"draft {mode}"] = run(f"draft {mode}", sets, a.steps, a.threads, env)
         sync_async = run("async online", [f"rollout.drafter_path={a.in_domain}",
                                           "drafter.mode=online", "pipeline.mode=async"],
                          a.async_steps, a.threads, env)  # fmt: skip

@@ -284,19 +284,20 @@ class PipelineCfg(_Section):
 
 
 class DrafterCfg(_Section):
-    """Training a learned drafter (rollout.spec = eagle3 or mtp) during RL."""
+    """Training a learned drafter (rollout.spec = eagle3, mtp or draft) during RL."""
 
     mode: Literal["auto", "frozen", "online", "refresh"] = Field(
         "auto",
-        description="'frozen': the head is never trained during RL; 'online': trained on every "
+        description="'frozen': the drafter is never trained during RL; 'online': trained on every "
         "step's rollouts (the learner's training forward provides the target's features), "
         "within drafter.time_share of the step time; 'refresh': trained only when measured "
-        "drift asks for it (the head's KL to the policy on the step's fresh tokens above its "
+        "drift asks for it (the drafter's KL to the policy on the step's fresh tokens above its "
         "best level, draft acceptance below its running level, or drafter.max_lag policy "
         "versions since the last training), with the same time budget. 'auto': 'refresh' for a "
-        "learned drafter, nothing for the others. Without a trained head (none cached, no "
-        "rollout.drafter_path) 'online' and 'refresh' start from a random head and train it "
-        "from the first step; 'frozen' then refuses to run.",
+        "learned drafter (eagle3, mtp, draft), nothing for the others. Without trained weights "
+        "(none cached, no rollout.drafter_path) 'online' and 'refresh' start from a random head "
+        "(a draft model: the policy's first layers) and train it from the first step; 'frozen' "
+        "then refuses to run.",
     )
     time_share: float = Field(
         0.1,
@@ -305,7 +306,7 @@ class DrafterCfg(_Section):
         description="Most drafter training time as a share of the step time, on average "
         "(unused time carries over for refresh bursts, up to 4 steps' worth).",
     )
-    lr: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate of the head.")
+    lr: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate of the drafter.")
     batch_tokens: int = Field(
         1024, ge=16, le=1_000_000, description="Tokens per drafter training mini-batch."
     )

@@ -195,18 +195,26 @@ def drafter_dir(cfg: Config) -> str | None:
     return None if cached is None else str(cached)
 
 
+def learned_drafter(spec: str) -> bool:
+    """Whether ``spec`` drafts with weights specrl can train: a head (eagle3, mtp: it takes a
+    ``drafter_path``) or a ``draft`` model (it takes a ``draft_model``)."""
+    known = spec in available_proposers()
+    return known and (proposer_takes(spec, "drafter_path") or proposer_takes(spec, "draft_model"))
+
+
 def training_mode(cfg: Config) -> str | None:
     """``drafter.mode`` resolved: 'online' or 'refresh' when the run trains its drafter during
-    RL, else None. 'auto' is 'refresh' for a learned head (eagle3, mtp) on the native engine;
-    an explicit mode for a drafter that has no head to train is refused (it would be ignored)."""
+    RL, else None. 'auto' is 'refresh' for a learned drafter (eagle3, mtp, draft) on the native
+    engine; an explicit mode for a drafter with nothing to train is refused (it would be
+    ignored)."""
     mode, spec = cfg.drafter.mode, cfg.rollout.spec
-    learned = spec in available_proposers() and proposer_takes(spec, "drafter_path")
+    learned = learned_drafter(spec)
     if mode == "auto":
         return "refresh" if learned and cfg.rollout.backend == "native" else None
     if not learned:
         raise ConfigError(
-            f"drafter.mode={mode!r} needs a learned head (rollout.spec='eagle3' or 'mtp'), "
-            f"got rollout.spec={spec!r}: it would be ignored"
+            f"drafter.mode={mode!r} needs a learned drafter (rollout.spec='eagle3', 'mtp' or "
+            f"'draft'), got rollout.spec={spec!r}: it would be ignored"
         )
     if mode != "frozen" and cfg.rollout.backend != "native":
         raise ConfigError(
@@ -230,13 +238,29 @@ def check_drafter(cfg: Config) -> None:
             )
 
 
-def load_drafter(cfg: Config, dtype: torch.dtype) -> torch.nn.Module | None:
-    """The draft model of a ``draft``-style drafter (heads are loaded by their proposer)."""
+def load_drafter(
+    cfg: Config, dtype: torch.dtype, policy: torch.nn.Module | None = None
+) -> torch.nn.Module | None:
+    """The draft model of a ``draft``-style drafter (heads are loaded by their proposer): the
+    saved one, or, for a run that trains it from scratch (none saved), ``untrained_draft``."""
     if not proposer_takes(cfg.rollout.spec, "draft_model"):
         return None
+    path = drafter_dir(cfg)
+    if path is None and policy is not None:
+        return untrained_draft(policy, dtype)
     from specrl.models.checkpoints import load_model
 
-    return load_model(drafter_dir(cfg), dtype=dtype)
+    return load_model(path, dtype=dtype)
+
+
+def untrained_draft(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The draft model a run without one starts from and trains: the policy's embedding, first
+    ``specrl.drafters.distill.DEFAULT_LAYERS`` layers (at most half of its layers, at least
+    one), final norm and LM head (a copy)."""
+    from specrl.drafters.distill import DEFAULT_LAYERS, init_draft
+
+    layers = max(1, min(DEFAULT_LAYERS, policy.config.num_layers // 2))
+    return init_draft(policy, layers).to(dtype)
 
 
 def spec_config(cfg: Config, native: bool = True) -> SpecConfig:
@@ -275,7 +299,7 @@ def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:
     """An engine over its own copy of ``policy`` with the configured drafter."""
     check_drafter(cfg)
     dtype = torch_dtype(cfg.model.dtype)
-    draft = load_drafter(cfg, dtype)
+    draft = load_drafter(cfg, dtype, policy)
     try:
         return Engine(engine_copy(policy, dtype), max_batch=cfg.rollout.max_batch,
                       seed=cfg.run.seed, spec=spec_config(cfg), draft_model=draft)  # fmt: skip

@@ -1,15 +1,16 @@
-"""Training a learned drafter (EAGLE-3 / MTP head) during RL, on the steps' own rollouts.
+"""Training a learned drafter (EAGLE-3 / MTP head, draft model) during RL, on the steps' own
+rollouts.
 
 Contract:
-- ``OnlineDrafter(head, cfg, mode, fresh, seed)`` trains ``head`` (a ``DraftHead`` over the
-  learner's float32 policy; float32 master weights, bf16 autocast, AdamW at ``cfg.lr``) with
-  the training-time-test loss of ``specrl.drafters.train`` (``ttt_loss``). ``mode`` is
-  "online" (train every step) or "refresh" (train when a drift signal fires: ``Trigger``).
-  ``sink()`` is the ``FeatureSink`` the learner fills during its training forward (the layers
-  the head reads, the final hidden state): the training data are the step's own rollouts and
-  the policy's features of them, with no extra forward.
+- ``OnlineDrafter(student, cfg, mode, fresh, seed)`` trains ``student`` (``drafters.students``:
+  a ``DraftHead`` over the learner's float32 policy with the training-time-test loss, or a draft
+  model distilled on the policy's distributions; float32 master weights, bf16 autocast, AdamW
+  at ``cfg.lr``). ``mode`` is "online" (train every step) or "refresh" (train when a drift
+  signal fires: ``Trigger``). ``sink()`` is the ``FeatureSink`` the learner fills during its
+  training forward (the layers a head reads, the final hidden state): the training data are
+  the step's own rollouts and the policy's features of them, with no extra forward.
 - ``step(captured, signals)`` (once per RL step, after the policy update): turns the captured
-  features into examples; measures the head's KL to the policy on those fresh tokens before
+  features into examples; measures the drafter's KL to the policy on those fresh tokens before
   training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
   ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
   step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
@@ -22,7 +23,7 @@ Contract:
   (``cfg.vocab`` most frequent; 0 = full) and keeps training while its KL improves. Returns
   ``DrafterUpdate``: the row's metrics (``drafter_kl``, ``drafter_loss``, ``drafter_updates``,
   ``drafter_train_s``, ``drafter_version``, ``drafter_trigger``, ``drafter_trained_len``) and,
-  when it trained, the head's tensors to push with their new version.
+  when it trained, the drafter's tensors to push with their new version.
 - ``Trigger`` decides refresh from measured signals: never trained yet (cold start); KL on
   fresh tokens above (1 + tolerance) x its level (the best recent KL, drifting up 2% per step
   so a policy that settled elsewhere stops triggering); draft acceptance rate below (1 -
@@ -30,11 +31,11 @@ Contract:
   versions since the last training; or the KL fell by more than the tolerance since the last
   training (training still pays: a cold head trains as the budget allows while it learns).
 - ``context_note(trained_len, lengths)``: a one-line warning when rollouts run past the longest
-  sequence the head has trained on (acceptance collapses past a drafter's training length).
-- ``save(path)`` / ``load(path)``: the head's trainable parameters and optimizer
+  sequence the drafter has trained on (acceptance collapses past a drafter's training length).
+- ``save(path)`` / ``load(path)``: the drafter's trainable parameters and optimizer
   (``drafters.train.save_state``: safetensors, never unpickled) plus ``<path>.json`` with the
-  draft vocabulary, version, trigger and budget; the example buffer is not saved (a resumed run
-  refills it from its next step).
+  student's ``meta`` (a head's draft vocabulary), version, trigger and budget; the example
+  buffer is not saved (a resumed run refills it from its next step).
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ import torch
 
 from specrl.config import DrafterCfg
 from specrl.drafters.data import Example
-from specrl.drafters.train import collate, load_state, save_state, target_probs, ttt_loss
+from specrl.drafters.students import Student
+from specrl.drafters.train import load_state, save_state
 from specrl.fsutil import atomic_write
-from specrl.models.heads import DraftHead, draft_vocab_by_frequency
 from specrl.rl import Captured, FeatureSink
 
-UNROLL, DECAY = 3, 0.8  # training-time-test depth and weight (train-drafter's defaults)
 CARRY_STEPS = 4  # unused budget carries over up to this many steps' worth
 KL_DRIFT_UP = 1.02  # the KL level rises this much per step it is not beaten
 MIN_DRAFTS = 32  # drafting rows that make a step's acceptance evidence
@@ -142,29 +142,29 @@ class OnlineDrafter:
     """See the module docstring."""
 
     def __init__(
-        self, head: DraftHead, cfg: DrafterCfg, mode: str, fresh: bool, seed: int = 0
+        self, student: Student, cfg: DrafterCfg, mode: str, fresh: bool, seed: int = 0
     ) -> None:
         if mode not in ("online", "refresh"):
             raise ValueError(f"drafter mode must be 'online' or 'refresh', got {mode!r}")
-        self.head, self.cfg, self.mode, self.fresh, self.seed = head, cfg, mode, fresh, seed
-        head.float().requires_grad_(True)
+        self.student, self.cfg, self.mode, self.fresh, self.seed = student, cfg, mode, fresh, seed
+        self.model = model = student.module  # the trained module (float32 master weights)
         self.opt = torch.optim.AdamW(
-            [p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
         )
         self.buffer: deque[list[Example]] = deque(maxlen=cfg.buffer_steps)
         self.trigger = Trigger(cfg.drift_tolerance, cfg.max_lag)
         self.ledger = _Ledger()
-        head.eval()
+        model.eval()
 
     # ------------------------------------------------------------------ the learner's side
 
     def sink(self) -> FeatureSink:
         """What the learner's training forward should capture for this drafter."""
-        return FeatureSink(tuple(self.head.feature_layers))
+        return FeatureSink(self.student.layers)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The head's tensors as ``update_drafter`` takes them (state dict, detached)."""
-        return {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+        """The drafter's tensors as ``update_drafter`` takes them (detached)."""
+        return self.student.state()
 
     # ------------------------------------------------------------------ one RL step
 
@@ -220,23 +220,17 @@ class OnlineDrafter:
 
     def _pick_vocab(self, examples: list[Example]) -> None:
         """A head trained from scratch drafts from the step's most frequent tokens."""
-        size = min(self.cfg.vocab, self.head.target_config.vocab_size)
-        if size <= 0:
-            return
-        tokens = [e.tokens.tolist() for e in examples]
-        vocab = draft_vocab_by_frequency(tokens, size, self.head.target_config.vocab_size)
-        self.head.set_draft_vocab(vocab)
+        self.student.pick_vocab(examples, self.cfg.vocab)
 
     # ------------------------------------------------------------------ training
 
     def _train(self, n: int) -> list[float]:
         """``n`` optimizer steps on mini-batches from the buffer; their losses."""
         losses = []
-        target = self.head.target
-        frozen = [p for p in target.parameters() if p.requires_grad]
+        frozen = self.student.frozen()
         for p in frozen:  # the policy's shared embedding / LM head get no gradient here
             p.requires_grad_(False)
-        self.head.train()
+        self.model.train()
         try:
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -245,7 +239,7 @@ class OnlineDrafter:
                 per = self.ledger.update_s
                 self.ledger.update_s = took if per is None else 0.5 * per + 0.5 * took
         finally:
-            self.head.eval()
+            self.model.eval()
             for p in frozen:
                 p.requires_grad_(True)
         return losses
@@ -259,10 +253,10 @@ class OnlineDrafter:
     def _update(self, batch: list[Example]) -> float:
         longest = max(len(e.tokens) for e in batch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ttt_loss(self.head, collate(batch, longest), UNROLL, DECAY)
+            loss = self.student.loss(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         ledger = self.ledger
         ledger.updates += 1
@@ -270,32 +264,22 @@ class OnlineDrafter:
         ledger.losses.append(float(loss.detach()))
         return ledger.losses[-1]
 
-    @torch.no_grad()
     def fresh_kl(self, examples: list[Example]) -> float:
-        """Mean KL(policy || head) at draft depth 0 over the completion positions of up to
-        ``batch_tokens`` tokens of ``examples`` (the policy restricted to the draft vocabulary,
-        as the loss sees it)."""
-        batch = take_tokens(examples, self.cfg.batch_tokens)
-        feats, toks, final, mask = collate(batch, max(len(e.tokens) for e in batch))
-        if not mask.any():
-            return math.nan
+        """Mean KL(policy || drafter) at draft depth 0 over the completion positions of up to
+        ``batch_tokens`` tokens of ``examples`` (for a head: the policy restricted to the draft
+        vocabulary, as the loss sees it)."""
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            g = self.head.unroll(feats.to(self.head.dtype), toks, 1)[0]
-            lq = torch.log_softmax(self.head.logits(g[mask]).float(), -1)  # [N, Vd]
-            p = target_probs(self.head, final[mask])  # [N, Vd]
-        plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
-        return float((plogp - p * lq).sum(-1).mean())
+            return self.student.kl(take_tokens(examples, self.cfg.batch_tokens))
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: Path) -> list[Path]:
-        """Write the head + optimizer (``path``) and the counters (``path`` + .json)."""
-        save_state(path, self.head, self.opt, self.ledger.updates, self.ledger.losses)
-        d2t = self.head.d2t
+        """Write the drafter + optimizer (``path``) and the counters (``path`` + .json)."""
+        save_state(path, self.model, self.opt, self.ledger.updates, self.ledger.losses)
         meta = {
             "ledger": asdict(self.ledger) | {"losses": []},
             "trigger": asdict(self.trigger),
-            "d2t": None if d2t is None else d2t.tolist(),
+            "student": self.student.meta(),
         }
         side = path.with_name(path.name + ".json")
         atomic_write(side, json.dumps(meta))
@@ -306,12 +290,12 @@ class OnlineDrafter:
         side = path.with_name(path.name + ".json")
         try:
             meta = json.loads(side.read_text())
-            d2t = meta["d2t"]
-            self.head.set_draft_vocab(None if d2t is None else torch.tensor(d2t))
+            older = "student" not in meta  # written before draft models trained online
+            self.student.load_meta({"d2t": meta["d2t"]} if older else meta["student"])
             ledger, trigger = _Ledger(**meta["ledger"]), Trigger(**meta["trigger"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot read drafter state {side}: {e}") from None
-        updates, losses = load_state(path, self.head, self.opt)
+        updates, losses = load_state(path, self.model, self.opt)
         self.ledger, self.trigger = ledger, trigger
         self.ledger.updates, self.ledger.losses = updates, losses
 

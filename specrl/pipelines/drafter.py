@@ -2,40 +2,46 @@
 
 Contract:
 - ``build_drafter_side(cfg, policy, backend, guard)`` returns ``None`` for a run whose drafter
-  has no head (none, ngram, suffix, draft, self), else a ``DrafterSide``: with
-  ``backends.native.training_mode`` on, an ``OnlineDrafter`` over the head the backend loaded
-  (the same directory), or over a fresh random head (seeded by ``run.seed``) when none exists;
-  its tensors are pushed at once as drafter version 0 through the guard, so the engine drafts
-  with exactly the trainer's head from the first step. A frozen head keeps only the length of
-  the longest sequence it was trained on (``head.json``: ``extra.trained_len``, else the
+  learns nothing (none, ngram, suffix, self), else a ``DrafterSide``: with
+  ``backends.native.training_mode`` on, an ``OnlineDrafter`` over the drafter the backend
+  loaded (the same directory: an EAGLE-3 / MTP head or a ``draft`` model), or, when none
+  exists, over a fresh random head (seeded by ``run.seed``) or the untrained draft model the
+  engine starts from (``backends.native.untrained_draft``); its tensors are pushed at once as
+  drafter version 0 through the guard, so the engine drafts with exactly the trainer's drafter
+  from the first step. A frozen drafter keeps only the length of the longest sequence it was
+  trained on (``head.json`` / ``distill.json``: ``extra.trained_len``, else the
   ``train.max_len`` cut; 0 = unknown).
 - ``drafter_fields(parts, comps, rollout, captured, step_s)`` (in ``learn``, after the policy
   update; ``step_s`` is the step's time so far, the learner's wait for the batch (sync: the
   rollout) plus its learning: a lower bound of the step's time in either pipeline, so the
   budget stays within its share of what steps take):
-  ``OnlineDrafter.step`` with the step's signals, then a trained head pushed through
-  the guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
-  async one), plus ``drafter_warning`` the first time rollouts run past the head's training
+  ``OnlineDrafter.step`` with the step's signals, then a trained drafter pushed through the
+  guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
+  async one), plus ``drafter_warning`` the first time rollouts run past the drafter's training
   length. Returns the row fields.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specrl.backends import RolloutBackend
-from specrl.backends.native import drafter_dir, training_mode
+from specrl.backends.native import drafter_dir, learned_drafter, training_mode, untrained_draft
 from specrl.config import Config
+from specrl.drafters.distill import SPEC_FILE
 from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
+from specrl.drafters.students import student_for
 from specrl.engine.types import Completion
 from specrl.models.heads import DraftHead, load_head, read_head_config
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured, FeatureSink
-from specrl.spec.proposers import available_proposers, proposer_takes
+from specrl.spec.proposers import proposer_takes
 
 if TYPE_CHECKING:
     from specrl.pipelines.build import RunParts
@@ -58,28 +64,45 @@ def build_drafter_side(
 ) -> DrafterSide | None:
     """See the module docstring."""
     spec = cfg.rollout.spec
-    if spec not in available_proposers() or not proposer_takes(spec, "drafter_path"):
+    if not learned_drafter(spec):
         return None
     mode, path = training_mode(cfg), drafter_dir(cfg)
     known = _trained_len(path) if path else 0
     if mode is None:
         return DrafterSide(None, known)
-    if path is not None:
-        head = load_head(path, policy, kind=spec)
-    else:
-        with torch.random.fork_rng():
-            torch.manual_seed(cfg.run.seed)
-            head = DraftHead(policy, spec)
-    trainer = OnlineDrafter(head, cfg.drafter, mode, fresh=path is None, seed=cfg.run.seed)
+    student = student_for(_initial_drafter(cfg, policy, path), policy)
+    trainer = OnlineDrafter(student, cfg.drafter, mode, fresh=path is None, seed=cfg.run.seed)
     trainer.ledger.trained_len = known
     guard.push_drafter(backend, trainer.state(), 0)
     return DrafterSide(trainer, known)
 
 
+def _initial_drafter(cfg: Config, policy: torch.nn.Module, path: str | None) -> torch.nn.Module:
+    """The float32 drafter the trainer starts from: the saved one at ``path``, else a draft
+    model's untrained start (``backends.native.untrained_draft``, as the engine builds it) or a
+    random head seeded by ``run.seed``."""
+    spec = cfg.rollout.spec
+    if proposer_takes(spec, "draft_model"):
+        if path is None:
+            return untrained_draft(policy, torch.float32)
+        from specrl.models.checkpoints import load_model
+
+        return load_model(path, dtype=torch.float32)
+    if path is not None:
+        return load_head(path, policy, kind=spec)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.run.seed)
+        return DraftHead(policy, spec)
+
+
 def _trained_len(path: str) -> int:
-    """The longest sequence a saved head trained on (0 when its head.json does not say)."""
+    """The longest sequence a saved drafter trained on (0 when its head.json, or a draft
+    model's distill.json, does not say)."""
     try:
-        extra = read_head_config(path).get("extra") or {}
+        if (Path(path) / SPEC_FILE).is_file():
+            extra = json.loads((Path(path) / SPEC_FILE).read_text()).get("extra") or {}
+        else:
+            extra = read_head_config(path).get("extra") or {}
         return int(extra.get("trained_len") or (extra.get("train") or {}).get("max_len") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
         return 0

@@ -1,12 +1,13 @@
 """A learned drafter trained during RL (issue 16): the learner's forward feeds it, its updates
-reach the engine with a version, a fresh machine trains a head from scratch, resume restores it."""
+reach the engine with a version, a fresh machine trains a head (or a draft model) from scratch,
+resume restores it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specrl.backends.native import training_mode
+from specrl.backends.native import drafter_tensors, training_mode
 from specrl.config import ConfigError
 from specrl.drafters.online import OnlineDrafter, StepSignals, Trigger, context_note
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
@@ -28,7 +29,8 @@ def no_cache(tmp_path, monkeypatch):
 
 
 def engine_head(parts) -> dict[str, torch.Tensor]:
-    return parts.backend.engine.proposer.head.state_dict()
+    """The engine's drafter tensors (a head's state dict, a draft model's parameters)."""
+    return drafter_tensors(parts.backend.engine.proposer)[0]
 
 
 def test_learner_captures_each_samples_features_from_its_training_forward():
@@ -52,7 +54,7 @@ def test_learner_captures_each_samples_features_from_its_training_forward():
         torch.testing.assert_close(c.final.float(), final[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft"])
 def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind, monkeypatch):
     parts = tiny_parts(tiny_config(*EAGLE, f"rollout.spec={kind}", "drafter.mode=online"))
     trainer = parts.drafter.trainer
@@ -92,22 +94,41 @@ def test_a_fresh_machine_trains_the_head_from_its_first_step(no_cache, tmp_path)
     assert rows[0]["drafter_trigger"] == "cold" and rows[0]["drafter_updates"] >= 1
     head = parts.backend.engine.proposer.head  # the vocabulary the trainer picked, served
     assert head.d2t is not None and len(head.d2t) == 16
-    assert torch.equal(head.d2t, parts.drafter.trainer.head.d2t)
+    assert torch.equal(head.d2t, parts.drafter.trainer.model.d2t)
+
+
+def test_a_fresh_machine_trains_a_draft_model_from_the_policys_first_layers(no_cache, tmp_path):
+    cfg = tiny_config("rollout.spec=draft", "rollout.max_new_tokens=12", "run.steps=2")
+    assert training_mode(cfg) == "refresh"
+    parts = tiny_parts(cfg)
+    trainer, engine = parts.drafter.trainer, parts.backend.engine
+    assert trainer.fresh and trainer.sink().layers == ()  # learns from the final hidden only
+    assert engine.draft_model.config.num_layers == 1  # half of the tiny policy's 2 layers
+    start = {k: v.clone() for k, v in engine_head(parts).items()}
+    for name, t in parts.learner.model.named_parameters():  # the policy's own first layer
+        if name.startswith("layers.0.") or name == "norm.weight":
+            torch.testing.assert_close(start[name], t.to(start[name].dtype))
+    rows = train(parts, str(tmp_path / "run"), progress=False)
+    assert rows[0]["drafter_trigger"] == "cold" and rows[0]["drafter_updates"] >= 1
+    assert rows[0]["drafter_kl"] > 0 and engine.stats.drafted > 0
+    moved = [k for k, v in engine_head(parts).items() if not torch.equal(v, start[k])]
+    assert moved and all(k.startswith("layers.") or k == "norm.weight" for k in moved)
 
 
 def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(no_cache):
     with pytest.raises(ConfigError, match="specrl train-drafter --drafter eagle3"):
         tiny_parts(tiny_config(*EAGLE, "drafter.mode=frozen"))
-    with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned head"):
+    with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned drafter"):
         tiny_parts(tiny_config("rollout.spec=suffix", "drafter.mode=online"))
     assert training_mode(tiny_config("rollout.spec=suffix")) is None
     with pytest.raises(ConfigError, match="rollout.backend='native'"):
         training_mode(tiny_config(*EAGLE, "rollout.backend=vllm", "drafter.mode=online"))
 
 
-def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path):
-    cfg = tiny_config(*EAGLE, "drafter.mode=online", "run.steps=2", "run.checkpoint_every=2",
-                      "run.eval_every=0")  # fmt: skip
+@pytest.mark.parametrize("kind", ["eagle3", "draft"])
+def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path, kind):
+    cfg = tiny_config(*EAGLE, f"rollout.spec={kind}", "drafter.mode=online", "run.steps=2",
+                      "run.checkpoint_every=2", "run.eval_every=0")  # fmt: skip
     first = tiny_parts(cfg)
     train(first, str(tmp_path / "run"), progress=False)
     saved, opt = first.drafter.trainer.state(), first.drafter.trainer.opt.state_dict()
@@ -178,8 +199,10 @@ def test_the_kl_level_drifts_up_so_a_settled_policy_stops_triggering():
 def test_updates_are_paid_from_the_time_budget():
     from specrl.config import DrafterCfg
 
-    trainer = OnlineDrafter(DraftHead(make_tiny(0), "eagle3"), DrafterCfg(max_updates=5),
-                            "online", fresh=False)  # fmt: skip
+    from specrl.drafters.students import HeadStudent
+
+    trainer = OnlineDrafter(HeadStudent(DraftHead(make_tiny(0), "eagle3")),
+                            DrafterCfg(max_updates=5), "online", fresh=False)  # fmt: skip
     assert trainer._affordable() == 1  # cost unknown: one update measures it
     trainer.ledger.update_s, trainer.ledger.budget_s = 0.1, 0.35
     assert trainer._affordable() == 3  # paid in full: 3.5 updates' worth buys 3
@@ -202,7 +225,7 @@ def test_a_drafter_update_during_a_generate_call_applies_before_the_next(no_cach
     parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online"))
     backend, trainer = parts.backend, parts.drafter.trainer
     with torch.no_grad():
-        for p in trainer.head.parameters():
+        for p in trainer.model.parameters():
             p.add_(0.25)
     with backend._lock:
         backend._busy = True  # as while the async producer generates

@@ -32,7 +32,7 @@ def app() -> typer.Typer:
         (["--set", "env.task=basic_arithmetc"], "unknown reasoning-gym task"),
         (["--set", "model.name=no-such-model"], "unknown model"),
         (["--set", "rollout.drafter_path=/no/such/drafter"], "drafter file not found"),
-        (["--set", "rollout.spec=draft"], "drafter_path"),
+        (["--set", "rollout.spec=draft", "--set", "drafter.mode=frozen"], "drafter_path"),
         (["--set", "rollout.spec=suffx"], "did you mean suffix"),
         (["--config", "/no/such.toml"], "cannot read config file"),
         (["--resume", "/no/such/run"], "cannot resume"),

@@ -79,15 +79,17 @@ def test_learned_head_drafter_serves_rl(tmp_path, monkeypatch, kind):
 
 
 def test_draft_model_drafter_defaults_to_the_cached_one(tmp_path, monkeypatch):
-    """``rollout.spec=draft`` without a path: a clear error naming the command that makes one,
-    then the model ``specrl train-drafter --drafter draft`` caches is found and drafts."""
+    """``rollout.spec=draft`` without a path: frozen, a clear error naming the command that
+    makes one (by default the run trains one from the policy's first layers); then the model
+    ``specrl train-drafter --drafter draft`` caches is found and drafts."""
     from specrl.drafters.distill import init_draft, save_draft_model
     from specrl.paths import drafter_cache_dir as default_out
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match="specrl train-drafter --drafter draft"):
-        tiny_parts(tiny_config("rollout.spec=draft"))
-    cfg = tiny_config("rollout.spec=draft")
+        tiny_parts(tiny_config("rollout.spec=draft", "drafter.mode=frozen"))
+    assert tiny_parts(tiny_config("rollout.spec=draft")).drafter.trainer.fresh
+    cfg = tiny_config("rollout.spec=draft", "drafter.mode=frozen")
     target = make_tiny(0)
     save_draft_model(init_draft(target, 1), default_out(cfg.model.name, "draft"), target.config)
     parts = tiny_parts(cfg)
@@ -141,7 +143,7 @@ def test_refit_updates_engine_and_packed_cache():
     [
         (["rollout.temperature=0"], "temperature"),
         (["rollout.group_size=1"], "group_size"),
-        (["rollout.spec=draft"], "drafter_path"),
+        (["rollout.spec=draft", "drafter.mode=frozen"], "drafter_path"),
     ],
 )
 def test_bad_run_settings_fail_before_work(tmp_path, monkeypatch, overrides, match):

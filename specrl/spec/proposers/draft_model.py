@@ -7,8 +7,9 @@ cache is valid up to the longest common prefix of what it was fed and the histor
 overwritten), then samples k tokens autoregressively at the row's processed distribution
 (temperature/top-k/top-p, greedy = argmax) with ``ProposerBatch.draft_stream`` uniforms,
 returning q (``probs``) for the verifier. ``bind`` checks vocabulary and context against the
-engine before any generation. ``self`` is the same class with the target model: q == p,
-acceptance 1.
+engine before any generation. ``load_weights(named)`` takes new weights under the model's
+parameter names (a draft model trained during RL). ``self`` is the same class with the target
+model: q == p, acceptance 1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from specrl.models.transformer import Transformer
+from specrl.models.weights import copy_weights
 from specrl.sampling import draw, uniforms
 from specrl.spec.proposers import register_proposer
 from specrl.spec.proposers.base import Draft, ProposerBatch
@@ -77,10 +79,14 @@ class DraftModelProposer:
         if row is not None:
             self.free.append(row.slot)
 
+    @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        from specrl.models.checkpoints import load_state
-
-        load_state(self.model, state)
+        """New draft weights under the model's own parameter names (what the backend serves
+        and fingerprints); the cached keys/values of live rows are recomputed on their next
+        propose."""
+        copy_weights(self.model, state)
+        for row in self.rows.values():
+            row.fed, row.safe = [], 0
 
     # ------------------------------------------------------------------ drafting
 

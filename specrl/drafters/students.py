@@ -1,0 +1,150 @@
+"""What ``OnlineDrafter`` trains: a learned head (EAGLE-3 / MTP) or a draft model, one interface.
+
+Contract: a ``Student`` wraps the drafter's trainable float32 module (``module``) and says
+
+- ``layers``: the policy layers the learner's training forward must capture for it (a head
+  reads some; a draft model none: it learns from the policy's final hidden states only);
+- ``loss(batch)``: the training loss over a list of ``Example`` (differentiable in the
+  module's trainable parameters, never in the policy's); ``kl(batch)``: KL(policy || drafter)
+  at the first draft position over the batch's completion positions, without gradients (the
+  drift signal, the same quantity the loss minimises at depth 0);
+- ``frozen()``: the policy parameters that share the graph and must not get gradients while it
+  trains (a head runs the policy's embedding and LM head);
+- ``pick_vocab(examples, size)``: a head trained from scratch drafts from the ``size`` most
+  frequent tokens of ``examples`` (a draft model keeps the full vocabulary: no-op);
+- ``state()``: the tensors ``update_drafter`` takes, named as the native engine serves them
+  (``backends.native.drafter_tensors``: a head's state dict, a draft model's parameters), the
+  trainable ones cloned; ``meta()`` / ``load_meta(meta)``: the JSON-able state a checkpoint
+  keeps besides the parameters and optimizer (a head's draft vocabulary).
+
+``HeadStudent(head)``: the training-time-test loss of ``specrl.drafters.train`` (``ttt_loss``,
+depth ``UNROLL``, weight ``DECAY``). ``DraftStudent(model, policy)``: ``distill_loss`` of
+``specrl.drafters.distill`` against the policy's own LM head (the policy as it moves; only the
+draft's layers and final norm train). ``student_for(drafter, policy)`` picks by type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from specrl.drafters.data import Example
+from specrl.drafters.distill import collate_tokens, distill_loss, set_trainable
+from specrl.drafters.train import collate, target_probs, ttt_loss
+from specrl.models.heads import DraftHead, draft_vocab_by_frequency
+from specrl.models.transformer import Transformer
+
+UNROLL, DECAY = 3, 0.8  # training-time-test depth and weight (train-drafter's defaults)
+
+
+class Student(Protocol):
+    """See the module docstring."""
+
+    module: torch.nn.Module
+    layers: tuple[int, ...]
+
+    def loss(self, batch: list[Example]) -> torch.Tensor: ...
+    def kl(self, batch: list[Example]) -> float: ...
+    def frozen(self) -> list[torch.nn.Parameter]: ...
+    def pick_vocab(self, examples: list[Example], size: int) -> None: ...
+    def state(self) -> dict[str, torch.Tensor]: ...
+    def meta(self) -> dict[str, Any]: ...
+    def load_meta(self, meta: dict[str, Any]) -> None: ...
+
+
+def _longest(batch: list[Example]) -> int:
+    return max(len(e.tokens) for e in batch)
+
+
+class HeadStudent:
+    """An EAGLE-3 / MTP head over the learner's policy (see the module docstring)."""
+
+    def __init__(self, head: DraftHead) -> None:
+        self.module = head
+        self.layers = tuple(head.feature_layers)
+        head.float().requires_grad_(True)
+
+    def loss(self, batch: list[Example]) -> torch.Tensor:
+        return ttt_loss(self.module, collate(batch, _longest(batch)), UNROLL, DECAY)
+
+    @torch.no_grad()
+    def kl(self, batch: list[Example]) -> float:
+        head = self.module
+        feats, toks, final, mask = collate(batch, _longest(batch))
+        if not mask.any():
+            return float("nan")
+        g = head.unroll(feats.to(head.dtype), toks, 1)[0]
+        lq = torch.log_softmax(head.logits(g[mask]).float(), -1)  # [N, Vd]
+        p = target_probs(head, final[mask])  # [N, Vd] (restricted to the draft vocabulary)
+        plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
+        return float((plogp - p * lq).sum(-1).mean())
+
+    def frozen(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.target.parameters() if p.requires_grad]
+
+    def pick_vocab(self, examples: list[Example], size: int) -> None:
+        vocab_size = self.module.target_config.vocab_size
+        size = min(size, vocab_size)
+        if size > 0:
+            tokens = [e.tokens.tolist() for e in examples]
+            self.module.set_draft_vocab(draft_vocab_by_frequency(tokens, size, vocab_size))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def meta(self) -> dict[str, Any]:
+        d2t = self.module.d2t
+        return {"d2t": None if d2t is None else d2t.tolist()}
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        d2t = meta["d2t"]
+        self.module.set_draft_vocab(None if d2t is None else torch.tensor(d2t))
+
+
+class DraftStudent:
+    """A draft model distilled on the moving policy (see the module docstring)."""
+
+    layers: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, policy: torch.nn.Module) -> None:
+        self.module = model.float()
+        self.target_lm = policy.lm_head
+        set_trainable(model)
+
+    def loss(self, batch: list[Example]) -> torch.Tensor:
+        return distill_loss(self.module, self.target_lm, collate_tokens(batch, _longest(batch)))
+
+    @torch.no_grad()
+    def kl(self, batch: list[Example]) -> float:
+        tokens = collate_tokens(batch, _longest(batch))
+        if not tokens[2].any():
+            return float("nan")
+        return float(distill_loss(self.module, self.target_lm, tokens))
+
+    def frozen(self) -> list[torch.nn.Parameter]:
+        return []  # the policy's LM head runs under no_grad in distill_loss
+
+    def pick_vocab(self, examples: list[Example], size: int) -> None:
+        """A draft model drafts over the full vocabulary (its LM head is the policy's)."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().clone() if p.requires_grad else p.detach()
+            for n, p in self.module.named_parameters()
+        }
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        """Nothing besides the parameters and optimizer."""
+
+
+def student_for(drafter: torch.nn.Module, policy: torch.nn.Module) -> Student:
+    """``HeadStudent`` for a ``DraftHead``, ``DraftStudent`` for a draft ``Transformer``."""
+    if isinstance(drafter, DraftHead):
+        return HeadStudent(drafter)
+    if isinstance(drafter, Transformer):
+        return DraftStudent(drafter, policy)
+    raise TypeError(f"no online trainer for a {type(drafter).__name__} drafter")
