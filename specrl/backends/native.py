@@ -42,7 +42,12 @@ from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import cached_drafter
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward
-from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
+from specrl.spec.proposers import (
+    available_proposers,
+    get_proposer_class,
+    head_kind,
+    proposer_takes,
+)
 
 
 class NativeBackend:
@@ -186,12 +191,12 @@ def drafter_tensors(proposer: object) -> tuple[dict[str, torch.Tensor], torch.dt
 
 
 def drafter_dir(cfg: Config) -> str | None:
-    """The drafter directory a ``draft`` model or learned-head drafter (eagle3, mtp) reads:
+    """The drafter directory a ``draft`` model or learned-head drafter (eagle3, mtp, hybrid) reads:
     ``rollout.drafter_path``, else the one ``specrl train-drafter --drafter SPEC`` cached for
     the model, if it exists."""
     if cfg.rollout.drafter_path is not None:
         return str(Path(cfg.rollout.drafter_path).expanduser())
-    cached = cached_drafter(cfg.model.name, cfg.rollout.spec)
+    cached = cached_drafter(cfg.model.name, head_kind(cfg.rollout.spec))
     return None if cached is None else str(cached)
 
 
@@ -234,7 +239,7 @@ def check_drafter(cfg: Config) -> None:
         if proposer_takes(spec, takes) and drafter_dir(cfg) is None:
             raise ConfigError(
                 f"rollout.spec={spec!r} needs rollout.drafter_path ({what}; make one with "
-                f"`specrl train-drafter --drafter {spec}`)"
+                f"`specrl train-drafter --drafter {head_kind(spec)}`)"
             )
 
 
@@ -247,7 +252,7 @@ def load_drafter(
         return None
     path = drafter_dir(cfg)
     if path is None and policy is not None:
-        return untrained_draft(policy, dtype)
+        return untrained_draft(policy, dtype).requires_grad_(False)
     from specrl.models.checkpoints import load_model
 
     return load_model(path, dtype=dtype)

@@ -9,8 +9,9 @@ Contract:
   signal fires: ``Trigger``). ``sink()`` is the ``FeatureSink`` the learner fills during its
   training forward (the layers a head reads, the final hidden state): the training data are
   the step's own rollouts and the policy's features of them, with no extra forward.
-- ``step(captured, signals)`` (once per RL step, after the policy update): turns the captured
-  features into examples; measures the drafter's KL to the policy on those fresh tokens before
+- ``step(captured, signals)`` (once per RL step, after the policy update): ``Student.follow``
+  (a draft model's copies of the policy's embedding and LM head), turns the captured features
+  into examples; measures the drafter's KL to the policy on those fresh tokens before
   training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
   ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
   step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
@@ -171,6 +172,7 @@ class OnlineDrafter:
     def step(self, captured: list[Captured], signals: StepSignals) -> DrafterUpdate:
         """See the module docstring."""
         t0 = time.perf_counter()
+        self.student.follow()  # what the drafter shares with the policy, as it moved
         examples = [Example(c.tokens, c.prompt_len, c.feats, c.final) for c in captured]
         examples = [e for e in examples if len(e.tokens) - e.prompt_len >= 1]
         if self.fresh and self.ledger.updates == 0 and examples:
@@ -296,6 +298,7 @@ class OnlineDrafter:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot read drafter state {side}: {e}") from None
         updates, losses = load_state(path, self.model, self.opt)
+        self.student.follow()  # the restored policy's shared parts (not in the file)
         self.ledger, self.trigger = ledger, trigger
         self.ledger.updates, self.ledger.losses = updates, losses
 

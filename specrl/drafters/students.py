@@ -10,6 +10,9 @@ Contract: a ``Student`` wraps the drafter's trainable float32 module (``module``
   drift signal, the same quantity the loss minimises at depth 0);
 - ``frozen()``: the policy parameters that share the graph and must not get gradients while it
   trains (a head runs the policy's embedding and LM head);
+- ``follow()``: at every step (and after a restore), take over what the drafter shares with
+  the policy as it moves (a draft model: its copies of the policy's embedding and LM head; a
+  head reads the policy's own: no-op);
 - ``pick_vocab(examples, size)``: a head trained from scratch drafts from the ``size`` most
   frequent tokens of ``examples`` (a draft model keeps the full vocabulary: no-op);
 - ``state()``: the tensors ``update_drafter`` takes, named as the native engine serves them
@@ -47,6 +50,7 @@ class Student(Protocol):
     def loss(self, batch: list[Example]) -> torch.Tensor: ...
     def kl(self, batch: list[Example]) -> float: ...
     def frozen(self) -> list[torch.nn.Parameter]: ...
+    def follow(self) -> None: ...
     def pick_vocab(self, examples: list[Example], size: int) -> None: ...
     def state(self) -> dict[str, torch.Tensor]: ...
     def meta(self) -> dict[str, Any]: ...
@@ -83,6 +87,9 @@ class HeadStudent:
     def frozen(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.target.parameters() if p.requires_grad]
 
+    def follow(self) -> None:
+        """Nothing: the head reads the live policy's embedding and LM head."""
+
     def pick_vocab(self, examples: list[Example], size: int) -> None:
         vocab_size = self.module.target_config.vocab_size
         size = min(size, vocab_size)
@@ -109,7 +116,7 @@ class DraftStudent:
 
     def __init__(self, model: Transformer, policy: torch.nn.Module) -> None:
         self.module = model.float()
-        self.target_lm = policy.lm_head
+        self.policy, self.target_lm = policy, policy.lm_head
         set_trainable(model)
 
     def loss(self, batch: list[Example]) -> torch.Tensor:
@@ -124,6 +131,14 @@ class DraftStudent:
 
     def frozen(self) -> list[torch.nn.Parameter]:
         return []  # the policy's LM head runs under no_grad in distill_loss
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """Copy the policy's embedding and LM head into the draft's frozen copies."""
+        theirs = dict(self.policy.named_parameters())
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad and name in theirs and theirs[name].shape == p.shape:
+                p.copy_(theirs[name])
 
     def pick_vocab(self, examples: list[Example], size: int) -> None:
         """A draft model drafts over the full vocabulary (its LM head is the policy's)."""

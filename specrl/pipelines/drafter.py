@@ -41,7 +41,7 @@ from specrl.engine.types import Completion
 from specrl.models.heads import DraftHead, load_head, read_head_config
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured, FeatureSink
-from specrl.spec.proposers import proposer_takes
+from specrl.spec.proposers import head_kind, proposer_takes
 
 if TYPE_CHECKING:
     from specrl.pipelines.build import RunParts
@@ -89,10 +89,10 @@ def _initial_drafter(cfg: Config, policy: torch.nn.Module, path: str | None) -> 
 
         return load_model(path, dtype=torch.float32)
     if path is not None:
-        return load_head(path, policy, kind=spec)
+        return load_head(path, policy, kind=head_kind(spec))
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
-        return DraftHead(policy, spec)
+        return DraftHead(policy, head_kind(spec))
 
 
 def _trained_len(path: str) -> int:

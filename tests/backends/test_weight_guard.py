@@ -312,3 +312,19 @@ def test_served_during_a_generate_call_answers_at_once(monkeypatch, one_thread):
         caller.join(60)
     after = backend.served()
     assert after.policy_version == 1 and after.policy == fingerprint(new, torch.float32)
+
+
+def test_a_sabotaged_drafter_push_fails_the_async_run(tmp_path, monkeypatch, one_thread):
+    """The async learner trains the head while the producer generates; a damaged drafter update
+    is found after the next rollout and ends the run with one line naming the version."""
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))  # no head: trained from scratch
+    cfg = tiny_config(*ASYNC, "rollout.spec=eagle3", "rollout.max_new_tokens=12",
+                      "drafter.vocab=0", "drafter.mode=online", "run.steps=6",
+                      "run.eval_every=0")  # fmt: skip
+    parts = tiny_parts(cfg)
+    monkeypatch.setattr(parts.drafter.trainer, "_affordable", lambda: 1)  # a push every step
+    parts.backend = Sabotaged(parts.backend, "scale", version=2, drafter=True)
+    with pytest.raises(WeightSyncError, match="at drafter version 2") as info:
+        train(parts, str(tmp_path / "run"), progress=False)
+    assert "skipped or corrupted" in str(info.value) and "\n" not in str(info.value)
+    assert len(_rows(str(tmp_path / "run"))) < 6  # the run ended there

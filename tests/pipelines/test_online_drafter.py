@@ -54,7 +54,7 @@ def test_learner_captures_each_samples_features_from_its_training_forward():
         torch.testing.assert_close(c.final.float(), final[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "hybrid"])
 def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind, monkeypatch):
     parts = tiny_parts(tiny_config(*EAGLE, f"rollout.spec={kind}", "drafter.mode=online"))
     trainer = parts.drafter.trainer
@@ -112,7 +112,10 @@ def test_a_fresh_machine_trains_a_draft_model_from_the_policys_first_layers(no_c
     assert rows[0]["drafter_trigger"] == "cold" and rows[0]["drafter_updates"] >= 1
     assert rows[0]["drafter_kl"] > 0 and engine.stats.drafted > 0
     moved = [k for k, v in engine_head(parts).items() if not torch.equal(v, start[k])]
-    assert moved and all(k.startswith("layers.") or k == "norm.weight" for k in moved)
+    assert any(k.startswith("layers.") for k in moved)  # trained
+    assert all(k.startswith("layers.") or k in ("norm.weight", "embed.weight") for k in moved)
+    trained = parts.drafter.trainer.model  # its embedding / LM head: the policy's, as it moved
+    torch.testing.assert_close(trained.embed.weight, parts.learner.model.embed.weight)
 
 
 def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(no_cache):
@@ -198,7 +201,6 @@ def test_the_kl_level_drifts_up_so_a_settled_policy_stops_triggering():
 
 def test_updates_are_paid_from_the_time_budget():
     from specrl.config import DrafterCfg
-
     from specrl.drafters.students import HeadStudent
 
     trainer = OnlineDrafter(HeadStudent(DraftHead(make_tiny(0), "eagle3")),
@@ -248,3 +250,17 @@ def test_the_run_summary_says_how_the_drafter_trained(no_cache, tmp_path):
     version = rows[-1]["drafter_version"]
     assert s["drafter_version"] == version >= 1
     assert f"updates during the run (version {version}, " in summary_text(s)
+
+
+def test_the_hybrid_drafter_serves_and_finds_an_eagle3_head(tmp_path, monkeypatch):
+    from specrl.paths import drafter_cache_dir
+
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(*EAGLE, "rollout.spec=hybrid", "drafter.mode=frozen")
+    with pytest.raises(ConfigError, match="specrl train-drafter --drafter eagle3`"):
+        tiny_parts(cfg)
+    torch.manual_seed(3)
+    save_head(DraftHead(make_tiny(0), "eagle3"), drafter_cache_dir(cfg.model.name, "eagle3"))
+    parts = tiny_parts(cfg)  # the head `train-drafter --drafter eagle3` cached
+    assert parts.drafter.trainer is None and parts.backend.engine.proposer.name == "hybrid"
+    assert training_mode(tiny_config(*EAGLE, "rollout.spec=hybrid")) == "refresh"

@@ -224,3 +224,25 @@ def test_default_model_on_two_workers(tmp_path):
     assert all(r["logprob_delta_mean"] < 0.1 for r in metrics)
     backend = json.loads((tmp_path / "run/checkpoints/step_000002/backend.json").read_text())
     assert [w["drafter"]["name"] for w in backend["workers"]] == ["suffix", "suffix"]
+
+
+def test_an_online_drafter_reaches_every_worker(session, tmp_path, monkeypatch):
+    """The head trained on the learner side is pushed to both Ray workers with its version:
+    what they serve is the trainer's head, by fingerprint."""
+    from specrl.models.fingerprint import fingerprint, fingerprint_dtype
+
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))  # no head: trained from scratch
+    cfg = tiny_config(*RAY, "rollout.spec=eagle3", "rollout.max_new_tokens=12", "drafter.vocab=0",
+                      "drafter.mode=online", "run.steps=2", "run.eval_every=0")  # fmt: skip
+    parts = tiny_parts(cfg)  # the learner in this process, the workers as actors
+    trainer = parts.drafter.trainer
+    monkeypatch.setattr(trainer, "_affordable", lambda: 1)  # a push every step
+    try:
+        out = train(parts, str(tmp_path / "run"), progress=False)
+        served = parts.backend.served()
+    finally:
+        parts.backend.close()
+    assert [r["drafter_version"] for r in out] == [1, 2] and trainer.ledger.version == 2
+    assert served.drafter_version == 2
+    assert served.drafter == fingerprint(trainer.state(), fingerprint_dtype(served.drafter))
+    assert sum(r["drafting_steps"] for r in out) > 0  # the workers drafted with the head
