@@ -1,6 +1,7 @@
 """Speculation inside real RL steps on the reasoning preset: rollout and step speedup, interleaved.
 
-Usage: python benchmarks/reasoning_spec_vs_plain.py [--steps 8] [--warmup 1] [--set k=v ...]
+Usage: python benchmarks/reasoning_spec_vs_plain.py [--steps 8] [--warmup 1] [--ceiling]
+    [--set k=v ...]
 
 One synchronous GRPO run of ``specrl train --preset reasoning`` (SmolLM2-135M, bf16 engine, the
 configured drafter: suffix by default, with the cost-model controller and sample-exact
@@ -14,7 +15,14 @@ length percentiles (p10/p50/p90/max), the share of plain rollout time spent with
 (from the engine's step records), acceptance, the controller's share of speculative steps, and
 reward. Summary over the steps after ``--warmup``: rollout speedup (sum plain / sum spec
 generation time), step speedup ((plain gen + learn) / (spec gen + learn)), the free-drafter
-ceiling (speculative time less drafting time).
+ceiling (speculative time less drafting time). With ``--ceiling`` each step's prompts are rolled
+out a third time by an engine over the same weights whose drafter is an oracle: it drafts the
+very tokens of the plain rollout (looked up by sample seed: under sample-exact verification
+every draft is accepted while the row's tokens equal the plain rollout's, ``oracle_same``; a row
+that left them would draft nothing from there) at the cost of a lookup, under the cost-model
+controller (k up to ``--ceiling-k``): the ceiling of speculation on this machine and workload
+(a perfect, free drafter and the controller's choice of k), reported as rollout and step
+speedups.
 Writes benchmarks/results/reasoning_spec_vs_plain.json.
 """
 
@@ -23,19 +31,62 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specrl.backends.native import NativeBackend
 from specrl.bench import run_metadata, write_result
 from specrl.config import load_config
+from specrl.engine import Engine
 from specrl.pipelines.build import build_run
 from specrl.pipelines.step import collect, draw_prompts, learn, rollout
 from specrl.spec.config import SpecConfig
+from specrl.spec.proposers import Draft, register_proposer
 
 OUT = Path(__file__).parent / "results" / "reasoning_spec_vs_plain.json"
 FEW_ROWS = 4
+
+
+@register_proposer("oracle")
+class OracleProposer:
+    """Drafts the tokens plain sampling will draw: ``book`` maps a sample seed to the plain
+    rollout's prompt + completion; a row whose history has left it drafts nothing."""
+
+    deterministic = True
+
+    def __init__(self, book: dict[int, list[int]] | None = None) -> None:
+        self.book = {} if book is None else book
+
+    def propose(self, batch, k: int) -> Draft:
+        rows = []
+        for seed, history in zip(batch.seeds.tolist(), batch.histories, strict=True):
+            full = self.book.get(seed, [])
+            n = len(history)
+            rows.append(full[n : n + k] if full[:n] == history else [])
+        return Draft.from_lists(rows, k)
+
+    def observe(self, row_ids, accepted) -> None: ...
+    def finish(self, row_id, group_key, tokens) -> None: ...
+    def load_weights(self, state) -> None: ...
+
+
+def oracle_rollout(
+    parts, engine: Engine, step: int, plain: list, k: int
+) -> tuple[float, float, bool]:
+    """Seconds, acceptance length and same-tokens check of the step's prompts rolled out by
+    ``engine`` (over the run's shared, current weights) drafting with ``OracleProposer``."""
+    book = {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in plain}
+    spec = SpecConfig("oracle", k, options={"book": book}, exact="sample", adaptive=True)
+    engine.spec, engine.proposer = spec, engine.make_proposer(spec)
+    oracle = replace(parts, backend=NativeBackend(engine))
+    t0 = time.perf_counter()
+    out = rollout(oracle, draw_prompts(parts, step), step)
+    seconds = time.perf_counter() - t0
+    same = [c.token_ids for c in out.completions] == [c.token_ids for c in plain]
+    return seconds, out.stats.acceptance_length, same
 
 
 def few_rows_share(records) -> float:
@@ -57,8 +108,9 @@ def plain_rollout(parts, step: int) -> tuple[float, list, float]:
     return seconds, out.completions, few_rows_share(out.stats.step_records)
 
 
-def one_step(parts, step: int) -> dict:
-    """Both rollouts of ``step`` (order alternating), then the learner on the speculative one."""
+def one_step(parts, step: int, oracle: Engine | None, ceiling_k: int) -> dict:
+    """Both rollouts of ``step`` (order alternating), the ``oracle`` engine's (if any), then
+    the learner on the speculative one."""
     if step % 2 == 0:
         plain_s, plain, few = plain_rollout(parts, step)
     t0 = time.perf_counter()
@@ -66,6 +118,7 @@ def one_step(parts, step: int) -> dict:
     spec_s = time.perf_counter() - t0
     if step % 2 == 1:
         plain_s, plain, few = plain_rollout(parts, step)
+    ceiling = oracle_rollout(parts, oracle, step, plain, ceiling_k) if oracle else None
     t1 = time.perf_counter()
     learned = learn(parts, batch)
     learn_s = time.perf_counter() - t1
@@ -87,7 +140,14 @@ def one_step(parts, step: int) -> dict:
         "reward_mean": m["reward_mean"],
         "accuracy": m["accuracy"],
         "loss": learned.get("learner_loss"),
-    }
+    } | _ceiling_fields(ceiling)
+
+
+def _ceiling_fields(ceiling: tuple[float, float, bool] | None) -> dict:
+    if ceiling is None:
+        return {}
+    seconds, accept, same = ceiling
+    return {"oracle_gen_s": seconds, "oracle_acceptance_length": accept, "oracle_same": same}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -95,7 +155,18 @@ def summarize(rows: list[dict]) -> dict:
     spec = sum(r["spec_gen_s"] for r in rows)
     learn_s = sum(r["learn_s"] for r in rows)
     undrafted = spec - sum(r["spec_draft_s"] for r in rows)
-    return {
+    out = {}
+    if all("oracle_gen_s" in r for r in rows):
+        oracle = sum(r["oracle_gen_s"] for r in rows)
+        out = {
+            "ceiling_rollout_speedup": plain / oracle,
+            "ceiling_step_speedup": (plain + learn_s) / (oracle + learn_s),
+            "ceiling_acceptance_length_mean": float(
+                np.mean([r["oracle_acceptance_length"] for r in rows])
+            ),
+            "ceiling_same_tokens": all(r["oracle_same"] for r in rows),
+        }
+    return out | {
         "steps": len(rows),
         "rollout_speedup": plain / spec,
         "step_speedup": (plain + learn_s) / (spec + learn_s),
@@ -116,6 +187,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the summary")
     ap.add_argument("--preset", default="reasoning")
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
+    ap.add_argument("--ceiling", action="store_true", help="add the oracle-drafter rollout")
+    ap.add_argument("--ceiling-k", type=int, default=8, help="the oracle's largest k")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     sets = [*args.set, f"run.steps={args.steps}", "run.eval_every=0", "run.checkpoint_every=0"]
@@ -124,9 +197,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         cfg.run.run_dir = d
         parts = build_run(cfg)
+        oracle = None
+        if args.ceiling:  # over the run's engine model, shared: it follows every weight update
+            model = parts.backend.engine.model
+            oracle = Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
         rows = []
         for step in range(args.steps):
-            row = one_step(parts, step)
+            row = one_step(parts, step, oracle, args.ceiling_k)
             rows.append(row)
             print(
                 f"step {step}: gen plain {row['plain_gen_s']:.1f}s spec {row['spec_gen_s']:.1f}s "
@@ -134,7 +211,9 @@ def main() -> None:
                 f"spec steps {row['spec_step_share']:.0%} | lengths "
                 f"{row['length_p10_p50_p90_max']} | <=4 rows "
                 f"{row['plain_time_share_at_most_4_rows']:.0%}"
-                f" | reward {row['reward_mean']:.3f} | same tokens {row['same_tokens']}",
+                f" | reward {row['reward_mean']:.3f} | same tokens {row['same_tokens']}"
+                + (f" | oracle {row['oracle_gen_s']:.1f}s acc "
+                   f"{row['oracle_acceptance_length']:.2f}" if oracle else ""),
                 flush=True,
             )  # fmt: skip
     summary = summarize(rows[args.warmup :] or rows)

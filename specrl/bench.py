@@ -30,6 +30,7 @@ import torch
 
 from specrl.fsutil import atomic_write, writable_problem
 from specrl.paths import cached_drafter
+from specrl.spec.proposers import head_kind
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -212,7 +213,7 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
 
 def default_drafter_path(model: str, method: str) -> str | None:
     """The cached trained head of ``specrl train-drafter`` for this model, if there is one."""
-    path = cached_drafter(model, method)
+    path = cached_drafter(model, head_kind(method))
     return None if path is None else str(path)
 
 

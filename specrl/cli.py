@@ -309,11 +309,11 @@ def generate(
 
 
 def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
-    """``--drafter`` for a learned head (eagle3, mtp): as given, else the cached trained head;
-    'untrained' says on stderr that a random head runs."""
+    """``--drafter`` for a learned head (eagle3, mtp, hybrid): as given, else the cached
+    trained head; 'untrained' says on stderr that a random head runs."""
     from specrl.paths import cached_drafter
     from specrl.spec.config import UNTRAINED
-    from specrl.spec.proposers import proposer_takes
+    from specrl.spec.proposers import head_kind, proposer_takes
 
     if not proposer_takes(spec, "drafter_path"):
         return drafter
@@ -322,7 +322,7 @@ def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
                    "expect acceptance near 1 and no speed-up", err=True)  # fmt: skip
     if drafter:
         return drafter
-    cached = cached_drafter(model, spec)
+    cached = cached_drafter(model, head_kind(spec))
     return None if cached is None else str(cached)
 
 

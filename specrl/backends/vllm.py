@@ -119,6 +119,7 @@ ENV_DEFAULTS = {
 }
 SUPPORTED_SPEC = ("none", "ngram", "draft", "eagle3")
 NATIVE_ONLY = {"suffix": "its history spans calls inside specrl's engine",
+               "hybrid": "its suffix half's history spans calls inside specrl's engine",
                "self": "layer-skip self-speculation is specrl's"}  # fmt: skip
 _METRIC_PREFIX = "vllm:spec_decode_"
 _OPTIONAL = (".bias", "q_norm.weight", "k_norm.weight")  # parameters some models lack

@@ -20,7 +20,12 @@ import torch
 
 from specrl.errors import one_line, unknown
 from specrl.sampling import MAX_SIBLINGS
-from specrl.spec.proposers import available_proposers, get_proposer_class, proposer_takes
+from specrl.spec.proposers import (
+    available_proposers,
+    get_proposer_class,
+    head_kind,
+    proposer_takes,
+)
 from specrl.spec.verify import RULES
 
 if TYPE_CHECKING:
@@ -124,17 +129,17 @@ def missing_head(method: str) -> str:
     """The one-line refusal of a learned drafter that has no trained head."""
     return (
         f"--spec {method} needs a trained head: make one with `specrl train-drafter --drafter "
-        f"{method}` (or pass --drafter DIR; --drafter {UNTRAINED} runs a random head, lossless "
-        f"but slower than no speculation)"
+        f"{head_kind(method)}` (or pass --drafter DIR; --drafter {UNTRAINED} runs a random "
+        f"head, lossless but slower than no speculation)"
     )
 
 
 def drafter_spec(
     method: str, k: int, drafter: str | None, target: Transformer, tokenizer: TextTokenizer
 ) -> tuple[SpecConfig, Transformer | None]:
-    """(SpecConfig, draft model or None): a learned head (eagle3, mtp) takes ``drafter`` as its
-    directory option, loaded here (``load_drafter_head``); without one it is refused (a random
-    head would run silently) unless ``drafter`` is ``UNTRAINED``; a ``draft`` drafter a model
+    """(SpecConfig, draft model or None): a learned head (eagle3, mtp, hybrid) takes ``drafter``
+    as its directory option, loaded here (``load_drafter_head``); without one it is refused (a
+    random head would run silently) unless ``drafter`` is ``UNTRAINED``; a ``draft`` drafter a model
     (``models.checkpoints.load_draft_model``). A drafter that cannot be loaded raises
     ``ValueError`` (``CheckpointError`` is one) with one line naming it."""
     if proposer_takes(method, "drafter_path"):
@@ -144,7 +149,7 @@ def drafter_spec(
             raise ValueError(missing_head(method))
         options: dict[str, Any] = {"drafter_path": drafter}
         if proposer_takes(method, "drafter"):
-            options["drafter"] = load_drafter_head(drafter, target, method)
+            options["drafter"] = load_drafter_head(drafter, target, head_kind(method))
         elif not Path(drafter).is_dir():
             raise ValueError(f"drafter {drafter} is not a directory")
         return SpecConfig(method, k, options=options), None

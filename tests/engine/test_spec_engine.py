@@ -19,7 +19,7 @@ from tests.conftest import make_tiny
 VOCAB = 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so ngram/suffix drafters do propose
 NEW = 3
-DRAFTERS = ["ngram", "suffix", "self", "draft"]
+DRAFTERS = ["ngram", "suffix", "self", "draft", "hybrid"]
 
 
 def tiny_target():

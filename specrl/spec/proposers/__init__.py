@@ -7,6 +7,7 @@ package once, so a new drafter only needs a module here with a decorated class. 
 registering a second class under a taken name raises ``ValueError``. ``proposer_takes(name, arg)``
 says whether a drafter's constructor takes ``arg`` (``drafter_path``: a trained head directory;
 ``draft_model``: a draft model), the one test callers use to decide what a drafter needs.
+``head_kind(name)`` is the kind of head a drafter loads (``eagle3`` for ``hybrid``).
 
 The registry dict is the only module-level mutable state.
 """
@@ -27,6 +28,7 @@ __all__ = [
     "ProposerBatch",
     "available_proposers",
     "get_proposer_class",
+    "head_kind",
     "proposer_takes",
     "register_proposer",
 ]
@@ -70,6 +72,14 @@ def proposer_takes(name: str, argument: str) -> bool:
         _import_all()
     cls = _REGISTRY.get(name)
     return cls is not None and argument in inspect.signature(cls).parameters
+
+
+def head_kind(name: str) -> str:
+    """The kind of trained head drafter ``name`` loads and trains (its class's ``kind``: the
+    ``hybrid`` drafter's head is an ``eagle3`` one), else ``name`` itself."""
+    if name not in _REGISTRY:
+        _import_all()
+    return getattr(_REGISTRY.get(name), "kind", name)
 
 
 def available_proposers() -> list[str]:

@@ -1,0 +1,223 @@
+"""``hybrid``: per row, the suffix drafter where earlier rollouts predict it, the EAGLE-3 head
+elsewhere.
+
+Contract: ``HybridProposer(target_model, drafter_path=None, drafter=None)`` holds an EAGLE-3 head
+(as ``Eagle3Proposer``: the same head directory, cache and ``load_weights``, so a run trains it
+online exactly as for ``eagle3``; ``kind`` "eagle3") and a ``SuffixProposer`` over the prompt
+groups' earlier completions and live siblings (its index is the drafter's cross-call state,
+``state_dict`` / ``load_state_dict``). Each ``propose(batch, k)``:
+
+- asks the suffix drafter first (free: no model forward) and scores each row's two options by
+  expected accepted tokens, ``sum_j prod_{i<=j} a_src(i)`` over the draft's positions, with
+  ``a_src(i)`` the running acceptance rate of draft position i for that source (an EMA, prior
+  ``PRIOR``). The head's rates come from the verifier's verdicts on its drafts. The suffix
+  drafter's come from its verdicts too and, for rows that took the head, from comparing the
+  suffix draft with the tokens the row then emitted (emitted tokens follow the target's
+  distribution exactly, so a match has the probability a one-hot draft is accepted): the
+  suffix source keeps being measured while it is not chosen. A verdict is folded in at the
+  row's next propose (a row that finishes first drops it: its last draft may have been cut by
+  the row's token limit, which would read as a rejection);
+- a row takes the suffix draft when it expects at least as many accepted tokens as the head's k
+  (the suffix draft costs no head forward, so it wins ties), else the head's draft. Only the
+  rows that take the head run it: a step where every row drafts from its siblings runs no head
+  forward. A row's target features are kept until the head next reads them; a row that has
+  kept ``FEED_EVERY`` or more is fed to the head's KV cache without drafting (memory and
+  catch-up width stay bounded);
+- returns one ``Draft``: ``probs`` is the head's q for head rows and one-hot at the suffix tokens
+  for suffix rows (a deterministic draft's q), so the verifier's rejection rule stays exact for
+  every row (``deterministic`` False). ``last_sources`` records each row's choice.
+
+A rewritten history (in-flight weight updates with reverify/discard) is not supported: kept
+features would precede the rewritten positions (``engine.inflight`` refuses the combination).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specrl.models.heads import DraftHead
+from specrl.models.transformer import Transformer
+from specrl.spec.proposers import register_proposer
+from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.eagle3 import Eagle3Proposer
+from specrl.spec.proposers.suffix import SuffixProposer
+
+PRIOR = 0.6  # acceptance rate assumed for a draft position never verified yet
+RATE = 0.05  # EMA weight of one verdict
+FEED_EVERY = 64  # kept features of a row past which the head reads them without drafting
+SOURCES = ("suffix", "head")
+
+
+@dataclass
+class _Verdict:
+    """What a row drafted at its last propose, to be scored at its next one."""
+
+    source: str
+    length: int  # draft tokens the verifier saw
+    accepted: int | None = None  # set by ``observe``
+    start: int = 0  # history length when drafted (the shadow suffix draft's reference)
+    shadow: list[int] | None = None  # the suffix draft a head row did not take
+
+
+@register_proposer("hybrid")
+class HybridProposer(Eagle3Proposer):
+    """Suffix drafts where siblings and earlier rollouts predict the row, the head elsewhere."""
+
+    deterministic = False
+    kind = "eagle3"  # the head it trains and loads is an EAGLE-3 head
+
+    def __init__(
+        self,
+        target_model: Transformer | None = None,
+        drafter_path: str | None = None,
+        drafter: DraftHead | None = None,
+    ) -> None:
+        super().__init__(target_model, drafter_path, drafter)
+        self.suffix = SuffixProposer()
+        self.rates: dict[str, list[float]] = {s: [] for s in SOURCES}
+        self.pending: dict[int, list[torch.Tensor]] = {}  # row id -> features not yet fed
+        self.verdicts: dict[int, _Verdict] = {}  # row id -> its last draft
+        self.last_sources: list[str] = []
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def bind(self, max_batch: int, max_len: int, vocab_size: int) -> None:
+        super().bind(max_batch, max_len, vocab_size)
+        self.pending, self.verdicts = {}, {}  # rows of an interrupted call never come back
+
+    def observe(self, row_ids: list[int], accepted: torch.Tensor) -> None:
+        """Record each drafting row's verdict (``accepted[b]``: tokens row b emitted, its
+        accepted drafts plus one), folded in at its next propose."""
+        for row_id, emitted in zip(row_ids, accepted.tolist(), strict=True):
+            verdict = self.verdicts.get(row_id)
+            if verdict is not None and verdict.accepted is None:
+                verdict.accepted = min(int(emitted) - 1, verdict.length)
+
+    def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None:
+        super().finish(row_id, group_key, tokens)
+        self.suffix.finish(row_id, group_key, tokens)
+        self.pending.pop(row_id, None)
+        self.verdicts.pop(row_id, None)
+
+    def state_dict(self) -> dict:
+        return self.suffix.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.suffix.load_state_dict(state)
+
+    # ------------------------------------------------------------------ drafting
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposerBatch, k: int) -> Draft:
+        if batch.hidden is None:
+            raise RuntimeError("the engine handed no target features (hidden_layers ignored?)")
+        b = len(batch)
+        for row_id, feats, history in zip(batch.row_ids, batch.hidden, batch.histories,
+                                          strict=True):  # fmt: skip
+            self.pending.setdefault(row_id, []).append(feats)
+            self._score(row_id, history)
+        if k == 0:
+            return Draft.empty(b, 0)
+        sfx = self.suffix.propose(batch, k)
+        suffix_rows = sfx.rows()
+        head_gain = self.expected(self.rates["head"], k)
+        heads = [
+            i for i, row in enumerate(suffix_rows)
+            if self.expected(self.rates["suffix"], len(row)) < head_gain
+        ]  # fmt: skip
+        draft = self._assemble(batch, sfx, heads, k)
+        self._feed_long(batch, heads)
+        chosen = set(heads)
+        self.last_sources = ["head" if i in chosen else "suffix" for i in range(b)]
+        for i, (row_id, n) in enumerate(zip(batch.row_ids, draft.lengths.tolist(), strict=True)):
+            shadow = suffix_rows[i] if i in chosen and suffix_rows[i] else None
+            self.verdicts[row_id] = _Verdict(self.last_sources[i], n, None,
+                                             len(batch.histories[i]), shadow)  # fmt: skip
+        return draft
+
+    def _assemble(self, batch: ProposerBatch, sfx: Draft, heads: list[int], k: int) -> Draft:
+        """The suffix draft with one-hot q, the head's draft and q on rows ``heads``."""
+        b, vocab = len(batch), self.head.target_config.vocab_size
+        tokens, lengths = sfx.tokens.clone(), sfx.lengths.clone()
+        probs = torch.zeros(b, k, vocab)  # [B, k, V]
+        hot = torch.arange(k)[None, :] < sfx.lengths[:, None]  # [B, k] valid suffix slots
+        probs[hot] = torch.nn.functional.one_hot(sfx.tokens[hot], vocab).float()
+        if heads:
+            drafted = super().propose(self._head_batch(batch, heads), k)
+            tokens[heads], lengths[heads], probs[heads] = (
+                drafted.tokens,
+                drafted.lengths,
+                drafted.probs,
+            )
+        return Draft(tokens=tokens, lengths=lengths, probs=probs)
+
+    def _feed_long(self, batch: ProposerBatch, heads: list[int]) -> None:
+        """Feed the head the kept features of rows that did not draft with it and have kept
+        ``FEED_EVERY`` or more (no drafting: the head's cache just catches up)."""
+        chosen = set(heads)
+        rows = [
+            i for i, row_id in enumerate(batch.row_ids)
+            if i not in chosen and sum(int(f.shape[0]) for f in self.pending[row_id]) >= FEED_EVERY
+        ]  # fmt: skip
+        if rows:
+            sub = self._head_batch(batch, rows)
+            slots = torch.tensor([self._slot(r) for r in sub.row_ids])
+            self._catch_up(sub, slots, [len(h) - 1 for h in sub.histories])
+
+    def _head_batch(self, batch: ProposerBatch, rows: list[int]) -> ProposerBatch:
+        """The rows ``rows`` of ``batch``, each with every feature the head has not read yet."""
+        hidden = [torch.cat(self.pending.pop(batch.row_ids[i])) for i in rows]
+        pick = torch.tensor(rows)
+        return ProposerBatch(
+            histories=[batch.histories[i] for i in rows],
+            group_keys=[batch.group_keys[i] for i in rows],
+            row_ids=[batch.row_ids[i] for i in rows],
+            temperature=batch.temperature[pick],
+            top_k=batch.top_k[pick],
+            top_p=batch.top_p[pick],
+            seeds=batch.seeds[pick],
+            counters=batch.counters[pick],
+            hidden=hidden,
+            prompt_lengths=None
+            if batch.prompt_lengths is None
+            else [batch.prompt_lengths[i] for i in rows],
+            draft_stream=batch.draft_stream,
+        )
+
+    # ------------------------------------------------------------------ acceptance estimates
+
+    def _score(self, row_id: int, history: list[int]) -> None:
+        """Fold the row's last verdict (and its shadow suffix draft's match) into the rates."""
+        verdict = self.verdicts.pop(row_id, None)
+        if verdict is None:
+            return
+        if verdict.accepted is not None and verdict.length:
+            self._learn(self.rates[verdict.source], verdict.length, verdict.accepted)
+        if verdict.shadow:
+            emitted = history[verdict.start :]
+            seen = min(len(verdict.shadow), len(emitted))
+            match = 0
+            while match < seen and verdict.shadow[match] == emitted[match]:
+                match += 1
+            self._learn(self.rates["suffix"], seen, match)
+
+    @staticmethod
+    def expected(rates: list[float], length: int) -> float:
+        """Expected accepted tokens of a ``length``-token draft: sum_j prod_{i<=j} a(i)."""
+        total, alive = 0.0, 1.0
+        for i in range(length):
+            alive *= rates[i] if i < len(rates) else PRIOR
+            total += alive
+        return total
+
+    @staticmethod
+    def _learn(rates: list[float], length: int, accepted: int) -> None:
+        """One row's verdicts on a ``length``-token draft: positions 1..accepted accepted,
+        position accepted+1 rejected (when there was one); later positions were not tested."""
+        while len(rates) < length:
+            rates.append(PRIOR)
+        for i in range(min(accepted + 1, length)):
+            hit = 1.0 if i < accepted else 0.0
+            rates[i] += RATE * (hit - rates[i])
