@@ -19,6 +19,17 @@ def make_tiny(seed: int = 0, **overrides) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def assert_teacher_forced(target: Transformer, layers, seen) -> None:
+    """Each (history, features [n, F]) in ``seen``, handed to a drafter, equals the target's
+    teacher-forced outputs of ``layers`` at history positions len-1-n .. len-2."""
+    for history, feats in seen:
+        n = feats.shape[0]
+        ids = torch.tensor([history])
+        full = target(ids, torch.arange(len(history))[None], capture=layers)
+        want = torch.cat(full.captured, -1)[0, len(history) - 1 - n : len(history) - 1]
+        torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture
 def tiny() -> Transformer:
     return make_tiny()

@@ -14,7 +14,7 @@ from specrl.engine import Engine, Request
 from specrl.models.transformer import layer_prefix_model
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
-from tests.conftest import make_tiny
+from tests.conftest import assert_teacher_forced, make_tiny
 
 VOCAB = 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so ngram/suffix drafters do propose
@@ -192,12 +192,7 @@ def test_engine_hands_verification_features_to_learned_drafters(
     engine.generate([Request([1, 2, 3, 1, 2, 3], params)])
     assert seen
     assert (engine.stats.sibling_accepted > 0) == (siblings > 0)
-    for history, feats in seen:
-        n = feats.shape[0]
-        ids = torch.tensor([history])
-        full = target(ids, torch.arange(len(history))[None], capture=proposer.hidden_layers)
-        want = torch.cat(full.captured, -1)[0, len(history) - 1 - n : len(history) - 1]
-        torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+    assert_teacher_forced(target, proposer.hidden_layers, seen)
 
 
 def test_stats_per_call_and_cumulative():

@@ -12,7 +12,7 @@ from specrl.spec.proposers import get_proposer_class, head_kind, proposer_takes
 from specrl.spec.proposers.base import make_batch
 from specrl.spec.proposers.eagle3 import Eagle3Proposer
 from specrl.spec.proposers.hybrid import FEED_EVERY, PRIOR, HybridProposer
-from tests.conftest import make_tiny
+from tests.conftest import assert_teacher_forced, make_tiny
 
 VOCAB = 32
 
@@ -151,12 +151,7 @@ def test_the_head_reads_the_true_features_of_every_position(monkeypatch):
     params = SamplingParams(temperature=0.8, max_new_tokens=24, n=8, seed=2)
     engine.generate([Request([1, 2], params)])
     assert seen and max(f.shape[0] for _, f in seen) > 4  # some read > 1 step's (k + 1) tokens
-    for history, feats in seen:
-        n = feats.shape[0]
-        ids = torch.tensor([history])
-        full = target(ids, torch.arange(len(history))[None], capture=proposer.hidden_layers)
-        want = torch.cat(full.captured, -1)[0, len(history) - 1 - n : len(history) - 1]
-        torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+    assert_teacher_forced(target, proposer.hidden_layers, seen)
 
 
 def test_the_suffix_source_is_scored_while_the_head_drafts():
