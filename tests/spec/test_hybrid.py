@@ -11,7 +11,13 @@ from specrl.spec.config import SpecConfig
 from specrl.spec.proposers import get_proposer_class, head_kind, proposer_takes
 from specrl.spec.proposers.base import make_batch
 from specrl.spec.proposers.eagle3 import Eagle3Proposer
-from specrl.spec.proposers.hybrid import FEED_EVERY, PRIOR, HybridProposer
+from specrl.spec.proposers.hybrid import (
+    FEED_EVERY,
+    PRIOR,
+    SUPPORT_KEYS,
+    HybridProposer,
+    support_key,
+)
 from tests.conftest import assert_teacher_forced, make_tiny
 
 VOCAB = 32
@@ -99,16 +105,27 @@ def test_the_head_catches_up_on_every_feature_of_the_steps_it_skipped(monkeypatc
 
 def test_acceptance_rates_move_the_choice():
     p = hybrid()
-    gain = HybridProposer.expected
-    assert gain([], 3) == PRIOR + PRIOR**2 + PRIOR**3
-    rates: list[float] = []
-    for _ in range(200):  # suffix drafts rejected at their first token
-        HybridProposer._learn(rates, 3, 0)
-    assert rates[0] < 0.01 and rates[1:] == [PRIOR, PRIOR]  # later positions never verified
-    p.rates["suffix"] = rates
-    p.suffix.add_completion(7, [4, 5, 6, 8, 9, 10, 11])
+    assert p.expected(["head"] * 3) == PRIOR + PRIOR**2 + PRIOR**3
+    for _ in range(200):  # single-occurrence suffix drafts rejected at their first token
+        p.learn(["suffix:1"] * 3, 0)
+    rates = p.rates["suffix:1"]
+    assert rates[0] < 0.01 and len(rates) == 1  # later positions were never verified
+    p.learn(["suffix:1", "suffix:1", "suffix:4+"], 3)  # keys differ per position
+    assert len(p.rates["suffix:1"]) == 2
+    assert p.rates["suffix:4+"] == [PRIOR, PRIOR, PRIOR + 0.05 * (1 - PRIOR)]
+    p.suffix.add_completion(7, [4, 5, 6, 8, 9, 10, 11])  # one earlier occurrence: "suffix:1"
     p.propose(batch_for(p, [[1, 4, 5, 6]], keys=[7]), 3)
     assert p.last_sources == ["head"]  # the siblings' continuation no longer pays
+    for _ in range(4):  # ... but four rollouts continuing the same way are other evidence
+        p.suffix.add_completion(8, [4, 5, 6, 8, 9, 10, 11])
+    p.propose(batch_for(p, [[1, 4, 5, 6]], keys=[8], row_ids=[1]), 3)
+    assert p.suffix.last_support == [[4, 4, 4]] and p.last_sources == ["suffix"]
+
+
+def test_support_keys():
+    assert [support_key(c) for c in (1, 2, 3, 4, 9)] == [
+        "suffix:1", "suffix:2-3", "suffix:2-3", "suffix:4+", "suffix:4+"
+    ]  # fmt: skip
 
 
 def test_engine_run_uses_both_sources_and_learns_their_rates():
@@ -128,7 +145,8 @@ def test_engine_run_uses_both_sources_and_learns_their_rates():
     proposer.propose = recording
     engine.generate([Request([1, 2, 3, 1, 2, 3], params), Request([4, 5, 4, 5], params)])
     assert {"suffix", "head"} <= set(sources)
-    assert proposer.rates["suffix"] and proposer.rates["head"]  # verdicts of both were folded
+    assert proposer.rates["head"]  # verdicts of both sources were folded
+    assert any(proposer.rates.get(key) for _, key in SUPPORT_KEYS)
     assert not proposer.pending and not proposer.verdicts  # finished rows leave nothing behind
 
 
@@ -158,7 +176,7 @@ def test_the_suffix_source_is_scored_while_the_head_drafts():
     """A row that took the head still scores the suffix draft it did not take against what it
     then emitted, so a suffix source that fell behind can come back."""
     p = hybrid()
-    p.rates["suffix"] = [0.05, PRIOR, PRIOR]
+    p.rates["suffix:1"] = [0.05, PRIOR, PRIOR]
     p.suffix.add_completion(7, [4, 5, 6, 8, 9, 10, 11])
     history = [1, 4, 5, 6]
     p.propose(batch_for(p, [history], keys=[7]), 3)
@@ -167,7 +185,7 @@ def test_the_suffix_source_is_scored_while_the_head_drafts():
     more = make_batch([history + [8, 9, 10]], group_keys=[7])  # = the suffix draft
     more.hidden = [torch.randn(3, width(p))]
     p.propose(more, 3)
-    assert p.rates["suffix"][0] > 0.05 and p.rates["suffix"][2] > PRIOR
+    assert p.rates["suffix:1"][0] > 0.05 and p.rates["suffix:1"][2] > PRIOR
     head = p.rates["head"]  # two accepted, the third rejected
     assert head[0] > PRIOR and head[1] > PRIOR and head[2] < PRIOR
 
@@ -178,7 +196,7 @@ def test_a_verdict_is_dropped_when_the_row_finishes():
     p.propose(batch_for(p, [[1, 2, 3]], keys=[7]), 3)
     p.observe([0], torch.tensor([1]))
     p.finish(0, 7, [9])
-    assert p.rates == {"suffix": [], "head": []} and not p.verdicts and not p.pending
+    assert p.rates == {} and not p.verdicts and not p.pending
 
 
 def test_long_kept_features_are_fed_without_drafting():

@@ -44,7 +44,11 @@ class DraftModelProposer:
 
     def __init__(self, draft_model: Transformer | None = None) -> None:
         if draft_model is None:
-            raise ValueError("the 'draft' drafter needs a draft model (--drafter PATH)")
+            raise ValueError(
+                "the 'draft' drafter needs a draft model: --drafter DIR (make one with `specrl "
+                "train-drafter --drafter draft`) or --drafter prefix:N (the target's first N "
+                "layers)"
+            )
         self.model = draft_model
         self.rows: dict[int, _Row] = {}
         self.cache = None

@@ -8,15 +8,18 @@ groups' earlier completions and live siblings (its index is the drafter's cross-
 ``state_dict`` / ``load_state_dict``). Each ``propose(batch, k)``:
 
 - asks the suffix drafter first (free: no model forward) and scores each row's two options by
-  expected accepted tokens, ``sum_j prod_{i<=j} a_src(i)`` over the draft's positions, with
-  ``a_src(i)`` the running acceptance rate of draft position i for that source (an EMA, prior
-  ``PRIOR``). The head's rates come from the verifier's verdicts on its drafts. The suffix
-  drafter's come from its verdicts too and, for rows that took the head, from comparing the
-  suffix draft with the tokens the row then emitted (emitted tokens follow the target's
-  distribution exactly, so a match has the probability a one-hot draft is accepted): the
-  suffix source keeps being measured while it is not chosen. A verdict is folded in at the
-  row's next propose (a row that finishes first drops it: its last draft may have been cut by
-  the row's token limit, which would read as a rejection);
+  expected accepted tokens, ``sum_j prod_{i<=j} a(i, key_i)`` over the draft's positions, with
+  ``a(i, key)`` the running acceptance rate of draft position i (an EMA, prior ``PRIOR``) for
+  a key: "head" for the head's drafts, and for a suffix draft the evidence of its token i
+  (``support_key``: how many earlier occurrences continued that way, 1 / 2-3 / 4+, from
+  ``SuffixProposer.last_support``), so a row's suffix draft is scored by how well drafts with
+  its evidence were accepted. The head's rates come from the verifier's verdicts on its
+  drafts. The suffix drafter's come from its verdicts too and, for rows that took the head,
+  from comparing the suffix draft with the tokens the row then emitted (emitted tokens follow
+  the target's distribution exactly, so a match has the probability a one-hot draft is
+  accepted): the suffix source keeps being measured while it is not chosen. A verdict is folded
+  in at the row's next propose (a row that finishes first drops it: its last draft may have
+  been cut by the row's token limit, which would read as a rejection);
 - a row takes the suffix draft when it expects at least as many accepted tokens as the head's k
   (the suffix draft costs no head forward, so it wins ties), else the head's draft. Only the
   rows that take the head run it: a step where every row drafts from its siblings runs no head
@@ -47,18 +50,23 @@ from specrl.spec.proposers.suffix import SuffixProposer
 PRIOR = 0.6  # acceptance rate assumed for a draft position never verified yet
 RATE = 0.05  # EMA weight of one verdict
 FEED_EVERY = 64  # kept features of a row past which the head reads them without drafting
-SOURCES = ("suffix", "head")
+SUPPORT_KEYS = ((4, "suffix:4+"), (2, "suffix:2-3"), (1, "suffix:1"))  # (least count, key)
+
+
+def support_key(count: int) -> str:
+    """The rate key of a suffix draft token continued by ``count`` earlier occurrences."""
+    return next(key for least, key in SUPPORT_KEYS if count >= least)
 
 
 @dataclass
 class _Verdict:
     """What a row drafted at its last propose, to be scored at its next one."""
 
-    source: str
-    length: int  # draft tokens the verifier saw
+    keys: list[str]  # the rate key of each draft token the verifier saw
     accepted: int | None = None  # set by ``observe``
     start: int = 0  # history length when drafted (the shadow suffix draft's reference)
     shadow: list[int] | None = None  # the suffix draft a head row did not take
+    shadow_keys: list[str] | None = None
 
 
 @register_proposer("hybrid")
@@ -76,7 +84,7 @@ class HybridProposer(Eagle3Proposer):
     ) -> None:
         super().__init__(target_model, drafter_path, drafter)
         self.suffix = SuffixProposer()
-        self.rates: dict[str, list[float]] = {s: [] for s in SOURCES}
+        self.rates: dict[str, list[float]] = {}  # rate key -> per draft position
         self.pending: dict[int, list[torch.Tensor]] = {}  # row id -> features not yet fed
         self.verdicts: dict[int, _Verdict] = {}  # row id -> its last draft
         self.last_sources: list[str] = []
@@ -93,7 +101,7 @@ class HybridProposer(Eagle3Proposer):
         for row_id, emitted in zip(row_ids, accepted.tolist(), strict=True):
             verdict = self.verdicts.get(row_id)
             if verdict is not None and verdict.accepted is None:
-                verdict.accepted = min(int(emitted) - 1, verdict.length)
+                verdict.accepted = min(int(emitted) - 1, len(verdict.keys))
 
     def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None:
         super().finish(row_id, group_key, tokens)
@@ -122,19 +130,20 @@ class HybridProposer(Eagle3Proposer):
             return Draft.empty(b, 0)
         sfx = self.suffix.propose(batch, k)
         suffix_rows = sfx.rows()
-        head_gain = self.expected(self.rates["head"], k)
-        heads = [
-            i for i, row in enumerate(suffix_rows)
-            if self.expected(self.rates["suffix"], len(row)) < head_gain
-        ]  # fmt: skip
+        suffix_keys = [[support_key(c) for c in counts] for counts in self.suffix.last_support]
+        head_gain = self.expected(["head"] * k)
+        heads = [i for i, keys in enumerate(suffix_keys) if self.expected(keys) < head_gain]
         draft = self._assemble(batch, sfx, heads, k)
         self._feed_long(batch, heads)
         chosen = set(heads)
         self.last_sources = ["head" if i in chosen else "suffix" for i in range(b)]
         for i, (row_id, n) in enumerate(zip(batch.row_ids, draft.lengths.tolist(), strict=True)):
-            shadow = suffix_rows[i] if i in chosen and suffix_rows[i] else None
-            self.verdicts[row_id] = _Verdict(self.last_sources[i], n, None,
-                                             len(batch.histories[i]), shadow)  # fmt: skip
+            took_head = i in chosen
+            verdict = _Verdict(["head"] * n if took_head else suffix_keys[i], None,
+                               len(batch.histories[i]))  # fmt: skip
+            if took_head and suffix_rows[i]:
+                verdict.shadow, verdict.shadow_keys = suffix_rows[i], suffix_keys[i]
+            self.verdicts[row_id] = verdict
         return draft
 
     def _assemble(self, batch: ProposerBatch, sfx: Draft, heads: list[int], k: int) -> Draft:
@@ -193,31 +202,35 @@ class HybridProposer(Eagle3Proposer):
         verdict = self.verdicts.pop(row_id, None)
         if verdict is None:
             return
-        if verdict.accepted is not None and verdict.length:
-            self._learn(self.rates[verdict.source], verdict.length, verdict.accepted)
+        if verdict.accepted is not None and verdict.keys:
+            self.learn(verdict.keys, verdict.accepted)
         if verdict.shadow:
             emitted = history[verdict.start :]
             seen = min(len(verdict.shadow), len(emitted))
             match = 0
             while match < seen and verdict.shadow[match] == emitted[match]:
                 match += 1
-            self._learn(self.rates["suffix"], seen, match)
+            self.learn(verdict.shadow_keys[:seen], match)
 
-    @staticmethod
-    def expected(rates: list[float], length: int) -> float:
-        """Expected accepted tokens of a ``length``-token draft: sum_j prod_{i<=j} a(i)."""
+    def rate(self, key: str, position: int) -> float:
+        """The running acceptance rate of draft ``position`` under ``key`` (``PRIOR`` unseen)."""
+        rates = self.rates.get(key, [])
+        return rates[position] if position < len(rates) else PRIOR
+
+    def expected(self, keys: list[str]) -> float:
+        """Expected accepted tokens of a draft whose token i has rate key ``keys[i]``:
+        sum_j prod_{i<=j} a(i, keys[i])."""
         total, alive = 0.0, 1.0
-        for i in range(length):
-            alive *= rates[i] if i < len(rates) else PRIOR
+        for i, key in enumerate(keys):
+            alive *= self.rate(key, i)
             total += alive
         return total
 
-    @staticmethod
-    def _learn(rates: list[float], length: int, accepted: int) -> None:
-        """One row's verdicts on a ``length``-token draft: positions 1..accepted accepted,
-        position accepted+1 rejected (when there was one); later positions were not tested."""
-        while len(rates) < length:
-            rates.append(PRIOR)
-        for i in range(min(accepted + 1, length)):
+    def learn(self, keys: list[str], accepted: int) -> None:
+        """One row's verdicts on a draft with rate keys ``keys``: positions 1..accepted
+        accepted, position accepted+1 rejected (when there was one); later ones not tested."""
+        for i in range(min(accepted + 1, len(keys))):
+            rates = self.rates.setdefault(keys[i], [])
+            rates.extend([PRIOR] * (i + 1 - len(rates)))
             hit = 1.0 if i < accepted else 0.0
             rates[i] += RATE * (hit - rates[i])

@@ -15,7 +15,8 @@ occurrences; draft greedily the most frequent next token (ties: smallest token i
 frequent token after that among the occurrences that continued so, and so on, while
 ``count(child) / count(parent) >= min_confidence``, for at most k tokens. Drafts therefore always
 reproduce a continuation that actually occurred after the matched suffix. Drafts are
-deterministic (``probs=None``).
+deterministic (``probs=None``). ``last_support`` holds, per row of the last ``propose``, the
+count of each drafted token (how many occurrences continued that way: the draft's evidence).
 
 The trie is implicit: occurrences are found by vectorised comparisons over the group's token
 array (numpy), so memory is just the stored tokens and a step costs a few numpy passes over the
@@ -101,12 +102,15 @@ class SuffixProposer:
         self.max_tokens_per_group, self.max_groups = max_tokens_per_group, max_groups
         self.use_own_history = use_own_history
         self._groups: OrderedDict[int, _Group] = OrderedDict()
+        self.last_support: list[list[int]] = []  # per row of the last propose (see docstring)
 
     # -- Proposer protocol ---------------------------------------------------------------------
 
     def propose(self, batch: ProposerBatch, k: int) -> Draft:
         """Per row, a continuation seen after its history's longest matching suffix (<= k)."""
         drafts: list[list[int]] = [[] for _ in range(len(batch))]
+        support: list[list[int]] = [[] for _ in range(len(batch))]
+        self.last_support = support
         if k <= 0:
             return Draft.empty(len(batch), max(k, 0))
         rows_of: dict[int, list[int]] = defaultdict(list)
@@ -117,8 +121,9 @@ class SuffixProposer:
             if group.prompt_tail is None and batch.prompt_lengths is not None:
                 prompt = batch.histories[rows[0]][: batch.prompt_lengths[rows[0]]]
                 group.prompt_tail = prompt[-self.max_match :]
-            for b, draft in zip(rows, self._propose_group(group, batch, rows, k), strict=True):
-                drafts[b] = draft
+            for b, (draft, counts) in zip(rows, self._propose_group(group, batch, rows, k),
+                                          strict=True):  # fmt: skip
+                drafts[b], support[b] = draft, counts
         return Draft.from_lists(drafts, k)
 
     def observe(self, row_ids: list[int], accepted: torch.Tensor) -> None:
@@ -189,8 +194,9 @@ class SuffixProposer:
 
     def _propose_group(
         self, group: _Group, batch: ProposerBatch, rows: list[int], k: int
-    ) -> list[list[int]]:
-        """Drafts for the rows of one prompt group, searching stored + live sibling tokens."""
+    ) -> list[tuple[list[int], list[int]]]:
+        """(draft, support) for the rows of one prompt group, searching stored + live sibling
+        tokens."""
         sep = np.full(1, SEP, dtype=np.int32)
         histories = [np.asarray(batch.histories[b], dtype=np.int32) for b in rows]
         corpus = group.corpus()
@@ -209,11 +215,11 @@ class SuffixProposer:
         history: np.ndarray,  # [h] int32
         k: int,
         exclude: tuple[int, int] | None,  # [start, end) of positions not to match
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int]]:
         if history.size < self.min_match:
-            return []
+            return [], []
         ends = self._match(search, history, exclude)
-        return [] if ends is None else self._continue(search, ends, k)
+        return ([], []) if ends is None else self._continue(search, ends, k)
 
     def _match(
         self, search: np.ndarray, history: np.ndarray, exclude: tuple[int, int] | None
@@ -240,12 +246,16 @@ class SuffixProposer:
             ends, matched = ends[extra == best], matched + best
         return ends if ends.size and matched >= self.min_match else None
 
-    def _continue(self, search: np.ndarray, ends: np.ndarray, k: int) -> list[int]:
-        """Greedy most-frequent continuation after ``ends`` while the count ratio is confident."""
+    def _continue(
+        self, search: np.ndarray, ends: np.ndarray, k: int
+    ) -> tuple[list[int], list[int]]:
+        """Greedy most-frequent continuation after ``ends`` while the count ratio is confident,
+        and each drafted token's count."""
         steps = np.arange(1, k + 1)
         # [c, k] tokens after each occurrence; the clip lands on the final SEP
         following = search[np.minimum(ends[:, None] + steps, search.size - 1)].tolist()
         draft: list[int] = []
+        support: list[int] = []
         for step in range(k):
             counts = Counter(row[step] for row in following)
             counts.pop(SEP, None)
@@ -255,5 +265,6 @@ class SuffixProposer:
             if count < self.min_confidence * len(following):
                 break
             draft.append(token)
+            support.append(count)
             following = [row for row in following if row[step] == token]
-        return draft
+        return draft, support
