@@ -14,6 +14,11 @@ library). Up to ``MAX_ROWS`` rows it reads the weight once per call (the GEMV pa
 weight streaming); more rows run as a tiled GEMM (4 rows x 32 columns in registers, a weight
 tile reused from cache by every row). ``GemvKernel.attention(q, cache_k, cache_v, slots, lens,
 mask)`` attends each query to its visible cached keys (float32 scores, softmax and sum).
+The per-token elementwise work of a decoder layer has one call each: ``rmsnorm(x, w, eps,
+delta=None)`` (with ``delta``: the residual sum x + delta, rounded to bf16, and its norm),
+``silu_mul(gate_up)`` (SwiGLU's silu(gate) * up) and ``rope(qk, cos, sin)`` (rotary embedding
+of q and k heads read from the fused projection's output in place), each with the bf16
+roundings of the PyTorch ops it replaces (results agree with them to a rounding flip).
 Batch invariance: every output element is computed by one thread in one fixed order that does
 not depend on M, on the other rows, on how many queries share a forward or on the thread
 count, so a position's logits are the same bit for bit whether it is decoded alone, in a batch
@@ -113,6 +118,10 @@ class GemvKernel:
         )
         att.restype = ctypes.c_int
         self._attention = att
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._rmsnorm = _bind(lib.specrl_rmsnorm_bf16, [ptr] * 5 + [i64] * 2 + [ctypes.c_float])
+        self._silu_mul = _bind(lib.specrl_silu_mul_bf16, [ptr] * 2 + [i64] * 2)
+        self._rope = _bind(lib.specrl_rope_bf16, [ptr, i64, ptr, ptr, ptr] + [i64] * 3)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -194,6 +203,66 @@ class GemvKernel:
                 f" (code {rc})"
             )
         return out
+
+    def rmsnorm(
+        self,
+        x: torch.Tensor,  # [..., H] bf16
+        weight: torch.Tensor,  # [H] bf16
+        eps: float,
+        delta: torch.Tensor | None = None,  # [..., H] bf16, added to x first
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of x [..., H] -> [..., H]; with ``delta``: (x + delta, its RMSNorm)."""
+        h = x.shape[-1]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        total = None if delta is None else torch.empty_like(x)
+        d = None if delta is None else delta.contiguous()
+        rows = x.numel() // h
+        rc = self._rmsnorm(x.data_ptr(), None if d is None else d.data_ptr(),
+                           weight.contiguous().data_ptr(), out.data_ptr(),
+                           None if total is None else total.data_ptr(), rows, h, eps,
+                           torch.get_num_threads())  # fmt: skip
+        _check(rc, "rmsnorm", x.shape)
+        return out if total is None else (total, out)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2I] bf16 (gate | up) -> silu(gate) * up [..., I]."""
+        two_i = gate_up.shape[-1]
+        gu = gate_up.contiguous()
+        out = gu.new_empty(*gu.shape[:-1], two_i // 2)
+        rc = self._silu_mul(gu.data_ptr(), out.data_ptr(), gu.numel() // two_i, two_i // 2,
+                            torch.get_num_threads())  # fmt: skip
+        _check(rc, "silu_mul", gu.shape)
+        return out
+
+    def rope(
+        self,
+        qk: torch.Tensor,  # [B, T, heads, D] bf16, each token's heads contiguous (a view is fine)
+        cos: torch.Tensor,  # [B, T, 1, D] bf16
+        sin: torch.Tensor,  # [B, T, 1, D] bf16
+    ) -> torch.Tensor:
+        """Rotary embedding -> a new contiguous [B, T, heads, D]."""
+        b, t, nh, d = qk.shape
+        if qk.stride(3) != 1 or qk.stride(2) != d or qk.stride(0) != t * qk.stride(1):
+            qk = qk.contiguous()
+        cos, sin = cos.expand(b, t, 1, d).contiguous(), sin.expand(b, t, 1, d).contiguous()
+        out = torch.empty(b, t, nh, d, dtype=qk.dtype)
+        rc = self._rope(qk.data_ptr(), qk.stride(1), cos.data_ptr(), sin.data_ptr(),
+                        out.data_ptr(), b * t, nh, d, torch.get_num_threads())  # fmt: skip
+        _check(rc, "rope", qk.shape)
+        return out
+
+
+def _bind(fn, argtypes: list) -> object:
+    """A library function with its argument types (and a trailing thread count) and int result."""
+    fn.argtypes = argtypes + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _check(rc: int, name: str, shape: torch.Size) -> None:
+    if rc != 0:
+        raise ValueError(f"{name} kernel refused shape {tuple(shape)} (code {rc})")
 
 
 @functools.cache

@@ -254,3 +254,97 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
     }
     return bad ? 2 : 0;
 }
+
+/* ------------------------------------------------------------------ elementwise (per token)
+ * The decoder's per-token work besides products and attention, one call each instead of five
+ * to ten PyTorch ops. Each output element depends only on its own token's inputs, computed in a
+ * fixed order (batch-invariant), with the bf16 roundings of the PyTorch code they replace. */
+
+static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
+}
+static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline __m512 round_bf16(__m512 v) { /* float -> nearest bf16 -> float */
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+}
+static inline __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* RMSNorm of R rows of H: s = x (+ d, rounded to bf16, written to sum when d is given);
+ * out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps))), the mean a float32 sum in lane order. */
+int specrl_rmsnorm_bf16(const uint16_t *x, const uint16_t *d, const uint16_t *w, uint16_t *out,
+                        uint16_t *sum, int64_t R, int64_t H, float eps, int threads) {
+    if (R < 1 || H < 1 || (d && !sum)) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 16)
+    for (int64_t r = 0; r < R; r++) {
+        const uint16_t *xr = x + r * H;
+        const uint16_t *src = d ? sum + r * H : xr;
+        __m512 acc = ZERO;
+        for (int64_t c = 0; c < H; c += 16) {
+            __mmask16 m = lanes(H - c);
+            __m512 v = ld_bf16(xr + c, m);
+            if (d) {
+                v = round_bf16(_mm512_add_ps(v, ld_bf16(d + r * H + c, m)));
+                st_bf16(sum + r * H + c, v, m);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+        for (int64_t c = 0; c < H; c += 16) {
+            __mmask16 m = lanes(H - c);
+            __m512 y = round_bf16(_mm512_mul_ps(ld_bf16(src + c, m), scale));
+            st_bf16(out + r * H + c, _mm512_mul_ps(y, ld_bf16(w + c, m)), m);
+        }
+    }
+    return 0;
+}
+
+/* SwiGLU's elementwise part: gu [R, 2I] = (gate | up) -> out [R, I] = bf16(bf16(silu(g)) * u),
+ * silu(g) = g / (1 + exp(-g)) from exp(-|g|) (the polynomial exp above, ~1 ulp). */
+int specrl_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t R, int64_t I, int threads) {
+    if (R < 1 || I < 1) return 1;
+    const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R >= 16)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t c = 0; c < I; c += 16) {
+            __mmask16 m = lanes(I - c);
+            __m512 g = ld_bf16(gu + r * 2 * I + c, m), u = ld_bf16(gu + r * 2 * I + I + c, m);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            __m512 num = _mm512_mask_mul_ps(g, neg, g, e); /* g >= 0: g; else g * e */
+            __m512 s = round_bf16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
+            st_bf16(out + r * I + c, _mm512_mul_ps(s, u), m);
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding of N tokens' NH heads of D (D % 32 == 0): token n's heads start at
+ * src + n * stride (elements); cos/sin [N, D]; dst [N, NH, D] =
+ * bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) = (-x[D/2:], x[:D/2]). */
+int specrl_rope_bf16(const uint16_t *src, int64_t stride, const uint16_t *cosv,
+                     const uint16_t *sinv, uint16_t *dst, int64_t N, int64_t NH, int64_t D,
+                     int threads) {
+    if (N < 1 || NH < 1 || D % 32 != 0) return 1;
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N >= 16)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t h = 0; h < NH; h++) {
+            const uint16_t *x = src + n * stride + h * D;
+            uint16_t *y = dst + (n * NH + h) * D;
+            for (int64_t c = 0; c < D; c += 16) {
+                __m512 v = ld_bf16(x + c, 0xFFFF);
+                __m512 rot = c < half ? _mm512_sub_ps(_mm512_setzero_ps(),
+                                                      ld_bf16(x + c + half, 0xFFFF))
+                                      : ld_bf16(x + c - half, 0xFFFF);
+                __m512 a = round_bf16(_mm512_mul_ps(v, ld_bf16(cosv + n * D + c, 0xFFFF)));
+                __m512 b = round_bf16(_mm512_mul_ps(rot, ld_bf16(sinv + n * D + c, 0xFFFF)));
+                st_bf16(y + c, _mm512_add_ps(a, b), 0xFFFF);
+            }
+        }
+    }
+    return 0;
+}

@@ -147,8 +147,8 @@ class DraftHead(nn.Module):
         """The head's decoder layer: g [B, T, H] (``Block.forward``'s ops, in its order)."""
         blk = self.block
         a, x = self.attention_in(h, tokens)
-        x = x + blk.attn(a, cos, sin, ctx)
-        return x + blk.mlp(blk.mlp_norm(x))
+        x, m = blk.mlp_norm.add_norm(x, blk.attn(a, cos, sin, ctx))
+        return x + blk.mlp(m)
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Use draft vocabulary ``ids`` ([Vd] sorted target ids; None = the full vocabulary)

@@ -111,25 +111,61 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def set_native_kernels(model: nn.Module, enabled: bool) -> None:
-    """Turn the native kernels (products and attention) on or off for every ``Linear`` and
-    ``Attention`` in ``model`` (for A/B runs)."""
+def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
+    """Turn only the native per-token kernels (norms, SwiGLU, RoPE) on or off in ``model``."""
     for m in model.modules():
-        if isinstance(m, (Linear, Attention)):
+        if isinstance(m, (RMSNorm, MLP)):
             m.native = enabled
+        if isinstance(m, Attention):
+            m.native_rope = enabled
+
+
+def set_native_kernels(model: nn.Module, enabled: bool) -> None:
+    """Turn the native kernels (products, attention, norms, SwiGLU, RoPE) on or off for every
+    ``Linear``, ``Attention``, ``RMSNorm`` and ``MLP`` in ``model`` (for A/B runs)."""
+    for m in model.modules():
+        if isinstance(m, (Linear, Attention, RMSNorm, MLP)):
+            m.native = enabled
+        if isinstance(m, Attention):
+            m.native_rope = enabled
+
+
+def native_elementwise(enabled: bool, *xs: torch.Tensor) -> gemv.GemvKernel | None:
+    """The native kernel for per-token work on inputs ``xs``, or None: not ``enabled`` (the
+    module's switch), autograd on, not all bf16 CPU tensors, or no kernel here."""
+    if not enabled or torch.is_grad_enabled():
+        return None
+    if any(x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.numel() for x in xs):
+        return None
+    return gemv.gemv_kernel()
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; in bf16 inference one native call (``add_norm`` also fuses the residual add)."""
+
+    native: bool = True
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = native_elementwise(self.native, x, self.weight)
+        if kernel is not None:
+            return kernel.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm) for a residual stream x [..., H] and a branch output delta."""
+        kernel = native_elementwise(self.native, x, delta, self.weight)
+        if kernel is not None:
+            return kernel.rmsnorm(x, self.weight, self.eps, delta=delta)
+        x = x + delta
+        return x, self(x)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -206,9 +242,11 @@ def grouped_attention(
 
 class Attention(nn.Module):
     """Self-attention with fused q/k/v; reading a bf16 cache it uses the native attention kernel
-    (``native``, see ``set_native_kernels``) where that runs, else ``grouped_attention``."""
+    (``native``, see ``set_native_kernels``) where that runs, else ``grouped_attention``; in bf16
+    inference RoPE is one native call (``native_rope``)."""
 
     native: bool = True
+    native_rope: bool = True
 
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -238,7 +276,11 @@ class Attention(nn.Module):
             q, k = qk.split(heads, dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # no-ops when rope() made them in it
-        q, k = (qk * cos + rotate_half(qk) * sin).split(heads, dim=2)
+        kernel = native_elementwise(self.native_rope, qk, cos)
+        if kernel is not None and c.head_dim % 32 == 0:
+            q, k = kernel.rope(qk, cos, sin).split(heads, dim=2)
+        else:
+            q, k = (qk * cos + rotate_half(qk) * sin).split(heads, dim=2)
         return q, k, v
 
     def forward(
@@ -277,13 +319,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU; in bf16 inference silu(gate) * up is one native call."""
+
+    native: bool = True
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        kernel = native_elementwise(self.native, gate_up)
+        if kernel is not None:
+            return self.down(kernel.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -296,8 +346,8 @@ class Block(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x, cos, sin, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm.add_norm(x, self.attn(self.attn_norm(x), cos, sin, ctx))
+        return x + self.mlp(h)
 
 
 @dataclass

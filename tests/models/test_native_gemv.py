@@ -239,10 +239,12 @@ class StrictFakeKernel:
 def fake_kernel(monkeypatch) -> StrictFakeKernel:
     """Linear dispatches to a ``StrictFakeKernel``: ``gemv_kernel()`` returns it and the packed
     path is taken as on a CPU where oneDNN packs bf16 (inputs for weights the kernel fits
-    never reach oneDNN)."""
+    never reach oneDNN); norms and SwiGLU use PyTorch's ops."""
     kernel = StrictFakeKernel()
     monkeypatch.setattr(gemv, "gemv_kernel", lambda: kernel)
     monkeypatch.setattr(transformer, "onednn_packs", lambda dtype: True)
+    for module in (transformer.RMSNorm, transformer.MLP):  # the fake has products only
+        monkeypatch.setattr(module, "native", False)
     return kernel
 
 
@@ -291,7 +293,9 @@ class FakeLibraryFunction:
 
 def test_kernel_wrapper_answers_no_rows_without_calling_the_library():
     fn = FakeLibraryFunction()
-    lib = SimpleNamespace(specrl_gemm_bf16=fn, specrl_attention_bf16=FakeLibraryFunction())
+    names = ("attention", "rmsnorm", "silu_mul", "rope")
+    lib = SimpleNamespace(specrl_gemm_bf16=fn,
+                          **{f"specrl_{n}_bf16": FakeLibraryFunction() for n in names})  # fmt: skip
     kernel = gemv.GemvKernel(lib)
     packed = kernel.pack(torch.randn(32, 8).to(torch.bfloat16))
     y = kernel.matmul(torch.zeros(0, 8, dtype=torch.bfloat16), packed, 32)
