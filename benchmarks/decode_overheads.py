@@ -6,10 +6,11 @@ Usage: OMP_NUM_THREADS=2 python benchmarks/decode_overheads.py [--shapes 1x1,1x2
 SmolLM2-135M in bf16, one target forward over a KV cache of 128 tokens per row: B rows x T
 tokens each (T = 1: a decode step; T = k + 1: a verify pass of k drafts). Contenders, in one
 process, interleaved round by round (median of ``--rounds``, each the mean of a few forwards):
-- ``native``: the default (native products with the weight prefetch, native attention, native
-  RMSNorm / residual add / SwiGLU / RoPE);
-- ``no_prefetch``: the same library built with ``-DPREFETCH=0`` (prefetch distance 0: the
-  products' loads wait on memory as before the prefetch);
+- ``native``: the default (native products: AMX tiles where the CPU has them, else AVX512 with
+  the weight prefetch; native attention; native RMSNorm / residual add / SwiGLU / RoPE);
+- ``avx512``: the same with AMX off (the AVX512-BF16 products, as on a CPU without AMX);
+- ``no_prefetch``: ``avx512`` with the library built with ``-DPREFETCH=0`` (prefetch distance 0:
+  the products' loads wait on memory as before the prefetch);
 - ``torch_elementwise``: native products and attention, PyTorch's ops for norms, SwiGLU, RoPE;
 - ``torch``: no native kernels (oneDNN's prepacked products, PyTorch's attention and ops).
 Per shape: ms per forward, each contender's time over ``native``'s, and T-token forwards over the
@@ -36,7 +37,7 @@ from specrl.models.transformer import set_native_elementwise, set_native_kernels
 OUT = Path(__file__).parent / "results" / "decode_overheads.json"
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 128
-CONTENDERS = ("native", "no_prefetch", "torch_elementwise", "torch")
+CONTENDERS = ("native", "avx512", "no_prefetch", "torch_elementwise", "torch")
 
 
 def no_prefetch_kernel() -> gemv.GemvKernel:
@@ -53,8 +54,9 @@ def configure(model, name: str, kernel: gemv.GemvKernel, fns: dict) -> None:
     src = fns["no_prefetch" if name == "no_prefetch" else "native"]
     for attr, fn in src.items():
         setattr(kernel, attr, fn)
+    kernel.amx = fns["amx"] and name in ("native", "torch_elementwise")
     set_native_kernels(model, name != "torch")
-    set_native_elementwise(model, name in ("native", "no_prefetch"))
+    set_native_elementwise(model, name in ("native", "avx512", "no_prefetch"))
 
 
 def timer(model, cache, b: int, t: int, repeats: int):
@@ -93,7 +95,8 @@ def main() -> None:
     machine = measure_machine(torch.bfloat16)
     other = no_prefetch_kernel()
     fns = {"native": {"_fn": kernel._fn, "_attention": kernel._attention},
-           "no_prefetch": {"_fn": other._fn, "_attention": other._attention}}  # fmt: skip
+           "no_prefetch": {"_fn": other._fn, "_attention": other._attention},
+           "amx": kernel.amx}  # fmt: skip
     samples = {(n, b, t): [] for n in CONTENDERS for b, t in shapes}
     for r in range(args.rounds):
         for name in CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]:
@@ -116,7 +119,7 @@ def main() -> None:
         points.append(row)
         print(f"B{b} T{t}: " + "  ".join(f"{n} {ms[(n, b, t)]:.2f} ms" for n in CONTENDERS))
     meta = run_metadata() | {"args": {k: str(v) for k, v in vars(args).items()},
-                             "machine_measured": machine, "model": MODEL,
+                             "machine_measured": machine, "model": MODEL, "amx": fns["amx"],
                              "context": CONTEXT, "weight_bytes": weight_bytes}  # fmt: skip
     write_result({"meta": meta, "points": points}, args.out)
 

@@ -1,6 +1,7 @@
 /* Native bf16 kernels: products y[m, n] = sum_k x[m, k] * W[n, k] (specrl_gemv_bf16 for
- * M <= 4 rows, specrl_gemm_bf16 for any M, the same sums) and attention over a KV cache
- * (specrl_attention_bf16); every output element is computed in one fixed order (batch-invariant).
+ * M <= 4 rows, specrl_gemm_bf16 for any M, the same sums; specrl_gemm_amx_bf16 on AMX CPUs),
+ * attention over a KV cache (specrl_attention_bf16) and the per-token elementwise ops; every
+ * output element is computed in one fixed order (batch-invariant).
  *
  * Built by specrl/kernels/gemv.py (gcc, AVX512-BF16) and called through ctypes.
  * Weights are pre-packed once as Wp[N/16][K/2][16][2] (16 output rows, each a pair of
@@ -346,5 +347,99 @@ int specrl_rope_bf16(const uint16_t *src, int64_t stride, const uint16_t *cosv,
             }
         }
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ AMX products
+ * On CPUs with AMX (amx_tile, amx_bf16) every product of a weight with K % 32 == 0 runs here,
+ * whatever M: tiles of 16 rows x 16 float32 columns (C), 16 rows x 32 bf16 of x (A) and the
+ * packed weight itself as B (its [N/16][K/2][16][2] layout is AMX's pair-interleaved B tile:
+ * 16 k-pairs x 16 columns = 1 KiB, row stride 64 bytes), accumulated over K in chunks of 32 in
+ * k order. Each output element is the same instruction sequence whatever M, the other rows or
+ * the thread count (batch-invariant), like the AVX512 path, but not the same sums as it: a
+ * machine uses one path for a weight, never both. x is copied into a zero-padded buffer of whole
+ * 16-row tiles, so one tile configuration serves every M. specrl_amx_init asks Linux for the
+ * tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_PF_CHUNKS 4 /* B tiles fetched ahead */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+int specrl_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 1; }
+
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) { /* C0, C1, A, B0, B1: 16 rows x 64 bytes each */
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline void prefetch_tile(const uint16_t *b) {
+    for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(b + r * 32), _MM_HINT_T0);
+}
+
+/* Columns [n0, n0 + 16 * nb) (nb = 1 or 2 packed blocks) for every 16-row tile of xp. */
+static void amx_columns(const uint16_t *w, int64_t ws, int nb, const uint16_t *xp, int64_t mp,
+                        int64_t M, int64_t K, uint16_t *y, int64_t N, float *c) {
+    const int64_t chunks = K / 32;
+    for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kc = 0; kc < chunks; kc++) {
+            if (kc + AMX_PF_CHUNKS < chunks) {
+                prefetch_tile(w + (kc + AMX_PF_CHUNKS) * 512);
+                if (nb == 2) prefetch_tile(w + ws + (kc + AMX_PF_CHUNKS) * 512);
+            }
+            _tile_loadd(2, xp + m0 * K + kc * 32, K * 2);
+            _tile_loadd(3, w + kc * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            if (nb == 2) {
+                _tile_loadd(4, w + ws + kc * 512, 64);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+        }
+        _tile_stored(0, c, 64);
+        if (nb == 2) _tile_stored(1, c + 256, 64);
+        int64_t rows = M - m0 < 16 ? M - m0 : 16;
+        for (int64_t r = 0; r < rows; r++)
+            for (int j = 0; j < nb; j++)
+                _mm256_storeu_si256((__m256i *)(y + (m0 + r) * N + j * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j * 256 + r * 16)));
+    }
+}
+
+/* wp: packed weights [N/16][K/2][16][2]; x: [M, K]; y: [M, N]; any M >= 1; K % 32 == 0. */
+int specrl_gemm_amx_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t M,
+                         int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 16 != 0 || K % 32 != 0) return 1;
+    const int64_t mp = (M + 15) / 16 * 16, ws = K / 2 * 32, blocks_n = N / 16;
+    const int64_t tiles_n = (blocks_n + 1) / 2;
+    uint16_t *xp = aligned_alloc(64, (size_t)(mp * K * 2));
+    if (!xp) return 2;
+    memcpy(xp, x, (size_t)(M * K * 2));
+    memset(xp + M * K, 0, (size_t)((mp - M) * K * 2));
+#pragma omp parallel num_threads(threads) if (threads > 1 && tiles_n > 1)
+    {
+        float c[512] __attribute__((aligned(64)));
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles_n; t++) {
+            int nb = (2 * t + 2 <= blocks_n) ? 2 : 1;
+            amx_columns(wp + 2 * t * ws, ws, nb, xp, mp, M, K, y + 2 * t * 16, N, c);
+        }
+        _tile_release();
+    }
+    free(xp);
     return 0;
 }

@@ -410,3 +410,31 @@ def test_model_with_native_attention_matches_pytorch_attention():
         outs[native] = step.logits.float()
     set_native_kernels(model, True)
     torch.testing.assert_close(outs[True], outs[False], atol=0.1, rtol=0.05)
+
+
+# ------------------------------------------------------------------- AMX products
+
+
+def test_amx_is_used_where_the_cpu_has_it_and_can_be_turned_off(monkeypatch):
+    lib = SimpleNamespace(specrl_amx_init=lambda: 0)
+    if KERNEL is not None and gemv.cpu_lists(gemv.AMX_FLAGS):
+        assert KERNEL.amx  # a CPU with AMX whose kernel does not use it: init failed
+    monkeypatch.setenv("SPECRL_NATIVE_AMX", "0")
+    assert not gemv.amx_usable(lib)
+    monkeypatch.setenv("SPECRL_NATIVE_AMX", "1")
+    monkeypatch.setattr(gemv, "cpu_lists", lambda flags: True)
+    assert gemv.amx_usable(lib)
+    assert not gemv.amx_usable(SimpleNamespace(specrl_amx_init=lambda: 1))  # Linux said no
+
+
+@pytest.mark.skipif(KERNEL is None or not KERNEL.amx, reason="no AMX here")
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_amx_and_avx512_products_both_match_the_reference(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    packed = KERNEL.pack(w)
+    amx = KERNEL.matmul(x, packed, 96)
+    avx = torch.empty_like(amx)
+    assert KERNEL._fn(packed.data_ptr(), x.data_ptr(), avx.data_ptr(), rows, 96, 64, 1) == 0
+    assert within_bf16_rounding(amx, x, w) and within_bf16_rounding(avx, x, w)
