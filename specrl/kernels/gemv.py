@@ -16,8 +16,9 @@ tile reused from cache by every row). ``GemvKernel.attention(q, cache_k, cache_v
 mask)`` attends each query to its visible cached keys (float32 scores, softmax and sum).
 The per-token elementwise work of a decoder layer has one call each: ``rmsnorm(x, w, eps,
 delta=None)`` (with ``delta``: the residual sum x + delta, rounded to bf16, and its norm),
-``silu_mul(gate_up)`` (SwiGLU's silu(gate) * up) and ``rope(qk, cos, sin)`` (rotary embedding
-of q and k heads read from the fused projection's output in place), each with the bf16
+``silu_mul(gate_up)`` (SwiGLU's silu(gate) * up), ``rope(qk, cos, sin)`` (rotary embedding
+of q and k heads read from the fused projection's output in place) and ``cache_write`` (new
+keys or values into a KV cache layer at their slots and positions), each with the bf16
 roundings of the PyTorch ops it replaces (results agree with them to a rounding flip).
 On CPUs with AMX (``amx_tile amx_bf16``; ``SPECRL_NATIVE_AMX=0`` turns it off) every product
 with K % 32 == 0 runs on AMX tiles instead, for any M (the packed layout is AMX's B tile):
@@ -134,6 +135,9 @@ class GemvKernel:
         self._rmsnorm = _bind(lib.specrl_rmsnorm_bf16, [ptr] * 5 + [i64] * 2 + [ctypes.c_float])
         self._silu_mul = _bind(lib.specrl_silu_mul_bf16, [ptr] * 2 + [i64] * 2)
         self._rope = _bind(lib.specrl_rope_bf16, [ptr, i64, ptr, ptr, ptr] + [i64] * 3)
+        self._cache_write = lib.specrl_cache_write_bf16
+        self._cache_write.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 5
+        self._cache_write.restype = ctypes.c_int
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -259,6 +263,26 @@ class GemvKernel:
                         out.data_ptr(), b * t, nh, d, torch.get_num_threads())  # fmt: skip
         _check(rc, "rope", qk.shape)
         return out
+
+    def cache_write(
+        self,
+        cache: torch.Tensor,  # [slots, KV, Lmax, D] bf16, contiguous (one layer)
+        rows: torch.Tensor,  # [B, T] slot per token (broadcast with positions)
+        positions: torch.Tensor,  # [B, T] position per token
+        new: torch.Tensor,  # [B, T, KV, D] bf16, each token's heads contiguous (a view is fine)
+    ) -> None:
+        """cache[rows, :, positions] = new, as one copy per token and head; refuses (ValueError,
+        nothing written) a slot or position outside the cache."""
+        b, t, kv, d = new.shape
+        if new.stride(3) != 1 or new.stride(2) != d or new.stride(0) != t * new.stride(1):
+            new = new.contiguous()
+        rows, positions = torch.broadcast_tensors(rows, positions)
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+        positions = positions.reshape(-1).to(torch.int64).contiguous()
+        slots, _, lmax, _ = cache.shape
+        rc = self._cache_write(new.data_ptr(), new.stride(1), cache.data_ptr(), rows.data_ptr(),
+                               positions.data_ptr(), b * t, kv, d, slots, lmax)  # fmt: skip
+        _check(rc, "cache write", new.shape)
 
 
 def _bind(fn, argtypes: list) -> object:

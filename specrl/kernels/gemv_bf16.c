@@ -443,3 +443,19 @@ int specrl_gemm_amx_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int
     free(xp);
     return 0;
 }
+
+/* ------------------------------------------------------------------ KV cache writes
+ * N tokens' KV heads of D elements (token n's heads start at src + n * stride, head h at
+ * + h * D) into a cache layer [slots, KV, Lmax, D] at slot rows[n], position pos[n]. Nothing is
+ * written unless every (slot, position) is inside the cache (returns 1). */
+int specrl_cache_write_bf16(const uint16_t *src, int64_t stride, uint16_t *cache,
+                            const int64_t *rows, const int64_t *pos, int64_t N, int64_t KV,
+                            int64_t D, int64_t slots, int64_t Lmax) {
+    for (int64_t n = 0; n < N; n++)
+        if (rows[n] < 0 || rows[n] >= slots || pos[n] < 0 || pos[n] >= Lmax) return 1;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < KV; h++)
+            memcpy(cache + ((rows[n] * KV + h) * Lmax + pos[n]) * D, src + n * stride + h * D,
+                   (size_t)D * 2);
+    return 0;
+}

@@ -9,11 +9,15 @@ of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots, ``copy_s
 prompt's cache to GRPO siblings and ``move_positions`` moves single entries inside slots (an
 accepted branch of a draft tree to where the sequence continues). ``grow`` lengthens every slot
 in place of a reservation up front (the engine grows the cache as its rows get longer).
+bf16 writes outside autograd go through the native kernel where it runs (one copy per token and
+head instead of an index_put; the same values).
 """
 
 from __future__ import annotations
 
 import torch
+
+from specrl.kernels import gemv
 
 
 class KVCache:
@@ -59,6 +63,11 @@ class KVCache:
         v_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
     ) -> None:
         """Store new keys/values at (slot, position)."""
+        kernel = _native_writer(self.k, k_new, v_new)
+        if kernel is not None:
+            kernel.cache_write(self.k[layer], rows, positions, k_new)
+            kernel.cache_write(self.v[layer], rows, positions, v_new)
+            return
         self.k[layer][rows, :, positions] = k_new
         self.v[layer][rows, :, positions] = v_new
 
@@ -94,3 +103,12 @@ def _longer(t: torch.Tensor, max_len: int) -> torch.Tensor:
     out = torch.zeros((layers, slots, heads, max_len, dim), dtype=t.dtype, device=t.device)
     out[:, :, :, :length] = t
     return out
+
+
+def _native_writer(cache: torch.Tensor, *new: torch.Tensor) -> gemv.GemvKernel | None:
+    """The native kernel for a write of ``new`` into ``cache``: bf16 CPU tensors, no autograd."""
+    if torch.is_grad_enabled() or cache.dtype != torch.bfloat16 or cache.device.type != "cpu":
+        return None
+    if any(x.dtype != torch.bfloat16 or x.device.type != "cpu" for x in new):
+        return None
+    return gemv.gemv_kernel()

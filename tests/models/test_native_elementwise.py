@@ -136,3 +136,23 @@ def test_a_model_with_the_native_elementwise_kernels_matches_pytorchs_ops():
         plain = model(ids, pos).logits
     assert not torch.equal(native, torch.zeros_like(native))
     torch.testing.assert_close(native.float(), plain.float(), atol=0.05, rtol=0.05)
+
+
+@needs_kernel
+def test_cache_write_stores_what_index_put_stores_and_refuses_outside_positions():
+    from specrl.models.cache import KVCache
+
+    g = torch.Generator().manual_seed(4)
+    native, plain = (KVCache(2, 5, 3, 16, 64, dtype=BF) for _ in range(2))
+    qkv = torch.randn(4, 2, 9 * 64, generator=g).to(BF)  # v as Attention.project views it
+    k, v = qkv[..., 3 * 64 : 6 * 64].view(4, 2, 3, 64), qkv[..., 6 * 64 :].view(4, 2, 3, 64)
+    rows = torch.tensor([[4], [0], [2], [1]]).expand(4, 2)
+    positions = torch.tensor([[0, 1], [7, 8], [14, 15], [3, 9]])
+    with torch.no_grad():
+        native.write(1, rows, positions, k, v)
+    plain.k[1][rows, :, positions], plain.v[1][rows, :, positions] = k, v
+    assert torch.equal(native.k, plain.k) and torch.equal(native.v, plain.v)
+    before = native.k.clone()
+    with pytest.raises(ValueError, match="cache write kernel refused"):
+        KERNEL.cache_write(native.k[0], rows, positions + 1, k)  # position 16 of 16
+    assert torch.equal(native.k, before)  # nothing written

@@ -293,7 +293,7 @@ class FakeLibraryFunction:
 
 def test_kernel_wrapper_answers_no_rows_without_calling_the_library():
     fn = FakeLibraryFunction()
-    names = ("attention", "rmsnorm", "silu_mul", "rope")
+    names = ("attention", "rmsnorm", "silu_mul", "rope", "cache_write")
     lib = SimpleNamespace(specrl_gemm_bf16=fn,
                           **{f"specrl_{n}_bf16": FakeLibraryFunction() for n in names})  # fmt: skip
     kernel = gemv.GemvKernel(lib)
