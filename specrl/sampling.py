@@ -15,6 +15,9 @@ Contract:
   the same tokens whether it runs alone or batched, and no ``torch.Generator`` objects or host
   syncs are needed.
 - ``sample`` draws tokens by inverse-CDF from processed log-probs and a uniform per row.
+  ``sample_logits`` (plain decoding and sample-exact verification) draws rows at temperature 1
+  without truncation through the native kernel where it runs (``GemvKernel.sample_t1``: the
+  same inverse CDF in one pass over the logits, bf16 or float32 alike), else PyTorch's ops.
 
 This module imports neither the engine nor the speculation code.
 """
@@ -26,6 +29,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from specrl.kernels import gemv
 
 MASK32 = 0xFFFFFFFF
 MAX_SEED = (1 << 63) - 1  # largest request seed (the engine derives sample seeds mod 2**63)
@@ -271,18 +276,28 @@ def sample_logits(
     Same distribution and inverse CDF as ``sample(processed_logprobs(...), u)`` (up to float
     rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
     """
-    logits = logits.float()
     if all_plain(temperature, top_k, top_p):
+        kernel = _native_sampler(logits)
+        if kernel is not None:  # one pass over the logits, no [N, V] intermediates
+            tokens, raw = kernel.sample_t1(logits, u)
+            return tokens, raw, raw
         # one fused softmax pass; log of the sampled token's probability
-        probs = torch.softmax(logits, dim=-1)  # [N, V]
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
         tokens = sample_probs(probs, u)
         raw = probs.gather(1, tokens[:, None])[:, 0].log()
         return tokens, raw, raw
+    logits = logits.float()
     raw_lse = torch.logsumexp(logits, dim=-1)  # [N]
     lp = processed_logprobs(logits, temperature, top_k, top_p)
     tokens = sample(lp, u)
     raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
     return tokens, token_logprobs(lp, tokens), raw
+
+
+def _native_sampler(logits: torch.Tensor) -> gemv.GemvKernel | None:
+    """The native kernel for sampling from logits [N, V] (bf16/float32 on the CPU, N >= 1)."""
+    ok = logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32)
+    return gemv.gemv_kernel() if ok and logits.numel() > 0 and logits.dim() == 2 else None
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ import pytest
 import torch
 from scipy import stats
 
+from specrl import sampling
+from specrl.kernels import gemv
 from specrl.sampling import (
     SMALL_DRAW,
     STREAM_SAMPLE,
@@ -16,6 +18,7 @@ from specrl.sampling import (
     raw_logprobs,
     raw_logprobs_reusing,
     sample,
+    sample_logits,
     uniforms,
 )
 
@@ -199,3 +202,63 @@ def test_draw_is_sample_of_processed_bit_for_bit(t, k, p):
     lp = processed_logprobs(logits, *settings)
     assert torch.equal(tokens, sample(lp, u))
     assert torch.equal(probs, lp.exp())
+
+
+# ------------------------------------------------------------------ the native T=1 sampler
+
+NATIVE = pytest.mark.skipif(gemv.gemv_kernel() is None, reason="native kernels cannot run here")
+PLAIN_ROWS = (torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1))
+
+
+def _plain(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(x.expand(n) for x in PLAIN_ROWS)
+
+
+@NATIVE
+def test_native_sampler_picks_the_full_float64_cdfs_token():
+    """At T=1 untruncated ``sample_logits`` (the native kernel) draws what a float64 inverse CDF
+    of the softmax draws, up to rounding exactly at a step; never a -inf token; the logprob is
+    the token's log-softmax; bf16 and float32 logits of the same values give the same draws."""
+    vocab, n = 2500, 4000  # three chunks of 1024, the last one short
+    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    logits[vocab // 2] = float("-inf")
+    u = torch.linspace(0, 1 - 1e-9, n, dtype=torch.float64)
+    rows = logits.expand(n, vocab)
+    tokens, lp, raw = sample_logits(rows, *_plain(n), u)
+    probs = torch.softmax(logits.double(), 0)
+    cdf = torch.cumsum(probs, 0)
+    want = torch.searchsorted(cdf, (u * cdf[-1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    assert (tokens != want).float().mean().item() < 1e-3
+    assert not (tokens == vocab // 2).any()
+    torch.testing.assert_close(lp, probs.log()[tokens].float(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(lp, raw)
+    again = sample_logits(rows.float(), *_plain(n), u)
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], lp)
+
+
+@NATIVE
+def test_native_sampler_follows_the_softmax_and_ignores_the_batch():
+    vocab, draws = 8, 20000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 1.5
+    u = uniforms(torch.full((draws,), 1234), torch.arange(draws), STREAM_SAMPLE)
+    tokens, lp, _ = sample_logits(logits.expand(draws, vocab), *_plain(draws), u)
+    counts = np.bincount(tokens.numpy(), minlength=vocab)
+    expected = torch.softmax(logits.double(), 0).numpy() * draws
+    assert stats.chisquare(counts, expected).pvalue > 1e-3
+    mixed = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4))
+    mixed[2] = logits
+    alone = sample_logits(logits[None], *_plain(1), u[7:8])
+    beside = sample_logits(mixed, *_plain(5), torch.full((5,), float(u[7])))
+    assert int(alone[0]) == int(beside[0][2]) and float(alone[1]) == float(beside[1][2])
+
+
+def test_pytorch_sampler_agrees_with_the_native_one(monkeypatch):
+    """Without the kernel (another CPU) the same inverse CDF runs in PyTorch's ops."""
+    vocab, n = 300, 2000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
+    u = torch.linspace(0, 1 - 1e-9, n, dtype=torch.float64)
+    native = sample_logits(logits.expand(n, vocab), *_plain(n), u)
+    monkeypatch.setattr(sampling, "_native_sampler", lambda logits: None)
+    fallback = sample_logits(logits.expand(n, vocab), *_plain(n), u)
+    assert (native[0] != fallback[0]).float().mean().item() < 1e-3
+    torch.testing.assert_close(native[1], fallback[1], atol=1e-5, rtol=1e-5)

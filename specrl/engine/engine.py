@@ -481,7 +481,7 @@ class Engine(InflightUpdates):
         out, feats = self._forward(ids, positions, kv_len=max(pos) + 1)
         self._keep_hidden(rows, feats, [1] * len(rows))
         counters = torch.tensor([len(s.comp.token_ids) for s in rows])
-        s = sample_rows(out.logits[:, 0].float(), self._tensors(rows), counters)
+        s = sample_rows(out.logits[:, 0], self._tensors(rows), counters)
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
 
     def _spec_step(

@@ -20,6 +20,8 @@ delta=None)`` (with ``delta``: the residual sum x + delta, rounded to bf16, and 
 of q and k heads read from the fused projection's output in place) and ``cache_write`` (new
 keys or values into a KV cache layer at their slots and positions), each with the bf16
 roundings of the PyTorch ops it replaces (results agree with them to a rounding flip).
+``sample_t1(logits, u)`` samples at temperature 1 without truncation in one pass over the
+logits (``specrl.sampling.sample_logits`` uses it for plain rows on the CPU).
 On CPUs with AMX (``amx_tile amx_bf16``; ``SPECRL_NATIVE_AMX=0`` turns it off) every product
 with K % 32 == 0 runs on AMX tiles instead, for any M (the packed layout is AMX's B tile):
 ~8x the AVX512 path's rate at 64 rows, the same at 1 row; other sums than the AVX512 path's,
@@ -138,6 +140,7 @@ class GemvKernel:
         self._cache_write = lib.specrl_cache_write_bf16
         self._cache_write.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 5
         self._cache_write.restype = ctypes.c_int
+        self._sample = _bind(lib.specrl_sample_t1, [ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr])
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -283,6 +286,24 @@ class GemvKernel:
         rc = self._cache_write(new.data_ptr(), new.stride(1), cache.data_ptr(), rows.data_ptr(),
                                positions.data_ptr(), b * t, kv, d, slots, lmax)  # fmt: skip
         _check(rc, "cache write", new.shape)
+
+    def sample_t1(
+        self,
+        logits: torch.Tensor,  # [N, V] bf16 or float32
+        u: torch.Tensor,  # [N] uniforms in [0, 1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse-CDF samples at temperature 1, untruncated: (tokens [N] int64, their
+        logprobs [N] float32), one pass over each row's logits (see the C source)."""
+        n, v = logits.shape
+        logits = logits.contiguous()
+        u = u.to(torch.float64).contiguous()
+        tokens = torch.empty(n, dtype=torch.int64)
+        logprobs = torch.empty(n, dtype=torch.float32)
+        rc = self._sample(logits.data_ptr(), int(logits.dtype == torch.bfloat16), n, v,
+                          u.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+                          torch.get_num_threads())  # fmt: skip
+        _check(rc, "sampling", logits.shape)
+        return tokens, logprobs
 
 
 def _bind(fn, argtypes: list) -> object:

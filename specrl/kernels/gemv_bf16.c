@@ -165,55 +165,112 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* One query head over its visible keys idx[0..n) of one KV head: scores (float32 dot products,
- * times scale), softmax, and the weighted sum of values, each a fixed sequence of operations
- * over the visible keys in order, so the result depends on the query and those keys only. */
-static void attend_one(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                       const int32_t *idx, int64_t n, int64_t D, float scale, float *s,
-                       uint16_t *out) {
-    if (n == 0) { /* nothing visible: zeros, not 0/0 */
-        for (int64_t d = 0; d < D; d++) out[d] = 0;
-        return;
+static inline __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]'s lanes), each in the
+ * same order whatever j is: within 128-bit quarters ((0 + 2) + (1 + 3)), then the quarters
+ * ((0 + 1) + (2 + 3)). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
+    __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                               _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                               _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                         _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+/* Scores (float32 dot products times scale) of query q [D] against the visible keys
+ * idx[0..n) of one KV head, 16 keys at a time: s[c] depends on q and key c only. */
+static void scores(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int32_t *idx,
+                   int64_t n, int64_t D, float scale, float *s) {
+    __m512bh qv[8]; /* D <= 256 */
+    for (int64_t d = 0; d < D / 32; d++) qv[d] = (__m512bh)_mm512_loadu_si512(q + d * 32);
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        int64_t cnt = n - c0 < 16 ? n - c0 : 16;
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = ZERO;
+        for (int64_t j = 0; j < cnt; j++) {
+            const uint16_t *kr = kh + (int64_t)idx[c0 + j] * D;
+            if (vh) /* the value pass reads this key's value next: fetch it meanwhile */
+                for (int64_t d = 0; d < D; d += 32) _mm_prefetch((const char *)(vh + (int64_t)idx[c0 + j] * D + d), _MM_HINT_T0);
+            if (c0 + 16 + j < n)
+                for (int64_t d = 0; d < D; d += 32) _mm_prefetch((const char *)(kh + (int64_t)idx[c0 + 16 + j] * D + d), _MM_HINT_T0);
+            for (int64_t d = 0; d < D / 32; d++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qv[d], (__m512bh)_mm512_loadu_si512(kr + d * 32));
+        }
+        _mm512_mask_storeu_ps(s + c0, lanes(cnt), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    }
+}
+
+/* softmax of s[0..n) in place (max subtracted, the polynomial exp); returns 1 / sum. */
+static float softmax(float *s, int64_t n) {
     float mx = -INFINITY;
-    for (int64_t c = 0; c < n; c++) {
-        const uint16_t *kr = kh + (int64_t)idx[c] * D;
-        __m512 acc = ZERO;
-        for (int64_t d = 0; d < D; d += 32)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
-                                   (__m512bh)_mm512_loadu_si512(kr + d));
-        s[c] = _mm512_reduce_add_ps(acc) * scale;
-        mx = s[c] > mx ? s[c] : mx;
-    }
+    for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
     __m512 sum = ZERO, vmx = _mm512_set1_ps(mx);
     for (int64_t c = 0; c < n; c += 16) {
-        __mmask16 live = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __mmask16 live = lanes(n - c);
         __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + c), vmx));
         _mm512_mask_storeu_ps(s + c, live, e);
         sum = _mm512_mask_add_ps(sum, live, sum, e);
     }
-    float inv = 1.0f / _mm512_reduce_add_ps(sum);
-    __m512 o[16]; /* D <= 256 */
-    for (int64_t d = 0; d < D / 16; d++) o[d] = ZERO;
-    for (int64_t c = 0; c < n; c++) {
-        const uint16_t *vr = vh + (int64_t)idx[c] * D;
-        __m512 p = _mm512_set1_ps(s[c]);
-        for (int64_t d = 0; d < D / 16; d++) {
-            __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vr + d * 16)));
-            o[d] = _mm512_fmadd_ps(p, v, o[d]);
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* The G query heads q [G, D] that share one KV head, over its visible keys idx[0..n): scores
+ * and softmax per head (s: G rows of stride ss floats), then the weighted sums of values, all
+ * heads per pass over the values (a value row is read and widened once); each head's result is
+ * a fixed sequence of operations over the visible keys in order, so it depends on its query
+ * and those keys only. */
+static void attend_group(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                         const int32_t *idx, int64_t n, int64_t G, int64_t D, float scale,
+                         float *s, int64_t ss, uint16_t *out) {
+    if (n == 0) { /* nothing visible: zeros, not 0/0 */
+        for (int64_t i = 0; i < G * D; i++) out[i] = 0;
+        return;
+    }
+    float inv[G];
+    for (int64_t g = 0; g < G; g++) {
+        scores(q + g * D, kh, g == 0 ? vh : NULL, idx, n, D, scale, s + g * ss);
+        inv[g] = softmax(s + g * ss, n);
+    }
+    const int64_t dv = D / 16, hb = dv >= 16 ? 1 : 16 / dv; /* heads per pass: <= 16 sums */
+    for (int64_t g0 = 0; g0 < G; g0 += hb) {
+        int64_t gc = G - g0 < hb ? G - g0 : hb;
+        __m512 o[16];
+        for (int64_t i = 0; i < gc * dv; i++) o[i] = ZERO;
+        for (int64_t c = 0; c < n; c++) {
+            const uint16_t *vr = vh + (int64_t)idx[c] * D;
+            for (int64_t d = 0; d < dv; d++) {
+                __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vr + d * 16)));
+                for (int64_t g = 0; g < gc; g++)
+                    o[g * dv + d] = _mm512_fmadd_ps(_mm512_set1_ps(s[(g0 + g) * ss + c]), v, o[g * dv + d]);
+            }
+        }
+        for (int64_t g = 0; g < gc; g++) {
+            __m512 vinv = _mm512_set1_ps(inv[g0 + g]);
+            for (int64_t d = 0; d < dv; d++)
+                _mm256_storeu_si256((__m256i *)(out + (g0 + g) * D + d * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g * dv + d], vinv)));
         }
     }
-    __m512 vinv = _mm512_set1_ps(inv);
-    for (int64_t d = 0; d < D / 16; d++)
-        _mm256_storeu_si256((__m256i *)(out + d * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], vinv)));
 }
 
 /* Attention of queries q [B, T, H, D] over one layer's cache k/v [slots, KV, Lmax, D] (bf16,
  * contiguous): row b reads slot slots[b]; query (b, t) sees the keys j < lens[b, t] for which
  * mask[b, t, j] is set (mask [B, T, mask_len] bytes, or NULL = all of them). out [B, T, H, D].
  * Query heads h = kv * (H / KV) + g share KV head kv. Work is split over (b, kv) pairs; each
- * query's result is computed by one thread in one fixed order (see attend_one). Requires
+ * query's result is computed by one thread in one fixed order (see attend_group). Requires
  * D % 32 == 0, D <= 256, H % KV == 0, lens[b, t] <= Lmax (and <= mask_len with a mask). */
 int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                           const int64_t *slots, const int32_t *lens, const uint8_t *mask,
@@ -226,7 +283,7 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
     int bad = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && B * KV > 1)
     {
-        float *s = malloc(sizeof(float) * (Lmax + 16));
+        float *s = malloc(sizeof(float) * G * (Lmax + 16));
         int32_t *idx = malloc(sizeof(int32_t) * (Lmax + 1));
         if (!s || !idx) {
 #pragma omp atomic write
@@ -243,11 +300,8 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
                     const uint8_t *m = mask ? mask + bt * mask_len : NULL;
                     for (int64_t j = 0; j < lens[bt]; j++)
                         if (!m || m[j]) idx[n++] = (int32_t)j;
-                    for (int64_t g = 0; g < G; g++) {
-                        int64_t h = kv * G + g;
-                        attend_one(q + (bt * H + h) * D, kh, vh, idx, n, D, scale, s,
-                                   out + (bt * H + h) * D);
-                    }
+                    attend_group(q + (bt * H + kv * G) * D, kh, vh, idx, n, G, D, scale, s,
+                                 Lmax + 16, out + (bt * H + kv * G) * D);
                 }
             }
         free(s);
@@ -269,9 +323,6 @@ static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
 }
 static inline __m512 round_bf16(__m512 v) { /* float -> nearest bf16 -> float */
     return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
-}
-static inline __mmask16 lanes(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
 /* RMSNorm of R rows of H: s = x (+ d, rounded to bf16, written to sum when d is given);
@@ -457,5 +508,80 @@ int specrl_cache_write_bf16(const uint16_t *src, int64_t stride, uint16_t *cache
         for (int64_t h = 0; h < KV; h++)
             memcpy(cache + ((rows[n] * KV + h) * Lmax + pos[n]) * D, src + n * stride + h * D,
                    (size_t)D * 2);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ sampling at temperature 1
+ * Inverse-CDF sampling from logits [N, V] (bf16, or float32 when is_bf16 == 0) with uniforms
+ * u [N]: per row the max m, e = exp(l - m) in float32 (0 for -inf logits), masses of chunks of
+ * SAMPLE_CHUNK tokens (float32 lanes, summed in one fixed order) accumulated in double; the first
+ * chunk whose running mass passes u * total, then the first token inside it whose running
+ * double sum passes what is left (a token of mass 0 is never taken: past the last nonzero one,
+ * the argmax); logprob = (l - m) - log(total). One pass over the logits plus one chunk, each row
+ * by one thread in one order (batch-invariant). tokens int64 [N], logprobs float32 [N]. */
+#define SAMPLE_CHUNK 1024
+
+static inline __m512 logits16(const void *row, int is_bf16, int64_t c, __mmask16 m) {
+    const __m512 none = _mm512_set1_ps(-INFINITY); /* lanes past the row: no mass, not the max */
+    if (is_bf16) return _mm512_mask_mov_ps(none, m, ld_bf16((const uint16_t *)row + c, m));
+    return _mm512_mask_loadu_ps(none, m, (const float *)row + c);
+}
+
+static inline __m512 masses16(__m512 l, __m512 vmax) { /* exp(l - max), 0 where l = -inf */
+    __mmask16 live = _mm512_cmp_ps_mask(l, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    return _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(l, vmax)));
+}
+
+static inline float logit_at(const void *row, int is_bf16, int64_t i) {
+    if (!is_bf16) return ((const float *)row)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void sample_row(const void *row, int is_bf16, int64_t V, double u, int64_t *token,
+                       float *logprob) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < V; c += 16)
+        vm = _mm512_max_ps(vm, logits16(row, is_bf16, c, lanes(V - c)));
+    float mx = _mm512_reduce_max_ps(vm);
+    __m512 vmax = _mm512_set1_ps(mx);
+    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    double total = 0.0, masses[chunks];
+    for (int64_t k = 0; k < chunks; k++) {
+        __m512 acc = ZERO;
+        int64_t end = (k + 1) * SAMPLE_CHUNK < V ? (k + 1) * SAMPLE_CHUNK : V;
+        for (int64_t c = k * SAMPLE_CHUNK; c < end; c += 16)
+            acc = _mm512_add_ps(acc, masses16(logits16(row, is_bf16, c, lanes(end - c)), vmax));
+        masses[k] = (double)_mm512_reduce_add_ps(acc);
+        total += masses[k];
+    }
+    double target = u * total, run = 0.0;
+    int64_t k = 0;
+    while (k < chunks - 1 && run + masses[k] <= target) run += masses[k++];
+    int64_t start = k * SAMPLE_CHUNK, end = start + SAMPLE_CHUNK < V ? start + SAMPLE_CHUNK : V;
+    int64_t pick = -1, last = -1; /* last: the chunk's last token of nonzero mass so far */
+    for (int64_t i = start; i < end && pick < 0; i++) {
+        float e = _mm512_cvtss_f32(masses16(_mm512_set1_ps(logit_at(row, is_bf16, i)), vmax));
+        if (e <= 0.0f) continue;
+        last = i;
+        run += e;
+        if (run > target) pick = i;
+    }
+    if (pick < 0) pick = last; /* rounding ran past the chunk's end: its last nonzero token */
+    for (int64_t c = 0; pick < 0 && c < V; c++) /* no mass in the chunk at all: the argmax */
+        if (logit_at(row, is_bf16, c) == mx) pick = c;
+    *token = pick;
+    *logprob = (float)((double)(logit_at(row, is_bf16, pick) - mx) - log(total));
+}
+
+int specrl_sample_t1(const void *logits, int is_bf16, int64_t N, int64_t V, const double *u,
+                     int64_t *tokens, float *logprobs, int threads) {
+    if (N < 1 || V < 1) return 1;
+    const int64_t width = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t r = 0; r < N; r++)
+        sample_row((const char *)logits + r * V * width, is_bf16, V, u[r], tokens + r, logprobs + r);
     return 0;
 }

@@ -293,9 +293,11 @@ class FakeLibraryFunction:
 
 def test_kernel_wrapper_answers_no_rows_without_calling_the_library():
     fn = FakeLibraryFunction()
-    names = ("attention", "rmsnorm", "silu_mul", "rope", "cache_write")
-    lib = SimpleNamespace(specrl_gemm_bf16=fn,
-                          **{f"specrl_{n}_bf16": FakeLibraryFunction() for n in names})  # fmt: skip
+    names = [
+        f"specrl_{n}_bf16" for n in ("attention", "rmsnorm", "silu_mul", "rope", "cache_write")
+    ]
+    lib = SimpleNamespace(specrl_gemm_bf16=fn, specrl_sample_t1=FakeLibraryFunction(),
+                          **{n: FakeLibraryFunction() for n in names})  # fmt: skip
     kernel = gemv.GemvKernel(lib)
     packed = kernel.pack(torch.randn(32, 8).to(torch.bfloat16))
     y = kernel.matmul(torch.zeros(0, 8, dtype=torch.bfloat16), packed, 32)
