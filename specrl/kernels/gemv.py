@@ -279,9 +279,11 @@ class GemvKernel:
         b, t, kv, d = new.shape
         if new.stride(3) != 1 or new.stride(2) != d or new.stride(0) != t * new.stride(1):
             new = new.contiguous()
-        rows, positions = torch.broadcast_tensors(rows, positions)
-        rows = rows.reshape(-1).to(torch.int64).contiguous()
-        positions = positions.reshape(-1).to(torch.int64).contiguous()
+        flat = rows.dim() == positions.dim() == 1 and rows.dtype == positions.dtype == torch.int64
+        if not (flat and rows.is_contiguous() and positions.is_contiguous()):
+            rows, positions = torch.broadcast_tensors(rows, positions)
+            rows = rows.reshape(-1).to(torch.int64).contiguous()
+            positions = positions.reshape(-1).to(torch.int64).contiguous()
         slots, _, lmax, _ = cache.shape
         rc = self._cache_write(new.data_ptr(), new.stride(1), cache.data_ptr(), rows.data_ptr(),
                                positions.data_ptr(), b * t, kv, d, slots, lmax)  # fmt: skip

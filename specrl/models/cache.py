@@ -57,8 +57,8 @@ class KVCache:
     def write(
         self,
         layer: int,
-        rows: torch.Tensor,  # [B, T] int64 slot per token
-        positions: torch.Tensor,  # [B, T] int64
+        rows: torch.Tensor,  # [B, T] (or [B * T]) int64 slot per token
+        positions: torch.Tensor,  # the same shape: int64 position per token
         k_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
         v_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
     ) -> None:
@@ -68,8 +68,9 @@ class KVCache:
             kernel.cache_write(self.k[layer], rows, positions, k_new)
             kernel.cache_write(self.v[layer], rows, positions, v_new)
             return
-        self.k[layer][rows, :, positions] = k_new
-        self.v[layer][rows, :, positions] = v_new
+        shape = (*torch.broadcast_shapes(rows.shape, positions.shape), *k_new.shape[-2:])
+        self.k[layer][rows, :, positions] = k_new.reshape(shape)
+        self.v[layer][rows, :, positions] = v_new.reshape(shape)
 
     def read(
         self, layer: int, batch: int, kv_len: int, slots: torch.Tensor | None = None

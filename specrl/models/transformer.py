@@ -293,8 +293,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if ctx.cache is not None:
-            at = ctx.positions if ctx.store is None else ctx.store
-            ctx.cache.write(self.layer, ctx.rows, at, k, v)
+            ctx.cache.write(self.layer, *ctx.write_index(), k, v)
         reads = ctx.cache is not None and ctx.read_cache
         out = self._attend_native(q, ctx) if reads else None  # [B, T, heads, head_dim]
         if out is None:
@@ -363,6 +362,17 @@ class AttnContext:
     slots: torch.Tensor | None = None  # [B] slots read (None: slots 0..B-1, a view)
     store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
     _visible: tuple | None = field(default=None, repr=False)  # visible_keys(), once per forward
+    _written: tuple | None = field(default=None, repr=False)  # write_index(), once per forward
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each token's keys/values go, built once for all layers: slots [N] and cache
+        positions [N] int64 (N = B * T tokens in row order)."""
+        if self._written is None:
+            at = self.positions if self.store is None else self.store
+            rows, at = torch.broadcast_tensors(self.rows, at)
+            self._written = (rows.reshape(-1).to(torch.int64).contiguous(),
+                             at.reshape(-1).to(torch.int64).contiguous())  # fmt: skip
+        return self._written
 
     def visible_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The native attention kernel's view of which cached keys each query sees, built once
