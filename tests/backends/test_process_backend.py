@@ -126,7 +126,8 @@ def test_bad_update_is_refused_before_anything_moves(pair):
 def test_update_while_generating_does_not_wait_for_it(pair):
     process, inline = pair
     version = process.versions().policy
-    long = [Request([1, 2, 3], SamplingParams(max_new_tokens=200, seed=4, n=64))]
+    # long enough (several batches of 200 tokens) to still run when the update arrives
+    long = [Request([1, 2, 3], SamplingParams(max_new_tokens=200, seed=4, n=512))]
     done: dict[str, float] = {}
 
     def generate() -> None:
