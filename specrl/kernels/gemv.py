@@ -20,6 +20,8 @@ delta=None)`` (with ``delta``: the residual sum x + delta, rounded to bf16, and 
 of q and k heads read from the fused projection's output in place) and ``cache_write`` (new
 keys or values into a KV cache layer at their slots and positions), each with the bf16
 roundings of the PyTorch ops it replaces (results agree with them to a rounding flip).
+``native_bf16(*xs)`` is the one check callers make before any of these: the kernel for
+inference (no autograd) on non-empty bf16 CPU tensors, else None.
 ``sample_t1(logits, u)`` samples at temperature 1 without truncation in one pass over the
 logits (``specrl.sampling.sample_logits`` uses it for plain rows on the CPU).
 On CPUs with AMX (``amx_tile amx_bf16``; ``SPECRL_NATIVE_AMX=0`` turns it off) every product
@@ -318,6 +320,17 @@ def _bind(fn, argtypes: list) -> object:
 def _check(rc: int, name: str, shape: torch.Size) -> None:
     if rc != 0:
         raise ValueError(f"{name} kernel refused shape {tuple(shape)} (code {rc})")
+
+
+def native_bf16(*xs: torch.Tensor) -> GemvKernel | None:
+    """The kernel for inference work on ``xs``, or None: autograd on, not all non-empty bf16
+    CPU tensors, or no kernel here."""
+    if torch.is_grad_enabled():
+        return None
+    for x in xs:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.numel():
+            return None
+    return gemv_kernel()
 
 
 @functools.cache

@@ -18,6 +18,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #ifndef PREFETCH
 #define PREFETCH 2048 /* weight elements (4 KiB) fetched ahead of the products' loads */
@@ -411,10 +414,6 @@ int specrl_rope_bf16(const uint16_t *src, int64_t stride, const uint16_t *cosv,
  * machine uses one path for a weight, never both. x is copied into a zero-padded buffer of whole
  * 16-row tiles, so one tile configuration serves every M. specrl_amx_init asks Linux for the
  * tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define AMX_PF_CHUNKS 4 /* B tiles fetched ahead */
 
 typedef struct {
@@ -516,8 +515,8 @@ int specrl_cache_write_bf16(const uint16_t *src, int64_t stride, uint16_t *cache
  * u [N]: per row the max m, e = exp(l - m) in float32 (0 for -inf logits), masses of chunks of
  * SAMPLE_CHUNK tokens (float32 lanes, summed in one fixed order) accumulated in double; the first
  * chunk whose running mass passes u * total, then the first token inside it whose running
- * double sum passes what is left (a token of mass 0 is never taken: past the last nonzero one,
- * the argmax); logprob = (l - m) - log(total). One pass over the logits plus one chunk, each row
+ * double sum passes what is left (a token of mass 0 is never taken: when rounding runs past the
+ * chunk's end, its last token of nonzero mass); logprob = (l - m) - log(total). One pass over the logits plus one chunk, each row
  * by one thread in one order (batch-invariant). tokens int64 [N], logprobs float32 [N]. */
 #define SAMPLE_CHUNK 1024
 

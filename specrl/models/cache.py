@@ -63,7 +63,7 @@ class KVCache:
         v_new: torch.Tensor,  # [B, T, kv_heads, head_dim]
     ) -> None:
         """Store new keys/values at (slot, position)."""
-        kernel = _native_writer(self.k, k_new, v_new)
+        kernel = gemv.native_bf16(self.k, k_new, v_new)
         if kernel is not None:
             kernel.cache_write(self.k[layer], rows, positions, k_new)
             kernel.cache_write(self.v[layer], rows, positions, v_new)
@@ -104,12 +104,3 @@ def _longer(t: torch.Tensor, max_len: int) -> torch.Tensor:
     out = torch.zeros((layers, slots, heads, max_len, dim), dtype=t.dtype, device=t.device)
     out[:, :, :, :length] = t
     return out
-
-
-def _native_writer(cache: torch.Tensor, *new: torch.Tensor) -> gemv.GemvKernel | None:
-    """The native kernel for a write of ``new`` into ``cache``: bf16 CPU tensors, no autograd."""
-    if torch.is_grad_enabled() or cache.dtype != torch.bfloat16 or cache.device.type != "cpu":
-        return None
-    if any(x.dtype != torch.bfloat16 or x.device.type != "cpu" for x in new):
-        return None
-    return gemv.gemv_kernel()

@@ -123,21 +123,16 @@ def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
 def set_native_kernels(model: nn.Module, enabled: bool) -> None:
     """Turn the native kernels (products, attention, norms, SwiGLU, RoPE) on or off for every
     ``Linear``, ``Attention``, ``RMSNorm`` and ``MLP`` in ``model`` (for A/B runs)."""
+    set_native_elementwise(model, enabled)
     for m in model.modules():
-        if isinstance(m, (Linear, Attention, RMSNorm, MLP)):
+        if isinstance(m, (Linear, Attention)):
             m.native = enabled
-        if isinstance(m, Attention):
-            m.native_rope = enabled
 
 
 def native_elementwise(enabled: bool, *xs: torch.Tensor) -> gemv.GemvKernel | None:
     """The native kernel for per-token work on inputs ``xs``, or None: not ``enabled`` (the
-    module's switch), autograd on, not all bf16 CPU tensors, or no kernel here."""
-    if not enabled or torch.is_grad_enabled():
-        return None
-    if any(x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.numel() for x in xs):
-        return None
-    return gemv.gemv_kernel()
+    module's switch) or not ``gemv.native_bf16`` work."""
+    return gemv.native_bf16(*xs) if enabled else None
 
 
 class RMSNorm(nn.Module):
