@@ -193,33 +193,44 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
 
-/* Scores (float32 dot products times scale) of query q [D] against the visible keys
- * idx[0..n) of one KV head, 16 keys at a time: s[c] depends on q and key c only. */
-static void scores(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int32_t *idx,
-                   int64_t n, int64_t D, float scale, float *s) {
-    __m512bh qv[8]; /* D <= 256 */
-    for (int64_t d = 0; d < D / 32; d++) qv[d] = (__m512bh)_mm512_loadu_si512(q + d * 32);
+/* Scores (float32 dot products times scale) of query q [32 * DC] against the visible keys
+ * idx[0..n) of one KV head, 16 keys at a time: s[c] depends on q and key c only (a block's
+ * missing keys repeat its last one and are not stored). Returns their maximum. With vh (the
+ * group's first head) the keys of the next block and this block's values are fetched
+ * meanwhile; the other heads find them in cache. DC is a constant at every call (the
+ * accumulators stay in registers). */
+static inline __attribute__((always_inline)) float scores(const int DC, const uint16_t *q,
+                                                          const uint16_t *kh, const uint16_t *vh,
+                                                          const int32_t *idx, int64_t n,
+                                                          float scale, float *s) {
+    const int64_t D = 32 * DC;
+    __m512bh qv[8]; /* DC <= 8 */
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int d = 0; d < DC; d++) qv[d] = (__m512bh)_mm512_loadu_si512(q + d * 32);
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
-        int64_t cnt = n - c0 < 16 ? n - c0 : 16;
+        const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
         __m512 acc[16];
-        for (int j = 0; j < 16; j++) acc[j] = ZERO;
-        for (int64_t j = 0; j < cnt; j++) {
-            const uint16_t *kr = kh + (int64_t)idx[c0 + j] * D;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const int64_t key = idx[c0 + (j < cnt ? j : cnt - 1)];
+            const uint16_t *kr = kh + key * D;
             if (vh) /* the value pass reads this key's value next: fetch it meanwhile */
-                for (int64_t d = 0; d < D; d += 32) _mm_prefetch((const char *)(vh + (int64_t)idx[c0 + j] * D + d), _MM_HINT_T0);
-            if (c0 + 16 + j < n)
-                for (int64_t d = 0; d < D; d += 32) _mm_prefetch((const char *)(kh + (int64_t)idx[c0 + 16 + j] * D + d), _MM_HINT_T0);
-            for (int64_t d = 0; d < D / 32; d++)
+                for (int d = 0; d < DC; d++) _mm_prefetch((const char *)(vh + key * D + d * 32), _MM_HINT_T0);
+            acc[j] = ZERO;
+#pragma GCC unroll 8
+            for (int d = 0; d < DC; d++)
                 acc[j] = _mm512_dpbf16_ps(acc[j], qv[d], (__m512bh)_mm512_loadu_si512(kr + d * 32));
         }
-        _mm512_mask_storeu_ps(s + c0, lanes(cnt), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+        __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + c0, lanes(cnt), sc);
+        vmax = _mm512_mask_max_ps(vmax, lanes(cnt), vmax, sc);
     }
+    return _mm512_reduce_max_ps(vmax);
 }
 
-/* softmax of s[0..n) in place (max subtracted, the polynomial exp); returns 1 / sum. */
-static float softmax(float *s, int64_t n) {
-    float mx = -INFINITY;
-    for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+/* softmax of s[0..n) in place given their maximum mx (subtracted; the polynomial exp);
+ * returns 1 / sum. */
+static float softmax(float *s, int64_t n, float mx) {
     __m512 sum = ZERO, vmx = _mm512_set1_ps(mx);
     for (int64_t c = 0; c < n; c += 16) {
         __mmask16 live = lanes(n - c);
@@ -230,44 +241,90 @@ static float softmax(float *s, int64_t n) {
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-/* The G query heads q [G, D] that share one KV head, over its visible keys idx[0..n): scores
- * and softmax per head (s: G rows of stride ss floats), then the weighted sums of values, all
- * heads per pass over the values (a value row is read and widened once); each head's result is
- * a fixed sequence of operations over the visible keys in order, so it depends on its query
- * and those keys only. */
-static void attend_group(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                         const int32_t *idx, int64_t n, int64_t G, int64_t D, float scale,
-                         float *s, int64_t ss, uint16_t *out) {
+/* out[g] = inv[g] * sum_c s[g * ss + c] * value(idx[c]) for gc <= 16 / DV heads (values of
+ * 16 * DV elements): every value row read and widened once, each head's sum over the keys in
+ * order. DV is a constant at every call. */
+static inline __attribute__((always_inline)) void weighted_values(
+    const int DV, const uint16_t *vh, const int32_t *idx, int64_t n, int64_t gc, const float *s,
+    int64_t ss, const float *inv, uint16_t *out, const uint16_t *next) {
+    const int HB = 16 / DV, D = 16 * DV;
+    __m512 o[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) o[i] = ZERO;
+    for (int64_t c = 0; c < n; c++) {
+        const uint16_t *vr = vh + (int64_t)idx[c] * D;
+        if (next)
+            for (int d = 0; d < DV; d += 2) _mm_prefetch((const char *)(next + c * D + d * 16), _MM_HINT_T0);
+        __m512 v[16];
+#pragma GCC unroll 16
+        for (int d = 0; d < DV; d++)
+            v[d] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vr + d * 16)));
+#pragma GCC unroll 16
+        for (int g = 0; g < HB; g++) {
+            if (g >= gc) break;
+            const __m512 p = _mm512_set1_ps(s[g * ss + c]);
+#pragma GCC unroll 16
+            for (int d = 0; d < DV; d++) o[g * DV + d] = _mm512_fmadd_ps(p, v[d], o[g * DV + d]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < HB; g++) {
+        if (g >= gc) break;
+        const __m512 vinv = _mm512_set1_ps(inv[g]);
+#pragma GCC unroll 16
+        for (int d = 0; d < DV; d++)
+            _mm256_storeu_si256((__m256i *)(out + g * D + d * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g * DV + d], vinv)));
+    }
+}
+
+/* The G query heads q [G, 32 * DC] that share one KV head, over its visible keys idx[0..n):
+ * scores and softmax per head (s: G rows of stride ss floats), then the weighted sums of
+ * values, up to 16 / (2 * DC) heads per pass over the values; each head's result is a fixed
+ * sequence of operations over the visible keys in order, so it depends on its query and those
+ * keys only. */
+static inline __attribute__((always_inline)) void attend(const int DC, const uint16_t *q,
+                                                         const uint16_t *kh, const uint16_t *vh,
+                                                         const int32_t *idx, int64_t n,
+                                                         int64_t G, float scale, float *s,
+                                                         int64_t ss, uint16_t *out,
+                                                         const uint16_t *next) {
+    const int64_t D = 32 * DC, hb = DC >= 8 ? 1 : 8 / DC; /* heads per pass: <= 16 sums */
     if (n == 0) { /* nothing visible: zeros, not 0/0 */
         for (int64_t i = 0; i < G * D; i++) out[i] = 0;
         return;
     }
     float inv[G];
     for (int64_t g = 0; g < G; g++) {
-        scores(q + g * D, kh, g == 0 ? vh : NULL, idx, n, D, scale, s + g * ss);
-        inv[g] = softmax(s + g * ss, n);
+        float mx = scores(DC, q + g * D, kh, g == 0 ? vh : NULL, idx, n, scale, s + g * ss);
+        inv[g] = softmax(s + g * ss, n, mx);
     }
-    const int64_t dv = D / 16, hb = dv >= 16 ? 1 : 16 / dv; /* heads per pass: <= 16 sums */
     for (int64_t g0 = 0; g0 < G; g0 += hb) {
         int64_t gc = G - g0 < hb ? G - g0 : hb;
-        __m512 o[16];
-        for (int64_t i = 0; i < gc * dv; i++) o[i] = ZERO;
-        for (int64_t c = 0; c < n; c++) {
-            const uint16_t *vr = vh + (int64_t)idx[c] * D;
-            for (int64_t d = 0; d < dv; d++) {
-                __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vr + d * 16)));
-                for (int64_t g = 0; g < gc; g++)
-                    o[g * dv + d] = _mm512_fmadd_ps(_mm512_set1_ps(s[(g0 + g) * ss + c]), v, o[g * dv + d]);
-            }
-        }
-        for (int64_t g = 0; g < gc; g++) {
-            __m512 vinv = _mm512_set1_ps(inv[g0 + g]);
-            for (int64_t d = 0; d < dv; d++)
-                _mm256_storeu_si256((__m256i *)(out + (g0 + g) * D + d * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g * dv + d], vinv)));
-        }
+        weighted_values(2 * DC, vh, idx, n, gc, s + g0 * ss, ss, inv + g0, out + g0 * D,
+                        g0 == 0 ? next : NULL);
     }
 }
+
+typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int32_t *,
+                          int64_t, int64_t, float, float *, int64_t, uint16_t *,
+                          const uint16_t *);
+#define ATTEND(DC)                                                                                \
+    static void attend_##DC(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,           \
+                            const int32_t *idx, int64_t n, int64_t G, float scale, float *s,      \
+                            int64_t ss, uint16_t *out, const uint16_t *next) {                    \
+        attend(DC, q, kh, vh, idx, n, G, scale, s, ss, out, next);                                \
+    }
+ATTEND(1)
+ATTEND(2)
+ATTEND(3)
+ATTEND(4)
+ATTEND(5)
+ATTEND(6)
+ATTEND(7)
+ATTEND(8)
+static const attend_fn ATTEND_BY_CHUNKS[9] = {NULL,     attend_1, attend_2, attend_3, attend_4,
+                                              attend_5, attend_6, attend_7, attend_8};
 
 /* Attention of queries q [B, T, H, D] over one layer's cache k/v [slots, KV, Lmax, D] (bf16,
  * contiguous): row b reads slot slots[b]; query (b, t) sees the keys j < lens[b, t] for which
@@ -282,7 +339,8 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
     if (D % 32 != 0 || D > 256 || KV < 1 || H % KV != 0) return 1;
     for (int64_t i = 0; i < B * T; i++)
         if (lens[i] < 0 || lens[i] > Lmax || (mask && lens[i] > mask_len)) return 1;
-    int64_t G = H / KV;
+    const int64_t G = H / KV;
+    const attend_fn attend_d = ATTEND_BY_CHUNKS[D / 32];
     int bad = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && B * KV > 1)
     {
@@ -298,13 +356,15 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
                 if (!s || !idx) continue;
                 const uint16_t *kh = kc + (slots[b] * KV + kv) * Lmax * D;
                 const uint16_t *vh = vc + (slots[b] * KV + kv) * Lmax * D;
+                const int64_t f = b * KV + kv + 1; /* the next pair's keys, fetched meanwhile */
+                const uint16_t *nk = f < B * KV ? kc + (slots[f / KV] * KV + f % KV) * Lmax * D : NULL;
                 for (int64_t t = 0; t < T; t++) {
                     int64_t bt = b * T + t, n = 0;
                     const uint8_t *m = mask ? mask + bt * mask_len : NULL;
                     for (int64_t j = 0; j < lens[bt]; j++)
                         if (!m || m[j]) idx[n++] = (int32_t)j;
-                    attend_group(q + (bt * H + kv * G) * D, kh, vh, idx, n, G, D, scale, s,
-                                 Lmax + 16, out + (bt * H + kv * G) * D);
+                    attend_d(q + (bt * H + kv * G) * D, kh, vh, idx, n, G, scale, s, Lmax + 16,
+                             out + (bt * H + kv * G) * D, t == T - 1 ? nk : NULL);
                 }
             }
         free(s);
@@ -428,7 +488,7 @@ static void amx_configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) { /* C0, C1, A, B0, B1: 16 rows x 64 bytes each */
+    for (int t = 0; t < 8; t++) { /* C00, C01, C10, C11, A0, A1, B0, B1: 16 rows x 64 bytes */
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
@@ -439,33 +499,53 @@ static inline void prefetch_tile(const uint16_t *b) {
     for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(b + r * 32), _MM_HINT_T0);
 }
 
-/* Columns [n0, n0 + 16 * nb) (nb = 1 or 2 packed blocks) for every 16-row tile of xp. */
+/* Rows [m0, m0 + 16) of tile C(i, j) (c + (2i + j) * 256, 16 x 16 floats) -> bf16 y. */
+static inline void amx_store(const float *c, int64_t m0, int64_t M, int nb, int i, uint16_t *y,
+                             int64_t N) {
+    int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < nb; j++)
+            _mm256_storeu_si256((__m256i *)(y + (m0 + r) * N + j * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + (2 * i + j) * 256 + r * 16)));
+}
+
+/* Columns [n0, n0 + 16 * nb) (nb = 1 or 2 packed blocks) for every 16-row tile of xp, two
+ * row tiles per pass over K (up to four accumulators in flight: the dot products of one
+ * accumulator wait on each other, so one or two alone leave the unit idle). Each output element
+ * is still one accumulator's chain over k in order, whatever rows share its pass. */
 static void amx_columns(const uint16_t *w, int64_t ws, int nb, const uint16_t *xp, int64_t mp,
                         int64_t M, int64_t K, uint16_t *y, int64_t N, float *c) {
     const int64_t chunks = K / 32;
-    for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+    for (int64_t m0 = 0; m0 < mp; m0 += 32) {
+        const int two = m0 + 16 < mp;
         _tile_zero(0);
         _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t kc = 0; kc < chunks; kc++) {
-            if (kc + AMX_PF_CHUNKS < chunks) {
+            if (m0 == 0 && kc + AMX_PF_CHUNKS < chunks) { /* later passes find them in cache */
                 prefetch_tile(w + (kc + AMX_PF_CHUNKS) * 512);
                 if (nb == 2) prefetch_tile(w + ws + (kc + AMX_PF_CHUNKS) * 512);
             }
-            _tile_loadd(2, xp + m0 * K + kc * 32, K * 2);
-            _tile_loadd(3, w + kc * 512, 64);
-            _tile_dpbf16ps(0, 2, 3);
-            if (nb == 2) {
-                _tile_loadd(4, w + ws + kc * 512, 64);
-                _tile_dpbf16ps(1, 2, 4);
+            _tile_loadd(6, w + kc * 512, 64);
+            if (nb == 2) _tile_loadd(7, w + ws + kc * 512, 64);
+            _tile_loadd(4, xp + m0 * K + kc * 32, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nb == 2) _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, xp + (m0 + 16) * K + kc * 32, K * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                if (nb == 2) _tile_dpbf16ps(3, 5, 7);
             }
         }
         _tile_stored(0, c, 64);
-        if (nb == 2) _tile_stored(1, c + 256, 64);
-        int64_t rows = M - m0 < 16 ? M - m0 : 16;
-        for (int64_t r = 0; r < rows; r++)
-            for (int j = 0; j < nb; j++)
-                _mm256_storeu_si256((__m256i *)(y + (m0 + r) * N + j * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j * 256 + r * 16)));
+        _tile_stored(1, c + 256, 64);
+        amx_store(c, m0, M, nb, 0, y, N);
+        if (two) {
+            _tile_stored(2, c + 512, 64);
+            _tile_stored(3, c + 768, 64);
+            amx_store(c, m0 + 16, M, nb, 1, y, N);
+        }
     }
 }
 
@@ -481,7 +561,7 @@ int specrl_gemm_amx_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int
     memset(xp + M * K, 0, (size_t)((mp - M) * K * 2));
 #pragma omp parallel num_threads(threads) if (threads > 1 && tiles_n > 1)
     {
-        float c[512] __attribute__((aligned(64)));
+        float c[1024] __attribute__((aligned(64)));
         amx_configure();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles_n; t++) {
