@@ -1,4 +1,4 @@
-"""What the per-token kernels and the weight prefetch buy a decode forward, side by side.
+"""What the one-call decoder, the per-token kernels and the weight prefetch buy a decode forward.
 
 Usage: OMP_NUM_THREADS=2 python benchmarks/decode_overheads.py [--shapes 1x1,1x2,1x4,8x1,8x4,64x1]
        [--rounds 5] [--out benchmarks/results/decode_overheads.json]
@@ -6,11 +6,13 @@ Usage: OMP_NUM_THREADS=2 python benchmarks/decode_overheads.py [--shapes 1x1,1x2
 SmolLM2-135M in bf16, one target forward over a KV cache of 128 tokens per row: B rows x T
 tokens each (T = 1: a decode step; T = k + 1: a verify pass of k drafts). Contenders, in one
 process, interleaved round by round (median of ``--rounds``, each the mean of a few forwards):
-- ``native``: the default (native products: AMX tiles where the CPU has them, else AVX512 with
-  the weight prefetch; native attention; native RMSNorm / residual add / SwiGLU / RoPE);
-- ``avx512``: the same with AMX off (the AVX512-BF16 products, as on a CPU without AMX);
-- ``no_prefetch``: ``avx512`` with the library built with ``-DPREFETCH=0`` (prefetch distance 0:
-  the products' loads wait on memory as before the prefetch);
+- ``native``: the default (all decoder layers in one native call, ``specrl.models.fused``;
+  native products: AMX tiles where the CPU has them, else AVX512 with the weight prefetch;
+  native attention; native RMSNorm / residual add / SwiGLU / RoPE);
+- ``per_module``: the same kernels called module by module from Python (~10 calls per layer);
+- ``avx512``: ``native`` with AMX off (the AVX512-BF16 products, as on a CPU without AMX);
+- ``no_prefetch``: ``avx512`` module by module, with the library built with ``-DPREFETCH=0``
+  (prefetch distance 0: the products' loads wait on memory as before the prefetch);
 - ``torch_elementwise``: native products and attention, PyTorch's ops for norms, SwiGLU, RoPE;
 - ``torch``: no native kernels (oneDNN's prepacked products, PyTorch's attention and ops).
 Per shape: ms per forward, each contender's time over ``native``'s, and T-token forwards over the
@@ -37,7 +39,7 @@ from specrl.models.transformer import set_native_elementwise, set_native_kernels
 OUT = Path(__file__).parent / "results" / "decode_overheads.json"
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 128
-CONTENDERS = ("native", "avx512", "no_prefetch", "torch_elementwise", "torch")
+CONTENDERS = ("native", "per_module", "avx512", "no_prefetch", "torch_elementwise", "torch")
 
 
 def no_prefetch_kernel() -> gemv.GemvKernel:
@@ -54,7 +56,8 @@ def configure(model, name: str, kernel: gemv.GemvKernel, fns: dict) -> None:
     src = fns["no_prefetch" if name == "no_prefetch" else "native"]
     for attr, fn in src.items():
         setattr(kernel, attr, fn)
-    kernel.amx = fns["amx"] and name in ("native", "torch_elementwise")
+    kernel.amx = fns["amx"] and name in ("native", "per_module", "torch_elementwise")
+    model.native_layers = name in ("native", "avx512")
     set_native_kernels(model, name != "torch")
     set_native_elementwise(model, name in ("native", "avx512", "no_prefetch"))
 

@@ -326,16 +326,16 @@ ATTEND(8)
 static const attend_fn ATTEND_BY_CHUNKS[9] = {NULL,     attend_1, attend_2, attend_3, attend_4,
                                               attend_5, attend_6, attend_7, attend_8};
 
-/* Attention of queries q [B, T, H, D] over one layer's cache k/v [slots, KV, Lmax, D] (bf16,
+/* Attention of queries q [B, T, H, D] (token bt's heads at q + bt * qs) over one layer's cache k/v [slots, KV, Lmax, D] (bf16,
  * contiguous): row b reads slot slots[b]; query (b, t) sees the keys j < lens[b, t] for which
  * mask[b, t, j] is set (mask [B, T, mask_len] bytes, or NULL = all of them). out [B, T, H, D].
  * Query heads h = kv * (H / KV) + g share KV head kv. Work is split over (b, kv) pairs; each
  * query's result is computed by one thread in one fixed order (see attend_group). Requires
  * D % 32 == 0, D <= 256, H % KV == 0, lens[b, t] <= Lmax (and <= mask_len with a mask). */
-int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                          const int64_t *slots, const int32_t *lens, const uint8_t *mask,
-                          int64_t mask_len, uint16_t *out, int64_t B, int64_t T, int64_t H,
-                          int64_t KV, int64_t D, int64_t Lmax, float scale, int threads) {
+static int attention(const uint16_t *q, int64_t qs, const uint16_t *kc, const uint16_t *vc,
+                     const int64_t *slots, const int32_t *lens, const uint8_t *mask,
+                     int64_t mask_len, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t KV,
+                     int64_t D, int64_t Lmax, float scale, int threads) {
     if (D % 32 != 0 || D > 256 || KV < 1 || H % KV != 0) return 1;
     for (int64_t i = 0; i < B * T; i++)
         if (lens[i] < 0 || lens[i] > Lmax || (mask && lens[i] > mask_len)) return 1;
@@ -363,7 +363,7 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
                     const uint8_t *m = mask ? mask + bt * mask_len : NULL;
                     for (int64_t j = 0; j < lens[bt]; j++)
                         if (!m || m[j]) idx[n++] = (int32_t)j;
-                    attend_d(q + (bt * H + kv * G) * D, kh, vh, idx, n, G, scale, s, Lmax + 16,
+                    attend_d(q + bt * qs + kv * G * D, kh, vh, idx, n, G, scale, s, Lmax + 16,
                              out + (bt * H + kv * G) * D, t == T - 1 ? nk : NULL);
                 }
             }
@@ -371,6 +371,14 @@ int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t 
         free(idx);
     }
     return bad ? 2 : 0;
+}
+
+int specrl_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                          const int64_t *slots, const int32_t *lens, const uint8_t *mask,
+                          int64_t mask_len, uint16_t *out, int64_t B, int64_t T, int64_t H,
+                          int64_t KV, int64_t D, int64_t Lmax, float scale, int threads) {
+    return attention(q, H * D, kc, vc, slots, lens, mask, mask_len, out, B, T, H, KV, D, Lmax,
+                     scale, threads);
 }
 
 /* ------------------------------------------------------------------ elementwise (per token)
@@ -663,4 +671,75 @@ int specrl_sample_t1(const void *logits, int is_bf16, int64_t N, int64_t V, cons
     for (int64_t r = 0; r < N; r++)
         sample_row((const char *)logits + r * V * width, is_bf16, V, u[r], tokens + r, logprobs + r);
     return 0;
+}
+
+/* ------------------------------------------------------------------ decoder layers, one call
+ * L decoder layers of a Llama-family model (no biases, no q/k norms) over a KV cache for
+ * N = B * T tokens that read cached keys (a decode step or a verify pass), in ONE call: the
+ * per-module path's kernels in its order (specrl/models/fused.py), so its bits exactly:
+ *   h = rmsnorm(x); per layer: qkv = h Wqkv; q|k = rope(q|k); cache <- k, v; a = attention;
+ *   x, h = x + a Wo, rmsnorm; act = silu_mul(h Wgate_up); x, h = x + act Wdown, rmsnorm (the
+ *   next layer's attention norm; after the last layer, the final norm into h_out).
+ * x [N, Hd] is the residual stream, updated in place (the last layer's output at the end); a
+ * layer with a capture buffer [N, Hd] gets a copy of its output. dims: B, T, Hd, NH, KV, D, I,
+ * slots, Lmax, mask_len. Shapes the kernels refuse or a cache write outside the cache return
+ * nonzero before anything is computed or written. */
+typedef struct {
+    const uint16_t *attn_norm, *qkv, *o, *mlp_norm, *gate_up, *down;
+    uint16_t *cache_k, *cache_v, *capture;
+} layer_ptrs;
+
+static int product(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t M, int64_t N,
+                   int64_t K, int amx, int threads) { /* the path GemvKernel.matmul takes */
+    return amx && K % 32 == 0 ? specrl_gemm_amx_bf16(wp, x, y, M, N, K, threads)
+                              : specrl_gemm_bf16(wp, x, y, M, N, K, threads);
+}
+
+static int layers_refuse(const int64_t *dims, const int64_t *wrows, const int64_t *wpos,
+                         const int32_t *lens, const uint8_t *mask) {
+    const int64_t B = dims[0], T = dims[1], Hd = dims[2], NH = dims[3], KV = dims[4];
+    const int64_t D = dims[5], I = dims[6], slots = dims[7], Lmax = dims[8];
+    if (B < 1 || T < 1 || KV < 1 || NH % KV != 0 || D % 32 != 0 || D > 256 || I < 1 ||
+        Hd % 16 != 0 || (NH * D) % 4 != 0 || I % 16 != 0 || Hd % 4 != 0)
+        return 1;
+    for (int64_t n = 0; n < B * T; n++)
+        if (wrows[n] < 0 || wrows[n] >= slots || wpos[n] < 0 || wpos[n] >= Lmax || lens[n] < 0 ||
+            lens[n] > Lmax || (mask && lens[n] > dims[9]))
+            return 1;
+    return 0;
+}
+
+int specrl_layers_bf16(const layer_ptrs *ls, int64_t L, const uint16_t *final_norm, uint16_t *x,
+                       uint16_t *h_out, const uint16_t *cosv, const uint16_t *sinv,
+                       const int64_t *wrows, const int64_t *wpos, const int64_t *slots,
+                       const int32_t *lens, const uint8_t *mask, const int64_t *dims, float eps,
+                       float scale, int amx, int threads) {
+    if (L < 1 || layers_refuse(dims, wrows, wpos, lens, mask)) return 1;
+    const int64_t B = dims[0], T = dims[1], Hd = dims[2], NH = dims[3], KV = dims[4];
+    const int64_t D = dims[5], I = dims[6], S = dims[7], Lmax = dims[8], N = B * T;
+    const int64_t QKV = (NH + 2 * KV) * D, QK = (NH + KV) * D;
+    uint16_t *work = malloc(sizeof(uint16_t) * N * (2 * Hd + QKV + QK + NH * D + 3 * I));
+    if (!work) return 2;
+    uint16_t *h = work, *qkv = h + N * Hd, *qk = qkv + N * QKV, *att = qk + N * QK;
+    uint16_t *proj = att + N * NH * D, *gu = proj + N * Hd, *act = gu + N * 2 * I;
+    int rc = specrl_rmsnorm_bf16(x, NULL, ls[0].attn_norm, h, NULL, N, Hd, eps, threads);
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const layer_ptrs *p = ls + l;
+        rc |= product(p->qkv, h, qkv, N, QKV, Hd, amx, threads);
+        rc |= specrl_rope_bf16(qkv, QKV, cosv, sinv, qk, N, NH + KV, D, threads);
+        rc |= specrl_cache_write_bf16(qk + NH * D, QK, p->cache_k, wrows, wpos, N, KV, D, S, Lmax);
+        rc |= specrl_cache_write_bf16(qkv + QK, QKV, p->cache_v, wrows, wpos, N, KV, D, S, Lmax);
+        rc |= attention(qk, QK, p->cache_k, p->cache_v, slots, lens, mask, dims[9], att, B, T, NH,
+                        KV, D, Lmax, scale, threads);
+        rc |= product(p->o, att, proj, N, Hd, NH * D, amx, threads);
+        rc |= specrl_rmsnorm_bf16(x, proj, p->mlp_norm, h, x, N, Hd, eps, threads);
+        rc |= product(p->gate_up, h, gu, N, 2 * I, Hd, amx, threads);
+        rc |= specrl_silu_mul_bf16(gu, act, N, I, threads);
+        rc |= product(p->down, act, proj, N, Hd, I, amx, threads);
+        const uint16_t *next = l + 1 < L ? ls[l + 1].attn_norm : final_norm;
+        rc |= specrl_rmsnorm_bf16(x, proj, next, l + 1 < L ? h : h_out, x, N, Hd, eps, threads);
+        if (p->capture) memcpy(p->capture, x, sizeof(uint16_t) * N * Hd);
+    }
+    free(work);
+    return rc ? 3 : 0;
 }

@@ -21,6 +21,7 @@ from torch import nn
 from specrl.kernels import gemv
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
+from specrl.models.fused import native_layers
 
 
 @functools.cache
@@ -102,6 +103,15 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def native_weight(self) -> torch.Tensor | None:
+        """The native packed weight, if this module would use it now and it is current (native
+        on, no bias, packed for the weight's present value); else None."""
+        nat = self._native
+        if nat is None or not self.native or self.bias is not None:
+            return None
+        w = self.weight
+        return nat[0] if nat[1] == (w.data_ptr(), w._version, w.dtype) else None
 
     def _native_forward(self, x: torch.Tensor, nat: tuple) -> torch.Tensor:
         """x [..., K] through the native kernel -> [..., N]."""
@@ -394,7 +404,11 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. ``forward`` returns logits; ``hidden_states`` stops before the LM head."""
+    """Decoder-only LM. ``forward`` returns logits; ``hidden_states`` stops before the LM head.
+    Forwards that read the cache in bf16 run all layers in one native call
+    (``specrl.models.fused``; ``native_layers = False`` runs the modules one by one)."""
+
+    native_layers: bool = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -507,6 +521,9 @@ class Transformer(nn.Module):
         ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree, parents)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
+        fused = native_layers(self, x, cos, sin, ctx, capture)
+        if fused is not None:
+            return fused
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx)

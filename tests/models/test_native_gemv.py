@@ -294,7 +294,8 @@ class FakeLibraryFunction:
 def test_kernel_wrapper_answers_no_rows_without_calling_the_library():
     fn = FakeLibraryFunction()
     names = [
-        f"specrl_{n}_bf16" for n in ("attention", "rmsnorm", "silu_mul", "rope", "cache_write")
+        f"specrl_{n}_bf16"
+        for n in ("attention", "rmsnorm", "silu_mul", "rope", "cache_write", "layers")
     ]
     lib = SimpleNamespace(specrl_gemm_bf16=fn, specrl_sample_t1=FakeLibraryFunction(),
                           **{n: FakeLibraryFunction() for n in names})  # fmt: skip
