@@ -4,17 +4,20 @@ Contract: ``native_layers(model, x, cos, sin, ctx, capture)`` returns what
 ``Transformer.hidden_states`` returns (the final normed hidden state [B, T, H] and the outputs
 of the layers in ``capture``, in layer order) from ONE ``GemvKernel.layers`` call, bit for bit
 what the modules compute (the same kernels in the same order: tested), or None where that path
-does not apply, and the caller runs the modules: the model's ``native_layers`` switch is off;
-any module's native switch is off (``set_native_kernels`` / ``set_native_elementwise``); no
-native kernel here, autograd on, not bf16; no cache read (a prefill, or no cache); q/k norms,
-biases or a head size the kernels do not take; or a product not packed yet for its current
-weight (the module path packs on first use, so the next forward runs here).
+does not apply, and the caller runs the modules. ``run_layers(blocks, final_norm, config, x,
+...)`` is the same for any stack of ``Block``s (a draft head's one layer); both leave the last
+layer's output in ``x``. Not applicable: the model's ``native_layers`` switch is off; any
+module's native switch is off (``set_native_kernels`` / ``set_native_elementwise``); no native
+kernel here, autograd on, not bf16, a strided input; no cache read (a prefill, or no cache);
+q/k norms, biases or a head size the kernels do not take; or a product not packed yet for its
+current weight (the module path packs on first use, so the next forward runs here).
 Why: a decode forward is ~10 library calls per layer from Python; at SmolLM2's 30 layers
 their Python overhead was ~4-6 ms of a 15-40 ms forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +25,8 @@ import torch
 from specrl.kernels import gemv
 
 if TYPE_CHECKING:
-    from specrl.models.transformer import AttnContext, Block, Transformer
+    from specrl.models.config import ModelConfig
+    from specrl.models.transformer import AttnContext, Block, RMSNorm, Transformer
 
 
 def native_layers(
@@ -34,13 +38,29 @@ def native_layers(
     capture: tuple[int, ...],
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """(final normed hidden [B, T, H], captured layer outputs) in one call, or None."""
-    kernel = _kernel(model, x, cos, ctx)
+    if not model.native_layers:
+        return None
+    return run_layers(model.layers, model.norm, model.config, x, cos, sin, ctx, capture)
+
+
+def run_layers(
+    blocks: Sequence[Block],
+    final_norm: RMSNorm,
+    c: ModelConfig,
+    x: torch.Tensor,  # [B, T, H] bf16, the residual stream into the first block (updated)
+    cos: torch.Tensor,  # [B, T, 1, head_dim]
+    sin: torch.Tensor,  # [B, T, 1, head_dim]
+    ctx: AttnContext,
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """``blocks`` then ``final_norm`` in one call: (normed [B, T, H], captured), or None."""
+    kernel = _kernel(c, final_norm, x, cos, ctx)
     if kernel is None:
         return None
     b, t, hd = x.shape
-    table = (gemv.LayerPtrs * len(model.layers))()
+    table = (gemv.LayerPtrs * len(blocks))()
     captured = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(blocks):
         weights = _layer_weights(layer)
         if weights is None:
             return None
@@ -53,14 +73,13 @@ def native_layers(
             ctx.cache.v[i].data_ptr(),
             None if cap is None else cap.data_ptr(),
         )
-    c, cache = model.config, ctx.cache
-    d = c.head_dim
+    cache, d = ctx.cache, c.head_dim
     h = torch.empty_like(x)
     dims = (b, t, hd, c.num_heads, c.num_kv_heads, d, c.intermediate_size, cache.slots,
             cache.max_len)  # fmt: skip
     flat = (b * t, d)
     kernel.layers(
-        table, model.norm.weight, x, h, cos.expand(b, t, 1, d).reshape(flat).contiguous(),
+        table, final_norm.weight, x, h, cos.expand(b, t, 1, d).reshape(flat).contiguous(),
         sin.expand(b, t, 1, d).reshape(flat).contiguous(), ctx.write_index(),
         ctx.visible_keys(), dims, c.rms_norm_eps,
     )  # fmt: skip
@@ -68,16 +87,15 @@ def native_layers(
 
 
 def _kernel(
-    model: Transformer, x: torch.Tensor, cos: torch.Tensor, ctx: AttnContext
+    c: ModelConfig, final_norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, ctx: AttnContext
 ) -> gemv.GemvKernel | None:
-    """The kernel when the one-call path applies to this model and forward (see module)."""
-    c = model.config
-    if not model.native_layers or ctx.cache is None or not ctx.read_cache:
+    """The kernel when the one-call path applies to this stack and forward (see module)."""
+    if ctx.cache is None or not ctx.read_cache or not x.is_contiguous():
         return None
     if c.qk_norm or c.attention_bias or c.head_dim % 32 or c.head_dim > 256:
         return None
-    kernel = gemv.native_bf16(x, cos, ctx.cache.k, model.norm.weight)
-    return kernel if kernel is not None and model.norm.native else None
+    kernel = gemv.native_bf16(x, cos, ctx.cache.k, final_norm.weight)
+    return kernel if kernel is not None and final_norm.native else None
 
 
 def _layer_weights(layer: Block) -> tuple[int, ...] | None:

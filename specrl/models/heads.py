@@ -50,6 +50,7 @@ from torch import nn
 
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
+from specrl.models.fused import run_layers
 from specrl.models.transformer import (
     AttnContext,
     Block,
@@ -144,8 +145,13 @@ class DraftHead(nn.Module):
         return self.block.attn_norm(x), x
 
     def layer(self, h, tokens, cos, sin, ctx: AttnContext) -> torch.Tensor:
-        """The head's decoder layer: g [B, T, H] (``Block.forward``'s ops, in its order)."""
+        """The head's decoder layer: g [B, T, H] (``Block.forward``'s ops, in its order; a
+        ``proj`` head's layer is a plain ``Block``, in one native call where that applies)."""
         blk = self.block
+        if self.proj is not None and self.target.native_layers:
+            u = self.inputs(h, tokens)
+            if run_layers((blk,), self.norm, self.head_config, u, cos, sin, ctx) is not None:
+                return u  # the layer's output, left in its input
         a, x = self.attention_in(h, tokens)
         x, m = blk.mlp_norm.add_norm(x, blk.attn(a, cos, sin, ctx))
         return x + blk.mlp(m)

@@ -119,3 +119,32 @@ def test_a_refused_call_raises_one_line_and_writes_nothing(calls):
         model(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), 8), cache, kv_len=8)
     assert torch.equal(cache.k, before)
     assert len(calls) == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,fused_calls", [("proj", 3), ("eagle3", 0)])
+def test_a_draft_heads_layer_runs_in_one_call_bit_for_bit(arch, fused_calls, calls):
+    from specrl.models.heads import DraftHead
+
+    target = tiny_bf16()
+    head = DraftHead(target, "eagle3", arch=arch)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 64, generator=g).to(BF)
+    tokens = torch.randint(0, 48, (2, 5), generator=g)
+    results = []
+    for fused in (False, True):
+        target.native_layers = fused
+        cache = head.new_cache(3, 16)
+        rows, slots = torch.tensor([[2], [0]]).expand(2, 5), torch.tensor([2, 0])
+        with torch.no_grad():
+            head.step(h, tokens, torch.arange(5).expand(2, 5), cache, rows, slots)
+            g1 = head.step(h[:, :1], tokens[:, :1], torch.full((2, 1), 5), cache, rows[:, :1],
+                           slots)  # fmt: skip
+            g2 = head.step(g1, tokens[:, 1:2], torch.full((2, 1), 6), cache, rows[:, :1], slots)
+        results.append((g1, g2, head.logits(g2[:, 0]), cache.k.clone(), cache.v.clone()))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert len(calls) == fused_calls  # the second pass: all three steps (packed by the first)
