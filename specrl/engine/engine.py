@@ -131,6 +131,7 @@ class SpecDrafts:
     verified: int = 0  # draft positions in the verify forward
     drafted: list[int] = field(default_factory=list)  # [B] drafts verified per row
     accepted: list[int] = field(default_factory=list)  # [B]
+    caught_up: int = 0  # feature positions the drafter read first (all rows)
 
     def capped(self, lengths: torch.Tensor, deterministic: bool) -> torch.Tensor:
         """``lengths`` [B] limited to the controller's cap (deterministic drafts only)."""
@@ -438,7 +439,8 @@ class Engine(InflightUpdates):
         self.stats.spec_steps += drafts.verified > 0
         if control is not None:
             control.observe(StepOutcome(len(rows), k, drafts.verified, context, elapsed,
-                                        draft_s, drafts.drafted, drafts.accepted))  # fmt: skip
+                                        draft_s, drafts.drafted, drafts.accepted,
+                                        drafts.caught_up))  # fmt: skip
         if self.record_steps:
             self._record_step(k, elapsed, draft_s)
         return finished
@@ -506,6 +508,7 @@ class Engine(InflightUpdates):
             draft_stream=STREAM_SAMPLE if self._active[0].exact == "sample" else STREAM_DRAFT,
         )
         draft = proposer.propose(batch, k)
+        drafts.caught_up = sum(len(h) for h in batch.hidden) if batch.hidden else 0
         room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
         lengths = drafts.capped(lengths, draft.probs is None)

@@ -13,8 +13,12 @@ from three estimates, each refreshed by what the engine reports after every step
   ``specrl.sim.calibrate.fit_records`` (the simulator's own CPU model and fit: one cost model,
   two users), first from ``measure_forwards`` (timed forwards at a few shapes when the engine
   starts, about a second) and then from the engine's own recent decode and verify steps;
-- the drafter's time: least squares on its recent steps over [1, k, rows, k * rows] (a
-  model-free drafter costs per row, a draft network per forward and per row-forward);
+- the drafter's time: least squares on its recent steps over [1, k, rows, k * rows, caught up]
+  (a model-free drafter costs per row, a draft network per forward and per row-forward, and a
+  head that reads the target's features first runs over the positions accepted since its last
+  step: "caught up"). Rates are compared as if speculation went on step after step, so a step
+  is priced with the catch-up of steady speculation (the tokens the step emits), not with the
+  long catch-up that follows a stretch of plain steps (paid once, when speculation resumes);
 - acceptance: per draft position i, the decayed share of rows that accepted i drafts among the
   rows that drafted i, so E[emitted | k] = 1 + sum_{i <= k} P(accepted >= i | drafted >= i), and
   coverage: how often a row asked for a draft at position i has one.
@@ -146,25 +150,26 @@ class Acceptance:
 
 @dataclass
 class DraftCost:
-    """The drafter's seconds per step from its recent steps: [1, k, rows, k * rows] rates."""
+    """The drafter's seconds per step from its recent steps: rates per [1, k, rows, k * rows,
+    positions caught up] (a feature that stays 0, as for model-free drafters, gets rate 0)."""
 
     window: int = 64
-    records: deque = field(default_factory=deque)  # (features [4], seconds)
-    coef: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    records: deque = field(default_factory=deque)  # (features [5], seconds)
+    coef: np.ndarray = field(default_factory=lambda: np.zeros(5))
 
     @staticmethod
-    def features(rows: int, k: int) -> np.ndarray:
-        return np.array([1.0, k, rows, k * rows], dtype=float)
+    def features(rows: int, k: int, caught_up: float = 0.0) -> np.ndarray:
+        return np.array([1.0, k, rows, k * rows, caught_up], dtype=float)
 
-    def observe(self, rows: int, k: int, seconds: float) -> None:
-        self.records.append((self.features(rows, k), seconds))
+    def observe(self, rows: int, k: int, seconds: float, caught_up: float = 0.0) -> None:
+        self.records.append((self.features(rows, k, caught_up), seconds))
         while len(self.records) > self.window:
             self.records.popleft()
         x = np.stack([f for f, _ in self.records])
         self.coef = nnls(x, np.array([s for _, s in self.records]))
 
-    def predict(self, rows: int, k: int) -> float:
-        return 0.0 if k == 0 else float(self.features(rows, k) @ self.coef)
+    def predict(self, rows: int, k: int, caught_up: float = 0.0) -> float:
+        return 0.0 if k == 0 else float(self.features(rows, k, caught_up) @ self.coef)
 
 
 @dataclass
@@ -212,6 +217,7 @@ class StepOutcome:
     draft_s: float
     drafted: list[int] = field(default_factory=list)  # [rows] drafts verified per row
     accepted: list[int] = field(default_factory=list)  # [rows]
+    caught_up: int = 0  # positions the drafter read before drafting (all rows)
 
 
 @dataclass
@@ -226,7 +232,7 @@ class SpecController:
     target: TargetCost
     cheap_drafts: bool = False
     explore_share: float = 0.02
-    min_tries: int = 4
+    min_tries: int = 32
     refit_every: int = 16
     acceptance: Acceptance = field(init=False)
     draft: DraftCost = field(default_factory=DraftCost)
@@ -239,11 +245,22 @@ class SpecController:
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.k_max)
 
-    def predict(self, rows: int, k: int, context: float, asked: int | None = None) -> float:
+    def predict(
+        self,
+        rows: int,
+        k: int,
+        context: float,
+        asked: int | None = None,
+        caught_up: float | None = None,
+    ) -> float:
         """Predicted seconds of a step of ``rows`` rows verifying ``k`` drafts (0 = plain),
-        drafting ``asked`` (default ``k``) of them."""
+        drafting ``asked`` (default ``k``) of them after catching up ``caught_up`` positions
+        (default: steady speculation's, the tokens such a step emits)."""
         asked = k if asked is None else asked
-        return self.draft.predict(rows, asked) + self.target.predict(rows, k, context)
+        if caught_up is None:
+            caught_up = rows * self.acceptance.emitted(k)
+        drafting = self.draft.predict(rows, asked, caught_up)
+        return drafting + self.target.predict(rows, k, context)
 
     def rates(self, rows: int, context: float) -> list[float]:
         """Expected emitted tokens per second for k = 0..k_max, every row drafting k."""
@@ -321,11 +338,11 @@ class SpecController:
 
     def observe(self, out: StepOutcome) -> None:
         """One finished step (``StepOutcome``)."""
-        predicted = self.predict(out.rows, out.verified, out.context, out.asked)
+        predicted = self.predict(out.rows, out.verified, out.context, out.asked, out.caught_up)
         self.predictions.append((out.rows, out.verified, predicted, out.step_s))
         self.acceptance.observe(out.drafted, out.accepted, out.asked if out.asked else None)
         if out.asked:
-            self.draft.observe(out.rows, out.asked, out.draft_s)
+            self.draft.observe(out.rows, out.asked, out.draft_s, out.caught_up)
         k = out.verified
         kind, tokens = ("verify", k + 1) if out.asked else ("decode", 1)
         seconds = out.step_s - out.draft_s

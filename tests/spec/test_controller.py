@@ -78,12 +78,26 @@ def test_acceptance_is_non_increasing_and_fades():
 
 def test_draft_cost_recovers_a_linear_cost():
     cost = DraftCost()
-    truth = np.array([1e-3, 2e-4, 5e-5, 1e-5])
+    truth = np.array([1e-3, 2e-4, 5e-5, 1e-5, 3e-5])  # the last: per position caught up
     for rows in (1, 4, 16, 64):
         for k in (1, 2, 3):
+            for caught in (rows, 3 * rows + 40):
+                cost.observe(rows, k, float(DraftCost.features(rows, k, caught) @ truth), caught)
+    want = float(DraftCost.features(8, 2, 20) @ truth)
+    assert cost.predict(8, 2, 20) == pytest.approx(want)
+    assert cost.predict(8, 0, 20) == 0.0
+
+
+def test_a_drafter_that_catches_nothing_up_costs_nothing_for_it():
+    """A model-free drafter never reports caught-up positions: that rate stays 0, so the
+    steady-state catch-up the controller assumes adds nothing to its predicted cost."""
+    cost = DraftCost()
+    truth = np.array([1e-3, 2e-4, 5e-5, 1e-5, 0.0])
+    for rows in (1, 4, 16):
+        for k in (1, 3):
             cost.observe(rows, k, float(DraftCost.features(rows, k) @ truth))
-    assert cost.predict(8, 2) == pytest.approx(float(DraftCost.features(8, 2) @ truth))
-    assert cost.predict(8, 0) == 0.0
+    assert cost.coef[4] == 0.0
+    assert cost.predict(8, 2, 100) == pytest.approx(float(DraftCost.features(8, 2) @ truth))
 
 
 def test_target_cost_fit_is_the_simulators_model(smollm2):
@@ -249,3 +263,19 @@ def test_cheap_drafts_rarely_there_mean_plain_steps(smollm2):
     np.testing.assert_allclose(ctl.acceptance.coverage(), 1 / 16, rtol=1e-6)
     ctl.draft.observe(16, 3, 0.004)  # and drafting costs 4 ms
     assert ctl.choose(16, 64.0) == 0
+
+
+def test_a_heads_step_is_priced_with_steady_speculations_catch_up(smollm2):
+    """A head reads the positions accepted since its last step before drafting. A step after a
+    stretch of plain steps catches up many (measured as such: a long step), but rates compare
+    speculation going on step after step, where each step catches up what the last emitted."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target)
+    for _ in range(20):
+        ctl.acceptance.observe([3] * 4, [2] * 4)  # every row accepts 2 of 3: emits 3
+    for rows in (1, 4, 16):
+        for caught in (rows * 3, rows * 3 + 200):  # steady, and after a plain stretch
+            ctl.draft.observe(rows, 3, 1e-3 * 3 + 2e-5 * caught, caught)
+    steady = ctl.predict(4, 3, 100.0)
+    assert steady == pytest.approx(ctl.predict(4, 3, 100.0, caught_up=12), rel=1e-6)
+    assert ctl.predict(4, 3, 100.0, caught_up=212) == pytest.approx(steady + 200 * 2e-5, rel=1e-4)
