@@ -1,7 +1,8 @@
 /* Native bf16 kernels: products y[m, n] = sum_k x[m, k] * W[n, k] (specrl_gemv_bf16 for
  * M <= 4 rows, specrl_gemm_bf16 for any M, the same sums; specrl_gemm_amx_bf16 on AMX CPUs),
- * attention over a KV cache (specrl_attention_bf16) and the per-token elementwise ops; every
- * output element is computed in one fixed order (batch-invariant).
+ * attention over a KV cache (specrl_attention_bf16), the per-token elementwise ops and a whole
+ * stack of decoder layers built from them (specrl_layers_bf16); every output element is
+ * computed in one fixed order (batch-invariant).
  *
  * Built by specrl/kernels/gemv.py (gcc, AVX512-BF16) and called through ctypes.
  * Weights are pre-packed once as Wp[N/16][K/2][16][2] (16 output rows, each a pair of
