@@ -151,9 +151,13 @@ class Acceptance:
 @dataclass
 class DraftCost:
     """The drafter's seconds per step from its recent steps: rates per [1, k, rows, k * rows,
-    positions caught up] (a feature that stays 0, as for model-free drafters, gets rate 0)."""
+    positions caught up] (a feature that stays 0, as for model-free drafters, gets rate 0).
+    Until ``full_after`` steps are in, only the per-draft-token and caught-up rates are fitted:
+    five rates from two or three steps are noise (a first fit from two explored steps priced a
+    0.6 ms head step at 6.5 ms, and speculation was then never chosen)."""
 
     window: int = 64
+    full_after: int = 8
     records: deque = field(default_factory=deque)  # (features [5], seconds)
     coef: np.ndarray = field(default_factory=lambda: np.zeros(5))
 
@@ -166,6 +170,8 @@ class DraftCost:
         while len(self.records) > self.window:
             self.records.popleft()
         x = np.stack([f for f, _ in self.records])
+        if len(self.records) < self.full_after:
+            x = x * np.array([0.0, 0.0, 0.0, 1.0, 1.0])  # dropped columns get rate 0
         self.coef = nnls(x, np.array([s for _, s in self.records]))
 
     def predict(self, rows: int, k: int, caught_up: float = 0.0) -> float:
@@ -232,7 +238,7 @@ class SpecController:
     target: TargetCost
     cheap_drafts: bool = False
     explore_share: float = 0.02
-    min_tries: int = 32
+    min_tries: int = 4
     refit_every: int = 16
     acceptance: Acceptance = field(init=False)
     draft: DraftCost = field(default_factory=DraftCost)

@@ -88,12 +88,21 @@ def test_draft_cost_recovers_a_linear_cost():
     assert cost.predict(8, 0, 20) == 0.0
 
 
+def test_a_few_steps_fit_only_the_per_draft_and_catch_up_rates():
+    """Two steps cannot tell five rates apart: until ``full_after`` steps the fit keeps the
+    per-draft-token and caught-up rates only, which two steps do determine."""
+    cost = DraftCost()
+    cost.observe(4, 3, 4 * 3 * 5e-4 + 400 * 2e-5, 400)  # after a plain stretch
+    cost.observe(2, 3, 2 * 3 * 5e-4 + 6 * 2e-5, 6)  # steady
+    np.testing.assert_allclose(cost.coef, [0, 0, 0, 5e-4, 2e-5], atol=1e-12)
+
+
 def test_a_drafter_that_catches_nothing_up_costs_nothing_for_it():
     """A model-free drafter never reports caught-up positions: that rate stays 0, so the
     steady-state catch-up the controller assumes adds nothing to its predicted cost."""
     cost = DraftCost()
     truth = np.array([1e-3, 2e-4, 5e-5, 1e-5, 0.0])
-    for rows in (1, 4, 16):
+    for rows in (1, 4, 16, 64):
         for k in (1, 3):
             cost.observe(rows, k, float(DraftCost.features(rows, k) @ truth))
     assert cost.coef[4] == 0.0
@@ -273,7 +282,7 @@ def test_a_heads_step_is_priced_with_steady_speculations_catch_up(smollm2):
     ctl = SpecController(3, target)
     for _ in range(20):
         ctl.acceptance.observe([3] * 4, [2] * 4)  # every row accepts 2 of 3: emits 3
-    for rows in (1, 4, 16):
+    for rows in (1, 2, 4, 16):
         for caught in (rows * 3, rows * 3 + 200):  # steady, and after a plain stretch
             ctl.draft.observe(rows, 3, 1e-3 * 3 + 2e-5 * caught, caught)
     steady = ctl.predict(4, 3, 100.0)
