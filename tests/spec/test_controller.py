@@ -288,3 +288,18 @@ def test_a_heads_step_is_priced_with_steady_speculations_catch_up(smollm2):
     steady = ctl.predict(4, 3, 100.0)
     assert steady == pytest.approx(ctl.predict(4, 3, 100.0, caught_up=12), rel=1e-6)
     assert ctl.predict(4, 3, 100.0, caught_up=212) == pytest.approx(steady + 200 * 2e-5, rel=1e-4)
+
+
+def test_speculation_must_beat_a_plain_step_by_the_margin(smollm2):
+    """Near break-even the prediction error decides: k > 0 only where its expected rate beats
+    a plain step's by ``margin``."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target)
+    ctl.acceptance.tries[:] = 100.0  # measured: no exploring
+    ctl.rates = lambda rows, context: [100.0, 103.0, 104.0, 101.0]
+    assert ctl.choose(4, 100.0) == 0
+    ctl.rates = lambda rows, context: [100.0, 103.0, 108.0, 101.0]
+    assert ctl.choose(4, 100.0) == 2
+    ctl.margin = 0.0
+    ctl.rates = lambda rows, context: [100.0, 103.0, 104.0, 101.0]
+    assert ctl.choose(4, 100.0) == 2
