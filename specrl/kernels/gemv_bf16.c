@@ -197,9 +197,9 @@ static inline __m512 sum16(const __m512 *v) {
 /* Scores (float32 dot products times scale) of query q [32 * DC] against the visible keys
  * idx[0..n) of one KV head, 16 keys at a time: s[c] depends on q and key c only (a block's
  * missing keys repeat its last one and are not stored). Returns their maximum. With vh (the
- * group's first head) the keys of the next block and this block's values are fetched
- * meanwhile; the other heads find them in cache. DC is a constant at every call (the
- * accumulators stay in registers). */
+ * group's first head) this block's values are fetched meanwhile (the value pass reads them);
+ * the other heads find the keys in cache. DC is a constant at every call (the accumulators
+ * stay in registers). */
 static inline __attribute__((always_inline)) float scores(const int DC, const uint16_t *q,
                                                           const uint16_t *kh, const uint16_t *vh,
                                                           const int32_t *idx, int64_t n,
