@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specrl.bench import measure_machine, run_metadata, write_result
-from specrl.kernels import gemv
+from specrl.kernels import build, gemv
 from specrl.models.checkpoints import load_model
 from specrl.models.transformer import set_native_elementwise, set_native_kernels
 
@@ -44,8 +44,8 @@ CONTENDERS = ("native", "per_module", "avx512", "no_prefetch", "torch_elementwis
 
 def no_prefetch_kernel() -> gemv.GemvKernel:
     """The library built from the same source with prefetch distance 0 (cached like the default)."""
-    flags = (*gemv.FLAGS, "-DPREFETCH=0")
-    lib = gemv.open_library(shutil.which("gcc") or "gcc", flags=flags)
+    flags = (*build.FLAGS, "-DPREFETCH=0")
+    lib = build.open_library(shutil.which("gcc") or "gcc", flags=flags)
     if lib is None:
         raise SystemExit("could not build the no-prefetch variant of the native library")
     return gemv.GemvKernel(lib)

@@ -701,7 +701,7 @@ static int layers_refuse(const int64_t *dims, const int64_t *wrows, const int64_
     const int64_t B = dims[0], T = dims[1], Hd = dims[2], NH = dims[3], KV = dims[4];
     const int64_t D = dims[5], I = dims[6], slots = dims[7], Lmax = dims[8];
     if (B < 1 || T < 1 || KV < 1 || NH % KV != 0 || D % 32 != 0 || D > 256 || I < 1 ||
-        Hd % 16 != 0 || (NH * D) % 4 != 0 || I % 16 != 0 || Hd % 4 != 0)
+        Hd % 16 != 0 || I % 16 != 0)
         return 1;
     for (int64_t n = 0; n < B * T; n++)
         if (wrows[n] < 0 || wrows[n] >= slots || wpos[n] < 0 || wpos[n] >= Lmax || lens[n] < 0 ||

@@ -322,8 +322,7 @@ class SpecController:
     def _best(self, rates: list[float]) -> int:
         """The k of the highest rate, but 0 unless speculating is expected to beat a plain step
         by ``margin``: a drafter near break-even gains nothing, and a few percent of prediction
-        error would make it lose (measured: a reasoning-preset head at ~1.1 tokens per step,
-        chosen in half the steps, gave 0.91x)."""
+        error make it lose."""
         best = int(np.argmax(rates))
         return best if rates[best] > rates[0] * (1.0 + self.margin) else 0
 

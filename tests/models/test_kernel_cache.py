@@ -1,4 +1,4 @@
-"""The native kernel's cache (specrl.kernels.gemv.open_library): only a verified library loads.
+"""The native kernel's cache (specrl.kernels.build.open_library): only a verified library loads.
 
 These run on any Linux machine with gcc: building the library needs only the compiler, and
 loading it runs no AVX512 instruction (nothing here calls the kernel). A planted library is a
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from specrl import fsutil
+from specrl.kernels import build as kbuild
 from specrl.kernels import gemv
 
 GCC = shutil.which("gcc")
@@ -83,7 +84,7 @@ def loads(monkeypatch) -> Loads:
 
 def record_of(directory: Path) -> tuple[Path, dict]:
     """The one build record in ``directory`` and its contents."""
-    (path,) = directory.glob(f"{gemv.STEM}-*.json")
+    (path,) = directory.glob(f"{kbuild.STEM}-*.json")
     return path, json.loads(path.read_text())
 
 
@@ -95,7 +96,7 @@ def genuine(directory: Path) -> str:
 
 
 def build(directory: Path, compiler: str | None = GCC):
-    return gemv.open_library(compiler, directory)
+    return kbuild.open_library(compiler, directory)
 
 
 def test_the_planted_library_runs_when_loaded(planted):
@@ -109,10 +110,10 @@ def test_first_use_builds_records_and_loads_the_recorded_library(tmp_path, loads
     d = tmp_path / "kernels"
     assert build(d) is not None
     record_path, rec = record_of(d)
-    key = gemv.build_key(GCC)
-    assert rec["key"] == key.digest and record_path.name == f"{gemv.STEM}-{key.digest}.json"
-    assert rec["format"] == gemv.RECORD_FORMAT and rec["flags"] == list(gemv.FLAGS)
-    assert rec["source_sha256"] == sha256(gemv.SOURCE)
+    key = kbuild.build_key(GCC)
+    assert rec["key"] == key.digest and record_path.name == f"{kbuild.STEM}-{key.digest}.json"
+    assert rec["format"] == kbuild.RECORD_FORMAT and rec["flags"] == list(kbuild.FLAGS)
+    assert rec["source_sha256"] == sha256(kbuild.SOURCE)
     assert rec["compiler"] == {
         "path": GCC,
         "realpath": os.path.realpath(GCC),
@@ -172,8 +173,8 @@ def test_libraries_planted_without_a_record_are_never_loaded(tmp_path, planted, 
     name of the current scheme: without a matching record neither is opened."""
     d = tmp_path / "kernels"
     d.mkdir(mode=0o700)
-    old = hashlib.sha256(gemv.SOURCE.read_bytes() + " ".join(gemv.FLAGS).encode()).hexdigest()
-    key = gemv.build_key(GCC)
+    old = hashlib.sha256(kbuild.SOURCE.read_bytes() + " ".join(kbuild.FLAGS).encode()).hexdigest()
+    key = kbuild.build_key(GCC)
     for name in (f"gemv_bf16-{old[:16]}.so", key.library_name(sha256(planted[0]))):
         shutil.copyfile(planted[0], d / name)
     assert build(d) is not None
@@ -219,7 +220,7 @@ def test_a_changed_record_is_refused_and_rebuilt(tmp_path, planted, loads, chang
     build(d)
     loads.clear()
     RECORD_CHANGES[change](record_of(d)[0], planted[0])  # planted: beside the cache, ../
-    with pytest.warns(UserWarning, match=f"refusing kernel library file .*{gemv.STEM}"):
+    with pytest.warns(UserWarning, match=f"refusing kernel library file .*{kbuild.STEM}"):
         assert build(d) is not None
     assert not planted[1].exists()
     assert loads == [genuine(d)]
@@ -227,7 +228,7 @@ def test_a_changed_record_is_refused_and_rebuilt(tmp_path, planted, loads, chang
 
 def _plant_with_record(d: Path, planted: Path) -> tuple[Path, Path]:
     """A planted library with a record that matches it (what a digest alone cannot catch)."""
-    key = gemv.build_key(GCC)
+    key = kbuild.build_key(GCC)
     digest = sha256(planted)
     lib = d / key.library_name(digest)
     shutil.copyfile(planted, lib)
@@ -315,14 +316,14 @@ def test_the_library_is_loaded_through_its_checked_descriptor(
     loads.clear()
     genuine_sha = genuine(d)
     lib = d / record_of(d)[1]["library"]
-    real_load = gemv._load_descriptor
+    real_load = kbuild._load_descriptor
 
     def swap_then_load(fd):
         shutil.copyfile(planted[0], lib.with_name("swap"))
         os.replace(lib.with_name("swap"), lib)  # the checked file, swapped for the planted one
         return real_load(fd)
 
-    monkeypatch.setattr(gemv, "_load_descriptor", swap_then_load)
+    monkeypatch.setattr(kbuild, "_load_descriptor", swap_then_load)
     assert build(d) is not None
     assert not planted[1].exists()
     assert loads == [genuine_sha] and re.fullmatch(r"/proc/self/fd/\d+", loads.names[0])
@@ -334,12 +335,12 @@ def test_a_loaded_descriptor_number_is_never_reused(tmp_path, planted):
     d = tmp_path / "kernels"
     build(d)
     first = os.open(d / record_of(d)[1]["library"], os.O_RDONLY)
-    gemv._load_descriptor(first)
+    kbuild._load_descriptor(first)
     assert os.fstat(first)  # still open: its number cannot be handed to another file
     second = os.open(planted[0], os.O_RDONLY)
     try:
         assert second != first
-        gemv._load_descriptor(second)
+        kbuild._load_descriptor(second)
     finally:
         os.close(second)
     assert planted[1].exists()  # the second library itself was loaded (its constructor ran)
@@ -394,7 +395,7 @@ def test_another_compiler_builds_its_own_library(tmp_path, loads):
     assert len({r["key"] for r in records}) == 3
     assert {r["compiler"]["path"] for r in records} == set(compilers)
     assert all(d.joinpath(name).read_bytes() == data for name, data in first.items())
-    keys = [gemv.build_key(cc).digest for cc in compilers]
+    keys = [kbuild.build_key(cc).digest for cc in compilers]
     assert len(set(keys)) == 3 and {r["key"] for r in records} == set(keys)
     assert len(loads) == 3 and all(sha in {r["sha256"] for r in records} for sha in loads)
 
@@ -445,7 +446,7 @@ def test_an_unusable_cache_warns_and_falls_back(tmp_path, monkeypatch, loads, se
     same through ``gemv_kernel`` (CPU check faked) with ``SPECRL_CACHE`` and ``$CC``."""
     compiler, d, why = setup(tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match=f"native GEMV kernel unavailable .*{why}"):
-        assert gemv.open_library(compiler, d) is None
+        assert kbuild.open_library(compiler, d) is None
     assert loads == []
     assert not d.is_dir() or not list(d.iterdir())  # no library, record or temporary
     monkeypatch.setattr(gemv, "cpu_supported", lambda: True)
