@@ -39,10 +39,8 @@ import numpy as np
 import torch
 
 from specrl.bench import bench_prompts, group_for, run_metadata, write_result
-from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams
 from specrl.sim.calibrate import FitReport, fit_trace, parse_trace
-from specrl.sim.cost import StepCostModel
-from specrl.sim.rollout import EngineConfig, simulate_rollout
+from specrl.sim.machine import MeasuredRollout, replay_seconds
 from specrl.sim.specs import load_drafter, load_hardware, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -83,15 +81,18 @@ class Run:
         """(row, speculative step) pairs: the denominator of acceptance and coverage."""
         return sum(r["batch_size"] for r in self.records if r["kind"] == "verify")
 
-    def acceptance(self, k: int) -> tuple[float, ...]:
-        """Conditional per-position acceptance a_i = P(draft i accepted | 1..i-1 accepted)."""
-        reach = [self.spec_rows, *self.accepted[:k]] + [0] * k
-        return tuple(reach[i + 1] / reach[i] if reach[i] else 0.0 for i in range(k))
-
-    def coverage(self, k: int) -> tuple[float, ...]:
-        """Per draft position, the share of (row, step) pairs that drafted a token there."""
-        drafted = self.drafted[:k] + [0] * k
-        return tuple(drafted[i] / self.spec_rows if self.spec_rows else 0.0 for i in range(k))
+    def rollout(self, k: int) -> MeasuredRollout:
+        """What the simulator replays of this run (k draft tokens per verify when speculative)."""
+        return MeasuredRollout(
+            prompt_lens=tuple(self.prompt_lens),
+            response_lens=tuple(self.response_lens),
+            k=k if self.config.spec else 0,
+            accepted=tuple(self.accepted),
+            drafted=tuple(self.drafted),
+            spec_rows=self.spec_rows,
+            group=self.group,
+            max_seqs=self.config.batch,
+        )
 
 
 def make_runner(model, tok, cfg: Config, args: argparse.Namespace):
@@ -184,21 +185,8 @@ def trace_json(runs: list[Run], drafter: str) -> dict:
 def predict(run: Run, report: FitReport, drafter: str, k: int) -> float:
     """Simulated wall time of one measured rollout with the fitted profile and its own replay."""
     spec = run.config.spec
-    costs = StepCostModel(
-        target=load_model(SIM_MODEL),
-        hw=report.profile,
-        drafter=(report.drafter or load_drafter(drafter)) if spec else None,
-        prefill_group=run.group,
-        draft_coverage=run.coverage(k) if spec else (),
-    )
-    rates = run.acceptance(k) if spec else (0.0,)
-    acceptance = AcceptanceModel("positional", AcceptanceParams(rates[0], rates))
-    cfg = EngineConfig(
-        costs, acceptance, "fixed" if spec else "off", k, max_num_seqs=run.config.batch
-    )
-    prompts = np.asarray(run.prompt_lens)
-    decoded = np.maximum(np.asarray(run.response_lens) - 1, 1)  # the prefill samples token 1
-    return simulate_rollout(prompts, decoded, cfg, replicas=1).time_s
+    draft = (report.drafter or load_drafter(drafter)) if spec else None
+    return replay_seconds(run.rollout(k), load_model(SIM_MODEL), report.profile, draft)
 
 
 def row(run: Run, predicted: float, rounds: list[Run], fitted: bool, k: int) -> dict:
@@ -217,9 +205,9 @@ def row(run: Run, predicted: float, rounds: list[Run], fitted: bool, k: int) -> 
         "cpu_rounds_s": [r.cpu_s for r in rounds],
         "steps": sum(r["kind"] in ("decode", "verify") for r in run.records),
         "mean_response_len": float(np.mean(run.response_lens)),
-        "acceptance_length": 1.0 + sum(run.accepted) / spec_rows if spec_rows else 1.0,
-        "acceptance_per_position": list(run.acceptance(k)) if spec_rows else [],
-        "draft_coverage": list(run.coverage(k)) if spec_rows else [],
+        "acceptance_length": run.rollout(k).acceptance_length,
+        "acceptance_per_position": list(run.rollout(k).acceptance()) if spec_rows else [],
+        "draft_coverage": list(run.rollout(k).coverage()) if spec_rows else [],
     }
 
 

@@ -3,8 +3,10 @@
 Contract:
 - ``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``. ``generate`` returns the call's
   completions with a copy of the engine's per-call statistics. ``update_weights`` copies the
-  tensors into the engine's own model at once when no generate call is running; during one it
-  snapshots them (engine dtype) and applies them before the next call, or, with ``in_flight``
+  tensors into the engine's own model at once when no generate call is running and packs them
+  for inference there (``transformer.prepack``: the update, not the next rollout's first
+  forward, pays for packing); during one it snapshots them (engine dtype) and applies them the
+  same way before the next call, or, with ``in_flight``
   ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
   decode steps of the running call (``Engine.stage_weights``). ``update_drafter`` loads a learned
   drafter's tensors into the engine's proposer at once, or during a generate call (the async
@@ -39,6 +41,7 @@ from specrl.engine.inflight import check_mode
 from specrl.engine.types import Request
 from specrl.models.fingerprint import fingerprint
 from specrl.models.precision import torch_dtype
+from specrl.models.transformer import prepack
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import cached_drafter
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward
@@ -92,7 +95,7 @@ class NativeBackend:
         with self._lock:
             self._newest = max(self._newest, version)
             if not self._busy:
-                copy_weights(self.engine.model, named_tensors)
+                self._load(named_tensors)
                 self.engine.policy_version = version
                 self._pending = None
             else:
@@ -110,9 +113,15 @@ class NativeBackend:
             self._drafter_version, self._pending_drafter = version, None
         if self._pending is not None:
             staged, version = self._pending
-            copy_weights(self.engine.model, staged)
+            self._load(staged)
             self.engine.policy_version = version
             self._pending = None
+
+    def _load(self, named: Mapping[str, torch.Tensor]) -> None:
+        """The engine's weights := ``named``, packed for inference now (the update pays for
+        that, not the next rollout's first forward)."""
+        copy_weights(self.engine.model, named)
+        prepack(self.engine.model)
 
     def _dtype(self) -> torch.dtype:
         return next(self.engine.model.parameters()).dtype

@@ -84,25 +84,31 @@ class Linear(nn.Linear):
 
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         """Inference with a packed weight: pick the path for x, (re)pack the weight for it."""
+        if x.numel() == 0:  # an empty product: neither the native kernel nor oneDNN is needed
+            return F.linear(x, self.weight, self.bias)
+        if self.pack(x.dtype if x.shape[-1] == self.in_features else None):
+            return self._native_forward(x, self._native)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def pack(self, dtype: torch.dtype | None) -> bool:
+        """Make the packed copy an inference input of ``dtype`` uses current (None: an input
+        the native kernel cannot take); True when it is the native kernel's. ``prepack`` calls
+        it after a weight update so that the first forward does not pay for it."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype)
-        rows = x.numel() // x.shape[-1]
-        if rows == 0:  # an empty product: neither the native kernel nor oneDNN is needed
-            return F.linear(x, w, self.bias)
-        fits = x.dtype == w.dtype and x.shape[-1] == self.in_features
-        if self.native and fits:
+        if self.native and dtype == w.dtype:
             kernel = gemv.gemv_kernel()
             if kernel is not None and kernel.fits(w):
                 if self._native is None or self._native[1] != key:
                     self._native = None  # drop the old copy before packing the new one
                     self._native = (kernel.pack(w), key, kernel)
                 self._packed = self._packed_key = None  # one packed copy, not two
-                return self._native_forward(x, self._native)
+                return True
         if self._packed_key != key:
             self._native = self._packed = None  # one packed copy, not two
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return False
 
     def native_weight(self) -> torch.Tensor | None:
         """The native packed weight, if this module would use it now and it is current (native
@@ -119,6 +125,17 @@ class Linear(nn.Linear):
         n = self.out_features
         y = kernel.matmul(x.reshape(-1, x.shape[-1]), packed, n).view(*x.shape[:-1], n)
         return y if self.bias is None else y + self.bias
+
+
+def prepack(model: nn.Module) -> None:
+    """Build now the packed weights that ``model``'s inference forwards (inputs in the weights'
+    dtype) would build on first use: after a weight update, so that the update pays for them
+    and the next forward does not. Modules that would not pack (autograd on, float32) are
+    left alone."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Linear) and m._use_packed():
+                m.pack(m.weight.dtype)
 
 
 def set_native_elementwise(model: nn.Module, enabled: bool) -> None:

@@ -17,13 +17,15 @@ engine's ``record_steps`` records, read here)::
 
 Contract: every non-draft record is priced by the cost model's own features, bytes moved, FLOPs
 (cost.weight_bytes_read, kv_bytes_read, forward_flops on one device) and, for verify records, the
-logits the rejection sampler processes (tokens x vocab) and a constant, and the fit solves
-``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit + verify * c_v`` by
-non-negative least squares on relative errors (numpy; a feature whose coefficient goes negative
-is dropped and the rest refitted). The result is written as a hardware profile: eta_mem = B_eff
-/ hbm_bandwidth, eta_compute = F_eff / peak_flops, step_overhead_s = c0, verify_s_per_logit =
-s_logit, verify_overhead_s = c_v (the fixed part of a verify step), keeping every other field of
-the base profile. Draft records of a model-free
+logits the rejection sampler processes (tokens x vocab) and a constant, for prefill records their
+FLOPs once more (a prefill's own rate on top of the decode rate), and the fit solves
+``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit + verify * c_v
++ prefill_flops * s_prefill`` by non-negative least squares on relative errors (numpy; a
+feature whose coefficient goes negative is dropped and the rest refitted). The result is
+written as a hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff /
+peak_flops, step_overhead_s = c0, verify_s_per_logit = s_logit, verify_overhead_s = c_v (the
+fixed part of a verify step), prefill_s_per_flop =
+s_prefill, keeping every other field of the base profile. Draft records of a model-free
 drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (least squares
 through the origin in the batch size); other draft records set forward_overhead_s to their median
 time. Records are split into fit and held-out sets by a seeded permutation, or by run when
@@ -161,17 +163,18 @@ def load_trace(path: Path) -> Trace:
 
 
 def features(model: ModelSpec, rec: Record) -> np.ndarray:
-    """[1, bytes moved, FLOPs, verified logits, 1 if a verify] of one record, as the cost model
-    counts them."""
+    """[1, bytes moved, FLOPs, verified logits, 1 if a verify, FLOPs if a prefill] of one
+    record, as the cost model counts them."""
     shape = ForwardShape(rec.batch_size, rec.tokens_per_seq, rec.context_len)
     moved = weight_bytes_read(model, shape.tokens) + kv_bytes_read(model, shape)
     verify = float(rec.kind == "verify")
     logits = shape.tokens * model.vocab * verify
-    return np.array([1.0, moved, forward_flops(model, shape), logits, verify])
+    flops = forward_flops(model, shape)
+    return np.array([1.0, moved, flops, logits, verify, flops * (rec.kind == "prefill")])
 
 
 def design(model: ModelSpec, records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
-    """Features [n, 4] and measured seconds [n] of ``records``."""
+    """Features [n, 6] and measured seconds [n] of ``records``."""
     x = np.stack([features(model, r) for r in records])
     return x, np.array([r.step_time_s for r in records])
 
@@ -243,7 +246,7 @@ def apply_drafts(
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
     """The profile pricing a step as the fit does: a rate the fit dropped (coefficient 0)
     becomes an infinite efficiency, so that term costs nothing in the simulator either."""
-    c0, per_byte, per_flop, per_logit, verify_s = (float(c) for c in coef)
+    c0, per_byte, per_flop, per_logit, verify_s, prefill_flop = (float(c) for c in coef)
     eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
     eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
     return replace(
@@ -254,6 +257,7 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
         step_overhead_s=c0,
         verify_s_per_logit=per_logit,
         verify_overhead_s=verify_s,
+        prefill_s_per_flop=prefill_flop,
     )
 
 
@@ -299,6 +303,7 @@ def fit_trace(
             "s_per_flop": float(coef[2]),
             "s_per_verify_logit": float(coef[3]),
             "verify_overhead_s": float(coef[4]),
+            "s_per_prefill_flop": float(coef[5]),
         },
         fit_error=mape(x[fit_idx] @ coef, y[fit_idx]),
         heldout_error=mape(x[out_idx] @ coef, y[out_idx]),

@@ -226,7 +226,8 @@ def calibrate_command(
     typer.echo(
         f"wrote {out}: step_overhead_s={p.step_overhead_s:.4g} eta_mem={p.eta_mem:.3f} "
         f"eta_compute={p.eta_compute:.3f} verify_s_per_logit={p.verify_s_per_logit:.3g} "
-        f"verify_overhead_s={p.verify_overhead_s:.3g}\n"
+        f"verify_overhead_s={p.verify_overhead_s:.3g} "
+        f"prefill_s_per_flop={p.prefill_s_per_flop:.3g}\n"
         f"fit MAPE {report.fit_error:.1%} "
         f"({report.n_fit} records), held-out MAPE {report.heldout_error:.1%} "
         f"({report.n_heldout} records)"

@@ -10,6 +10,7 @@ Contract (all times in seconds, one replica of ``gpus`` GPUs holding one copy of
               + n_seqs * (k + 1) * vocab * verify_s_per_logit          rejection sampler, logprobs
               + verify_overhead_s                                     its fixed part (0 on GPUs)
     T_prefill = step_overhead + T_forward(target, n_seqs / prefill_group prompts, prompt tokens)
+              + FLOPs * prefill_s_per_flop                            its own code path (CPU fits)
 
 Weights: every dense weight, plus for MoE the experts the forward's T routed tokens touch. With
 experts sharded tensor-parallel (``ep`` = 1, vLLM's default) each GPU reads 1/gpus of every touched
@@ -341,7 +342,11 @@ class StepCostModel:
         if n_seqs <= 0:
             return 0.0
         prompts = math.ceil(n_seqs / self.prefill_group)
-        return self.hw.step_overhead_s + self.target_forward(prompts, prompt_len, context)
+        extra = 0.0
+        if self.hw.prefill_s_per_flop:
+            shape = ForwardShape(prompts, prompt_len, context)
+            extra = self.hw.prefill_s_per_flop * forward_flops(self.target, shape)
+        return self.hw.step_overhead_s + self.target_forward(prompts, prompt_len, context) + extra
 
     def weight_bytes(self) -> float:
         """Bytes of the replica's weights: the target at its precision, the drafter in bf16."""

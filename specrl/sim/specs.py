@@ -122,6 +122,10 @@ class HardwareSpec:
     # Seconds a speculative step's verification adds whatever its size (building the draft
     # batch, the rejection sampler's setup and bookkeeping): fitted on CPUs, 0 elsewhere.
     verify_overhead_s: float = 0.0
+    # Extra seconds per FLOP of a prefill beyond the decode rate (1 / (peak * eta_compute)):
+    # for engines whose prefill runs another code path than decode (specrl's native engine
+    # decodes in its own kernels and prefills through torch); fitted on CPUs, 0 elsewhere.
+    prefill_s_per_flop: float = 0.0
     peak_flops_fp8: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores)
     # expert-parallel all-to-all (dispatch or combine, one MoE layer): latency + bytes over the
     # link bandwidth times this efficiency (fitted on DeepEP's published kernel times)

@@ -148,3 +148,31 @@ def test_a_draft_heads_layer_runs_in_one_call_bit_for_bit(arch, fused_calls, cal
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert len(calls) == fused_calls  # the second pass: all three steps (packed by the first)
+
+
+@needs_kernel
+def test_prepack_packs_every_product_now_and_changes_no_result(calls):
+    from specrl.models.transformer import Linear, prepack
+
+    model = tiny_bf16()
+    before = run(model, True, 2, 1)
+    with torch.no_grad():
+        model.layers[1].mlp.down.weight.mul_(-1)
+        model.layers[1].mlp.down.weight.mul_(-1)  # same values, a new version: stale copy
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.layers[1].mlp.down.native_weight() is None
+    prepack(model)
+    assert all(m.native_weight() is not None for m in linears)
+    packed = [m.native_weight() for m in linears]
+    after = run(model, True, 2, 1)  # no product is repacked: the same packed tensors
+    assert all(m.native_weight() is p for m, p in zip(linears, packed, strict=True))
+    assert_same(before, after)
+
+
+def test_prepack_leaves_float32_and_autograd_models_unpacked():
+    from specrl.models.transformer import Linear, prepack
+
+    model = tiny_bf16().float()
+    prepack(model)
+    assert all(m._native is None and m._packed is None
+               for m in model.modules() if isinstance(m, Linear))  # fmt: skip

@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from specrl.sim.calibrate import fit_trace, parse_trace
-from specrl.sim.cost import StepCostModel
+from specrl.sim.cost import ForwardShape, StepCostModel, forward_flops
 from specrl.sim.specs import list_specs, load_drafter, load_hardware, load_model
 
 SMOL = load_model("smollm2-135m")
@@ -64,6 +64,14 @@ def test_verify_sampler_prices_every_verified_logit():
     assert sampler.decode(8, 200) == base.decode(8, 200)
 
 
+def test_prefill_rate_adds_to_prefills_only():
+    base = costs()
+    own = replace(base, hw=replace(base.hw, prefill_s_per_flop=1e-12))
+    flops = forward_flops(SMOL, ForwardShape(3, 100, 0.0))
+    assert own.prefill(3, 100) - base.prefill(3, 100) == pytest.approx(flops * 1e-12)
+    assert own.decode(8, 200) == base.decode(8, 200)
+
+
 def _record(kind: str, b: int, t: int, ctx: int, seconds: float, config: str) -> dict:
     return {"kind": kind, "batch_size": b, "tokens_per_seq": t, "context_len": ctx,
             "step_time_s": seconds, "config": config}  # fmt: skip
@@ -75,6 +83,7 @@ def _trace(truth: StepCostModel, cpu_s_per_seq: float) -> dict:
     step = truth.hw.step_overhead_s
     for config, batches in (("small", (1, 2, 4)), ("big", (16, 32, 64))):
         for b in batches:
+            records.append(_record("prefill", b, 40, 0, truth.prefill(b, 40), config))
             for ctx in (32, 128, 512):
                 records += [
                     _record("decode", b, 1, ctx, step + truth.target_forward(b, 1, ctx), config),
@@ -85,15 +94,16 @@ def _trace(truth: StepCostModel, cpu_s_per_seq: float) -> dict:
     return meta | {"drafter": "ngram", "records": records}
 
 
-def test_calibration_recovers_the_verify_sampler_and_drafter_cost():
-    hw = replace(load_hardware("cpu-2core"), verify_s_per_logit=3e-9)
+def test_calibration_recovers_the_verify_sampler_prefill_and_drafter_cost():
+    hw = replace(load_hardware("cpu-2core"), verify_s_per_logit=3e-9, prefill_s_per_flop=2e-12)
     trace = parse_trace(_trace(StepCostModel(SMOL, hw), cpu_s_per_seq=2e-4))
     report = fit_trace(trace, load_hardware("cpu-2core"), heldout_configs=("big",))
     assert report.profile.verify_s_per_logit == pytest.approx(3e-9, rel=1e-6)
+    assert report.profile.prefill_s_per_flop == pytest.approx(2e-12, rel=1e-6)
     assert report.profile.step_overhead_s == pytest.approx(hw.step_overhead_s, rel=1e-6)
     assert report.drafter.cpu_s_per_seq == pytest.approx(2e-4)
     assert report.drafter.kind == "ngram"
-    assert report.n_fit == report.n_heldout == 18  # whole runs held out, draft records aside
+    assert report.n_fit == report.n_heldout == 21  # whole runs held out, draft records aside
     assert report.heldout_error == pytest.approx(0.0, abs=1e-9)
 
 
@@ -111,7 +121,7 @@ def test_cli_calibrate_takes_base_from_trace_and_writes_the_drafter(tmp_path):
     res = CliRunner().invoke(app, [*args, "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["n_heldout"] == 18 and out["drafter"]["cpu_s_per_seq"] == pytest.approx(2e-4)
+    assert out["n_heldout"] == 21 and out["drafter"]["cpu_s_per_seq"] == pytest.approx(2e-4)
     assert load_hardware(str(prof)).name == "cpu-2core-calibrated"
     drafter = load_drafter(str(tmp_path / "fit-drafter.toml"))
     assert drafter.cpu_s_per_seq == pytest.approx(2e-4)

@@ -1,0 +1,50 @@
+"""A weight update on the native backend packs the engine's weights at once: the next rollout's
+first forward packs nothing, and generates what the lazily packed engine generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrl.backends.native import NativeBackend
+from specrl.engine import Engine, Request
+from specrl.kernels import gemv
+from specrl.models.transformer import Linear
+from specrl.sampling import SamplingParams
+from tests.conftest import make_tiny
+
+KERNEL = gemv.gemv_kernel()
+REQUESTS = [Request([3, 5, 7, 9], SamplingParams(temperature=1.0, max_new_tokens=6, seed=s))
+            for s in range(3)]  # fmt: skip
+
+
+def engine_bf16() -> Engine:
+    return Engine(make_tiny(head_dim=32).to(torch.bfloat16), max_batch=4)
+
+
+def new_weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {n: p + 0.3 * torch.randn(p.shape, generator=gen)
+            for n, p in make_tiny(head_dim=32).named_parameters()}  # fmt: skip
+
+
+@pytest.mark.skipif(KERNEL is None, reason="native kernels cannot run here")
+def test_update_packs_now_and_the_next_rollout_packs_nothing(monkeypatch):
+    backend = NativeBackend(engine_bf16())
+    backend.generate(REQUESTS)
+    backend.update_weights(new_weights(), version=1)
+    linears = [m for m in backend.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.native_weight() is not None for m in linears)
+    packs = []
+    real = KERNEL.pack
+    monkeypatch.setattr(KERNEL, "pack", lambda *a, **k: packs.append(1) or real(*a, **k))
+    out = backend.generate(REQUESTS)
+    assert packs == []
+    # the same tokens as an engine that loads the weights and packs on first use
+    lazy = engine_bf16()
+    with torch.no_grad():
+        for name, p in lazy.model.named_parameters():
+            p.copy_(new_weights()[name])
+    expected = lazy.generate(REQUESTS)
+    assert [c.token_ids for c in out.completions] == [c.token_ids for c in expected]
+    assert len(packs) == len(linears)  # the lazy engine packed each product on first use
