@@ -318,7 +318,7 @@ def main() -> None:
         | {"seconds": time.perf_counter() - t0},
         "fit": {
             "engine": report.to_json(),
-            "learner": asdict(learner),
+            "learner": {k: v if np.isfinite(v) else None for k, v in asdict(learner).items()},
             "overlap": {"generation": overlap.generation, "learning": overlap.learning},
         },
         "configs": rows,
