@@ -40,7 +40,7 @@ import torch
 
 from specrl.bench import bench_prompts, group_for, run_metadata, write_result
 from specrl.sim.calibrate import FitReport, fit_trace, parse_trace
-from specrl.sim.machine import MeasuredRollout, replay_seconds
+from specrl.sim.machine import MeasuredRollout, error_summary, error_table, replay_seconds
 from specrl.sim.specs import load_drafter, load_hardware, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -211,16 +211,6 @@ def row(run: Run, predicted: float, rounds: list[Run], fitted: bool, k: int) -> 
     }
 
 
-def summary(rows: list[dict]) -> dict:
-    held = [abs(r["error"]) for r in rows if not r["fitted"]]
-    fit = [abs(r["error"]) for r in rows if r["fitted"]]
-    return {
-        "heldout_mean_abs_error": float(np.mean(held)),
-        "heldout_max_abs_error": float(np.max(held)),
-        "fitted_mean_abs_error": float(np.mean(fit)),
-    }
-
-
 def evaluate(
     runs: list[Run], configs: list[Config], held: tuple[str, ...], args: argparse.Namespace
 ) -> tuple[dict, dict]:
@@ -239,7 +229,7 @@ def evaluate(
         )
         for c in configs
     ]
-    return trace, {"fit": report.to_json(), "configs": rows, "summary": summary(rows)}
+    return trace, {"fit": report.to_json(), "configs": rows, "summary": error_summary(rows)}
 
 
 def on_cpu_clock(run: Run) -> Run:
@@ -258,13 +248,7 @@ def print_table(rows: list[dict], fit: dict) -> None:
         f"verify_s_per_logit={p['verify_s_per_logit']:.3g}, record MAPE "
         f"{fit['fit_mape']:.1%} (held-out records {fit['heldout_mape']:.1%})"
     )
-    print(f"{'config':>10} {'set':>8} {'accept':>6} {'measured s':>10} {'predicted s':>11} error")
-    for r in rows:
-        kind = "fit" if r["fitted"] else "held-out"
-        print(
-            f"{r['config']:>10} {kind:>8} {r['acceptance_length']:6.2f} {r['measured_s']:10.2f} "
-            f"{r['predicted_s']:11.2f} {r['error']:+6.1%}"
-        )
+    print(error_table(rows, 10))
 
 
 def parse_args() -> argparse.Namespace:

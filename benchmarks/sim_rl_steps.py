@@ -53,6 +53,8 @@ from specrl.sim.machine import (
     LearnerShape,
     MeasuredRollout,
     MeasuredStep,
+    error_summary,
+    error_table,
     fit_learner,
     fit_overlap,
     predict_run,
@@ -264,16 +266,6 @@ def result_row(run: Run, phases: tuple[list, list], overlap: Overlap, fitted: bo
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'config':>18} {'set':>8} {'accept':>6} {'measured s':>10} {'predicted s':>11} error")
-    for r in rows:
-        kind = "fit" if r["fitted"] else "held-out"
-        print(
-            f"{r['config']:>18} {kind:>8} {r['acceptance_length']:6.2f} {r['measured_s']:10.2f} "
-            f"{r['predicted_s']:11.2f} {r['error']:+6.1%}"
-        )
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -302,13 +294,8 @@ def main() -> None:
     fitted = {c.label for c in configs if c.prompts in fit_p}
     report, learner, overlap, phases = fit(runs, fitted)
     rows = [result_row(r, phases[r.config.label], overlap, r.config.label in fitted) for r in runs]
-    print_table(rows)
-    held = [abs(r["error"]) for r in rows if not r["fitted"]]
-    summary = {
-        "heldout_mean_abs_error": float(np.mean(held)),
-        "heldout_max_abs_error": float(np.max(held)),
-        "fitted_mean_abs_error": float(np.mean([abs(r["error"]) for r in rows if r["fitted"]])),
-    }
+    print(error_table(rows, 18))
+    summary = error_summary(rows)
     print(summary)
     print(f"learner: {learner}; overlap {overlap}")
     result = {

@@ -173,3 +173,29 @@ def fit_overlap(
             if err < best_err:
                 best, best_err = ov, err
     return best
+
+
+def error_summary(rows: Sequence[dict]) -> dict[str, float]:
+    """Mean and max |error| of held-out rows, mean of fitted ones (rows with "error", "fitted")."""
+    held = [abs(r["error"]) for r in rows if not r["fitted"]]
+    fit = [abs(r["error"]) for r in rows if r["fitted"]]
+    return {
+        "heldout_mean_abs_error": float(np.mean(held)),
+        "heldout_max_abs_error": float(np.max(held)),
+        "fitted_mean_abs_error": float(np.mean(fit)),
+    }
+
+
+def error_table(rows: Sequence[dict], width: int) -> str:
+    """Predicted vs measured, one line per row ("config", "fitted", "acceptance_length",
+    "measured_s", "predicted_s", "error"), configs right-aligned in ``width`` characters."""
+    lines = [
+        f"{'config':>{width}} {'set':>8} {'accept':>6} {'measured s':>10} {'predicted s':>11} error"
+    ]
+    for r in rows:
+        kind = "fit" if r["fitted"] else "held-out"
+        lines.append(
+            f"{r['config']:>{width}} {kind:>8} {r['acceptance_length']:6.2f} "
+            f"{r['measured_s']:10.2f} {r['predicted_s']:11.2f} {r['error']:+6.1%}"
+        )
+    return "\n".join(lines)

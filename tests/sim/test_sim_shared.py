@@ -102,3 +102,23 @@ def test_measured_rollout_acceptance_is_conditional_per_position():
     assert r.acceptance() == pytest.approx((0.4, 0.5, 0.25))
     assert r.coverage() == pytest.approx((1.0, 0.8, 0.5))
     assert r.acceptance_length == pytest.approx(1.65)
+
+
+def test_error_summary_and_table_separate_fitted_from_held_out_rows():
+    from specrl.sim.machine import error_summary, error_table
+
+    rows = [
+        {"config": "a", "fitted": True, "acceptance_length": 1.0, "measured_s": 2.0,
+         "predicted_s": 2.2, "error": 0.1},
+        {"config": "b", "fitted": False, "acceptance_length": 1.5, "measured_s": 4.0,
+         "predicted_s": 3.0, "error": -0.25},
+        {"config": "c", "fitted": False, "acceptance_length": 1.2, "measured_s": 1.0,
+         "predicted_s": 1.05, "error": 0.05},
+    ]  # fmt: skip
+    got = error_summary(rows)
+    assert got["heldout_mean_abs_error"] == pytest.approx(0.15)
+    assert got["heldout_max_abs_error"] == pytest.approx(0.25)
+    assert got["fitted_mean_abs_error"] == pytest.approx(0.1)
+    lines = error_table(rows, 6).splitlines()
+    assert len(lines) == 4
+    assert lines[2].split() == ["b", "held-out", "1.50", "4.00", "3.00", "-25.0%"]
