@@ -192,7 +192,7 @@ def predict(run: Run, report: FitReport, drafter: str, k: int) -> float:
 def row(run: Run, predicted: float, rounds: list[Run], fitted: bool, k: int) -> dict:
     """One configuration's line of the result: median round measured vs predicted."""
     cfg = run.config
-    spec_rows = run.spec_rows
+    spec_rows, replay = run.spec_rows, run.rollout(k)
     return {
         "config": cfg.label,
         "batch_size": cfg.batch,
@@ -205,9 +205,9 @@ def row(run: Run, predicted: float, rounds: list[Run], fitted: bool, k: int) -> 
         "cpu_rounds_s": [r.cpu_s for r in rounds],
         "steps": sum(r["kind"] in ("decode", "verify") for r in run.records),
         "mean_response_len": float(np.mean(run.response_lens)),
-        "acceptance_length": run.rollout(k).acceptance_length,
-        "acceptance_per_position": list(run.rollout(k).acceptance()) if spec_rows else [],
-        "draft_coverage": list(run.rollout(k).coverage()) if spec_rows else [],
+        "acceptance_length": replay.acceptance_length,
+        "acceptance_per_position": list(replay.acceptance()) if spec_rows else [],
+        "draft_coverage": list(replay.coverage()) if spec_rows else [],
     }
 
 

@@ -130,8 +130,8 @@ class Linear(nn.Linear):
 def prepack(model: nn.Module) -> None:
     """Build now the packed weights that ``model``'s inference forwards (inputs in the weights'
     dtype) would build on first use: after a weight update, so that the update pays for them
-    and the next forward does not. Modules that would not pack (autograd on, float32) are
-    left alone."""
+    and the next forward does not. Modules whose weights no packed path takes (float32, a
+    dtype oneDNN cannot pack here) are left alone."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, Linear) and m._use_packed():

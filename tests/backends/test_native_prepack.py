@@ -41,10 +41,10 @@ def test_update_packs_now_and_the_next_rollout_packs_nothing(monkeypatch):
     out = backend.generate(REQUESTS)
     assert packs == []
     # the same tokens as an engine that loads the weights and packs on first use
-    lazy = engine_bf16()
+    lazy, named = engine_bf16(), new_weights()
     with torch.no_grad():
         for name, p in lazy.model.named_parameters():
-            p.copy_(new_weights()[name])
+            p.copy_(named[name])
     expected = lazy.generate(REQUESTS)
     assert [c.token_ids for c in out.completions] == [c.token_ids for c in expected]
     assert len(packs) == len(linears)  # the lazy engine packed each product on first use
