@@ -41,7 +41,7 @@ from specrl.engine.inflight import InflightUpdates, WeightStage
 from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
-from specrl.models.transformer import Transformer
+from specrl.models.transformer import Transformer, prepack
 from specrl.sampling import (
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -167,6 +167,9 @@ class Engine(InflightUpdates):
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
         self.draft_model = draft_model
+        for m in (model, draft_model):  # packed weights now, in one buffer each (huge pages)
+            if m is not None:
+                prepack(m)
         self.max_batch = max_batch
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)

@@ -7,7 +7,8 @@ Linux/x86 with the ``avx512f avx512bw avx512vl avx512_bf16`` flags, no C compile
 in the environment. Callers then use PyTorch's ops; nothing else changes. It never raises. The
 result is cached per process (``functools.cache``).
 
-``GemvKernel.pack(weight [N, K] bf16) -> [N/16, K/2, 16, 2]`` lays the weight out once;
+``GemvKernel.pack(weight [N, K] bf16, out=None) -> [N/16, K/2, 16, 2]`` lays the weight out once
+(into ``out`` when given: a repack in place);
 ``GemvKernel.matmul(x [M, K] bf16, packed, n) -> [M, N] bf16`` computes ``x @ weight.T`` with
 float32 accumulation for any M >= 0 (M = 0 returns an empty [0, N] without calling the
 library). Up to ``MAX_ROWS`` rows it reads the weight once per call (the GEMV path: decoding is
@@ -55,6 +56,7 @@ from pathlib import Path
 import torch
 
 from specrl.kernels.build import open_library, unavailable
+from specrl.kernels.hugepages import huge_zeros
 
 MAX_ROWS = 4  # rows the GEMV path multiplies in one pass over the weight (more: tiled GEMM)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -110,10 +112,23 @@ class GemvKernel:
         )
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] bf16 -> [N/16, K/2, 16, 2]: 16 output rows x 2 consecutive ks per 64 bytes."""
+    def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
+        """The shape ``pack`` gives ``weight`` [N, K]: [N/16, K/2, 16, 2]."""
         n, k = weight.shape
-        return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return (n // 16, k // 2, 16, 2)
+
+    @staticmethod
+    def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] bf16 -> [N/16, K/2, 16, 2]: 16 output rows x 2 consecutive ks per 64 bytes,
+        written into ``out`` (a contiguous tensor of that shape: a repack in place) or into a
+        new tensor (on huge pages where it is large enough: decoding streams it)."""
+        n, k = weight.shape
+        src = weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+        if out is None:
+            out = huge_zeros(src.shape, weight.dtype)
+        elif out.shape != src.shape or not out.is_contiguous():
+            raise ValueError(f"cannot pack a [{n}, {k}] weight into {tuple(out.shape)}")
+        return out.copy_(src)
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x [M, K] bf16 (any M) times the packed [N, K] weight transposed -> [M, N]; each

@@ -38,6 +38,10 @@
 #define ZERO _mm512_setzero_ps()
 #define BCAST(p, k) ((__m512bh)_mm512_set1_epi32((int)(p)[k]))
 #define DP(acc, w, p, k) acc = _mm512_dpbf16_ps(acc, w, BCAST(p, k))
+/* Attention fetches the cache rows it reads next into L2, not L1: fetches into L1 hold the few
+ * line-fill buffers that the cache stream itself needs. A distance, not a result: the numerics
+ * do not depend on it. */
+#define ATT_HINT _MM_HINT_T1
 
 static inline void store_bf16(uint16_t *y, __m512 a, __m512 b) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
@@ -216,7 +220,7 @@ static inline __attribute__((always_inline)) float scores(const int DC, const ui
             const int64_t key = idx[c0 + (j < cnt ? j : cnt - 1)];
             const uint16_t *kr = kh + key * D;
             if (vh) /* the value pass reads this key's value next: fetch it meanwhile */
-                for (int d = 0; d < DC; d++) _mm_prefetch((const char *)(vh + key * D + d * 32), _MM_HINT_T0);
+                for (int d = 0; d < DC; d++) _mm_prefetch((const char *)(vh + key * D + d * 32), ATT_HINT);
             acc[j] = ZERO;
 #pragma GCC unroll 8
             for (int d = 0; d < DC; d++)
@@ -255,7 +259,7 @@ static inline __attribute__((always_inline)) void weighted_values(
     for (int64_t c = 0; c < n; c++) {
         const uint16_t *vr = vh + (int64_t)idx[c] * D;
         if (next)
-            for (int d = 0; d < DV; d += 2) _mm_prefetch((const char *)(next + c * D + d * 16), _MM_HINT_T0);
+            for (int d = 0; d < DV; d += 2) _mm_prefetch((const char *)(next + c * D + d * 16), ATT_HINT);
         __m512 v[16];
 #pragma GCC unroll 16
         for (int d = 0; d < DV; d++)
@@ -518,21 +522,22 @@ static inline void amx_store(const float *c, int64_t m0, int64_t M, int nb, int 
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + (2 * i + j) * 256 + r * 16)));
 }
 
-/* Columns [n0, n0 + 16 * nb) (nb = 1 or 2 packed blocks) for every 16-row tile of xp, two
- * row tiles per pass over K (up to four accumulators in flight: the dot products of one
- * accumulator wait on each other, so one or two alone leave the unit idle). Each output element
- * is still one accumulator's chain over k in order, whatever rows share its pass. */
-static void amx_columns(const uint16_t *w, int64_t ws, int nb, const uint16_t *xp, int64_t mp,
-                        int64_t M, int64_t K, uint16_t *y, int64_t N, float *c) {
+/* Columns [n0, n0 + 16 * nb) (nb = 1 or 2 packed blocks) for the 16-row tiles of xp in rows
+ * [m_lo, m_hi), two row tiles per pass over K (up to four accumulators in flight: the dot
+ * products of one accumulator wait on each other, so one or two alone leave the unit idle).
+ * Each output element is still one accumulator's chain over k in order, whatever rows share
+ * its pass. */
+static void amx_columns(const uint16_t *w, int64_t ws, int nb, const uint16_t *xp, int64_t m_lo,
+                        int64_t m_hi, int64_t M, int64_t K, uint16_t *y, int64_t N, float *c) {
     const int64_t chunks = K / 32;
-    for (int64_t m0 = 0; m0 < mp; m0 += 32) {
-        const int two = m0 + 16 < mp;
+    for (int64_t m0 = m_lo; m0 < m_hi; m0 += 32) {
+        const int two = m0 + 16 < m_hi;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kc = 0; kc < chunks; kc++) {
-            if (m0 == 0 && kc + AMX_PF_CHUNKS < chunks) { /* later passes find them in cache */
+            if (m0 == m_lo && kc + AMX_PF_CHUNKS < chunks) { /* later passes: in cache */
                 prefetch_tile(w + (kc + AMX_PF_CHUNKS) * 512);
                 if (nb == 2) prefetch_tile(w + ws + (kc + AMX_PF_CHUNKS) * 512);
             }
@@ -558,7 +563,12 @@ static void amx_columns(const uint16_t *w, int64_t ws, int nb, const uint16_t *x
     }
 }
 
-/* wp: packed weights [N/16][K/2][16][2]; x: [M, K]; y: [M, N]; any M >= 1; K % 32 == 0. */
+/* wp: packed weights [N/16][K/2][16][2]; x: [M, K]; y: [M, N]; any M >= 1; K % 32 == 0.
+ * Rows go in blocks of AMX_ROW_BLOCK (that block of x stays in L2 while every column tile
+ * passes over it: a long prefill no longer streams all of x from memory once per tile), the
+ * column tiles of a block split over the threads. The order of work changes nothing in any
+ * output element's sums. */
+#define AMX_ROW_BLOCK 128
 int specrl_gemm_amx_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t M,
                          int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 16 != 0 || K % 32 != 0) return 1;
@@ -572,10 +582,13 @@ int specrl_gemm_amx_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int
     {
         float c[1024] __attribute__((aligned(64)));
         amx_configure();
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles_n; t++) {
-            int nb = (2 * t + 2 <= blocks_n) ? 2 : 1;
-            amx_columns(wp + 2 * t * ws, ws, nb, xp, mp, M, K, y + 2 * t * 16, N, c);
+        for (int64_t m_lo = 0; m_lo < mp; m_lo += AMX_ROW_BLOCK) {
+            const int64_t m_hi = m_lo + AMX_ROW_BLOCK < mp ? m_lo + AMX_ROW_BLOCK : mp;
+#pragma omp for schedule(static) nowait /* a thread's columns: the same in every block */
+            for (int64_t t = 0; t < tiles_n; t++) {
+                const int nb = (2 * t + 2 <= blocks_n) ? 2 : 1;
+                amx_columns(wp + 2 * t * ws, ws, nb, xp, m_lo, m_hi, M, K, y + 2 * t * 16, N, c);
+            }
         }
         _tile_release();
     }

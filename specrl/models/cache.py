@@ -10,7 +10,8 @@ prompt's cache to GRPO siblings and ``move_positions`` moves single entries insi
 accepted branch of a draft tree to where the sequence continues). ``grow`` lengthens every slot
 in place of a reservation up front (the engine grows the cache as its rows get longer).
 bf16 writes outside autograd go through the native kernel where it runs (one copy per token and
-head instead of an index_put; the same values).
+head instead of an index_put; the same values). CPU caches sit on huge pages where the OS grants
+them (``specrl.kernels.hugepages``: attention streams them every step).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from specrl.kernels import gemv
+from specrl.kernels.hugepages import huge_zeros
 
 
 class KVCache:
@@ -34,8 +36,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, torch.device(device))
+        self.v = _zeros(shape, dtype, torch.device(device))
 
     @property
     def slots(self) -> int:
@@ -101,6 +103,13 @@ class KVCache:
 def _longer(t: torch.Tensor, max_len: int) -> torch.Tensor:
     """A copy of cache tensor t [layers, slots, heads, L, dim] with L = max_len (zeros after)."""
     layers, slots, heads, length, dim = t.shape
-    out = torch.zeros((layers, slots, heads, max_len, dim), dtype=t.dtype, device=t.device)
+    out = _zeros((layers, slots, heads, max_len, dim), t.dtype, t.device)
     out[:, :, :, :length] = t
     return out
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor: on huge pages on the CPU (where granted), plain elsewhere."""
+    if device.type == "cpu":
+        return huge_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

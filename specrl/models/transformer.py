@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrl.kernels import gemv
+from specrl.kernels.hugepages import huge_zeros
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import native_layers
@@ -90,25 +91,43 @@ class Linear(nn.Linear):
             return self._native_forward(x, self._native)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
-    def pack(self, dtype: torch.dtype | None) -> bool:
+    def pack(self, dtype: torch.dtype | None, out: torch.Tensor | None = None) -> bool:
         """Make the packed copy an inference input of ``dtype`` uses current (None: an input
         the native kernel cannot take); True when it is the native kernel's. ``prepack`` calls
-        it after a weight update so that the first forward does not pay for it."""
+        it after a weight update so that the first forward does not pay for it. A native copy
+        is rebuilt in its old buffer (else in ``out``, when given, else in a new one)."""
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype)
-        if self.native and dtype == w.dtype:
-            kernel = gemv.gemv_kernel()
-            if kernel is not None and kernel.fits(w):
-                if self._native is None or self._native[1] != key:
-                    self._native = None  # drop the old copy before packing the new one
-                    self._native = (kernel.pack(w), key, kernel)
-                self._packed = self._packed_key = None  # one packed copy, not two
-                return True
+        kernel = self._native_kernel(dtype)
+        if kernel is not None:
+            if self._native is None or self._native[1] != key:
+                old = self._native[0] if self._native is not None else None
+                if old is None or old.shape != kernel.packed_shape(w):
+                    self._native = old = None  # drop the old copy before packing the new one
+                self._native = (kernel.pack(w, old if old is not None else out), key, kernel)
+            self._packed = self._packed_key = None  # one packed copy, not two
+            return True
         if self._packed_key != key:
             self._native = self._packed = None  # one packed copy, not two
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
         return False
+
+    def _native_kernel(self, dtype: torch.dtype | None) -> gemv.GemvKernel | None:
+        """The native kernel when inputs of ``dtype`` would multiply through it, else None."""
+        if not self.native or dtype != self.weight.dtype:
+            return None
+        kernel = gemv.gemv_kernel()
+        return kernel if kernel is not None and kernel.fits(self.weight) else None
+
+    def native_buffer_shape(self) -> tuple[int, ...] | None:
+        """The shape of a native packed copy this weight needs a new buffer for (None: it is
+        not packed natively, or its current buffer already has that shape)."""
+        kernel = self._native_kernel(self.weight.dtype) if self._use_packed() else None
+        if kernel is None:
+            return None
+        shape = kernel.packed_shape(self.weight)
+        return None if self._native is not None and self._native[0].shape == shape else shape
 
     def native_weight(self) -> torch.Tensor | None:
         """The native packed weight, if this module would use it now and it is current (native
@@ -133,9 +152,26 @@ def prepack(model: nn.Module) -> None:
     and the next forward does not. Modules whose weights no packed path takes (float32, a
     dtype oneDNN cannot pack here) are left alone."""
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, Linear) and m._use_packed():
-                m.pack(m.weight.dtype)
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m._use_packed()]
+        buffers = _native_buffers(linears)
+        for m in linears:
+            m.pack(m.weight.dtype, buffers.get(id(m)))
+
+
+def _native_buffers(linears: list[Linear]) -> dict[int, torch.Tensor]:
+    """New buffers for the native packed copies ``linears`` lack, keyed by module id: views of
+    ONE zeroed allocation (on huge pages where granted: decoding streams them all every step,
+    and most are smaller than a huge page)."""
+    needs = [(m, s) for m in linears if (s := m.native_buffer_shape()) is not None]
+    views = {}
+    for dtype in {m.weight.dtype for m, _ in needs}:
+        group = [(id(m), s) for m, s in needs if m.weight.dtype == dtype]
+        arena = huge_zeros((sum(math.prod(s) for _, s in group),), dtype)
+        start = 0
+        for key, shape in group:
+            views[key] = arena[start : start + math.prod(shape)].view(shape)
+            start += math.prod(shape)
+    return views
 
 
 def set_native_elementwise(model: nn.Module, enabled: bool) -> None:

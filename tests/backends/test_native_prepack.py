@@ -35,13 +35,13 @@ def test_update_packs_now_and_the_next_rollout_packs_nothing(monkeypatch):
     backend.update_weights(new_weights(), version=1)
     linears = [m for m in backend.engine.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.native_weight() is not None for m in linears)
-    packs = []
-    real = KERNEL.pack
-    monkeypatch.setattr(KERNEL, "pack", lambda *a, **k: packs.append(1) or real(*a, **k))
+    lazy, named = engine_bf16(), new_weights()  # built (and packed) before the count starts
+    packs, kernel = [], gemv.gemv_kernel()  # what the modules get now (other tests clear it)
+    real = kernel.pack
+    monkeypatch.setattr(kernel, "pack", lambda *a, **k: packs.append(1) or real(*a, **k))
     out = backend.generate(REQUESTS)
     assert packs == []
     # the same tokens as an engine that loads the weights and packs on first use
-    lazy, named = engine_bf16(), new_weights()
     with torch.no_grad():
         for name, p in lazy.model.named_parameters():
             p.copy_(named[name])
