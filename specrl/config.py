@@ -29,6 +29,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomlkit
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -414,10 +415,12 @@ class Config(_Section):
     def to_toml(self) -> str:
         """A TOML document (each field's description as a comment above it) that
         ``load_config`` reads back to an equal config."""
-        parts = [f"# {type(self).__doc__}\n"]
+        doc = tomlkit.document()
+        doc.add(tomlkit.comment(type(self).__doc__ or ""))
         for name in type(self).model_fields:
-            parts.append(_section_toml(getattr(self, name), name))
-        return "\n".join(parts)
+            doc.add(tomlkit.nl())
+            doc.add(name, _section_toml(getattr(self, name)))
+        return tomlkit.dumps(doc)
 
 
 # --------------------------------------------------------------------------- loading
@@ -489,7 +492,7 @@ def _describe(err: dict[str, Any]) -> str:
 def _shown(value: Any) -> str:
     """A bad value as the user wrote it (JSON, but ``inf``/``nan`` as in TOML)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return _toml_value(value)
+        return tomlkit.item(value).as_string()
     return json.dumps(value, default=str)
 
 
@@ -534,47 +537,23 @@ def _set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
 # --------------------------------------------------------------------------- writing TOML
 
 
-def _section_toml(section: BaseModel, name: str) -> str:
-    lines = [f"[{name}]  # {type(section).__doc__}"]
-    tables = []
-    for key, info in type(section).model_fields.items():
-        value = section.model_dump(mode="json")[key]
-        if value is None:
-            lines.append(f"# {key}: {info.description} (unset)")
-        elif isinstance(value, dict):
-            table = f"{name}.{key}"
-            tables.append(f"\n# {info.description}\n[{table}]\n" + _toml_document(value, table))
+def _section_toml(section: BaseModel) -> tomlkit.items.Table:
+    """One section as a TOML table: each field's description as a comment above it, unset
+    fields as comments, dict-valued fields as sub-tables after the scalars."""
+    table = tomlkit.table()
+    table.comment(type(section).__doc__ or "")
+    dumped = section.model_dump(mode="json")
+    fields_ = type(section).model_fields
+    nested = [k for k in fields_ if isinstance(dumped[k], dict)]
+    for key in (k for k in fields_ if k not in nested):
+        if dumped[key] is None:
+            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (unset)"))
         else:
-            lines += [f"# {info.description}", f"{key} = {_toml_value(value)}"]
-    return "\n".join(lines) + "\n" + "".join(tables)
-
-
-def _toml_document(data: dict[str, Any], prefix: str = "") -> str:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for k, v in tables.items():
-        name = f"{prefix}.{_toml_key(k)}" if prefix else _toml_key(k)
-        out += f"\n[{name}]\n" + _toml_document(v, name)
-    return out
-
-
-def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise ConfigError(f"cannot write {type(v).__name__} value {v!r} to TOML")
+            table.add(tomlkit.comment(fields_[key].description or key))
+            table.add(key, dumped[key])
+    for key in nested:
+        sub = tomlkit.table()
+        sub.comment(fields_[key].description or key)
+        sub.update(dumped[key])
+        table.add(key, sub)
+    return table

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import tomlkit
+
 from specrl.sim.errors import SimInputError, read_text, unknown
 
 DTYPE_BYTES = 2  # bf16 activations and KV cache everywhere in the simulator
@@ -274,8 +276,9 @@ def with_overrides(spec: Any, **changes: Any) -> Any:
 
 def spec_to_toml(spec: HardwareSpec | DrafterSpec, header: str = "") -> str:
     """Serialise a hardware profile or drafter spec in the TOML layout the loaders read."""
-    lines = [f"# {line}" for line in header.splitlines()] if header else []
+    doc = tomlkit.document()
+    for line in header.splitlines():
+        doc.add(tomlkit.comment(line))
     for f in fields(spec):
-        value = getattr(spec, f.name)
-        lines.append(f'{f.name} = "{value}"' if isinstance(value, str) else f"{f.name} = {value!r}")
-    return "\n".join(lines) + "\n"
+        doc.add(f.name, getattr(spec, f.name))
+    return tomlkit.dumps(doc)
