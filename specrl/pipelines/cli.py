@@ -123,9 +123,11 @@ def train_command(
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
 ) -> None:
     """Post-train the policy with GRPO; rollouts are generated speculatively (lossless)."""
+    from specrl.malloc import keep_freed_memory
     from specrl.models.checkpoints import CheckpointError
     from specrl.pipelines.build import build_run
 
+    keep_freed_memory()  # the learner reuses its freed activations (specrl.malloc)
     try:
         cfg, target = resolve_config(config, sets or [], run_dir, resume, preset)
         parts = None if cfg.cluster.rollout_workers > 0 else build_run(cfg)
