@@ -6,7 +6,8 @@ and the largest mmap threshold glibc takes (32 MiB): allocations below it come f
 are reused, not mapped fresh and unmapped each time. It returns True when glibc took all three,
 False where the C library is not glibc or refused one (nothing else happens). Values are never
 affected, only where freed memory goes; the process keeps its peak heap instead of returning it
-to the OS. ``specrl train`` calls it at start (the training process; a library import never does).
+to the OS. ``specrl train`` calls it at start, the Ray learner actor in its own process (the
+training processes; importing specrl never does).
 Why: a learner step allocates and frees the same large activations and gradients at every
 micro-batch; glibc's defaults hand them back to the OS and take them again as zero-filled page
 faults, most at a step whose packed shapes the process has not run before

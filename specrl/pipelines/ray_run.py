@@ -47,6 +47,7 @@ from tqdm import tqdm
 from specrl.backends.ray_ import worker_config
 from specrl.backends.ray_session import RaySession, actor_threads, import_ray
 from specrl.config import Config
+from specrl.malloc import keep_freed_memory
 from specrl.pipelines.build import RunParts, build_run, check_pipeline, check_sampling
 from specrl.pipelines.loop import Echo
 from specrl.pipelines.signals import Stopped, StopRequest, stop_on_signals
@@ -66,6 +67,7 @@ class LearnerActor:
 
     def __init__(self, cfg: Config, make_parts: MakeParts) -> None:
         torch.set_num_threads(actor_threads(cfg.cluster.threads, cfg.cluster.rollout_workers))
+        keep_freed_memory()  # the actor's process trains: as ``specrl train`` does for its own
         self.cfg, self.make_parts = cfg, make_parts
         self.stop = StopRequest()
         self.lines: deque[str] = deque()
