@@ -25,7 +25,7 @@ import torch
 from specrl.bench import measure_machine, run_metadata, write_result
 from specrl.kernels import hugepages
 from specrl.models.checkpoints import load_model
-from specrl.models.transformer import prepack
+from specrl.models.linear import prepack
 
 OUT = Path(__file__).parent / "results" / "hugepages.json"
 MODEL = "smollm2-135m-instruct"

@@ -39,7 +39,7 @@ import torch
 from specrl.bench import bench_prompts, run_metadata, write_result
 from specrl.engine import Engine, Request
 from specrl.models.checkpoints import load_model, load_tokenizer
-from specrl.models.transformer import onednn_packs
+from specrl.models.linear import onednn_packs
 from specrl.models.weights import copy_weights, snapshot
 from specrl.sampling import SamplingParams
 

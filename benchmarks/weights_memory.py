@@ -43,7 +43,7 @@ def measure() -> dict:
     import torch
 
     from specrl.models.checkpoints import load_model
-    from specrl.models.transformer import Linear
+    from specrl.models.linear import Linear
 
     out = {"rss_start": rss_bytes()}
     model = load_model(dtype=torch.bfloat16)

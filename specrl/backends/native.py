@@ -4,7 +4,7 @@ Contract:
 - ``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``. ``generate`` returns the call's
   completions with a copy of the engine's per-call statistics. ``update_weights`` copies the
   tensors into the engine's own model at once when no generate call is running and packs them
-  for inference there (``transformer.prepack``: the update, not the next rollout's first
+  for inference there (``linear.prepack``: the update, not the next rollout's first
   forward, pays for packing); during one it snapshots them (engine dtype) and applies them the
   same way before the next call, or, with ``in_flight``
   ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
@@ -40,8 +40,8 @@ from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.engine.types import Request
 from specrl.models.fingerprint import fingerprint
+from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
-from specrl.models.transformer import prepack
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import cached_drafter
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward

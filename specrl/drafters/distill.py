@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from specrl.drafters.data import Example
 from specrl.drafters.train import STATE_FILE, TrainConfig, fit
 from specrl.models.config import ModelConfig
-from specrl.models.transformer import Linear, Transformer, layer_prefix_model
+from specrl.models.linear import Linear
+from specrl.models.transformer import Transformer, layer_prefix_model
 
 # 4 of SmolLM2-135M's 30 layers: a decode step costs ~0.2-0.25 of the target's (the tied
 # 49k-row LM head is a fixed ~0.1; each layer adds ~0.03), see docs/drafters.md.

@@ -41,7 +41,8 @@ from specrl.engine.inflight import InflightUpdates, WeightStage
 from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
-from specrl.models.transformer import Transformer, prepack
+from specrl.models.linear import prepack
+from specrl.models.transformer import Transformer
 from specrl.sampling import (
     STREAM_DRAFT,
     STREAM_SAMPLE,

@@ -7,7 +7,7 @@ Contract:
   (nothing is copied when it raises).
 - ``copy_weights(model, named)``: copy ``named`` (our parameter names) into ``model``'s parameters
   in place under ``no_grad``, casting to their dtype. In-place ``copy_`` moves each weight's
-  version counter, so the packed-weight caches of ``models.transformer.Linear`` rebuild on the
+  version counter, so the packed-weight caches of ``models.linear.Linear`` rebuild on the
   next forward and never serve stale weights. Tied weights are copied once.
 - ``snapshot(named, dtype)``: detached contiguous copies in ``dtype`` (for an update applied
   later, while the learner keeps changing its own tensors).

@@ -9,7 +9,7 @@ import torch
 from specrl.backends.native import NativeBackend
 from specrl.engine import Engine, Request
 from specrl.kernels import gemv
-from specrl.models.transformer import Linear
+from specrl.models.linear import Linear
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 

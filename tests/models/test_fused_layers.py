@@ -152,7 +152,7 @@ def test_a_draft_heads_layer_runs_in_one_call_bit_for_bit(arch, fused_calls, cal
 
 @needs_kernel
 def test_prepack_packs_every_product_now_and_changes_no_result(calls):
-    from specrl.models.transformer import Linear, prepack
+    from specrl.models.linear import Linear, prepack
 
     model = tiny_bf16()
     before = run(model, True, 2, 1)
@@ -170,7 +170,7 @@ def test_prepack_packs_every_product_now_and_changes_no_result(calls):
 
 
 def test_prepack_leaves_float32_and_autograd_models_unpacked():
-    from specrl.models.transformer import Linear, prepack
+    from specrl.models.linear import Linear, prepack
 
     model = tiny_bf16().float()
     prepack(model)

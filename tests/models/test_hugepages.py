@@ -11,7 +11,7 @@ import torch
 
 from specrl.kernels import gemv
 from specrl.kernels.hugepages import HUGE_MIN_BYTES, huge_zeros
-from specrl.models.transformer import Linear, prepack
+from specrl.models.linear import Linear, prepack
 from tests.conftest import make_tiny
 
 KERNEL = gemv.gemv_kernel()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from specrl.kernels import gemv
-from specrl.models import transformer
-from specrl.models.transformer import Linear, onednn_packs, set_native_kernels
+from specrl.models import linear, transformer
+from specrl.models.linear import Linear, onednn_packs
+from specrl.models.transformer import set_native_kernels
 from tests.conftest import make_tiny
 
 KERNEL = gemv.gemv_kernel()
@@ -242,7 +243,7 @@ def fake_kernel(monkeypatch) -> StrictFakeKernel:
     never reach oneDNN); norms and SwiGLU use PyTorch's ops."""
     kernel = StrictFakeKernel()
     monkeypatch.setattr(gemv, "gemv_kernel", lambda: kernel)
-    monkeypatch.setattr(transformer, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype: True)
     for module in (transformer.RMSNorm, transformer.MLP):  # the fake has products only
         monkeypatch.setattr(module, "native", False)
     return kernel
