@@ -192,10 +192,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep &= coef > 0
 
 
-def relative_nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def relative_nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """``nnls`` minimising relative errors (each record's row divided by its time): a batch-1
-    step of 20 ms counts as much as a batch-64 step of 300 ms, as in the error reported."""
-    return nnls(x / y[:, None], np.ones_like(y))
+    step of 20 ms counts as much as a batch-64 step of 300 ms, as in the error reported.
+    ``weights`` [n] (default 1): each record's squared relative error counts that many times."""
+    root = np.ones_like(y) if weights is None else np.sqrt(weights)  # [n]
+    return nnls(x / y[:, None] * root[:, None], root)
 
 
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
@@ -269,7 +271,19 @@ def fit_records(
     (``specrl.spec.controller``) fits the engine it drives with this, from a start-up
     measurement and the engine's own steps, so it and the simulator price a step alike."""
     x, y = design(model, records)
-    return profile_from_coefficients(base, relative_nnls(x, y), name)
+    return fit_design(x, y, base, name)
+
+
+def fit_design(
+    x: np.ndarray,
+    y: np.ndarray,
+    base: HardwareSpec,
+    name: str,
+    weights: np.ndarray | None = None,
+) -> HardwareSpec:
+    """``fit_records`` from records' ``features`` x [n, 6], seconds y [n] and ``weights`` [n]
+    (``relative_nnls``; a caller that refits often computes each record's features once)."""
+    return profile_from_coefficients(base, relative_nnls(x, y, weights), name)
 
 
 def fit_trace(

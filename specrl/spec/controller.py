@@ -9,10 +9,11 @@ tokens on average, maximising the expected emitted tokens per second
 
 from three estimates, each refreshed by what the engine reports after every step (``observe``):
 
-- the target's step times: ``specrl.sim.cost.StepCostModel`` over a hardware profile fitted by
-  ``specrl.sim.calibrate.fit_records`` (the simulator's own CPU model and fit: one cost model,
-  two users), first from ``measure_forwards`` (timed forwards at a few shapes when the engine
-  starts, about a second) and then from the engine's own recent decode and verify steps;
+- the target's step times: ``specrl.sim.cost.StepCostModel`` over a hardware profile fitted
+  as ``specrl.sim.calibrate.fit_records`` fits one (the simulator's own CPU model and fit: one
+  cost model, two users), first from ``measure_forwards`` (timed forwards at a few shapes when
+  the engine starts, about a second) and then from the engine's own recent decode and verify
+  steps;
 - the drafter's time: least squares on its recent steps over [1, k, rows, k * rows, caught up]
   (a model-free drafter costs per row, a draft network per forward and per row-forward, and a
   head that reads the target's features first runs over the positions accepted since its last
@@ -39,13 +40,13 @@ token ("sample" exactness keeps them identical).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from specrl.sim.calibrate import Record, fit_records, nnls
+from specrl.sim.calibrate import Record, design, features, fit_design, nnls
 from specrl.sim.cost import StepCostModel
 from specrl.sim.specs import HardwareSpec, ModelSpec, load_hardware
 
@@ -183,30 +184,57 @@ class DraftCost:
 @dataclass
 class TargetCost:
     """The target's decode and verify step times: the simulator's cost model, refitted from
-    the start-up records plus the engine's most recent ``window`` steps."""
+    the start-up records plus the engine's most recent ``window`` steps.
+
+    Each record's cost-model features are computed once, when it arrives, and the prices are
+    kept per (rows, k) as an affine function of the context (the cost model's bytes and FLOPs
+    are affine in it), so a step's choice costs a few multiplications, not a cost-model
+    evaluation per k (which took ~0.5 ms of a ~12 ms step at batch 1)."""
 
     model: ModelSpec
     startup: list[Record]
     window: int = 256
     base: HardwareSpec = field(default_factory=lambda: load_hardware(BASE_PROFILE))
-    recent: deque = field(default_factory=deque)
+    recent: deque = field(default_factory=deque)  # (features [6], shape, seconds) of steps
     cost: StepCostModel = field(init=False)
+    _startup_x: np.ndarray = field(init=False)  # [n, 6] features of the start-up records
+    _affine: dict = field(default_factory=dict)  # (rows, k) -> (seconds at 0, per context)
 
     def __post_init__(self) -> None:
+        self._startup_x = design(self.model, self.startup)[0]
         self.refit()
 
     def refit(self) -> None:
-        records = [*self.startup, *self.recent]
-        hw = fit_records(self.model, records, self.base, "engine-fitted")
-        self.cost = StepCostModel(self.model, hw)
+        """Fit the start-up and recent records, every forward shape (rows, tokens per row)
+        weighing as much as any other however many steps had it: a run's steps are mostly one
+        shape (256 plain steps of one row, say), and unweighted they decide the fit alone,
+        along the one direction they span (a fit that priced a 4-token verify of one row at
+        4x its plain step, where it costs 1.3x, and speculation was never chosen)."""
+        shapes = [(r.batch_size, r.tokens_per_seq) for r in self.startup]
+        shapes += [shape for _, shape, _ in self.recent]
+        x = np.vstack([self._startup_x, *(f for f, _, _ in self.recent)])  # [n, 6]
+        y = np.array([r.step_time_s for r in self.startup] + [t for _, _, t in self.recent])
+        count = Counter(shapes)
+        weights = np.array([1.0 / count[shape] for shape in shapes])  # [n]
+        self.cost = StepCostModel(self.model, fit_design(x, y, self.base, "engine-fitted", weights))
+        self._affine.clear()
 
     def observe(self, record: Record) -> None:
-        self.recent.append(record)
+        shape = (record.batch_size, record.tokens_per_seq)
+        self.recent.append((features(self.model, record), shape, record.step_time_s))
         while len(self.recent) > self.window:
             self.recent.popleft()
 
     def predict(self, rows: int, k: int, context: float) -> float:
         """Seconds of the target's part of a step: decode (k = 0) or verify of k + 1 tokens."""
+        line = self._affine.get((rows, k))
+        if line is None:
+            at0 = self.price(rows, k, 0.0)
+            line = self._affine[rows, k] = (at0, self.price(rows, k, 1.0) - at0)
+        return line[0] + line[1] * context
+
+    def price(self, rows: int, k: int, context: float) -> float:
+        """``predict`` straight from the cost model."""
         c = self.cost
         if k == 0:
             return c.decode(rows, context)
@@ -243,6 +271,7 @@ class SpecController:
     margin: float = 0.05  # speculate only where it is expected to be this much faster
     min_tries: int = 4
     refit_every: int = 16
+    replan_every: int = 8  # choices one evaluation of the rates serves while the rows stay
     acceptance: Acceptance = field(init=False)
     draft: DraftCost = field(default_factory=DraftCost)
     budget: float = 0.0  # seconds of exploration the controller may still spend
@@ -250,6 +279,8 @@ class SpecController:
     explored: int = 0  # steps that verified more than the estimates asked, to measure them
     # (rows, verified k, predicted s, measured s) of recent steps, the prediction made first
     predictions: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # (rows, k chosen without exploring, its predicted seconds, choices it still serves)
+    _plan: tuple[int, int, float, int] | None = None
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.k_max)
@@ -300,12 +331,27 @@ class SpecController:
         """Draft tokens to ask for in the next step (0 = plain), exploring k_max within the
         budget. With cheap drafts: k_max (``cap`` decides after the draft) unless no k is
         expected to pay even where rows draft as often as they have (then a plain step: no
-        drafting cost either)."""
+        drafting cost either).
+
+        The rates are evaluated once per ``replan_every`` choices at the same number of rows
+        (and after every refit): the estimates move little from one step to the next, and an
+        evaluation in every step cost ~2% of a batch-1 step. The choices in between repeat the
+        choice made without exploring (exploring waits for the next evaluation) and add its
+        share to the exploration budget."""
+        plan = self._plan
+        if plan is not None and plan[0] == rows and plan[3] > 0:
+            self._plan = (*plan[:3], plan[3] - 1)
+            self.budget += self.explore_share * plan[2]
+            return plan[1]
         rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
         best = self._best(rates)
         if self.cheap_drafts and best > 0:
+            self._plan = (rows, self.k_max, 0.0, self.replan_every - 1)
             return self.k_max
-        return self._explore(rows, context, best, self.k_max, asked_counts=self.cheap_drafts)
+        t_best = self._accrue(rows, context, best)
+        self._plan = (rows, best, t_best, self.replan_every - 1)
+        cheap = self.cheap_drafts
+        return self._explore(rows, context, best, self.k_max, t_best, asked_counts=cheap)
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
@@ -317,7 +363,9 @@ class SpecController:
             acc.emitted_rows(lens, c) / max(self.target.predict(rows, c, context), 1e-9)
             for c in range(longest + 1)
         ]
-        return self._explore(rows, context, self._best(rates), longest, self.k_max)
+        best = self._best(rates)
+        t_best = self._accrue(rows, context, best, self.k_max)
+        return self._explore(rows, context, best, longest, t_best, self.k_max)
 
     def _best(self, rates: list[float]) -> int:
         """The k of the highest rate, but 0 unless speculating is expected to beat a plain step
@@ -326,21 +374,26 @@ class SpecController:
         best = int(np.argmax(rates))
         return best if rates[best] > rates[0] * (1.0 + self.margin) else 0
 
+    def _accrue(self, rows: int, context: float, best: int, asked: int | None = None) -> float:
+        """The predicted seconds of a step verifying ``best`` (``asked``: drafts already asked
+        of the drafter, else as many as verified); ``explore_share`` of them join the budget."""
+        t_best = self.predict(rows, best, context, asked)
+        self.budget += self.explore_share * t_best
+        return t_best
+
     def _explore(
         self,
         rows: int,
         context: float,
         best: int,
         widest: int,
+        t_best: float,
         asked: int | None = None,
         asked_counts: bool = False,
     ) -> int:
-        """``best``, or ``widest`` when position ``widest`` is under-measured (fewer than
-        ``min_tries`` rows drafted it, or with ``asked_counts`` were asked for it) and the
-        budget (``explore_share`` of every step's predicted time) pays its predicted extra
-        time (``asked``: drafts already asked of the drafter, else as many as verified)."""
-        t_best = self.predict(rows, best, context, asked)
-        self.budget += self.explore_share * t_best
+        """``best`` (predicted ``t_best`` seconds), or ``widest`` when position ``widest`` is
+        under-measured (fewer than ``min_tries`` rows drafted it, or with ``asked_counts`` were
+        asked for it) and the budget (``_accrue``) pays its predicted extra time."""
         acc = self.acceptance
         measured = (acc.asks if asked_counts else acc.tries)[widest - 1] if widest else 0.0
         if widest <= best or measured >= self.min_tries:
@@ -366,6 +419,7 @@ class SpecController:
         self.steps += 1
         if self.steps % self.refit_every == 0:
             self.target.refit()
+            self._plan = None
 
 
 def start_controller(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from specrl.spec.controller import (
     Acceptance,
     DraftCost,
     SpecController,
+    StepOutcome,
     TargetCost,
     calibration_shapes,
     model_spec,
@@ -294,7 +297,7 @@ def test_speculation_must_beat_a_plain_step_by_the_margin(smollm2):
     """Near break-even the prediction error decides: k > 0 only where its expected rate beats
     a plain step's by ``margin``."""
     target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
-    ctl = SpecController(3, target)
+    ctl = SpecController(3, target, replan_every=1)  # every choice evaluates the rates
     ctl.acceptance.tries[:] = 100.0  # measured: no exploring
     ctl.rates = lambda rows, context: [100.0, 103.0, 104.0, 101.0]
     assert ctl.choose(4, 100.0) == 0
@@ -303,3 +306,58 @@ def test_speculation_must_beat_a_plain_step_by_the_margin(smollm2):
     ctl.margin = 0.0
     ctl.rates = lambda rows, context: [100.0, 103.0, 104.0, 101.0]
     assert ctl.choose(4, 100.0) == 2
+
+
+def test_target_prices_kept_per_shape_equal_the_cost_model(smollm2):
+    """The prices kept per (rows, k) as a line in the context are the cost model's own at any
+    context, and a refit on new steps replaces them."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    for rows, k, context in [(1, 0, 5.0), (7, 2, 300.0), (64, 3, 1999.5), (7, 2, 17.0)]:
+        assert target.predict(rows, k, context) == pytest.approx(
+            target.price(rows, k, context), rel=1e-9
+        )
+    before = target.predict(7, 2, 300.0)
+    for r in true_records(smollm2, calibration_shapes(64, 3)) * 8:  # now 3x slower everywhere
+        target.observe(replace(r, step_time_s=3.0 * r.step_time_s))
+    target.refit()
+    assert target.predict(7, 2, 300.0) == pytest.approx(target.price(7, 2, 300.0), rel=1e-9)
+    assert target.predict(7, 2, 300.0) > 1.5 * before
+
+
+def test_a_run_of_one_shape_does_not_decide_the_fit(smollm2):
+    """Hundreds of plain steps of one row (one shape, varying only in context, and slowing with
+    it a little faster than the model says) must not decide the price of a verify: each shape
+    weighs as much as any other in the refit. (Unweighted, this fit priced the 4-token verify
+    at 3.8x its cost.)"""
+    truth = StepCostModel(smollm2, TRUE_HW)
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(1, 3)))
+    rng = np.random.default_rng(0)
+    for context in range(30, 286):
+        drift = 1.0 + 0.001 * (context - 64) + 0.02 * rng.standard_normal()
+        target.observe(Record(1, 1, float(context), truth.decode(1, context) * drift, "decode"))
+    target.refit()
+    verify = TRUE_HW.step_overhead_s + truth.verify(1, 3, 150.0)
+    assert target.predict(1, 3, 150.0) == pytest.approx(verify, rel=0.1)
+
+
+def test_rates_are_evaluated_once_per_plan(smollm2):
+    """One evaluation of the rates serves ``replan_every`` choices at the same rows; a change
+    of rows or a refit evaluates them again, and the choices in between repeat the plan's."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target, replan_every=4)
+    ctl.acceptance.tries[:] = 100.0  # measured: no exploring
+    calls = []
+
+    def rates(rows, context):
+        calls.append(rows)
+        return [100.0, 100.0, 120.0, 100.0]
+
+    ctl.rates = rates
+    assert [ctl.choose(4, 100.0) for _ in range(9)] == [2] * 9
+    assert calls == [4, 4, 4]  # choices 1, 5 and 9
+    ctl.choose(5, 100.0)
+    assert calls[-1] == 5  # other rows: a new plan
+    for _ in range(ctl.refit_every):
+        ctl.observe(StepOutcome(5, 0, 0, 100.0, 0.01, 0.0))
+    ctl.choose(5, 100.0)
+    assert calls == [4, 4, 4, 5, 5]  # a refit ends the plan
