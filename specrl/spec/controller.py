@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -108,21 +108,20 @@ class Acceptance:
 
     k_max: int
     decay: float = 0.995  # per observed step: the evidence of ~200 steps
+    counts: np.ndarray = field(init=False)  # [3, k_max] the three below, decayed at once
     asks: np.ndarray = field(init=False)  # [k_max] rows asked for a draft at the position
     tries: np.ndarray = field(init=False)  # [k_max] rows that drafted it
     hits: np.ndarray = field(init=False)  # [k_max] rows that accepted it
 
     def __post_init__(self) -> None:
-        self.asks = np.zeros(self.k_max)
-        self.tries = np.zeros(self.k_max)
-        self.hits = np.zeros(self.k_max)
+        self.counts = np.zeros((3, self.k_max))
+        self.asks, self.tries, self.hits = self.counts  # views of its rows
 
     def observe(self, drafted: list[int], accepted: list[int], asked: int | None = None) -> None:
         """A step whose rows were asked for ``asked`` drafts (default: as many as they
         drafted), drafted ``drafted`` [rows] and accepted ``accepted`` [rows] of them (both
         empty for a plain step)."""
-        for counts in (self.asks, self.tries, self.hits):
-            counts *= self.decay
+        self.counts *= self.decay
         if not drafted:
             return
         pos = np.arange(self.k_max)[None, :]  # [1, k_max]
@@ -199,6 +198,7 @@ class TargetCost:
     cost: StepCostModel = field(init=False)
     _startup_x: np.ndarray = field(init=False)  # [n, 6] features of the start-up records
     _affine: dict = field(default_factory=dict)  # (rows, k) -> (seconds at 0, per context)
+    _lines: dict = field(default_factory=dict)  # (rows, tokens, kind) -> features at 0, per ctx
 
     def __post_init__(self) -> None:
         self._startup_x = design(self.model, self.startup)[0]
@@ -220,8 +220,17 @@ class TargetCost:
         self._affine.clear()
 
     def observe(self, record: Record) -> None:
-        shape = (record.batch_size, record.tokens_per_seq)
-        self.recent.append((features(self.model, record), shape, record.step_time_s))
+        """Keep a step's features (affine in its context, kept per shape as for the prices)."""
+        key = (record.batch_size, record.tokens_per_seq, record.kind)
+        line = self._lines.get(key)
+        if line is None:
+            at0 = features(self.model, replace(record, context_len=0.0))  # [6]
+            line = self._lines[key] = (
+                at0,
+                features(self.model, replace(record, context_len=1.0)) - at0,
+            )
+        x = line[0] + line[1] * record.context_len  # [6]
+        self.recent.append((x, key[:2], record.step_time_s))
         while len(self.recent) > self.window:
             self.recent.popleft()
 

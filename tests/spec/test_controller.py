@@ -9,7 +9,7 @@ import pytest
 
 from specrl.engine import Engine, Request
 from specrl.sampling import SamplingParams
-from specrl.sim.calibrate import Record
+from specrl.sim.calibrate import Record, features
 from specrl.sim.cost import StepCostModel
 from specrl.sim.specs import load_hardware, load_model, with_overrides
 from specrl.spec.config import SpecConfig
@@ -317,8 +317,10 @@ def test_target_prices_kept_per_shape_equal_the_cost_model(smollm2):
             target.price(rows, k, context), rel=1e-9
         )
     before = target.predict(7, 2, 300.0)
-    for r in true_records(smollm2, calibration_shapes(64, 3)) * 8:  # now 3x slower everywhere
-        target.observe(replace(r, step_time_s=3.0 * r.step_time_s))
+    for i, r in enumerate(true_records(smollm2, calibration_shapes(64, 3)) * 8):
+        r = replace(r, step_time_s=3.0 * r.step_time_s, context_len=10.0 * i + 0.5)  # 3x slower
+        target.observe(r)
+        np.testing.assert_allclose(target.recent[-1][0], features(smollm2, r), rtol=1e-12)
     target.refit()
     assert target.predict(7, 2, 300.0) == pytest.approx(target.price(7, 2, 300.0), rel=1e-9)
     assert target.predict(7, 2, 300.0) > 1.5 * before
