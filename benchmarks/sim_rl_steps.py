@@ -9,7 +9,8 @@ with the same seed and prompts: prompts per step (groups of ``rollout.group_size
 ``--fit-prompts`` and ``--heldout-prompts``, the sync pipeline and the async one (staleness 1,
 weights pushed between steps), speculation off and on (the suffix drafter drafting k = 3 at
 every step: a fixed k, so the simulator replays the same policy). Evaluation and checkpoints are
-off. Configurations run in ``--rounds`` rounds, each in a seeded random order, and each
+off. The process keeps freed memory as ``specrl train`` does (``specrl.malloc``). Configurations
+run in ``--rounds`` rounds, each in a seeded random order, and each
 configuration's measurement is its median round (the whole run: its steps, records and wall
 time): the process keeps what it learnt of the shapes it ran (the learner's first step at a new
 shape is slower), and the order spreads that over configurations. The async pipeline runs its
@@ -45,6 +46,7 @@ import numpy as np
 
 from specrl.bench import run_metadata, write_result
 from specrl.config import load_config
+from specrl.malloc import keep_freed_memory
 from specrl.pipelines.build import build_run
 from specrl.pipelines.train import train
 from specrl.rl.learner import Learner, TrainSample, micro_batches, pack_sequences
@@ -280,6 +282,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    keep_freed_memory()  # as ``specrl train`` runs its learner (specrl.malloc)
     fit_p = [int(p) for p in args.fit_prompts.split(",")]
     held_p = [int(p) for p in args.heldout_prompts.split(",")]
     configs = [

@@ -1,7 +1,7 @@
 """The cost-model speculation controller against no speculation and every fixed k, side by side.
 
 Usage: python benchmarks/spec_controller.py [--method suffix] [--batch-sizes 1,4,16,64]
-       [--new-tokens 128] [--tail-batch 32] [--tail-tokens 256] [--repeats 2]
+       [--new-tokens 128] [--tail-batch 32] [--tail-tokens 256] [--repeats 5]
 
 SmolLM2-135M in bf16, GRPO-like groups of ``--group-size`` samples per chat prompt, T=1, one
 drafter (``--method``; suffix by default, the training default) at k = 1..``--k``. Per point,
@@ -13,10 +13,14 @@ equal work). Points: each batch size with exactly ``--new-tokens`` per sequence,
 shrinks as rows finish. Each contender has its own engine, warmed by one untimed run of the same
 prompts with other seeds (for the suffix drafter one earlier epoch of rollouts; for the
 controller its start-up measurement and a first look at acceptance); timed runs alternate
-between contenders and the best of ``--repeats`` counts. Per point: tokens/s, the ratio of the
-controller to plain decoding and to the best fixed k (0 included), and the controller's
-step-time prediction error (mean and max absolute relative error of the prediction made before
-each timed step, against its measured time).
+between contenders in ``--repeats`` rounds (each round: every contender once, in a fresh seeded
+random order, on that round's seeds). Per point: tokens/s (best of the rounds), the ratio of
+the controller to plain decoding and to the best fixed k (0 included), each as the median over
+rounds of the ratio within a round (the headline: the two runs of a round are seconds apart, so
+the machine's drift over the minutes of a point cancels, and one disturbed run moves a median
+little) and as the ratio of the best runs; and the controller's step-time prediction error
+(mean and max absolute relative error of the prediction made before each timed step, against
+its measured time).
 The machine's copy bandwidth and GEMM rate are measured in the same run.
 Writes benchmarks/results/spec_controller.json.
 """
@@ -73,16 +77,18 @@ def point_requests(
 
 
 def run_point(name: str, engines: dict[str, Engine], make_reqs, repeats: int) -> dict:
-    """Warm every engine once, then alternate timed runs (run r: the same seeds for every
-    contender, fresh ones for each r); best tokens/s per contender."""
+    """Warm every engine once, then alternate timed runs (round r: every contender in a
+    fresh random order, the same seeds for every contender, fresh ones for each r)."""
     for engine in engines.values():
         engine.generate(make_reqs(10_000))
     seconds: dict[tuple[str, int], float] = {}
     tokens, spec_share, accept = {}, {}, {}
     errors: list[float] = []
+    order = np.random.default_rng(0)
     for r in range(repeats):
         reqs = make_reqs(1000 * r)
-        for n, engine in engines.items():
+        for n in map(str, order.permutation(list(engines))):  # a fresh order every round
+            engine = engines[n]
             ctl = engine.controller
             if ctl is not None:
                 ctl.predictions.clear()
@@ -100,23 +106,37 @@ def run_point(name: str, engines: dict[str, Engine], make_reqs, repeats: int) ->
     rates = {n: max(count[r] / seconds[n, r] for r in range(repeats)) for n in engines}
     fixed = {n: r for n, r in rates.items() if n != "auto"}  # k = 0 (none) is a fixed k too
     best_fixed = max(fixed, key=fixed.get)
+
+    def paired(a: str, b: str) -> float:  # median over rounds of a's speed over b's
+        return float(np.median([seconds[b, r] / seconds[a, r] for r in range(repeats)]))
+
+    fixed_paired = {n: paired(n, "none") for n in fixed}
+    best_paired = max(fixed_paired, key=fixed_paired.get)
     row = {
         "point": name,
         "tokens_per_run": count,
         "same_tokens_everywhere": same,
         "tokens_per_s": rates,
+        "seconds_per_round": {n: [seconds[n, r] for r in range(repeats)] for n in engines},
         "acceptance_length": accept,
         "spec_step_share": spec_share,
-        "best_fixed": best_fixed,
-        "auto_vs_none": rates["auto"] / rates["none"],
-        "auto_vs_best_fixed": rates["auto"] / fixed[best_fixed],
-        "best_fixed_vs_none": fixed[best_fixed] / rates["none"],
+        "best_fixed": best_paired,
+        "auto_vs_none": paired("auto", "none"),
+        "auto_vs_best_fixed": paired("auto", best_paired),
+        "best_fixed_vs_none": fixed_paired[best_paired],
+        "fixed_vs_none": fixed_paired,
+        "best_runs": {
+            "best_fixed": best_fixed,
+            "auto_vs_none": rates["auto"] / rates["none"],
+            "auto_vs_best_fixed": rates["auto"] / fixed[best_fixed],
+            "best_fixed_vs_none": fixed[best_fixed] / rates["none"],
+        },
         "prediction_error_mean": float(np.mean(errors)) if errors else None,
         "prediction_error_max": float(np.max(errors)) if errors else None,
     }
     print(
         f"{name:>8}: " + "  ".join(f"{n} {r:7.1f}" for n, r in rates.items())
-        + f" tok/s | auto/none {row['auto_vs_none']:.2f}x, auto/{best_fixed} "
+        + f" tok/s | median over rounds: auto/none {row['auto_vs_none']:.2f}x, auto/{best_paired} "
         f"{row['auto_vs_best_fixed']:.2f}x, prediction error {row['prediction_error_mean']:.1%}"
         f" mean, {row['prediction_error_max']:.1%} max | same tokens: {same}",
         flush=True,
@@ -134,7 +154,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--tail-tokens", type=int, default=256)
     ap.add_argument("--tail-batch", type=int, default=32, help="rows of the tail point (0: none)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of timed runs")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.manual_seed(0)
