@@ -32,9 +32,7 @@ nothing). Speculation is chosen only where its expected rate beats a plain step'
 would see. Speculation that never runs is never measured: while a position rests on fewer than
 ``min_tries`` rows the controller explores it whenever the predicted extra time fits a budget
 that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
-share of decoding time. A deterministic drafter is explored by drafting alone (``cap`` verifies
-what pays) whenever the budget covers it, however well measured: its coverage changes as it
-indexes rollouts. Every decision depends on measured times, so with rejection sampling
+share of decoding time. Every decision depends on measured times, so with rejection sampling
 ("distribution") the completions of a seed are reproducible in distribution, not token for
 token ("sample" exactness keeps them identical).
 """
@@ -268,17 +266,6 @@ class StepOutcome:
 
 
 @dataclass
-class Plan:
-    """One evaluation of the rates, serving the next choices at the same number of rows."""
-
-    rows: int
-    k: int  # the choice without exploring
-    step_s: float  # its predicted seconds (every choice adds a share of them to the budget)
-    explore_s: float | None  # predicted extra seconds of exploring k_max (None: nothing to)
-    left: int  # further choices it serves
-
-
-@dataclass
 class SpecController:
     """Chooses k per step (module docstring); ``observe`` feeds back each step's outcome.
 
@@ -301,7 +288,8 @@ class SpecController:
     explored: int = 0  # steps that verified more than the estimates asked, to measure them
     # (rows, verified k, predicted s, measured s) of recent steps, the prediction made first
     predictions: deque = field(default_factory=lambda: deque(maxlen=4096))
-    _plan: Plan | None = None  # the last evaluation of the rates (``choose``)
+    # (rows, k chosen without exploring, its predicted seconds, choices it still serves)
+    _plan: tuple[int, int, float, int] | None = None
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.k_max)
@@ -352,46 +340,27 @@ class SpecController:
         """Draft tokens to ask for in the next step (0 = plain), exploring k_max within the
         budget. With cheap drafts: k_max (``cap`` decides after the draft) unless no k is
         expected to pay even where rows draft as often as they have (then a plain step: no
-        drafting cost either, but exploring drafts within the budget: ``_exploring``).
+        drafting cost either).
 
         The rates are evaluated once per ``replan_every`` choices at the same number of rows
         (and after every refit): the estimates move little from one step to the next, and an
-        evaluation in every step cost ~1.5% of a batch-1 step. Every choice adds its share of
-        the plan's predicted time to the budget and explores when the budget pays for it."""
+        evaluation in every step cost ~1.5% of a batch-1 step. The choices in between repeat the
+        choice made without exploring (exploring waits for the next evaluation) and add its
+        share to the exploration budget."""
         plan = self._plan
-        if plan is None or plan.rows != rows or plan.left == 0:
-            plan = self._plan = self._new_plan(rows, context)
-        else:
-            plan.left -= 1
-        self.budget += self.explore_share * plan.step_s
-        if plan.explore_s is None or plan.explore_s > self.budget:
-            return plan.k
-        self.budget -= plan.explore_s
-        self.explored += 1
-        return self.k_max
-
-    def _new_plan(self, rows: int, context: float) -> Plan:
+        if plan is not None and plan[0] == rows and plan[3] > 0:
+            self._plan = (*plan[:3], plan[3] - 1)
+            self.budget += self.explore_share * plan[2]
+            return plan[1]
         rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
         best = self._best(rates)
         if self.cheap_drafts and best > 0:
-            return Plan(rows, self.k_max, 0.0, None, self.replan_every - 1)
-        t_best = self.predict(rows, best, context)
-        explore = self._exploring(rows, context, best, t_best)
-        return Plan(rows, best, t_best, explore, self.replan_every - 1)
-
-    def _exploring(self, rows: int, context: float, best: int, t_best: float) -> float | None:
-        """The predicted extra seconds of exploring k_max instead of ``best`` (``t_best``
-        seconds), or None when there is nothing to explore. With cheap drafts it is drafting
-        alone (``cap`` then verifies what it expects to pay), and always worth it: such a
-        drafter's coverage changes as it indexes rollouts (after an epoch with an empty index it
-        reads 0 until it is drafted again, and a fixed k beat the controller by 12% at one row
-        when only the under-measured positions were explored). Otherwise it is a verify of
-        k_max drafts while position k_max rests on fewer than ``min_tries`` rows."""
-        if self.cheap_drafts:
-            return max(self.predict(rows, 0, context, asked=self.k_max) - t_best, 0.0)
-        if best >= self.k_max or self.acceptance.tries[self.k_max - 1] >= self.min_tries:
-            return None
-        return max(self.predict(rows, self.k_max, context) - t_best, 0.0)
+            self._plan = (rows, self.k_max, 0.0, self.replan_every - 1)
+            return self.k_max
+        t_best = self._accrue(rows, context, best)
+        self._plan = (rows, best, t_best, self.replan_every - 1)
+        cheap = self.cheap_drafts
+        return self._explore(rows, context, best, self.k_max, t_best, asked_counts=cheap)
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
