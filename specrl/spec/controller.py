@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -180,6 +182,12 @@ class DraftCost:
         return 0.0 if k == 0 else float(self.features(rows, k, caught_up) @ self.coef)
 
 
+def context_line(fn: Callable[[float], Any]) -> tuple[Any, Any]:
+    """(fn(0), fn(1) - fn(0)): a function affine in the context, as the line it is."""
+    at0 = fn(0.0)
+    return at0, fn(1.0) - at0
+
+
 @dataclass
 class TargetCost:
     """The target's decode and verify step times: the simulator's cost model, refitted from
@@ -224,10 +232,8 @@ class TargetCost:
         key = (record.batch_size, record.tokens_per_seq, record.kind)
         line = self._lines.get(key)
         if line is None:
-            at0 = features(self.model, replace(record, context_len=0.0))  # [6]
-            line = self._lines[key] = (
-                at0,
-                features(self.model, replace(record, context_len=1.0)) - at0,
+            line = self._lines[key] = context_line(
+                lambda c: features(self.model, replace(record, context_len=c))  # [6]
             )
         x = line[0] + line[1] * record.context_len  # [6]
         self.recent.append((x, key[:2], record.step_time_s))
@@ -238,8 +244,7 @@ class TargetCost:
         """Seconds of the target's part of a step: decode (k = 0) or verify of k + 1 tokens."""
         line = self._affine.get((rows, k))
         if line is None:
-            at0 = self.price(rows, k, 0.0)
-            line = self._affine[rows, k] = (at0, self.price(rows, k, 1.0) - at0)
+            line = self._affine[rows, k] = context_line(lambda c: self.price(rows, k, c))
         return line[0] + line[1] * context
 
     def price(self, rows: int, k: int, context: float) -> float:
