@@ -18,6 +18,8 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+# One local Ray cluster at a time: every Ray test runs on the same pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("ray")
 
 from specrl.backends import build_backend  # noqa: E402
 from specrl.backends.base import Served, Versions  # noqa: E402

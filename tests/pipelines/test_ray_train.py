@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray")
+# One local Ray cluster at a time: every Ray test runs on the same pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("ray")
 
 from specrl.backends.ray_session import RaySession  # noqa: E402
 from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
