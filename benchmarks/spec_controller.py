@@ -1,7 +1,7 @@
 """The cost-model speculation controller against no speculation and every fixed k, side by side.
 
 Usage: python benchmarks/spec_controller.py [--method suffix] [--batch-sizes 1,4,16,64]
-       [--new-tokens 128] [--tail-batch 32] [--tail-tokens 256] [--repeats 5]
+       [--new-tokens 128] [--tail-batch 32] [--tail-tokens 256] [--repeats 5] [--control]
 
 SmolLM2-135M in bf16, GRPO-like groups of ``--group-size`` samples per chat prompt, T=1, one
 drafter (``--method``; suffix by default, the training default) at k = 1..``--k``. Per point,
@@ -21,6 +21,10 @@ the machine's drift over the minutes of a point cancels, and one disturbed run m
 little) and as the ratio of the best runs; and the controller's step-time prediction error
 (mean and max absolute relative error of the prediction made before each timed step, against
 its measured time).
+``--control`` adds a second plain engine (``none-control``) to every point, timed like the
+others but outside the fixed-k comparison: its paired ratio to plain decoding
+(``control_vs_none``) shows what two identical contenders differ by on this machine in this run.
+``--batch-sizes ""`` runs the tail point alone.
 The machine's copy bandwidth and GEMM rate are measured in the same run.
 Writes benchmarks/results/spec_controller.json.
 """
@@ -45,8 +49,14 @@ OUT = Path(__file__).parent / "results" / "spec_controller.json"
 MODEL = "smollm2-135m-instruct"
 
 
-def contenders(method: str, k_max: int, model, tok, drafter: str | None) -> dict[str, tuple]:
-    """name -> (SpecConfig, draft model) for plain, fixed k = 1..k_max and the controller."""
+CONTROL = "none-control"  # a second plain engine: the noise floor of a paired ratio
+
+
+def contenders(
+    method: str, k_max: int, model, tok, drafter: str | None, control: bool = False
+) -> dict[str, tuple]:
+    """name -> (SpecConfig, draft model) for plain, fixed k = 1..k_max and the controller
+    (and with ``control`` a second plain engine)."""
     if proposer_takes(method, "drafter_path") and drafter is None:
         from specrl.bench import default_drafter_path
 
@@ -59,6 +69,8 @@ def contenders(method: str, k_max: int, model, tok, drafter: str | None) -> dict
         SpecConfig(method, k_max, options=base.options, exact="sample", adaptive=True),
         draft,
     )
+    if control:
+        out[CONTROL] = (SpecConfig("none", 0), None)
     return out
 
 
@@ -104,7 +116,7 @@ def run_point(name: str, engines: dict[str, Engine], make_reqs, repeats: int) ->
     same = all(t == tokens["none", r] for (_, r), t in tokens.items())
     count = [sum(len(t) for t in tokens["none", r]) for r in range(repeats)]
     rates = {n: max(count[r] / seconds[n, r] for r in range(repeats)) for n in engines}
-    fixed = {n: r for n, r in rates.items() if n != "auto"}  # k = 0 (none) is a fixed k too
+    fixed = {n: r for n, r in rates.items() if n not in ("auto", CONTROL)}  # none: k = 0
     best_fixed = max(fixed, key=fixed.get)
 
     def paired(a: str, b: str) -> float:  # median over rounds of a's speed over b's
@@ -131,6 +143,7 @@ def run_point(name: str, engines: dict[str, Engine], make_reqs, repeats: int) ->
             "auto_vs_best_fixed": rates["auto"] / fixed[best_fixed],
             "best_fixed_vs_none": fixed[best_fixed] / rates["none"],
         },
+        "control_vs_none": paired(CONTROL, "none") if CONTROL in engines else None,
         "prediction_error_mean": float(np.mean(errors)) if errors else None,
         "prediction_error_max": float(np.max(errors)) if errors else None,
     }
@@ -138,7 +151,8 @@ def run_point(name: str, engines: dict[str, Engine], make_reqs, repeats: int) ->
         f"{name:>8}: " + "  ".join(f"{n} {r:7.1f}" for n, r in rates.items())
         + f" tok/s | median over rounds: auto/none {row['auto_vs_none']:.2f}x, auto/{best_paired} "
         f"{row['auto_vs_best_fixed']:.2f}x, prediction error {row['prediction_error_mean']:.1%}"
-        f" mean, {row['prediction_error_max']:.1%} max | same tokens: {same}",
+        f" mean, {row['prediction_error_max']:.1%} max | same tokens: {same}"
+        + (f" | control/none {row['control_vs_none']:.2f}x" if row["control_vs_none"] else ""),
         flush=True,
     )  # fmt: skip
     return row
@@ -155,15 +169,17 @@ def main() -> None:
     ap.add_argument("--tail-tokens", type=int, default=256)
     ap.add_argument("--tail-batch", type=int, default=32, help="rows of the tail point (0: none)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds of timed runs")
+    ap.add_argument("--control", action="store_true", help="add a second plain engine")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.manual_seed(0)
     tok = load_tokenizer(MODEL)
     model = load_model(MODEL, dtype=torch.bfloat16)
     machine = measure_machine(torch.bfloat16)
-    specs = contenders(args.method, args.k, model, tok, args.drafter)
+    specs = contenders(args.method, args.k, model, tok, args.drafter, args.control)
     rows = []
-    points = [(str(b), b, args.new_tokens, False) for b in map(int, args.batch_sizes.split(","))]
+    sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    points = [(str(b), b, args.new_tokens, False) for b in sizes]
     if args.tail_batch:
         points.append(("tail", args.tail_batch, args.tail_tokens, True))
     for name, batch, new, stop in points:
