@@ -56,6 +56,13 @@ def smollm2_tok():
     return load_tokenizer()
 
 
+# pytest-xdist groups (``make test`` runs two workers, ``--dist loadgroup``): the tests of a group
+# run on one worker, one after another. Ray: one local cluster at a time. vLLM: every test that
+# builds vLLM engines (in process or in a subprocess) takes GBs of memory, and two at once on
+# the two workers, next to the memory the other worker holds, filled a 24 GiB machine.
+ON_RAY_WORKER = pytest.mark.xdist_group("ray")
+ON_VLLM_WORKER = pytest.mark.xdist_group("vllm")
+
 # Twenty varied prompts for equivalence tests on the real model.
 PROMPTS = [
     "What is 2+2?",

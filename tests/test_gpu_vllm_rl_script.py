@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from specrl.backends.vllm import vllm_available
+from tests.conftest import ON_VLLM_WORKER
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = ON_VLLM_WORKER  # two vLLM engines in a subprocess (tests/conftest.py)
 
 
 @pytest.mark.slow

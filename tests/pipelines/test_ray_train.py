@@ -27,16 +27,17 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray")
-# One local Ray cluster at a time: every Ray test runs on the same pytest-xdist worker.
-pytestmark = pytest.mark.xdist_group("ray")
 
 from specrl.backends.ray_session import RaySession  # noqa: E402
 from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
 from specrl.pipelines.ray_run import train_on_ray  # noqa: E402
 from specrl.pipelines.train import train  # noqa: E402
 from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
+from tests.conftest import ON_RAY_WORKER  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
 from tests.pipelines.test_kill_resume import ROOT, make_model_dir, train_sets  # noqa: E402
+
+pytestmark = ON_RAY_WORKER  # one local Ray cluster at a time (tests/conftest.py)
 
 RAY = ("cluster.rollout_workers=2", "cluster.threads=1", "rollout.spec=ngram")
 
