@@ -27,7 +27,8 @@ lint: $(STAMP)
 
 # Two pytest-xdist workers, one per core of the 2-core CI machine: much of the suite waits on
 # one core (subprocess start-up, imports, Python-bound steps), so two workers take ~0.6x the
-# time of one (13.6 vs 23.3 min on a 2-core AMD EPYC). The Ray tests share one worker
-# (xdist_group "ray"): one local Ray cluster at a time.
+# time of one (clean clone on a 2-core AMD EPYC: 15.2 min vs 23.3-25.9 min on one worker). The
+# Ray tests share one worker, and so do the tests that build vLLM engines (xdist groups, see
+# tests/conftest.py): one Ray cluster at a time, and vLLM's GBs on one worker only.
 test: lint
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup
