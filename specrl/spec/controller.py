@@ -43,7 +43,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -270,6 +270,15 @@ class StepOutcome:
     caught_up: int = 0  # positions the drafter read before drafting (all rows)
 
 
+class Plan(NamedTuple):
+    """One evaluation of the rates, serving the next choices at the same number of rows."""
+
+    rows: int
+    k: int  # the choice without exploring
+    step_s: float  # its predicted seconds (each choice it serves adds a share to the budget)
+    left: int  # further choices it serves
+
+
 @dataclass
 class SpecController:
     """Chooses k per step (module docstring); ``observe`` feeds back each step's outcome.
@@ -293,8 +302,7 @@ class SpecController:
     explored: int = 0  # steps that verified more than the estimates asked, to measure them
     # (rows, verified k, predicted s, measured s) of recent steps, the prediction made first
     predictions: deque = field(default_factory=lambda: deque(maxlen=4096))
-    # (rows, k chosen without exploring, its predicted seconds, choices it still serves)
-    _plan: tuple[int, int, float, int] | None = None
+    _plan: Plan | None = None  # the last evaluation of the rates (``choose``)
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.k_max)
@@ -353,19 +361,20 @@ class SpecController:
         choice made without exploring (exploring waits for the next evaluation) and add its
         share to the exploration budget."""
         plan = self._plan
-        if plan is not None and plan[0] == rows and plan[3] > 0:
-            self._plan = (*plan[:3], plan[3] - 1)
-            self.budget += self.explore_share * plan[2]
-            return plan[1]
+        if plan is not None and plan.rows == rows and plan.left > 0:
+            self._plan = plan._replace(left=plan.left - 1)
+            self.budget += self.explore_share * plan.step_s
+            return plan.k
         rates = (self.capped_rates if self.cheap_drafts else self.rates)(rows, context)
         best = self._best(rates)
         if self.cheap_drafts and best > 0:
-            self._plan = (rows, self.k_max, 0.0, self.replan_every - 1)
+            self._plan = Plan(rows, self.k_max, 0.0, self.replan_every - 1)
             return self.k_max
         t_best = self._accrue(rows, context, best)
-        self._plan = (rows, best, t_best, self.replan_every - 1)
-        cheap = self.cheap_drafts
-        return self._explore(rows, context, best, self.k_max, t_best, asked_counts=cheap)
+        self._plan = Plan(rows, best, t_best, self.replan_every - 1)
+        return self._explore(
+            rows, context, best, self.k_max, t_best, asked_counts=self.cheap_drafts
+        )
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
