@@ -4,7 +4,8 @@ Contract: ``Engine(model).generate(requests)`` returns ``n`` completions per req
 order. Live sequences occupy cache slots 0..B-1 (batch row == slot); a finished sequence's slot is
 refilled from the pending queue at once, and when the queue is empty the last live row moves into
 the hole. A prompt is prefilled once per call and its cache copied to its GRPO siblings, also to
-siblings admitted later when the batch is smaller than the group (``PromptStash``). Randomness is
+siblings admitted later when the batch is smaller than the group (``PromptStash``); separate
+requests with the same prompt admitted together share one prefill row too. Randomness is
 counter-based per request seed (``specrl.sampling.uniforms``), so a request samples the same
 tokens alone or batched. Bad requests (empty prompt, too long, bad sampling values, ids outside the
 vocabulary) come back as completions with ``finish_reason == "error"`` and a one-line message;
@@ -344,12 +345,11 @@ class Engine(InflightUpdates):
         logits: list[torch.Tensor | None] = [None] * len(groups)  # [V] each
         feats: list[torch.Tensor | None] = [None] * len(groups)  # [n, F] each
         if fresh:
-            out, f = self._prefill_forward(
-                [groups[g][0] for g in fresh], [first_slot[g] for g in fresh]
-            )
+            prompts = [groups[g][0].prompt_ids for g in fresh]
+            out, f = self._prefill_distinct(prompts, [first_slot[g] for g in fresh])
             for i, g in enumerate(fresh):
                 logits[g] = out[i]
-                feats[g] = None if f is None else f[i, : lens[g]]
+                feats[g] = None if f is None else f[i]
         for g, hit in enumerate(stashed):
             if hit:
                 self._cache.copy_slot(stash_slot, first_slot[g], lens[g])
@@ -360,17 +360,40 @@ class Engine(InflightUpdates):
         self._start_rows(rows, groups, first_slot, lens, torch.stack(logits), feats, start)
         return bool(fresh)
 
+    def _prefill_distinct(
+        self, prompts: list[list[int]], slots: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Prefill each distinct prompt once, into the first of its slots, and copy its cache to
+        the others: per entry the last-position logits [N, V] (float32) and the drafter's prompt
+        features [len, F] (None without a learned drafter). Bit for bit what prefilling every
+        entry would give (the same forward's rows, copied)."""
+        first: dict[tuple[int, ...], int] = {}  # prompt -> index of its forward row
+        heads: list[int] = []  # index into prompts of each distinct prompt
+        for i, p in enumerate(prompts):
+            if first.setdefault(tuple(p), len(heads)) == len(heads):
+                heads.append(i)
+        logits, feats = self._prefill_forward(
+            [prompts[i] for i in heads], [slots[i] for i in heads]
+        )
+        row = [first[tuple(p)] for p in prompts]
+        for i, (p, r) in enumerate(zip(prompts, row, strict=True)):
+            if heads[r] != i:
+                self._cache.copy_slot(slots[heads[r]], slots[i], len(p))
+        if feats is not None:
+            feats = [feats[r, : len(p)] for p, r in zip(prompts, row, strict=True)]
+        return logits[row], feats
+
     def _prefill_forward(
-        self, reqs: list[Request], slots: list[int]
+        self, prompts: list[list[int]], slots: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One prefill forward of the prompts into ``slots``: last-position logits [G, V]
         (float32) and the drafter's features [G, width, F] (or None)."""
-        lens = [len(req.prompt_ids) for req in reqs]
+        lens = [len(p) for p in prompts]
         width = max(lens)
-        ids = torch.zeros(len(reqs), width, dtype=torch.int64)
-        for g, req in enumerate(reqs):
-            ids[g, : lens[g]] = torch.tensor(req.prompt_ids)
-        positions = torch.arange(width).expand(len(reqs), width)
+        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for g, p in enumerate(prompts):
+            ids[g, : lens[g]] = torch.tensor(p)
+        positions = torch.arange(width).expand(len(prompts), width)
         last = torch.tensor(lens)[:, None] - 1
         out, feats = self._forward(
             ids, positions, logits_at=last, slots=torch.tensor(slots), prefill=True

@@ -50,7 +50,7 @@ Contract:
   work on the row (old steps included).
 
 ``InflightUpdates`` is a mixin of ``Engine`` (it uses the engine's model, cache, statistics,
-``_forward``, ``_prefill_forward``, ``_tensors``, ``_record`` and ``_emit_verified``); the rest
+``_forward``, ``_prefill_distinct``, ``_tensors``, ``_record`` and ``_emit_verified``); the rest
 are plain functions.
 """
 
@@ -64,7 +64,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrl.engine.types import Request
 from specrl.models.weights import check_weights, copy_weights
 from specrl.spec.verify import Verified, verify
 
@@ -263,21 +262,7 @@ class InflightUpdates:
         """Prefill each distinct prompt once into its first row's slot and copy it to the
         other rows' slots: per row the logits [R, V] (float32) at the last prompt position and
         the drafter's prompt features [n, F] (None without a learned drafter)."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, seq in enumerate(rows):
-            groups.setdefault(tuple(seq.comp.prompt_ids), []).append(i)
-        heads = [members[0] for members in groups.values()]
-        logits, feats = self._prefill_forward([Request(list(p)) for p in groups], heads)
-        row_logits = torch.empty(len(rows), logits.shape[-1])  # [R, V]
-        row_feats: list | None = None if feats is None else [None] * len(rows)
-        for g, (prompt, members) in enumerate(groups.items()):
-            for i in members:
-                if i != members[0]:
-                    self._cache.copy_slot(members[0], i, len(prompt))
-                row_logits[i] = logits[g]
-                if row_feats is not None:
-                    row_feats[i] = feats[g, : len(prompt)]
-        return row_logits, row_feats
+        return self._prefill_distinct([s.comp.prompt_ids for s in rows], list(range(len(rows))))
 
     def _first_tokens(self, rows: list[Seq], logits: torch.Tensor) -> Verified:
         """Sample each row's first token from logits [R, 1, V] (an empty draft: bit for bit

@@ -100,3 +100,23 @@ def test_a_group_larger_than_the_batch_is_prefilled_once_per_call(max_batch, siz
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
     engine.generate(reqs)  # a new call prefills again (the weights may have changed)
     assert sum(r.batch_size for r in kinds(engine, "prefill")) == len(reqs)
+
+
+@pytest.mark.parametrize("max_batch", [2, 3, 64])
+def test_requests_with_the_same_prompt_share_one_prefill_row(max_batch):
+    """Separate requests with equal prompts (and a group among them) run one prefill row per
+    distinct prompt in each admission, and complete exactly as each request does alone."""
+    model = make_tiny()
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=5, n=1 + (i == 2), seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    engine = Engine(model, max_batch=max_batch, record_steps=True)
+    out = engine.generate(reqs)
+    if max_batch == 64:  # smaller batches: admissions split requests and groups (stash)
+        assert [r.batch_size for r in kinds(engine, "prefill")] == [3]  # 3 distinct prompts
+    alone = [c for r in reqs for c in Engine(model, max_batch=1).generate([r])]
+    assert [c.token_ids for c in out] == [c.token_ids for c in alone]
+    for a, b in zip(out, alone, strict=True):  # batch shapes round differently: close
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
