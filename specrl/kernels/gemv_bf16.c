@@ -96,12 +96,15 @@ int specrl_gemv_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t
  * output element does not depend on M, on the other rows or on the thread count. Tiles of
  * up to 4 input rows x 32 output columns (two packed 16-row blocks) keep 16 accumulators in
  * registers; each thread takes whole column tiles and runs every row group through them, so a
- * weight tile is read from memory once and reused from cache by all rows. */
+ * weight tile is read from memory once and reused from cache by all rows. With 5 to 8 rows, tiles
+ * of all the rows x 16 columns take them in one pass, so the stream of weights from memory
+ * overlaps the products of every row (two passes of 4 rows left the second one waiting behind
+ * the first one's memory stream). */
 static inline __attribute__((always_inline)) void tile(const int rows, const int nb,
                                                        const uint16_t *w, int64_t wstride,
                                                        const uint32_t *const *xs, uint16_t *y,
                                                        int64_t N, int64_t kp) {
-    __m512 a[4][2], b[4][2];
+    __m512 a[8][2], b[8][2];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < nb; j++) a[r][j] = b[r][j] = ZERO;
     for (int64_t k = 0; k < kp; k += 2) {
@@ -130,6 +133,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
         tile(R, NB, w, ws, xs, y, N, kp);                                                      \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+TILE(5, 1) TILE(6, 1) TILE(7, 1) TILE(8, 1)
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint32_t *const *, uint16_t *, int64_t,
                         int64_t);
@@ -140,8 +144,17 @@ int specrl_gemm_bf16(const uint16_t *wp, const uint16_t *x, uint16_t *y, int64_t
     static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1},
                                         {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
     if (M < 1 || N % 16 != 0 || K % 4 != 0) return 1;
+    static const tile_fn one_pass[4] = {tile_5_1, tile_6_1, tile_7_1, tile_8_1};
     if (M <= 4) return specrl_gemv_bf16(wp, x, y, M, N, K, threads); /* same sums, M-way */
     int64_t kp = K / 2, ws = kp * 32, blocks_n = N / 16, tiles_n = (blocks_n + 1) / 2;
+    if (M <= 8) { /* every row in one pass over each 16-column block */
+        const uint32_t *xs[8];
+        for (int64_t m = 0; m < M; m++) xs[m] = (const uint32_t *)(x + m * K);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M >= MIN_SPLIT)
+        for (int64_t nb = 0; nb < blocks_n; nb++)
+            one_pass[M - 5](wp + nb * ws, ws, xs, y + nb * 16, N, kp);
+        return 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M >= MIN_SPLIT)
     for (int64_t t = 0; t < tiles_n; t++) {
         int nb = (2 * t + 2 <= blocks_n) ? 2 : 1;

@@ -73,13 +73,14 @@ def test_kernel_results_do_not_depend_on_the_thread_count():
 @pytest.mark.parametrize("n,k", [(48, 36), (1024, 64), (576, 1536)])
 def test_a_rows_product_does_not_depend_on_the_other_rows(n, k):
     """Batch invariance: each row of a 64-row product is bit-identical to that row multiplied
-    alone and inside products of 3 (the GEMV path) and 9 rows (the tiled path)."""
+    alone and inside products of 3 (the GEMV path), 5 to 8 (the one-pass tiles) and 9 and 14
+    rows (the tiled path)."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
     packed = KERNEL.pack(w)
     full = KERNEL.matmul(x, packed, n)
-    for start, stop in ((5, 6), (3, 6), (0, 9), (50, 64)):
+    for start, stop in ((5, 6), (3, 6), (10, 15), (20, 26), (30, 37), (40, 48), (0, 9), (50, 64)):
         assert torch.equal(KERNEL.matmul(x[start:stop], packed, n), full[start:stop])
     assert within_bf16_rounding(full, x, w)
 
