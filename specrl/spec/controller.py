@@ -29,8 +29,10 @@ that can pay at the measured coverage (``capped_rates``), and ``cap`` then limit
 forward takes, given each row's actual draft length (a step whose rows have no draft verifies
 nothing). Speculation is chosen only where its expected rate beats a plain step's by
 ``margin`` (5%): near break-even the prediction error decides, and a loss is what the user
-would see. Speculation that never runs is never measured: while a position rests on fewer than
-``min_tries`` rows the controller explores it whenever the predicted extra time fits a budget
+would see. Speculation that never runs is never measured: while fewer than ``min_tries`` rows
+drafted a position (for a deterministic drafter too: rows asked that had no draft measure its
+coverage, not its acceptance, so an epoch whose suffix index was empty does not end the
+exploring) the controller explores it whenever the predicted extra time fits a budget
 that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
 share of decoding time. Every decision depends on measured times, so with rejection sampling
 ("distribution") the completions of a seed are reproducible in distribution, not token for
@@ -372,9 +374,22 @@ class SpecController:
             return self.k_max
         t_best = self._accrue(rows, context, best)
         self._plan = Plan(rows, best, t_best, self.replan_every - 1)
-        return self._explore(
-            rows, context, best, self.k_max, t_best, asked_counts=self.cheap_drafts
-        )
+        if self.cheap_drafts:
+            return self._explore_drafts(rows, context, t_best)
+        return self._explore(rows, context, best, self.k_max, t_best)
+
+    def _explore_drafts(self, rows: int, context: float, t_plain: float) -> int:
+        """Cheap drafts, no k expected to pay: k_max (drafts for ``cap`` to explore) when
+        position k_max is under-measured and the budget holds what drafting and verifying them
+        would add to a plain step (``t_plain``), else 0. Only the drafting is charged here:
+        ``cap`` charges the verify it explores, seeing which rows drafted (before, both charged
+        the verify, and an explored draft was mostly dropped unverified)."""
+        if self.acceptance.tries[-1] >= self.min_tries:
+            return 0
+        if self.predict(rows, self.k_max, context) - t_plain > self.budget:
+            return 0
+        self.budget -= self.draft.predict(rows, self.k_max)
+        return self.k_max
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
         """With cheap drafts: the most drafts per row the verify forward takes, given each
@@ -412,13 +427,13 @@ class SpecController:
         widest: int,
         t_best: float,
         asked: int | None = None,
-        asked_counts: bool = False,
     ) -> int:
         """``best`` (predicted ``t_best`` seconds), or ``widest`` when position ``widest`` is
-        under-measured (fewer than ``min_tries`` rows drafted it, or with ``asked_counts`` were
-        asked for it) and the budget (``_accrue``) pays its predicted extra time."""
+        under-measured (fewer than ``min_tries`` rows drafted it: rows asked for a draft they did
+        not have measure coverage, not acceptance) and the budget (``_accrue``) pays its
+        predicted extra time."""
         acc = self.acceptance
-        measured = (acc.asks if asked_counts else acc.tries)[widest - 1] if widest else 0.0
+        measured = acc.tries[widest - 1] if widest else 0.0
         if widest <= best or measured >= self.min_tries:
             return best
         extra = max(self.predict(rows, widest, context, asked) - t_best, 0.0)

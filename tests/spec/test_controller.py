@@ -363,3 +363,24 @@ def test_rates_are_evaluated_once_per_plan(smollm2):
         ctl.observe(StepOutcome(5, 0, 0, 100.0, 0.01, 0.0))
     ctl.choose(5, 100.0)
     assert calls == [4, 4, 4, 5, 5]  # a refit ends the plan
+
+
+def test_cheap_drafts_asked_without_drafting_leave_acceptance_to_explore(smollm2):
+    """Rows asked for drafts they did not have (an epoch whose suffix index was empty) measure
+    coverage only: while fewer than ``min_tries`` rows drafted, the controller still explores
+    within its budget (it used to count the asks and stop exploring for good)."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target, cheap_drafts=True)
+    for _ in range(6):  # the warm-up epoch: one row asked for 3 drafts, never drafting
+        ctl.acceptance.observe([0], [0], asked=3)
+    assert ctl.acceptance.coverage()[0] == 0.0 and ctl.acceptance.asks[0] > ctl.min_tries
+    choices, verified = [], []
+    for _ in range(400):
+        choices.append(ctl.choose(1, 64.0))
+        if choices[-1]:  # the row drafted all 3: cap verifies them (the budget held them)
+            verified.append(ctl.cap(1, 64.0, [3]))
+    assert 0 < choices.count(3) < 0.2 * len(choices)  # explores, within the budget
+    assert verified and all(v == 3 for v in verified)
+    for _ in range(8):  # rows that draft and reject: acceptance measured, exploring stops
+        ctl.acceptance.observe([3], [0], asked=3)
+    assert all(ctl.choose(1, 64.0) == 0 for _ in range(400))
