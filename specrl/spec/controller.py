@@ -382,8 +382,7 @@ class SpecController:
         """Cheap drafts, no k expected to pay: k_max (drafts for ``cap`` to explore) when
         position k_max is under-measured and the budget holds what drafting and verifying them
         would add to a plain step (``t_plain``), else 0. Only the drafting is charged here:
-        ``cap`` charges the verify it explores, seeing which rows drafted (before, both charged
-        the verify, and an explored draft was mostly dropped unverified)."""
+        ``cap`` charges the verify it explores, seeing which rows drafted."""
         if self.acceptance.tries[-1] >= self.min_tries:
             return 0
         if self.predict(rows, self.k_max, context) - t_plain > self.budget:

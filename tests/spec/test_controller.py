@@ -384,3 +384,13 @@ def test_cheap_drafts_asked_without_drafting_leave_acceptance_to_explore(smollm2
     for _ in range(8):  # rows that draft and reject: acceptance measured, exploring stops
         ctl.acceptance.observe([3], [0], asked=3)
     assert all(ctl.choose(1, 64.0) == 0 for _ in range(400))
+
+
+def test_an_explored_ask_leaves_the_verify_to_cap(smollm2):
+    """``choose`` exploring a deterministic drafter charges only the drafting; the budget that
+    let it ask still pays ``cap``'s verify of the drafts (charged twice, they were dropped)."""
+    target = TargetCost(smollm2, true_records(smollm2, calibration_shapes(64, 3)))
+    ctl = SpecController(3, target, cheap_drafts=True)
+    ctl.budget = ctl.predict(1, 3, 64.0) - ctl.predict(1, 0, 64.0)  # just one explored step
+    assert ctl.choose(1, 64.0) == 3
+    assert ctl.cap(1, 64.0, [3]) == 3
