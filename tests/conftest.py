@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -62,6 +64,24 @@ def smollm2_tok():
 # the two workers, next to the memory the other worker holds, filled a 24 GiB machine.
 ON_RAY_WORKER = pytest.mark.xdist_group("ray")
 ON_VLLM_WORKER = pytest.mark.xdist_group("vllm")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a ``--dist loadgroup`` worker, stop the run when xdist did not tag a grouped test's id
+    with its group: the groups would be ignored without a word (pytest 9.2 with xdist 3.8.0 did
+    that, and CI's two workers then ran vLLM engines side by side until one was killed). The
+    message goes to the real stderr: a worker's own report of why it stopped is not shown."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            sys.__stderr__.write(
+                f"pytest-xdist did not group {item.nodeid} (pytest {pytest.__version__}): its "
+                "xdist_group marks would be ignored; install the pinned pytest (make install)\n"
+            )
+            pytest.exit("pytest-xdist ignored the xdist_group marks", returncode=4)
+
 
 # Twenty varied prompts for equivalence tests on the real model.
 PROMPTS = [
