@@ -34,11 +34,9 @@ drafted a position (for a deterministic drafter too: rows asked that had no draf
 coverage, not its acceptance, so an epoch whose suffix index was empty does not end the
 exploring) the controller explores it whenever the predicted extra time fits a budget
 that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
-share of decoding time. The same budget pays a deterministic drafter's drafting in steps where
-no k is expected to pay: only asks measure coverage, which would otherwise stand for good.
-Every decision depends on measured times, so with rejection sampling ("distribution") the
-completions of a seed are reproducible in distribution, not token for token ("sample"
-exactness keeps them identical).
+share of decoding time. Every decision depends on measured times, so with rejection sampling
+("distribution") the completions of a seed are reproducible in distribution, not token for
+token ("sample" exactness keeps them identical).
 """
 
 from __future__ import annotations
@@ -381,20 +379,15 @@ class SpecController:
         return self._explore(rows, context, best, self.k_max, t_best)
 
     def _explore_drafts(self, rows: int, context: float, t_plain: float) -> int:
-        """Cheap drafts, no k expected to pay: k_max when the budget holds what asking adds to
-        a plain step (``t_plain``), else 0. While position k_max is under-measured that is the
-        drafting and the verify of the drafts (``cap`` explores them); once it is measured, only
-        the drafting: ``cap`` verifies what pays, and the ask re-measures coverage, which only
-        asks measure (decay scales asks and drafts alike, so without asks the coverage of the
-        last ones, an epoch whose suffix index was near-empty say, would stand for good). Only
-        the drafting is charged here: ``cap`` charges the verify it explores."""
-        drafting = self.draft.predict(rows, self.k_max)
-        need = drafting
-        if self.acceptance.tries[-1] < self.min_tries:
-            need = self.predict(rows, self.k_max, context) - t_plain
-        if need > self.budget:
+        """Cheap drafts, no k expected to pay: k_max (drafts for ``cap`` to explore) when
+        position k_max is under-measured and the budget holds what drafting and verifying them
+        would add to a plain step (``t_plain``), else 0. Only the drafting is charged here:
+        ``cap`` charges the verify it explores, seeing which rows drafted."""
+        if self.acceptance.tries[-1] >= self.min_tries:
             return 0
-        self.budget -= drafting
+        if self.predict(rows, self.k_max, context) - t_plain > self.budget:
+            return 0
+        self.budget -= self.draft.predict(rows, self.k_max)
         return self.k_max
 
     def cap(self, rows: int, context: float, lengths: list[int]) -> int:
