@@ -28,8 +28,8 @@ lint: $(STAMP)
 # Two pytest-xdist workers, one per core of the 2-core CI machine: much of the suite waits on
 # one core (subprocess start-up, imports, Python-bound steps), so two workers take ~0.6x the
 # time of one (clean clone on a 2-core AMD EPYC: 15.2 min vs 23.3-25.9 min on one worker). The
-# Ray tests share one worker, and so do the tests that build vLLM engines (xdist groups, see
-# tests/conftest.py): one Ray cluster at a time, and vLLM's GBs on one worker only. A worker
+# tests that start Ray clusters or build vLLM engines share one worker (an xdist group, see
+# tests/conftest.py): one of them at a time, their GBs on one worker only. A worker
 # that dies (killed for memory, say) ends the run at once, naming its test: xdist's replacement
 # worker can hang under loadgroup until CI's limit (pytest-xdist issues 1323 and 1378).
 test: lint

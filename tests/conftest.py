@@ -62,12 +62,14 @@ def smollm2_tok():
     return load_tokenizer()
 
 
-# pytest-xdist groups (``make test`` runs two workers, ``--dist loadgroup``): the tests of a group
-# run on one worker, one after another. Ray: one local cluster at a time. vLLM: every test that
-# builds vLLM engines (in process or in a subprocess) takes GBs of memory, and two at once on
-# the two workers, next to the memory the other worker holds, filled a 24 GiB machine.
-ON_RAY_WORKER = pytest.mark.xdist_group("ray")
-ON_VLLM_WORKER = pytest.mark.xdist_group("vllm")
+# pytest-xdist group (``make test`` runs two workers, ``--dist loadgroup``): the tests of a group
+# run on one worker, one after another. Every test that starts a Ray cluster or builds vLLM
+# engines (in process or in a subprocess) takes GBs: with the vLLM ones on both workers a worker
+# was killed for memory, and with vLLM on one worker beside a Ray run on the other (CI's 24 GiB
+# down to 1.3-1.8 GB available) Ray's memory monitor killed the run's actors. One group for both.
+ON_SERVER_WORKER = pytest.mark.xdist_group("servers")
+ON_RAY_WORKER = ON_SERVER_WORKER  # one local Ray cluster at a time, never beside vLLM
+ON_VLLM_WORKER = ON_SERVER_WORKER
 
 
 @pytest.hookimpl(trylast=True)
