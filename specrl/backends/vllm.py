@@ -96,6 +96,7 @@ import torch
 
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.vllm_worker import (
+    forget_reload_records,
     load_drafter,
     load_policy,
     parameters_by_name,
@@ -466,6 +467,8 @@ class VllmBackend:
                 return
             self._closed = True
             llm, self.llm = self.llm, None
+        with contextlib.suppress(Exception):
+            self._on_engine(llm.collective_rpc, forget_reload_records)
         with contextlib.suppress(Exception):
             self._on_engine(llm.llm_engine.engine_core.shutdown)
         self._engine.shutdown(wait=True)

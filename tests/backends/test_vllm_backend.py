@@ -6,8 +6,10 @@ refusal of every drafter it cannot run. One engine per kind for the whole module
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -330,7 +332,8 @@ def test_sampled_speculation_is_exact(backend, smollm2, prompt):
 def test_draft_model_drafter_update(smollm2, prompt):
     """The target itself as its draft model: greedy acceptance is k+1; a damaged drafter update
     keeps the output and collapses acceptance, and the served fingerprint shows it; the
-    weight-sync guard refuses a skipped and a corrupted drafter update."""
+    weight-sync guard refuses a skipped and a corrupted drafter update. Closed, the engine frees
+    both models (vLLM's reload records kept them alive)."""
     path = resolve_model("smollm2-135m-instruct")
     b = VllmBackend(path, spec=SpecConfig("draft", 2), drafter_dir=path, max_batch=4)
     try:
@@ -349,10 +352,17 @@ def test_draft_model_drafter_update(smollm2, prompt):
         assert served.drafter_version == 1 and served.drafter == fingerprint(named, torch.float32)
         assert served.policy == fingerprint(dict(smollm2.named_parameters()), torch.float32)
         guarded_drafter_updates(b, named)
+        weights = [weakref.ref(p) for p in b._rpc(served_parameters)]  # policy and draft model
     finally:
         b.close()
     with pytest.raises(RuntimeError, match="closed"):
         b.generate(req)
+    gc.collect()
+    assert weights and all(w() is None for w in weights)  # closed, the engine's weights are freed
+
+
+def served_parameters(worker) -> list[torch.Tensor]:
+    return [p for m in (worker.get_model(), worker.get_draft_model()) for p in m.parameters()]
 
 
 def guarded_drafter_updates(b: VllmBackend, named: dict[str, torch.Tensor]) -> None:
