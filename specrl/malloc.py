@@ -7,7 +7,9 @@ are reused, not mapped fresh and unmapped each time. It returns True when glibc 
 False where the C library is not glibc or refused one (nothing else happens). Values are never
 affected, only where freed memory goes; the process keeps its peak heap instead of returning it
 to the OS. ``specrl train`` calls it at start, the Ray learner actor in its own process (the
-training processes; importing specrl never does).
+training processes; importing specrl never does). ``return_freed_memory()`` does the opposite
+once: the free memory at the heap's top and in its free pages goes back to the OS
+(``malloc_trim(0)``; False where the C library is not glibc).
 Why: a learner step allocates and frees the same large activations and gradients at every
 micro-batch; glibc's defaults hand them back to the OS and take them again as zero-filled page
 faults, most at a step whose packed shapes the process has not run before
@@ -27,17 +29,32 @@ TOP_PAD_BYTES = 256 << 20
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit systems
 
 
-def keep_freed_memory() -> bool:
-    """Set the three malloc parameters (see module); True when glibc took them all."""
+def _libc() -> ctypes.CDLL | None:
+    """The C library, or None where it cannot be found."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Set the three malloc parameters (see module); True when glibc took them all."""
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = ((M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES), (M_TOP_PAD, TOP_PAD_BYTES),
                 (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))  # fmt: skip
     return all([mallopt(param, value) == 1 for param, value in settings])
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free memory back to the OS once (glibc's ``malloc_trim(0)``); True when
+    glibc did it."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import os
 import sys
@@ -11,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from specrl.malloc import return_freed_memory
 from specrl.models.config import tiny_config
 from specrl.models.transformer import Transformer
 
@@ -68,8 +67,6 @@ def smollm2_tok():
 # was killed for memory, and with vLLM on one worker beside a Ray run on the other (CI's 24 GiB
 # down to 1.3-1.8 GB available) Ray's memory monitor killed the run's actors. One group for both.
 ON_SERVER_WORKER = pytest.mark.xdist_group("servers")
-ON_RAY_WORKER = ON_SERVER_WORKER  # one local Ray cluster at a time, never beside vLLM
-ON_VLLM_WORKER = ON_SERVER_WORKER
 
 
 @pytest.hookimpl(trylast=True)
@@ -98,8 +95,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield
     if (nextitem is None or nextitem.module is not item.module) and resident_mb() > TRIM_ABOVE_MB:
         gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return_freed_memory()
     return result
 
 

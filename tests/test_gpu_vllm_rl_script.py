@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from specrl.backends.vllm import vllm_available
-from tests.conftest import ON_VLLM_WORKER
+from tests.conftest import ON_SERVER_WORKER
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = ON_VLLM_WORKER  # two vLLM engines in a subprocess (tests/conftest.py)
+pytestmark = ON_SERVER_WORKER  # two vLLM engines in a subprocess (tests/conftest.py)
 
 
 @pytest.mark.slow

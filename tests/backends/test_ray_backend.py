@@ -31,10 +31,10 @@ from specrl.pipelines.guard import WeightGuard, WeightSyncError  # noqa: E402
 from specrl.sampling import SamplingParams  # noqa: E402
 from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
 from tests.backends.test_process_backend import call_within, perturbed  # noqa: E402
-from tests.conftest import ON_RAY_WORKER, make_tiny  # noqa: E402
+from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config  # noqa: E402
 
-pytestmark = ON_RAY_WORKER  # one local Ray cluster at a time (tests/conftest.py)
+pytestmark = ON_SERVER_WORKER  # one local Ray cluster at a time (tests/conftest.py)
 
 RAY = ("cluster.rollout_workers=2", "cluster.threads=1", "rollout.spec=ngram")
 REQUESTS = [

@@ -32,10 +32,10 @@ from specrl.pipelines.guard import WeightGuard, WeightSyncError
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import SpecConfig
 from tests.backends.sabotage import Sabotaged
-from tests.conftest import ON_VLLM_WORKER, make_tiny
+from tests.conftest import ON_SERVER_WORKER, make_tiny
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (specrl[vllm])")
-pytestmark = ON_VLLM_WORKER  # GBs per engine (tests/conftest.py)
+pytestmark = ON_SERVER_WORKER  # GBs per engine (tests/conftest.py)
 QUESTION = "Repeat exactly: one two three four five, one two three four five, one two three"
 
 

@@ -28,7 +28,7 @@ from specrl.drafters.export import ExportError, export_draft_model, export_eagle
 from specrl.models.checkpoints import hf_state_dict, load_model
 from specrl.models.heads import DraftHead, load_head, save_head
 from specrl.models.transformer import Transformer
-from tests.conftest import ON_VLLM_WORKER, make_tiny
+from tests.conftest import ON_SERVER_WORKER, make_tiny
 
 torch.set_num_threads(1)
 
@@ -478,7 +478,7 @@ def test_cli_requires_out_and_checks_head_arch(app):
 
 
 @pytest.mark.slow
-@ON_VLLM_WORKER
+@ON_SERVER_WORKER
 def test_vllm_loads_and_runs_the_export(tmp_path):
     """vLLM's own EAGLE-3 classes (CPU) load every parameter from the export, exactly as the
     reader above maps them, and their forward equals specrl's head (one subprocess for the

@@ -33,11 +33,11 @@ from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
 from specrl.pipelines.ray_run import train_on_ray  # noqa: E402
 from specrl.pipelines.train import train  # noqa: E402
 from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
-from tests.conftest import ON_RAY_WORKER  # noqa: E402
+from tests.conftest import ON_SERVER_WORKER  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
 from tests.pipelines.test_kill_resume import ROOT, make_model_dir, train_sets  # noqa: E402
 
-pytestmark = ON_RAY_WORKER  # one local Ray cluster at a time (tests/conftest.py)
+pytestmark = ON_SERVER_WORKER  # one local Ray cluster at a time (tests/conftest.py)
 
 RAY = ("cluster.rollout_workers=2", "cluster.threads=1", "rollout.spec=ngram")
 

@@ -11,7 +11,7 @@ from specrl.pipelines.build import build_run
 from specrl.pipelines.loop import METRIC_KEYS
 from specrl.pipelines.report import write_report
 from specrl.pipelines.train import run_training, train
-from tests.conftest import ON_VLLM_WORKER
+from tests.conftest import ON_SERVER_WORKER
 
 TINY = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
         "env.num_eval=4", "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2"]  # fmt: skip
@@ -40,7 +40,7 @@ def test_fp32_engine_learner_mismatch(tmp_path, spec):
     assert rows[0]["logprob_delta_mean"] <= 1e-3
 
 
-@ON_VLLM_WORKER
+@ON_SERVER_WORKER
 def test_vllm_backend_runs_the_default_task(tmp_path):
     """``rollout.backend=vllm`` (its default drafter: ngram): the run trains, vLLM's logprobs
     agree with the learner's in float32, the guard checked every push (a mismatch would raise),
