@@ -100,6 +100,23 @@ def test_a_few_steps_fit_only_the_per_draft_and_catch_up_rates():
     np.testing.assert_allclose(cost.coef, [0, 0, 0, 5e-4, 2e-5], atol=1e-12)
 
 
+def test_draft_cost_refits_once_per_refit_every_steps_after_the_first():
+    """Each of the first ``full_after`` steps refits; later ones only every ``refit_every``."""
+    cost = DraftCost()
+    truth = np.array([1e-3, 2e-4, 5e-5, 1e-5, 0.0])
+    shapes = [(rows, k) for rows in (1, 2, 4, 8, 16, 64) for k in (1, 2, 3)]  # 18
+    for rows, k in shapes[: cost.full_after]:
+        before = cost.coef.copy()
+        cost.observe(rows, k, float(DraftCost.features(rows, k) @ truth))
+        assert not np.array_equal(cost.coef, before)
+    fitted = cost.coef.copy()
+    for rows, k in shapes[cost.full_after : cost.full_after + cost.refit_every - 1]:
+        cost.observe(rows, k, 2 * float(DraftCost.features(rows, k) @ truth))
+        np.testing.assert_array_equal(cost.coef, fitted)  # not refitted yet
+    cost.observe(64, 3, 2 * float(DraftCost.features(64, 3) @ truth))
+    assert not np.array_equal(cost.coef, fitted)
+
+
 def test_a_drafter_that_catches_nothing_up_costs_nothing_for_it():
     """A model-free drafter never reports caught-up positions: that rate stays 0, so the
     steady-state catch-up the controller assumes adds nothing to its predicted cost."""
