@@ -1,7 +1,7 @@
 """Speculation inside real RL steps on the reasoning preset: rollout and step speedup, interleaved.
 
 Usage: python benchmarks/reasoning_spec_vs_plain.py [--steps 8] [--warmup 1] [--ceiling]
-    [--set k=v ...]
+    [--ceiling-accept 1.0,0.8,...] [--set k=v ...]
 
 One synchronous GRPO run of ``specrl train --preset reasoning`` (SmolLM2-135M, bf16 engine, the
 configured drafter: suffix by default, with the cost-model controller and sample-exact
@@ -22,7 +22,14 @@ every draft is accepted while the row's tokens equal the plain rollout's, ``orac
 that left them would draft nothing from there) at the cost of a lookup, under the cost-model
 controller (k up to ``--ceiling-k``): the ceiling of speculation on this machine and workload
 (a perfect, free drafter and the controller's choice of k), reported as rollout and step
-speedups.
+speedups. ``--ceiling-accept`` lists per-token acceptances a: for a < 1 the oracle keeps each
+drafted token with probability a (drawn per sample seed and position, so reruns agree) and
+replaces the first one it does not keep by another token, which verification rejects (the
+tokens after it stay: a draft's length says nothing of where it goes wrong, as with a real
+drafter); so its drafts are accepted position by position with probability a, at no drafting
+cost: the ceiling
+of a free drafter of that acceptance (acceptance length 1 + a + ... + a^k at k drafts), one
+rollout per a, summarised per a under ``ceilings``.
 Writes benchmarks/results/reasoning_spec_vs_plain.json.
 """
 
@@ -53,20 +60,36 @@ FEW_ROWS = 4
 @register_proposer("oracle")
 class OracleProposer:
     """Drafts the tokens plain sampling will draw: ``book`` maps a sample seed to the plain
-    rollout's prompt + completion; a row whose history has left it drafts nothing."""
+    rollout's prompt + completion; a row whose history has left it drafts nothing. With
+    ``accept`` < 1 each drafted token is kept with that probability (one uniform per sample
+    seed and position, drawn once) and the first one not kept is replaced by a neighbouring
+    token id, which verification rejects; the draft keeps its length."""
 
     deterministic = True
 
-    def __init__(self, book: dict[int, list[int]] | None = None) -> None:
+    def __init__(self, book: dict[int, list[int]] | None = None, accept: float = 1.0) -> None:
         self.book = {} if book is None else book
+        self.accept = accept
+        self.uniforms = {s: np.random.default_rng(s).random(len(f)) for s, f in self.book.items()}
 
     def propose(self, batch, k: int) -> Draft:
         rows = []
         for seed, history in zip(batch.seeds.tolist(), batch.histories, strict=True):
             full = self.book.get(seed, [])
             n = len(history)
-            rows.append(full[n : n + k] if full[:n] == history else [])
+            rows.append(self._spoil(full[n : n + k], seed, n) if full[:n] == history else [])
         return Draft.from_lists(rows, k)
+
+    def _spoil(self, draft: list[int], seed: int, position: int) -> list[int]:
+        """``draft`` with its first token not kept replaced by a wrong id."""
+        if self.accept >= 1.0 or not draft:
+            return draft
+        kept = self.uniforms[seed][position : position + len(draft)] < self.accept
+        if kept.all():
+            return draft
+        j = int(np.argmin(kept))  # the first position not kept
+        wrong = draft[j] - 1 if draft[j] > 0 else draft[j] + 1
+        return [*draft[:j], wrong, *draft[j + 1 :]]
 
     def observe(self, row_ids, accepted) -> None: ...
     def finish(self, row_id, group_key, tokens) -> None: ...
@@ -74,12 +97,14 @@ class OracleProposer:
 
 
 def oracle_rollout(
-    parts, engine: Engine, step: int, plain: list, k: int
+    parts, engine: Engine, step: int, plain: list, k: int, accept: float = 1.0
 ) -> tuple[float, float, bool]:
     """Seconds, acceptance length and same-tokens check of the step's prompts rolled out by
-    ``engine`` (over the run's shared, current weights) drafting with ``OracleProposer``."""
+    ``engine`` (over the run's shared, current weights) drafting with ``OracleProposer`` at
+    per-token acceptance ``accept``."""
     book = {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in plain}
-    spec = SpecConfig("oracle", k, options={"book": book}, exact="sample", adaptive=True)
+    options = {"book": book, "accept": accept}
+    spec = SpecConfig("oracle", k, options=options, exact="sample", adaptive=True)
     engine.spec, engine.proposer = spec, engine.make_proposer(spec)
     oracle = replace(parts, backend=NativeBackend(engine))
     t0 = time.perf_counter()
@@ -108,9 +133,9 @@ def plain_rollout(parts, step: int) -> tuple[float, list, float]:
     return seconds, out.completions, few_rows_share(out.stats.step_records)
 
 
-def one_step(parts, step: int, oracle: Engine | None, ceiling_k: int) -> dict:
-    """Both rollouts of ``step`` (order alternating), the ``oracle`` engine's (if any), then
-    the learner on the speculative one."""
+def one_step(parts, step: int, oracles: dict[float, Engine], ceiling_k: int) -> dict:
+    """Both rollouts of ``step`` (order alternating), one per ``oracles`` engine (keyed by
+    per-token acceptance), then the learner on the speculative one."""
     if step % 2 == 0:
         plain_s, plain, few = plain_rollout(parts, step)
     t0 = time.perf_counter()
@@ -118,7 +143,7 @@ def one_step(parts, step: int, oracle: Engine | None, ceiling_k: int) -> dict:
     spec_s = time.perf_counter() - t0
     if step % 2 == 1:
         plain_s, plain, few = plain_rollout(parts, step)
-    ceiling = oracle_rollout(parts, oracle, step, plain, ceiling_k) if oracle else None
+    ceilings = {a: oracle_rollout(parts, e, step, plain, ceiling_k, a) for a, e in oracles.items()}
     t1 = time.perf_counter()
     learned = learn(parts, batch)
     learn_s = time.perf_counter() - t1
@@ -140,14 +165,11 @@ def one_step(parts, step: int, oracle: Engine | None, ceiling_k: int) -> dict:
         "reward_mean": m["reward_mean"],
         "accuracy": m["accuracy"],
         "loss": learned.get("learner_loss"),
-    } | _ceiling_fields(ceiling)
-
-
-def _ceiling_fields(ceiling: tuple[float, float, bool] | None) -> dict:
-    if ceiling is None:
-        return {}
-    seconds, accept, same = ceiling
-    return {"oracle_gen_s": seconds, "oracle_acceptance_length": accept, "oracle_same": same}
+        "oracle": {
+            str(a): {"gen_s": s, "acceptance_length": acc, "same": same}
+            for a, (s, acc, same) in ceilings.items()
+        },
+    }
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -155,18 +177,17 @@ def summarize(rows: list[dict]) -> dict:
     spec = sum(r["spec_gen_s"] for r in rows)
     learn_s = sum(r["learn_s"] for r in rows)
     undrafted = spec - sum(r["spec_draft_s"] for r in rows)
-    out = {}
-    if all("oracle_gen_s" in r for r in rows):
-        oracle = sum(r["oracle_gen_s"] for r in rows)
-        out = {
-            "ceiling_rollout_speedup": plain / oracle,
-            "ceiling_step_speedup": (plain + learn_s) / (oracle + learn_s),
-            "ceiling_acceptance_length_mean": float(
-                np.mean([r["oracle_acceptance_length"] for r in rows])
-            ),
-            "ceiling_same_tokens": all(r["oracle_same"] for r in rows),
+    ceilings = {}
+    for a in rows[0]["oracle"]:
+        runs = [r["oracle"][a] for r in rows]
+        oracle = sum(x["gen_s"] for x in runs)
+        ceilings[a] = {
+            "rollout_speedup": plain / oracle,
+            "step_speedup": (plain + learn_s) / (oracle + learn_s),
+            "acceptance_length_mean": float(np.mean([x["acceptance_length"] for x in runs])),
+            "same_tokens": all(x["same"] for x in runs),
         }
-    return out | {
+    return {"ceilings": ceilings} | {
         "steps": len(rows),
         "rollout_speedup": plain / spec,
         "step_speedup": (plain + learn_s) / (spec + learn_s),
@@ -189,6 +210,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--ceiling", action="store_true", help="add the oracle-drafter rollout")
     ap.add_argument("--ceiling-k", type=int, default=8, help="the oracle's largest k")
+    ap.add_argument(
+        "--ceiling-accept",
+        default="1.0",
+        help="per-token acceptances of the oracle drafter, one rollout each (with --ceiling)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     sets = [*args.set, f"run.steps={args.steps}", "run.eval_every=0", "run.checkpoint_every=0"]
@@ -197,13 +223,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         cfg.run.run_dir = d
         parts = build_run(cfg)
-        oracle = None
+        oracles = {}
         if args.ceiling:  # over the run's engine model, shared: it follows every weight update
             model = parts.backend.engine.model
-            oracle = Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
+            for a in (float(x) for x in args.ceiling_accept.split(",")):
+                oracles[a] = Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
         rows = []
         for step in range(args.steps):
-            row = one_step(parts, step, oracle, args.ceiling_k)
+            row = one_step(parts, step, oracles, args.ceiling_k)
             rows.append(row)
             print(
                 f"step {step}: gen plain {row['plain_gen_s']:.1f}s spec {row['spec_gen_s']:.1f}s "
@@ -212,8 +239,8 @@ def main() -> None:
                 f"{row['length_p10_p50_p90_max']} | <=4 rows "
                 f"{row['plain_time_share_at_most_4_rows']:.0%}"
                 f" | reward {row['reward_mean']:.3f} | same tokens {row['same_tokens']}"
-                + (f" | oracle {row['oracle_gen_s']:.1f}s acc "
-                   f"{row['oracle_acceptance_length']:.2f}" if oracle else ""),
+                + "".join(f" | oracle {a}: {o['gen_s']:.1f}s acc {o['acceptance_length']:.2f}"
+                          for a, o in row["oracle"].items()),
                 flush=True,
             )  # fmt: skip
     summary = summarize(rows[args.warmup :] or rows)
