@@ -27,9 +27,8 @@ drafted token with probability a (drawn per sample seed and position, so reruns 
 replaces the first one it does not keep by another token, which verification rejects (the
 tokens after it stay: a draft's length says nothing of where it goes wrong, as with a real
 drafter); so its drafts are accepted position by position with probability a, at no drafting
-cost: the ceiling
-of a free drafter of that acceptance (acceptance length 1 + a + ... + a^k at k drafts), one
-rollout per a, summarised per a under ``ceilings``.
+cost: the ceiling of a free drafter of that acceptance (acceptance length 1 + a + ... + a^k at
+k drafts), one rollout per a, summarised per a under ``ceilings``.
 Writes benchmarks/results/reasoning_spec_vs_plain.json.
 """
 
@@ -202,6 +201,23 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def ceiling_accepts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[float]:
+    """``--ceiling-accept`` as numbers, refused (naming the value) when malformed, outside
+    (0, 1] or given without ``--ceiling``."""
+    if args.ceiling_accept is None:
+        return [1.0]
+    if not args.ceiling:
+        ap.error("--ceiling-accept needs --ceiling")
+    try:
+        accepts = [float(x) for x in args.ceiling_accept.split(",")]
+    except ValueError:
+        ap.error(f"--ceiling-accept: not a list of numbers: {args.ceiling_accept!r}")
+    bad = [a for a in accepts if not 0 < a <= 1]
+    if bad:
+        ap.error(f"--ceiling-accept: {bad[0]} is outside (0, 1]")
+    return accepts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -212,11 +228,13 @@ def main() -> None:
     ap.add_argument("--ceiling-k", type=int, default=8, help="the oracle's largest k")
     ap.add_argument(
         "--ceiling-accept",
-        default="1.0",
-        help="per-token acceptances of the oracle drafter, one rollout each (with --ceiling)",
+        default=None,
+        help="comma-separated per-token acceptances in (0, 1] of the oracle drafter, one "
+        "rollout each (with --ceiling; default 1.0)",
     )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    accepts = ceiling_accepts(ap, args)
     sets = [*args.set, f"run.steps={args.steps}", "run.eval_every=0", "run.checkpoint_every=0"]
     cfg = load_config(None, sets, preset=args.preset)
     torch.manual_seed(cfg.run.seed)
@@ -226,7 +244,7 @@ def main() -> None:
         oracles = {}
         if args.ceiling:  # over the run's engine model, shared: it follows every weight update
             model = parts.backend.engine.model
-            for a in (float(x) for x in args.ceiling_accept.split(",")):
+            for a in accepts:
                 oracles[a] = Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
         rows = []
         for step in range(args.steps):

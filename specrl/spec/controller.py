@@ -162,7 +162,7 @@ class DraftCost:
     five rates from two or three steps are noise (a first fit from two explored steps priced a
     0.6 ms head step at 6.5 ms, and speculation was then never chosen). From then on the rates
     are refitted once per ``refit_every`` steps: a fit per step was the controller's largest
-    cost (~0.3 ms of a ~11 ms batch-1 step), and a window of 64 steps moves little in 8."""
+    cost (~0.45 ms of a ~11 ms batch-1 step), and a window of 64 steps moves little in 8."""
 
     window: int = 64
     full_after: int = 8
