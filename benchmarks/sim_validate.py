@@ -37,6 +37,7 @@ from specrl.sim.paper import (
     RLZERO,
     acceptance_fit,
     drift_alternative,
+    graph_alternative,
     refit_paper_inputs,
     scenario_value,
 )
@@ -134,6 +135,7 @@ def paper_section() -> dict:
         "shape": shape,
         "acceptance": _acceptance_report(),
         "drift_alternative": drift_section(),
+        "graph_alternative": graph_section(),
     }
 
 
@@ -149,6 +151,16 @@ def drift_section() -> dict:
     alt = drift_alternative(DRIFT_CHECK_DECAY)
     print(f"\ndrift alternative (decay {DRIFT_CHECK_DECAY} per 1k tokens, ratio"
           f" {alt['position_ratio']}, overhead {alt['draft_forward_overhead_s'] * 1e3:.2f} ms):"
+          + "".join(f" {k} {alt[k]:.2f}" for k in alt if k.startswith("rl")))  # fmt: skip
+    return alt
+
+
+def graph_section() -> dict:
+    """The k sweep when forwards wider than vLLM's largest CUDA graph run without one (a cost
+    superlinear in k that the model can name; see specrl.sim.paper.graph_alternative)."""
+    alt = graph_alternative()
+    print(f"graph alternative (cap {alt['graph_capture_tokens']:.0f} tokens, fitted"
+          f" {alt['eager_s_per_layer'] * 1e6:.0f} us per layer):"
           + "".join(f" {k} {alt[k]:.2f}" for k in alt if k.startswith("rl")))  # fmt: skip
     return alt
 

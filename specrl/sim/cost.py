@@ -35,6 +35,11 @@ verified positions (EAGLE-3, MTP, a draft model in vLLM) run their first forward
 positions of every sequence. Model-free drafters (n-gram, suffix) cost CPU time per sequence,
 ``cpu_s_per_seq + cpu_s_per_ctx_token * context`` (the match scan). Drafters run in bf16.
 
+A forward wider than ``graph_capture_tokens`` query tokens (the largest CUDA graph the engine
+captured; vLLM runs wider batches without one) adds ``eager_s_per_layer`` per decoder layer of
+its network, target or drafter: the kernel launches a graph replay saves. 0 (every profile's
+default) prices every forward alike.
+
 Three engine terms default to no effect: ``prefill_group`` sequences share one prompt, prefilled
 once and its cache forked (GRPO groups in specrl's engine; prefix caching in vLLM);
 ``draft_coverage`` gives, per draft position, the chance a sequence drafts there at all (n-gram /
@@ -281,11 +286,18 @@ class StepCostModel:
     def layout(self) -> Layout:
         return Layout(self.gpus, self.ep, self.precision, self.routing_locality, self.routing_skew)
 
+    def eager(self, tokens: float, layers: int) -> float:
+        """Host launch time of a forward of ``tokens`` query tokens through ``layers`` decoder
+        layers when it is wider than the largest captured graph (0 when graphed)."""
+        cap = self.hw.graph_capture_tokens
+        return layers * self.hw.eager_s_per_layer if cap and tokens > cap else 0.0
+
     def target_forward(self, n_seqs: float, tokens_per_seq: float, context: float) -> float:
         shape = ForwardShape(n_seqs, tokens_per_seq, context)
-        return forward_cost(
+        cost = forward_cost(
             self.target, self.hw, self.gpus, shape, 0.0, self.routing_locality, self.layout
-        ).total
+        )
+        return cost.total + self.eager(shape.tokens, self.target.layers)
 
     def decode(self, n_seqs: float, context: float) -> float:
         """One plain decode step: overhead plus a one-token forward for every sequence."""
@@ -314,7 +326,8 @@ class StepCostModel:
         shape = ForwardShape(n_seqs, tokens_per_seq, context)
         model = self.draft_model
         assert model is not None
-        return forward_cost(model, self.hw, self.gpus, shape, self.hw.forward_overhead_s).total
+        cost = forward_cost(model, self.hw, self.gpus, shape, self.hw.forward_overhead_s)
+        return cost.total + self.eager(shape.tokens, model.layers)
 
     def draft(self, n_seqs: float, k: int, context: float) -> float:
         """Drafting k positions per sequence: k drafter forwards (the first over the k + 1

@@ -97,6 +97,8 @@ def hardware(sc: Scenario) -> HardwareSpec:
         "step_overhead_s": e.step_overhead_s,
         "forward_overhead_s": e.forward_overhead_s,
         "verify_s_per_logit": e.verify_s_per_logit,
+        "graph_capture_tokens": e.graph_capture_tokens,
+        "eager_s_per_layer": e.eager_s_per_layer,
     }
     return with_overrides(hw, **{k: v for k, v in changes.items() if v is not None})
 

@@ -190,6 +190,16 @@ class Engine(_Strict):
     cpu_s_per_ctx_token: float | None = Field(
         None, ge=0, description="model-free drafter: CPU s per context token (None: the spec's)"
     )
+    graph_capture_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="largest CUDA-graph forward, tokens; 0: no limit (None: the profile's)",
+    )
+    eager_s_per_layer: float | None = Field(
+        None,
+        ge=0,
+        description="host s per layer past graph_capture_tokens (None: the profile's)",
+    )
 
 
 class Scenario(_Strict):

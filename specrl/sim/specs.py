@@ -128,6 +128,12 @@ class HardwareSpec:
     # for engines whose prefill runs another code path than decode (specrl's native engine
     # decodes in its own kernels and prefills through torch); fitted on CPUs, 0 elsewhere.
     prefill_s_per_flop: float = 0.0
+    # A forward of more query tokens than the largest captured CUDA graph runs without one
+    # (vLLM's behaviour) and pays its kernel launches on the host: ``eager_s_per_layer`` per
+    # decoder layer of that network. 0 tokens: every forward is graphed (or none is, and
+    # step_overhead_s already holds it); the default of every profile.
+    graph_capture_tokens: int = 0
+    eager_s_per_layer: float = 0.0
     peak_flops_fp8: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores)
     # expert-parallel all-to-all (dispatch or combine, one MoE layer): latency + bytes over the
     # link bandwidth times this efficiency (fitted on DeepEP's published kernel times)

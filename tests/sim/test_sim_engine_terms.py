@@ -72,6 +72,42 @@ def test_prefill_rate_adds_to_prefills_only():
     assert own.decode(8, 200) == base.decode(8, 200)
 
 
+def test_forwards_wider_than_the_largest_graph_pay_host_launches_per_layer():
+    base = costs()
+    capped = replace(base, hw=replace(base.hw, graph_capture_tokens=32, eager_s_per_layer=1e-4))
+    eager = SMOL.layers * 1e-4
+    assert capped.decode(32, 200) == base.decode(32, 200)  # 32 tokens: graphed
+    assert capped.decode(33, 200) - base.decode(33, 200) == pytest.approx(eager)
+    assert capped.verify(8, 3, 200) == base.verify(8, 3, 200)  # 8 x 4 = 32 tokens
+    assert capped.verify(8, 4, 200) - base.verify(8, 4, 200) == pytest.approx(eager)
+    assert capped.prefill(1, 40) - base.prefill(1, 40) == pytest.approx(eager)
+    no_cap = replace(base, hw=replace(base.hw, eager_s_per_layer=1e-4))  # cap 0: no limit
+    assert no_cap.step(64, 3, 200) == base.step(64, 3, 200)
+
+
+def test_a_wide_catch_up_forward_of_the_drafter_pays_for_its_own_layers():
+    hw = load_hardware("h100")
+    base = StepCostModel(load_model("qwen3-8b"), hw, 1, load_drafter("eagle3"))
+    capped = replace(base, hw=replace(hw, graph_capture_tokens=100, eager_s_per_layer=1e-4))
+    head = base.draft_model
+    assert head is not None and 0 < head.layers < base.target.layers
+    # 32 rows at k = 3: the catch-up forward is 128 tokens wide, the next two 32
+    assert capped.draft(32, 3, 900) - base.draft(32, 3, 900) == pytest.approx(head.layers * 1e-4)
+    extra = capped.step(32, 3, 900) - base.step(32, 3, 900)
+    assert extra == pytest.approx((head.layers + base.target.layers) * 1e-4)
+
+
+def test_scenario_engine_table_sets_the_graph_terms():
+    from specrl.sim.runner import hardware
+    from specrl.sim.scenario import load_scenario
+
+    over = ["engine.graph_capture_tokens=1024", "engine.eager_s_per_layer=2e-5"]
+    hw = hardware(load_scenario("paper-8b-rlzero-sync", over))
+    assert (hw.graph_capture_tokens, hw.eager_s_per_layer) == (1024, 2e-5)
+    default = hardware(load_scenario("paper-8b-rlzero-sync"))
+    assert (default.graph_capture_tokens, default.eager_s_per_layer) == (0, 0.0)
+
+
 def _record(kind: str, b: int, t: int, ctx: int, seconds: float, config: str) -> dict:
     return {"kind": kind, "batch_size": b, "tokens_per_seq": t, "context_len": ctx,
             "step_time_s": seconds, "config": config}  # fmt: skip

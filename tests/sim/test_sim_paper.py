@@ -126,3 +126,20 @@ def test_more_drafts_never_lose_their_acceptance_gain_in_the_model(results):
     assert zero[2] < zero[1]
     assert zero[2] / zero[0] > (3.32 / 5.06)
     assert np.all(np.isfinite(zero))
+
+
+def test_a_graph_cap_of_1024_tokens_leaves_k3_and_slows_the_wider_verifies(results):
+    """specrl.sim.paper.graph_alternative's premise: at the paper's 256 sequences per replica,
+    k = 3's verify (1024 tokens) stays graphed, so only k >= 5 pays the eager launches (the
+    prefills, wider than any graph, pay them with and without speculation: 0.03% of k = 3's
+    speedup)."""
+    over = [*ONE_SEED, "engine.graph_capture_tokens=1024", "engine.eager_s_per_layer=1e-3"]
+    for key in ("rlzero-rollout", "rlzero-k7"):
+        row = ROWS[key]
+        capped = run_scenario(load_scenario(row.scenario, over))
+        base = run_scenario(load_scenario(row.scenario, ONE_SEED))
+        got, want = (float(QUANTITIES[row.quantity](r)) for r in (capped, base))
+        if key == "rlzero-rollout":
+            assert got == pytest.approx(want, rel=1e-3)
+        else:
+            assert got < 0.9 * want
