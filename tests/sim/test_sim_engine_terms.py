@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from specrl.sim.calibrate import fit_trace, parse_trace
 from specrl.sim.cost import ForwardShape, StepCostModel, forward_flops
+from specrl.sim.runner import hardware
+from specrl.sim.scenario import load_scenario
 from specrl.sim.specs import list_specs, load_drafter, load_hardware, load_model
 
 SMOL = load_model("smollm2-135m")
@@ -98,9 +100,6 @@ def test_a_wide_catch_up_forward_of_the_drafter_pays_for_its_own_layers():
 
 
 def test_scenario_engine_table_sets_the_graph_terms():
-    from specrl.sim.runner import hardware
-    from specrl.sim.scenario import load_scenario
-
     over = ["engine.graph_capture_tokens=1024", "engine.eager_s_per_layer=2e-5"]
     hw = hardware(load_scenario("paper-8b-rlzero-sync", over))
     assert (hw.graph_capture_tokens, hw.eager_s_per_layer) == (1024, 2e-5)

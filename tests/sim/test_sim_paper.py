@@ -128,7 +128,7 @@ def test_more_drafts_never_lose_their_acceptance_gain_in_the_model(results):
     assert np.all(np.isfinite(zero))
 
 
-def test_a_graph_cap_of_1024_tokens_leaves_k3_and_slows_the_wider_verifies(results):
+def test_a_graph_cap_of_1024_tokens_leaves_k3_and_slows_the_wider_verifies():
     """specrl.sim.paper.graph_alternative's premise: at the paper's 256 sequences per replica,
     k = 3's verify (1024 tokens) stays graphed, so only k >= 5 pays the eager launches (the
     prefills, wider than any graph, pay them with and without speculation: 0.03% of k = 3's
