@@ -4,7 +4,7 @@ the fits that derive those constants from them.
 Contract: data (frozen dataclasses in tuples) and pure functions, no simulation state. The paper's
 own table lives in paper.py, the held-out serving measurements in serving.py.
 
-- ``DEEPEP_LOW_LATENCY`` (DeepEP README, H800): dispatch/combine kernel times by EP degree.
+- ``DEEPEP_LOW_LATENCY`` (DeepEP V1 table, H800): dispatch/combine kernel times by EP degree.
   ``fit_all_to_all()`` returns the ``a2a_latency_s`` and ``a2a_efficiency`` of cost.py's
   all-to-all model by least squares on them (the hardware profiles carry the result).
 - ``NEMO_RL_V03_PHASES`` (NeMo-RL v0.3 Megatron-Core blog): per-phase seconds of a GRPO step;
@@ -14,9 +14,9 @@ own table lives in paper.py, the held-out serving measurements in serving.py.
   profiles' eta_mem, eta_compute, step_overhead_s and forward_overhead_s directly (the arithmetic
   is in the hardware TOMLs' comments).
 
-Values marked ``recalled`` in a source string were written from memory of the named publication
-(this project's sessions had no network access); check them against the source before relying
-on a single row.
+Each source string names the publication and the table its numbers come from; DeepEP's table
+(and serving.py's EAGLE-3 table) were first written from memory and have since been checked
+against the publications' text.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ _LL_DISPATCH = _LL_TOKENS * _LL_TOPK * _FP8_BYTES
 _LL_COMBINE = _LL_TOKENS * _LL_TOPK * _HIDDEN * 2
 
 DEEPEP_SOURCE = (
-    "DeepEP README (deepseek-ai/DeepEP, Feb 2025), low-latency kernels on H800 (NVLink ~160 GB/s,"
-    " CX7 InfiniBand 400 Gb/s per GPU), 128 tokens per batch, hidden 7168, top-8 experts, FP8"
-    " dispatch and BF16 combine; latency per EP degree (recalled)"
+    "DeepEP V1 performance table (deepseek-ai/DeepEP, docs/legacy.md; the README's table since"
+    " the June 2025 low-latency update), low-latency kernels on H800 (NVLink ~160 GB/s, CX7"
+    " InfiniBand 400 Gb/s per GPU), 128 tokens per batch, hidden 7168, top-8 experts, FP8"
+    " dispatch and BF16 combine; latency per EP degree"
 )
 DEEPEP_LOW_LATENCY: tuple[AllToAllPoint, ...] = tuple(
     AllToAllPoint(ep, op, size, us * 1e-6)

@@ -8,7 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specrl.sim.serving import SERVING, fit_group_acceptance, serving_value, steady_scenario
+from specrl.sim.serving import (
+    SERVING,
+    TARGET_HARDWARE,
+    fit_group_acceptance,
+    serving_value,
+    steady_scenario,
+)
 
 HELDOUT = [p for p in SERVING if p.role == "heldout"]
 
@@ -43,9 +49,22 @@ def test_a_steady_point_holds_its_batch_until_it_finishes():
 
 
 def test_held_out_error_as_recorded():
-    """The accuracy docs/simulator.md reports (median 11%, max 27%): the median must not get
-    worse than 12% nor the largest error than 28% without the docs being updated."""
+    """The accuracy docs/simulator.md reports (on H100/H200 median 11.0%, max 26.5%; over every
+    row, the RTX 3090 series too, median 10.5%): neither may get worse by more than a point
+    without the docs being updated."""
     fitted = {g: fit_group_acceptance(g) for g in {p.group for p in SERVING if p.role == "fit"}}
-    errors = [abs(serving_value(p, fitted.get(p.group)) / p.published - 1) for p in HELDOUT]
-    assert np.median(errors) <= 0.12
-    assert max(errors) <= 0.28
+    error = {p.key: abs(serving_value(p, fitted.get(p.group)) / p.published - 1) for p in HELDOUT}
+    scoped = [error[p.key] for p in HELDOUT if p.hardware in TARGET_HARDWARE]
+    assert len(scoped) >= 10
+    assert np.median(scoped) <= 0.12 and max(scoped) <= 0.275
+    assert np.median(list(error.values())) <= 0.115
+
+
+def test_the_rtx3090_series_is_compute_bound_by_batch_56():
+    """The same drafter on a GPU whose FLOP/byte ridge is 3.9x lower (76 against 295): the
+    verify pass's extra tokens stop being free at a smaller batch, so at batch 56 the speedup
+    is far below the H100's at the same k and acceptance."""
+    h100 = next(p for p in SERVING if p.key == "eagle3-sglang-b56")
+    rtx = next(p for p in SERVING if p.key == "eagle3-vllm-3090-b56")
+    same = replace(h100, k=rtx.k)
+    assert serving_value(rtx, 2.1) < 1.1 < serving_value(same, 2.1)
