@@ -176,26 +176,23 @@ def heldout_section() -> dict:
         rows.append(dict(p.__dict__, kind=p.kind, simulated=sim, error=err,
                          acceptance_used=p.acceptance_length or fitted.get(p.group)))  # fmt: skip
         print(f"{p.role:<8} {p.label:<48} {sim:>9.3f} {p.published:>9.3f} {err:>+8.1%}")
-    held = [abs(r["error"]) for r in rows if r["role"] == "heldout"]
-    scoped = [abs(r["error"]) for r in rows
-              if r["role"] == "heldout" and r["hardware"] in TARGET_HARDWARE]  # fmt: skip
-    print(
-        f"held out on {'/'.join(TARGET_HARDWARE)} (the target's scope): {len(scoped)} rows,"
-        f" median |error| {np.median(scoped):.1%}, max {max(scoped):.1%}; all {len(held)} rows:"
-        f" median {np.median(held):.1%}, max {max(held):.1%}; fitted acceptance {fitted}"
-    )
+    held = [r for r in rows if r["role"] == "heldout"]
+    scoped = _error_stats([r for r in held if r["hardware"] in TARGET_HARDWARE])
+    every = _error_stats(held)
+    line = "{n_heldout} rows, median |error| {median_abs_error:.1%}, max {max_abs_error:.1%}"
+    print(f"held out on {'/'.join(TARGET_HARDWARE)} (the target's scope): {line.format(**scoped)};"
+          f" all: {line.format(**every)}; fitted acceptance {fitted}")  # fmt: skip
+    return {"rows": rows, "fitted_acceptance": fitted, "target_hardware": list(TARGET_HARDWARE),
+            **scoped, "all_hardware": every}  # fmt: skip
+
+
+def _error_stats(rows: list[dict]) -> dict:
+    """Count, median and largest |error| of held-out rows."""
+    errors = [abs(r["error"]) for r in rows]
     return {
-        "rows": rows,
-        "fitted_acceptance": fitted,
-        "target_hardware": list(TARGET_HARDWARE),
-        "n_heldout": len(scoped),
-        "median_abs_error": float(np.median(scoped)),
-        "max_abs_error": float(max(scoped)),
-        "all_hardware": {
-            "n_heldout": len(held),
-            "median_abs_error": float(np.median(held)),
-            "max_abs_error": float(max(held)),
-        },
+        "n_heldout": len(errors),
+        "median_abs_error": float(np.median(errors)),
+        "max_abs_error": float(max(errors)),
     }
 
 
