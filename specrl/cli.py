@@ -68,6 +68,14 @@ DtypeOpt = Annotated[
         "AVX512-BF16/AMX; else float32, ~8x faster than emulated bf16)",
     ),
 ]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N: where the model, its KV "
+        "cache, the drafter and the sampler run",
+    ),
+]
 SpecOpt = Annotated[
     str, typer.Option("--spec", help="drafter: none, ngram, suffix, draft, self (test device)")
 ]
@@ -98,13 +106,24 @@ DrafterOpt = Annotated[
 ]
 
 
-def parse_dtype(name: str):
+def parse_device(name: str):
+    """``--device`` resolved (one ``error:`` line when it cannot be had here)."""
+    from specrl.models.device import DeviceError, resolve_device
+
+    try:
+        return resolve_device(name)
+    except DeviceError as e:
+        fail(str(e))
+
+
+def parse_dtype(name: str, device=None):
+    """``--dtype`` as a torch dtype; 'auto' for ``device`` (default: the CPU)."""
     import torch
 
     from specrl.models.precision import torch_dtype
 
     dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-              "bf16": torch.bfloat16, "auto": torch_dtype("auto")}  # fmt: skip
+              "bf16": torch.bfloat16, "auto": torch_dtype("auto", device)}  # fmt: skip
     if name not in dtypes:
         fail(f"unknown dtype {name!r} (choose float32, bfloat16 or auto)")
     return dtypes[name]
@@ -236,6 +255,7 @@ def generate(
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per completion")] = False,
     dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
     max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences")] = 64,
     spec: SpecOpt = "none",
     num_spec_tokens: KOpt = 3,
@@ -257,7 +277,8 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens, n=n, seed=seed)  # fmt: skip
     check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings, spec_exact)
-    torch_dtype = parse_dtype(dtype)
+    where = parse_device(device)
+    torch_dtype = parse_dtype(dtype, where)
     if all(item.error is not None for item in items):  # nothing to answer: load nothing
         encode_prompts(items, encode=lambda prompt: [])  # one line each; encodes nothing
         raise typer.Exit(2)
@@ -278,7 +299,7 @@ def generate(
         raise typer.Exit(2)  # every prompt failed (one line each): no model to load
     try:
         params = params.replace(stop_token_ids=tok.stop_token_ids)
-        net = load_model(model, dtype=torch_dtype)
+        net = load_model(model, dtype=torch_dtype, device=where)
         drafter = head_dir(spec, drafter, model)
         spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
         spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings, exact=spec_exact)

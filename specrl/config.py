@@ -71,8 +71,24 @@ class ModelCfg(_Section):
     )
     dtype: Literal["fp32", "bf16", "auto"] = Field(
         "auto",
-        description="Rollout engine precision; 'auto': bf16 where the CPU multiplies bf16 "
-        "natively (AVX512-BF16/AMX), else fp32 (emulated bf16 is ~8x slower).",
+        description="Rollout engine precision; 'auto': bf16 where the device multiplies bf16 "
+        "natively (a CPU with AVX512-BF16/AMX, a CUDA GPU from Ampere on), else fp32 "
+        "(emulated bf16 is ~8x slower on a CPU).",
+    )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the policy, the rollout engine, its drafter and the learner run: "
+        "'cpu', 'cuda' (the current GPU), 'cuda:N', or 'auto' (CUDA when present, else the CPU). "
+        "On a GPU the engine and the learner share it (colocated, weights copied on the device).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="On a CUDA device: the share of its memory that everything in use may take "
+        "when the rollout engine sizes its KV cache (the learner's weights, gradients and "
+        "optimizer state count; the rest is left to the learner's activations). Unused on a CPU.",
     )
 
 
@@ -246,6 +262,20 @@ class LearnerCfg(_Section):
     )
     is_cap: float = Field(
         2.0, gt=0.0, le=1000.0, description="'tis': cap of the per-token importance weight."
+    )
+    bf16_mode: Literal["autocast", "params"] = Field(
+        "autocast",
+        description="How dtype='bf16' trains (refused as 'params' when the precision is fp32): "
+        "'autocast' keeps float32 parameters and runs the trunk under bf16 autocast; 'params' "
+        "holds the model's parameters in bf16 for forward and backward plus a float32 master "
+        "copy of each that AdamW updates (the bf16 weights are refreshed from it after every "
+        "step and are what the rollout engine receives; checkpoints keep the masters).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder block in backward instead of keeping its "
+        "activations: less activation memory (longer rows, bigger micro-batches) for about "
+        "one more forward pass of compute per step.",
     )
 
     @field_validator("betas")

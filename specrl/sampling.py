@@ -116,14 +116,15 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.
     """Uniforms in [0, 1), a pure function of (seed, counter, stream).
 
     seeds: [N] int64 (any value); counters: [N, ...] int64 >= 0, broadcast against seeds' rows.
-    Returns float64 with the shape of counters. Small draws (<= ``SMALL_DRAW`` values, e.g. one
-    decode step at batch 1) run the same integer hash on Python ints: bit for bit the same
+    Returns float64 with the shape of counters, on their device. Small draws on the CPU
+    (<= ``SMALL_DRAW`` values, e.g. one decode step at batch 1) run the same integer hash on
+    Python ints: bit for bit the same
     values, ~10x cheaper than ~80 tensor ops on a handful of elements.
     """
     seeds = seeds.to(torch.int64)
     while seeds.dim() < counters.dim():
         seeds = seeds.unsqueeze(-1)
-    if counters.numel() <= SMALL_DRAW:
+    if counters.numel() <= SMALL_DRAW and counters.device.type == "cpu":  # no device sync
         flat = seeds.expand_as(counters).flatten().tolist(), counters.flatten().tolist()
         pairs = zip(*flat, strict=True)
         values = [_hash(seed, counter, stream) / float(1 << 32) for seed, counter in pairs]

@@ -13,6 +13,10 @@ from specrl.malloc import return_freed_memory
 from specrl.models.config import tiny_config
 from specrl.models.transformer import Transformer
 
+# Devices the exactness tests run on: the CPU, and CUDA where present (benchmarks/gpu_check.py
+# runs them there with ``-k cuda``).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
 
 def make_tiny(seed: int = 0, **overrides) -> Transformer:
     """A tiny random decoder (fp32, eval mode, no grad)."""

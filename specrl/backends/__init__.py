@@ -7,6 +7,8 @@
 - ``rollout.backend='native'``: specrl's engine, ``native`` in the trainer's process or
   ``process`` in a worker process, by ``rollout.placement`` ('auto': a worker process for the
   async pipeline, so rollouts and learning run on different cores; inline for sync).
+On a CUDA device (``model.device``) the native engine runs inline beside the learner, on a
+copy of the policy on the same device (colocated); ``check_device`` refuses what cannot.
 ``ConfigError`` (one line) for a combination that cannot run, before anything is built.
 """
 
@@ -29,17 +31,51 @@ __all__ = [
     "Versions",
     "build_backend",
     "build_local",
+    "check_device",
     "placement",
+    "run_device",
 ]
 
 
 def placement(cfg: Config) -> str:
     """'inline' or 'process': ``rollout.placement`` with 'auto' resolved (process when async with
-    the native engine; vLLM always runs inline)."""
+    the native engine on the CPU; vLLM, and everything on a GPU, runs inline: colocated)."""
     if cfg.rollout.placement != "auto":
         return cfg.rollout.placement
     native_async = cfg.pipeline.mode == "async" and cfg.rollout.backend == "native"
-    return "process" if native_async else "inline"
+    return "process" if native_async and run_device(cfg).type == "cpu" else "inline"
+
+
+def run_device(cfg: Config) -> torch.device:
+    """``model.device`` resolved (``ConfigError`` naming it when it cannot be had here)."""
+    from specrl.config import ConfigError
+    from specrl.models.device import DeviceError, resolve_device
+
+    try:
+        return resolve_device(cfg.model.device)
+    except DeviceError as e:
+        raise ConfigError(f"bad value for model.device: {e}") from None
+
+
+def check_device(cfg: Config) -> None:
+    """A GPU run is colocated in one process: the worker-process engine (shared memory on the
+    host) and the installed vLLM build (CPU) cannot serve it."""
+    from specrl.config import ConfigError
+
+    device = run_device(cfg)
+    if device.type == "cpu":
+        return
+
+    if cfg.rollout.backend == "vllm":
+        raise ConfigError(
+            f"rollout.backend='vllm' with model.device={cfg.model.device!r}: the vLLM backend "
+            "runs the installed vLLM build (CPU); use rollout.backend='native' on a GPU"
+        )
+    if cfg.rollout.placement == "process":
+        raise ConfigError(
+            f"rollout.placement='process' with model.device={cfg.model.device!r}: on a GPU the "
+            "engine and the learner share one process (placement 'inline' or 'auto')"
+        )
 
 
 def build_local(cfg: Config, policy: torch.nn.Module) -> RolloutBackend:
@@ -66,6 +102,7 @@ def build_local(cfg: Config, policy: torch.nn.Module) -> RolloutBackend:
 
 def build_backend(cfg: Config, policy: torch.nn.Module) -> RolloutBackend:
     """The configured backend over its own copy of ``policy`` (``ConfigError`` on bad input)."""
+    check_device(cfg)
     if cfg.cluster.rollout_workers > 0:
         from specrl.backends.ray_ import build_ray
 

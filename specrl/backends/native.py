@@ -39,6 +39,7 @@ from specrl.config import Config, ConfigError
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.engine.types import Request
+from specrl.models.device import model_device
 from specrl.models.fingerprint import fingerprint
 from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
@@ -312,11 +313,15 @@ def exact_rule(cfg: Config, native: bool = True) -> str:
 def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:
     """An engine over its own copy of ``policy`` with the configured drafter."""
     check_drafter(cfg)
-    dtype = torch_dtype(cfg.model.dtype)
+    device = model_device(policy)  # colocated: the engine's copy lives where the policy does
+    dtype = torch_dtype(cfg.model.dtype, device)
     draft = load_drafter(cfg, dtype, policy)
+    draft = None if draft is None else draft.to(device)
+    fraction = cfg.model.gpu_memory_utilization if device.type == "cuda" else None
     try:
         return Engine(engine_copy(policy, dtype), max_batch=cfg.rollout.max_batch,
-                      seed=cfg.run.seed, spec=spec_config(cfg), draft_model=draft)  # fmt: skip
+                      seed=cfg.run.seed, spec=spec_config(cfg), draft_model=draft,
+                      memory_fraction=fraction)  # fmt: skip
     except ValueError as e:
         raise ConfigError(f"bad value for rollout.spec: {e}") from None
 

@@ -53,7 +53,8 @@ def init_draft(target: Transformer, num_layers: int = DEFAULT_LAYERS) -> Transfo
         raise ValueError(
             f"draft layers must be in [1, {top}] (the target's layer count), got {num_layers}"
         )
-    return layer_prefix_model(target, num_layers).float()
+    device = target.embed.weight.device  # where the target (the policy) is
+    return layer_prefix_model(target, num_layers).to(device=device, dtype=torch.float32)
 
 
 def set_trainable(draft: Transformer) -> None:
@@ -70,9 +71,9 @@ def collate_tokens(
     [B, T] (the position predicts a completion token; padding and prompt positions excluded)."""
     lens = [min(len(e.tokens), max_len) for e in examples]
     b, t = len(examples), max(lens)
-    final = torch.zeros(b, t, examples[0].final.shape[-1], dtype=examples[0].final.dtype)
-    tokens = torch.zeros(b, t, dtype=torch.int64)
-    mask = torch.zeros(b, t, dtype=torch.bool)
+    final = examples[0].final.new_zeros(b, t, examples[0].final.shape[-1])  # on its device
+    tokens = torch.zeros(b, t, dtype=torch.int64, device=final.device)
+    mask = torch.zeros(b, t, dtype=torch.bool, device=final.device)
     for i, (e, n) in enumerate(zip(examples, lens, strict=True)):
         tokens[i, :n] = e.tokens[:n]
         final[i, :n] = e.final[:n]
@@ -88,7 +89,8 @@ def distill_loss(
     """Mean KL(target || draft) over the masked positions of ``batch`` (``collate_tokens``)."""
     tokens, final, mask = batch
     b, t = tokens.shape
-    h, _ = draft.hidden_states(tokens, torch.arange(t).expand(b, t))  # [B, T, H]
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    h, _ = draft.hidden_states(tokens, positions)  # [B, T, H]
     with torch.no_grad():
         logits = target_lm(final[mask].to(target_lm.weight.dtype))  # [N, V]
         target_lp = F.log_softmax(logits.float(), -1)  # [N, V]

@@ -57,6 +57,7 @@ from specrl.drafters.data import Example
 from specrl.drafters.students import Student
 from specrl.drafters.train import load_state, save_state
 from specrl.fsutil import atomic_write
+from specrl.models.device import autocast, model_device
 from specrl.rl import Captured, FeatureSink
 
 CARRY_STEPS = 4  # unused budget carries over up to this many steps' worth
@@ -254,7 +255,7 @@ class OnlineDrafter:
 
     def _update(self, batch: list[Example]) -> float:
         longest = max(len(e.tokens) for e in batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(model_device(self.model), True):
             loss = self.student.loss(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -270,7 +271,7 @@ class OnlineDrafter:
         """Mean KL(policy || drafter) at draft depth 0 over the completion positions of up to
         ``batch_tokens`` tokens of ``examples`` (for a head: the policy restricted to the draft
         vocabulary, as the loss sees it)."""
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(model_device(self.model), True):
             return self.student.kl(take_tokens(examples, self.cfg.batch_tokens))
 
     # ------------------------------------------------------------------ checkpoints

@@ -50,6 +50,7 @@ from tqdm import tqdm
 from specrl.drafters.data import Example
 from specrl.errors import one_line
 from specrl.fsutil import atomic_writer
+from specrl.models.device import autocast, model_device
 from specrl.models.heads import DraftHead, save_head
 from specrl.models.transformer import Transformer
 
@@ -89,11 +90,11 @@ def collate(examples: list[Example], max_len: int):
     lens = [min(len(e.tokens), max_len) for e in examples]
     t = max(lens) - 1
     b = len(examples)
-    f = examples[0].feats
-    feats = torch.zeros(b, t, f.shape[-1], dtype=f.dtype)
-    final = torch.zeros(b, t, examples[0].final.shape[-1], dtype=f.dtype)
-    tokens = torch.zeros(b, t, dtype=torch.int64)
-    mask = torch.zeros(b, t, dtype=torch.bool)
+    f = examples[0].feats  # the batch is made where the features are (the learner's device)
+    feats = f.new_zeros(b, t, f.shape[-1])
+    final = f.new_zeros(b, t, examples[0].final.shape[-1])
+    tokens = torch.zeros(b, t, dtype=torch.int64, device=f.device)
+    mask = torch.zeros(b, t, dtype=torch.bool, device=f.device)
     for i, (e, n) in enumerate(zip(examples, lens, strict=True)):
         feats[i, : n - 1] = e.feats[: n - 1]
         final[i, : n - 1] = e.final[1:n]
@@ -108,7 +109,7 @@ def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce"
     feats, tokens, final, mask = batch
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
     outs = head.unroll(feats.to(head.dtype), tokens, unroll)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=feats.device)
     for j, g in enumerate(outs):
         m = mask.clone()
         m[:, :j] = False
@@ -180,7 +181,7 @@ def fit(
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with autocast(model_device(module), cfg.bf16):
             loss = loss_fn(draw_batch(examples, cfg, step))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -26,6 +26,10 @@ With ``record_steps=True`` every prefill, plain decode, draft and verify is also
 ``stats.step_records`` (``StepRecord``: the calibration trace format of ``specrl.sim``).
 ``stage_weights`` (from any thread) swaps the weights between two decode steps of a running call;
 unfinished rows keep, discard or re-verify their older tokens (``specrl.engine.inflight``).
+The engine runs where its model's weights are: cache, forwards, sampling and verification on
+that device, per-row bookkeeping on the host (host-built inputs copied once per forward). With
+``memory_fraction`` (a GPU) a call runs at most as many rows at once as their full-length KV
+cache fits in the memory left under that share of the device (``models.device.memory_budget``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from specrl.engine.inflight import InflightUpdates, WeightStage
 from specrl.engine.stats import EngineStats, StepRecord, bump
 from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
+from specrl.models.device import memory_budget, model_device, on
 from specrl.models.linear import prepack
 from specrl.models.transformer import Transformer
 from specrl.sampling import (
@@ -88,12 +93,15 @@ class RowTensors:
     seeds: torch.Tensor
 
     @classmethod
-    def of(cls, rows: list[Seq]) -> RowTensors:
+    def of(cls, rows: list[Seq], device: torch.device) -> RowTensors:
+        def on(values: list, dtype: torch.dtype) -> torch.Tensor:  # [B] on ``device``
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return cls(
-            temperature=torch.tensor([s.params.temperature for s in rows], dtype=torch.float32),
-            top_k=torch.tensor([s.params.top_k for s in rows], dtype=torch.int64),
-            top_p=torch.tensor([s.params.top_p for s in rows], dtype=torch.float32),
-            seeds=torch.tensor([s.comp.seed for s in rows], dtype=torch.int64),
+            temperature=on([s.params.temperature for s in rows], torch.float32),
+            top_k=on([s.params.top_k for s in rows], torch.int64),
+            top_p=on([s.params.top_p for s in rows], torch.float32),
+            seeds=on([s.comp.seed for s in rows], torch.int64),
         )
 
     def select(self, idx: torch.Tensor) -> RowTensors:
@@ -164,15 +172,21 @@ class Engine(InflightUpdates):
         spec: SpecConfig | None = None,
         draft_model: Transformer | None = None,
         record_steps: bool = False,
+        memory_fraction: float | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if memory_fraction is not None and not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.model = model
-        self.draft_model = draft_model
+        self.device = model_device(model)  # every tensor a forward or the sampler reads
+        self.draft_model = None if draft_model is None else draft_model.to(self.device)
         for m in (model, draft_model):  # packed weights now, in one buffer each (huge pages)
             if m is not None:
                 prepack(m)
         self.max_batch = max_batch
+        self.memory_fraction = memory_fraction  # device memory share bounding the KV cache
+        self._batch_cap = max_batch  # concurrent rows of the running call (memory permitting)
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
         self.policy_version = policy_version
@@ -284,13 +298,33 @@ class Engine(InflightUpdates):
         longest_prompt = max(len(r.prompt_ids) for r, _ in pending)
         need_len = min(longest_prompt + margin + 1 + self.cache_chunk, self._cache_limit)
         total = sum(len(c) for _, c in pending)
-        slots = min(self.max_batch, total) + (total > self.max_batch)  # + the stash slot
+        self._batch_cap = cap = self._rows_that_fit(self._cache_limit)
+        slots = min(cap, total) + (total > cap)  # + the stash slot
         cache = self._cache
         if cache is None or cache.slots < slots or cache.max_len < need_len:
             slots = max(slots, cache.slots if cache else 0)
             need_len = max(need_len, cache.max_len if cache else 0)
             self._cache = None  # free the old one first
             self._cache = self.model.new_cache(slots, need_len)
+
+    def _rows_that_fit(self, limit: int) -> int:
+        """Concurrent rows for a call whose rows may reach ``limit`` cache positions: max_batch,
+        or under ``memory_fraction`` (a GPU) as many as the memory left then holds at full
+        length, with a slot for a stashed prompt (``MemoryError`` naming both when not one)."""
+        if self.memory_fraction is None:
+            return self.max_batch
+        held = 0 if self._cache is None else self._cache.nbytes
+        budget = memory_budget(self.device, self.memory_fraction, held)
+        if budget is None:
+            return self.max_batch
+        per_row = self.model.new_cache(1, 1).nbytes * limit  # bytes of one row at full length
+        fit = budget // per_row - 1
+        if fit < 1:
+            raise MemoryError(
+                f"the KV cache of one row ({per_row} bytes for {limit} positions) does not fit "
+                f"the {budget} bytes left under memory_fraction={self.memory_fraction}"
+            )
+        return min(self.max_batch, fit)
 
     def _reserve(self, rows: list[Seq]) -> None:
         """Grow the cache (doubling, at most to ``_cache_limit``) so that the next forward of
@@ -308,7 +342,7 @@ class Engine(InflightUpdates):
     def _admit(self, rows: list[Seq], pending: deque, start: float) -> None:
         """Fill free slots from the queue; prefill each admitted prompt once per call."""
         groups: list[tuple[Request, list[Completion]]] = []
-        free = self.max_batch - len(rows)
+        free = self._batch_cap - len(rows)
         while pending and free > 0:
             req, comps = pending[0]
             take, rest = comps[:free], comps[free:]
@@ -395,9 +429,8 @@ class Engine(InflightUpdates):
             ids[g, : lens[g]] = torch.tensor(p)
         positions = torch.arange(width).expand(len(prompts), width)
         last = torch.tensor(lens)[:, None] - 1
-        out, feats = self._forward(
-            ids, positions, logits_at=last, slots=torch.tensor(slots), prefill=True
-        )
+        ids, positions, last, at = self._on(ids, positions, last, torch.tensor(slots))
+        out, feats = self._forward(ids, positions, logits_at=last, slots=at, prefill=True)
         return out.logits[:, 0].float(), feats
 
     def _start_rows(
@@ -416,8 +449,9 @@ class Engine(InflightUpdates):
         if feats[0] is not None:
             for seq, g in zip(new_rows, group_rows, strict=True):
                 seq.hidden = [feats[g]]
-        t = RowTensors.of(new_rows)
-        s = sample_rows(logits[group_rows], t, torch.zeros(len(new_rows), dtype=torch.int64))
+        t = RowTensors.of(new_rows, self.device)
+        counters = torch.zeros(len(new_rows), dtype=torch.int64, device=self.device)
+        s = sample_rows(logits[group_rows], t, counters)
         base = len(rows)
         rows += new_rows
         done = self._emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
@@ -500,17 +534,23 @@ class Engine(InflightUpdates):
 
     def _tensors(self, rows: list[Seq]) -> RowTensors:
         if self._row_tensors is None:
-            self._row_tensors = RowTensors.of(rows)
+            self._row_tensors = RowTensors.of(rows, self.device)
         return self._row_tensors
 
+    def _on(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Host-built tensors on the engine's device (the same tensors on the CPU)."""
+        return on(self.device, *tensors)
+
+    def _counters(self, rows: list[Seq]) -> torch.Tensor:  # [B] tokens emitted per row
+        return self._on(torch.tensor([len(s.comp.token_ids) for s in rows]))[0]
+
     def _plain_step(self, rows: list[Seq], start: float) -> list[int]:
-        ids = torch.tensor([[s.history[-1]] for s in rows])
         pos = [s.pos for s in rows]
-        positions = torch.tensor(pos)[:, None]
+        ids, positions = self._on(torch.tensor([[s.history[-1]] for s in rows]),
+                                  torch.tensor(pos)[:, None])  # fmt: skip
         out, feats = self._forward(ids, positions, kv_len=max(pos) + 1)
         self._keep_hidden(rows, feats, [1] * len(rows))
-        counters = torch.tensor([len(s.comp.token_ids) for s in rows])
-        s = sample_rows(out.logits[:, 0], self._tensors(rows), counters)
+        s = sample_rows(out.logits[:, 0], self._tensors(rows), self._counters(rows))
         return self._emit(rows, [[x] for x in s.tokens.tolist()], s, start)
 
     def _spec_step(
@@ -520,7 +560,7 @@ class Engine(InflightUpdates):
         (``drafts`` caps a deterministic draft through its controller and records the step)."""
         t0 = time.perf_counter()
         t = self._tensors(rows)
-        counters = torch.tensor([len(s.comp.token_ids) for s in rows])
+        counters = self._counters(rows)
         batch = ProposerBatch(
             histories=[s.history for s in rows],
             group_keys=[s.group_key for s in rows],
@@ -534,9 +574,9 @@ class Engine(InflightUpdates):
             hidden=self._take_hidden(rows),
             draft_stream=STREAM_SAMPLE if self._active[0].exact == "sample" else STREAM_DRAFT,
         )
-        draft = proposer.propose(batch, k)
+        draft = proposer.propose(batch, k).to(self.device)  # host drafts: one copy per step
         drafts.caught_up = sum(len(h) for h in batch.hidden) if batch.hidden else 0
-        room = torch.tensor([s.max_total - len(s.history) - 1 for s in rows])
+        (room,) = self._on(torch.tensor([s.max_total - len(s.history) - 1 for s in rows]))
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
         lengths = drafts.capped(lengths, draft.probs is None)
         kk = int(lengths.max())
@@ -545,8 +585,11 @@ class Engine(InflightUpdates):
         t1 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         pos = [s.pos for s in rows]
-        ids = torch.cat([torch.tensor([[s.history[-1]] for s in rows]), draft.tokens[:, :kk]], 1)
-        positions = torch.tensor(pos)[:, None] + torch.arange(kk + 1)[None, :]  # [B, kk+1]
+        last, positions = self._on(
+            torch.tensor([[s.history[-1]] for s in rows]),
+            torch.tensor(pos)[:, None] + torch.arange(kk + 1)[None, :],
+        )
+        ids = torch.cat([last, draft.tokens[:, :kk]], 1)  # [B, kk+1]; positions the same
         if tree is not None:  # siblings: leaves under the root, stored after the chain
             ids, positions = tree.extend(ids, positions)
         width = ids.shape[1]

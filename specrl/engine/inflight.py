@@ -211,12 +211,13 @@ class InflightUpdates:
             restart(seq)
         prompt_logits, prompt_feats = self._prefill_prompts(rows)  # [R, V], per row [n, F]
         cb = completion_batch(drafts, prompt_lens, self._cache.max_len)
-        out, feats = self._forward(cb.ids, cb.positions, kv_len=cb.kv_len)
+        ids, positions, lengths = self._on(cb.ids, cb.positions, cb.lengths)
+        out, feats = self._forward(ids, positions, kv_len=cb.kv_len)
         logits = torch.cat([prompt_logits[:, None], out.logits.float()], 1)  # [R, M+1, V]
         t = self._tensors(rows)  # the fresh seeds
-        counters = torch.zeros(len(rows), dtype=torch.int64)
+        counters = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
         sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
-        v = verify(cb.ids, cb.lengths, None, logits, *sampling)
+        v = verify(ids, lengths, None, logits, *sampling)
         accepted = v.num_accepted.tolist()
         if feats is not None:  # kept history positions 0 .. n+a-1 (feats [R, M, F])
             for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):
@@ -268,7 +269,7 @@ class InflightUpdates:
         """Sample each row's first token from logits [R, 1, V] (an empty draft: bit for bit
         plain sampling at counter 0)."""
         t = self._tensors(rows)
-        zeros = torch.zeros(len(rows), dtype=torch.int64)  # draft lengths and counters
-        no_draft = torch.zeros(len(rows), 0, dtype=torch.int64)  # [R, 0]
+        zeros = torch.zeros(len(rows), dtype=torch.int64, device=self.device)  # lengths, counters
+        no_draft = zeros[:, None][:, :0]  # [R, 0]
         sampling = (t.temperature, t.top_k, t.top_p, t.seeds, zeros)
         return verify(no_draft, zeros, None, logits, *sampling)

@@ -47,6 +47,11 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (K and V)."""
+        return self.k.nbytes + self.v.nbytes
+
     def grow(self, max_len: int) -> None:
         """Lengthen every slot to ``max_len`` positions, keeping the stored entries (a no-op when
         the cache is already that long). K is copied before V is allocated, so the peak is the

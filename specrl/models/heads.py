@@ -111,7 +111,7 @@ class DraftHead(nn.Module):
         vocab = None if draft_vocab is None else _check_vocab(draft_vocab, c.vocab_size)
         self.register_buffer("d2t", vocab)  # [Vd] int64, or None (full vocabulary)
         self._lm: tuple[Linear, tuple] | None = None  # reduced LM head, cache key
-        self.to(target.embed.weight.dtype)
+        self.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype)
 
     @property
     def target(self) -> Transformer:
@@ -160,6 +160,8 @@ class DraftHead(nn.Module):
         """Use draft vocabulary ``ids`` ([Vd] sorted target ids; None = the full vocabulary)
         from now on (a head started from scratch picks it once it has seen rollouts)."""
         vocab = None if ids is None else _check_vocab(ids, self.target_config.vocab_size)
+        if vocab is not None:
+            vocab = vocab.to(self.norm.weight.device)  # indexed by drafts made on the device
         self.d2t, self._lm = vocab, None
 
     @property

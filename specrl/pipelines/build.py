@@ -22,7 +22,14 @@ from typing import Any, Protocol
 
 import torch
 
-from specrl.backends import IN_FLIGHT, RolloutBackend, build_backend, placement
+from specrl.backends import (
+    IN_FLIGHT,
+    RolloutBackend,
+    build_backend,
+    check_device,
+    placement,
+    run_device,
+)
 from specrl.config import Config, ConfigError
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
@@ -151,7 +158,7 @@ def build_run(
 ) -> RunParts:
     """Check and build a run; ``model``/``codec``/``env``/``backend`` default to the configured
     ones (a given ``backend`` must serve the same weights as ``model``)."""
-    check_names(cfg)
+    check_names(cfg, env_given=env is not None)
     check_sampling(cfg)
     check_pipeline(cfg)
     if model is None or codec is None:
@@ -163,13 +170,16 @@ def build_run(
         from specrl.envs.reasoning_gym_env import ReasoningGymEnv
 
         env = ReasoningGymEnv.from_config(cfg.env)
+    device = run_device(cfg)
+    check_device(cfg)
     if model is None:
         model = load_model(cfg.model.name, dtype=torch.float32)
+    model = model.to(device)  # the learner's copy; the engine's is made from it, on it
     learner = Learner.from_config(model, cfg.learner, max_len=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature)  # fmt: skip
     backend = backend or build_backend(cfg, learner.model)
     check_backend(cfg, backend)
-    guard = WeightGuard(torch_dtype(cfg.model.dtype))
+    guard = WeightGuard(torch_dtype(cfg.model.dtype, device))
     guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
     drafter = build_drafter_side(cfg, learner.model, backend, guard)
     return RunParts(cfg, env, codec, learner, backend, guard=guard,

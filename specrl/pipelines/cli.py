@@ -121,6 +121,14 @@ def train_command(
         bool, typer.Option("--compare/--no-compare", help="measure speedup vs plain at the end")
     ] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="where the policy, engine and learner run: auto (CUDA when present), cpu, "
+            "cuda or cuda:N; the same as --set model.device=... (this one wins)",
+        ),
+    ] = None,
 ) -> None:
     """Post-train the policy with GRPO; rollouts are generated speculatively (lossless)."""
     from specrl.malloc import keep_freed_memory
@@ -129,7 +137,8 @@ def train_command(
 
     keep_freed_memory()  # the learner reuses its freed activations (specrl.malloc)
     try:
-        cfg, target = resolve_config(config, sets or [], run_dir, resume, preset)
+        sets = [*(sets or []), *([f"model.device={device}"] if device is not None else [])]
+        cfg, target = resolve_config(config, sets, run_dir, resume, preset)
         parts = None if cfg.cluster.rollout_workers > 0 else build_run(cfg)
         if parts is None:  # built by the learner actor; what can be checked first is
             from specrl.pipelines.ray_run import precheck

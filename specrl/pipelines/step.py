@@ -218,9 +218,11 @@ def logprob_delta(
     live = [c for c in comps if c.token_ids]
     if ours is None:
         ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
-    delta = torch.cat(
-        [(o.float() - torch.tensor(c.raw_logprobs)).abs() for o, c in zip(ours, live, strict=True)]
-    )  # [M]
+    if len(ours) != len(live):
+        raise ValueError(f"{len(ours)} learner logprob rows for {len(live)} completions")
+    mine = torch.cat([o.float() for o in ours]).cpu() if ours else torch.zeros(0)  # one copy
+    theirs = torch.tensor([x for c in live for x in c.raw_logprobs], dtype=torch.float32)
+    delta = (mine - theirs).abs()  # [M]
     return {
         "logprob_delta_mean": float(delta.mean()) if delta.numel() else 0.0,
         "logprob_delta_max": float(delta.max()) if delta.numel() else 0.0,

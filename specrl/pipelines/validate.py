@@ -30,13 +30,18 @@ from specrl.rl.losses import get_loss
 from specrl.spec.proposers import available_proposers
 
 
-def check_names(cfg: Config) -> None:
-    """Raise ``ConfigError`` naming every unregistered name in ``cfg`` (see the module doc)."""
+def check_names(cfg: Config, env_given: bool = False) -> None:
+    """Raise ``ConfigError`` naming every unregistered name in ``cfg`` (see the module doc);
+    with ``env_given`` (the caller brings its own environment) the ``env`` section is not
+    checked: it is not used."""
     env, learner = cfg.env, cfg.learner
-    checks: list[tuple[str, Any, Callable[[], object]]] = [
+    env_checks: list[tuple[str, Any, Callable[[], object]]] = [
         ("env.task", env.task, lambda: check_task(env.task)),
         ("env.task_config", env.task_config, lambda: _check_task_config(env.task, env.task_config)),
         ("env.template", env.template, lambda: get_template(env.template)),
+    ]
+    checks: list[tuple[str, Any, Callable[[], object]]] = [
+        *([] if env_given else env_checks),
         ("rollout.spec", cfg.rollout.spec, lambda: check_spec(cfg.rollout.spec)),
         ("learner.loss", learner.loss, lambda: get_loss(learner.loss)),
         ("learner.advantage", learner.advantage, lambda: get_advantage(learner.advantage)),

@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from specrl.models.device import model_device, synchronize
 from specrl.sim.calibrate import Record, design, features, fit_design, nnls
 from specrl.sim.cost import StepCostModel
 from specrl.sim.specs import HardwareSpec, ModelSpec, load_hardware
@@ -94,13 +95,16 @@ def measure_forwards(
     rows = max(b for b, _ in shapes)
     width = max(t for _, t in shapes)
     cache = model.new_cache(rows, context + width)
+    device = model_device(model)
     records = []
     for b, t in shapes:
-        ids = torch.zeros(b, t, dtype=torch.long)  # [b, t]
-        positions = context + torch.arange(t)[None, :].expand(b, t)  # [b, t]
+        ids = torch.zeros(b, t, dtype=torch.long, device=device)  # [b, t]
+        positions = context + torch.arange(t, device=device)[None, :].expand(b, t)  # [b, t]
         model(ids, positions, cache, kv_len=context + t)  # warm-up
+        synchronize(device)
         t0 = time.perf_counter()
         model(ids, positions, cache, kv_len=context + t)
+        synchronize(device)
         kind = "decode" if t == 1 else "verify"
         records.append(Record(b, t, float(context), time.perf_counter() - t0, kind))
     return records

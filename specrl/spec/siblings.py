@@ -62,7 +62,7 @@ class SiblingDraft:
     @property
     def mask(self) -> torch.Tensor:
         """Ancestor-or-self mask [T, T] of the step's T = 1 + chain + s tokens."""
-        return sibling_tree(self.chain, self.tokens.shape[1])
+        return sibling_tree(self.chain, self.tokens.shape[1]).to(self.tokens.device)
 
     @staticmethod
     def draw(
@@ -99,7 +99,7 @@ class SiblingDraft:
         rows = torch.nonzero(chosen >= 0)[:, 0]
         if len(rows) == 0:
             return 0
-        dst = torch.tensor(pos)[rows] + 1
+        dst = torch.tensor(pos, device=rows.device)[rows] + 1
         cache.move_positions(rows, dst + self.chain + chosen[rows], dst)
         if feats is not None:
             feats[rows, 1] = feats[rows, 1 + self.chain + chosen[rows]]
@@ -143,7 +143,8 @@ def draw_siblings(
         q = without(q, y)
     b = q0.shape[0]
     if not tokens:
-        return torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.bool)
+        empty = torch.zeros(b, 0, dtype=torch.int64, device=q0.device)
+        return empty, empty.bool()
     return torch.stack(tokens, 1), torch.stack(valid, 1)
 
 
@@ -164,7 +165,7 @@ def resolve_siblings(
 ) -> tuple[Verified, torch.Tensor]:
     """The step's result with sibling rounds applied, and the accepted sibling [B] (-1: none)."""
     b, s = siblings.shape
-    chosen = torch.full((b,), -1, dtype=torch.int64)
+    chosen = torch.full((b,), -1, dtype=torch.int64, device=siblings.device)
     active = (chain.num_accepted == 0) & (chain_lengths >= 1) & valid.any(-1)  # [B]
     if s == 0 or not bool(active.any()):
         return chain, chosen
@@ -206,13 +207,14 @@ def _merge(chain, active, chosen, cur, logp, siblings, sibling_logits, root_logi
     b = siblings.shape[0]
     took = chosen >= 0  # [B]
     pick = chosen.clamp(min=0)
-    at = sibling_logits[torch.arange(b), pick].float()  # [B, V] logits at the chosen sibling
+    rows_ = torch.arange(b, device=pick.device)
+    at = sibling_logits[rows_, pick].float()  # [B, V] logits at the chosen sibling
     at_logp = processed_logprobs(at, temperature, top_k, top_p)  # [B, V]
     bonus = sample_probs(at_logp.exp(), uniforms(seeds, counters + 1, STREAM_SAMPLE))
     recovered = sample_probs(cur, uniforms(seeds, counters, STREAM_RECOVER))
     first = torch.where(took, siblings.gather(1, pick[:, None])[:, 0], recovered)  # [B]
     second = torch.where(took, bonus, 0)[:, None]  # [B, 1]
-    zero = torch.zeros((), dtype=logp.dtype)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     proc = (_at(logp, first), torch.where(took, at_logp.gather(1, second)[:, 0], zero))
     settings = (temperature, top_k, top_p)
     raw_root = raw_logprobs_reusing(root_logits.float(), logp, *settings)

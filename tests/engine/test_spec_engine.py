@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import Counter
 
@@ -14,7 +15,7 @@ from specrl.engine import Engine, Request
 from specrl.models.transformer import layer_prefix_model
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
-from tests.conftest import assert_teacher_forced, make_tiny
+from tests.conftest import DEVICES, assert_teacher_forced, make_tiny
 
 VOCAB = 4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so ngram/suffix drafters do propose
@@ -27,7 +28,8 @@ def tiny_target():
 
 
 def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(sequence) for every NEW-token sequence, by enumeration with full forwards."""
+    """P(sequence) for every NEW-token sequence, by enumeration with full forwards (CPU)."""
+    model = copy.deepcopy(model).cpu()
     probs = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW):
         ids = torch.tensor([PROMPT + list(seq)])
@@ -50,11 +52,13 @@ def assert_matches_exact(out, target, params: SamplingParams) -> None:
 
 
 def engine_for(method: str, target, k: int = 3) -> Engine:
+    """An engine over ``target`` (on its device) with drafter ``method``."""
     vocab = target.config.vocab_size
     draft = make_tiny(seed=5, vocab_size=vocab) if method == "draft" else None
     return Engine(target, max_batch=512, spec=SpecConfig(method, k), draft_model=draft)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", DRAFTERS)
 @pytest.mark.parametrize(
     "params",
@@ -64,8 +68,8 @@ def engine_for(method: str, target, k: int = 3) -> Engine:
     ],
     ids=["T1", "T0.7-topk3-topp0.9"],
 )
-def test_sequence_distribution_matches_exact(method, params):
-    target = tiny_target()
+def test_sequence_distribution_matches_exact(method, params, device):
+    target = tiny_target().to(device)
     engine = engine_for(method, target)
     out = engine.generate([Request(PROMPT, params)])
     assert_matches_exact(out, target, params)
@@ -86,9 +90,10 @@ def test_self_drafter_accepts_everything():
     assert engine.stats.acceptance_length == k + 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", DRAFTERS)
-def test_greedy_and_logprobs_equal_plain_tiny(method):
-    target = make_tiny(seed=3, vocab_size=32)
+def test_greedy_and_logprobs_equal_plain_tiny(method, device):
+    target = make_tiny(seed=3, vocab_size=32).to(device)  # float32: greedy is exact
     prompts = [[1, 2, 3, 1, 2, 3], [5, 6, 7, 8], [9, 9, 9, 9, 9]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
     plain = Engine(target, max_batch=2).generate([Request(p, params) for p in prompts])
@@ -218,10 +223,11 @@ def sibling_engine(method: str, target, siblings: int) -> Engine:
     return Engine(target, max_batch=512, spec=spec, draft_model=draft)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
-def test_siblings_sequence_distribution_matches_exact(method):
+def test_siblings_sequence_distribution_matches_exact(method, device):
     """First-token siblings (a draft tree) leave whole-sequence distributions exact."""
-    target = tiny_target()
+    target = tiny_target().to(device)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=NEW, n=3000, seed=3)
     engine = sibling_engine(method, target, siblings=2)
     out = engine.generate([Request(PROMPT, params)])

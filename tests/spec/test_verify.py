@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pytest
@@ -34,6 +34,7 @@ from specrl.sampling import (
     uniforms,
 )
 from specrl.spec.verify import PAD_TOKEN, Verified, verify
+from tests.conftest import DEVICES
 
 EPS = 1e-6  # inset of the evaluation points from the cell edges (float32 rounding of p, q)
 TOL = 1e-6  # tolerance on exact probabilities
@@ -54,6 +55,11 @@ class Case:
     top_p: float
     mode: str  # how drafts/q are chosen: random | masked | argmax | close | equal
     seed: int
+
+
+def on_cpu(v: Verified) -> Verified:
+    """A ``Verified`` made on any device, copied to the CPU."""
+    return Verified(*(getattr(v, f.name).cpu() for f in fields(v)))
 
 
 class FakeUniforms:
@@ -244,8 +250,11 @@ def add_row(tables, enum, x, thresholds, accepted, u_final, end, rng) -> None:
     enum.u[STREAM_SAMPLE].append(u_sample)
 
 
-def run_enumeration(tables: Tables, enum: Enumeration, monkeypatch) -> tuple[Verified, dict]:
-    """Call the real verify on all rows with the fake uniforms; return its output and inputs."""
+def run_enumeration(
+    tables: Tables, enum: Enumeration, monkeypatch, device: str = "cpu"
+) -> tuple[Verified, dict]:
+    """Call the real verify on all rows (on ``device``) with the fake uniforms; return its
+    output and inputs (on the CPU)."""
     case, rows = tables.case, len(enum.lengths)
     gen = torch.Generator().manual_seed(case.seed + 1000)
     garbage_logits = torch.randn(16, case.vocab, generator=gen) * 3
@@ -257,7 +266,8 @@ def run_enumeration(tables: Tables, enum: Enumeration, monkeypatch) -> tuple[Ver
         all_q = torch.cat([tables.q, garbage_q.flip(0)])
         draft_probs = all_q[torch.tensor(enum.q_rows).reshape(rows, case.k)]
     base = 1000 + 7 * torch.arange(rows, dtype=torch.int64)
-    fake = FakeUniforms({s: torch.tensor(v, dtype=torch.float64) for s, v in enum.u.items()}, base)
+    tables_u = {s: torch.tensor(v, dtype=torch.float64, device=device) for s, v in enum.u.items()}
+    fake = FakeUniforms(tables_u, base.to(device))
     monkeypatch.setattr(verify_module, "uniforms", fake)
     inputs = dict(
         draft_tokens=torch.tensor(enum.drafts, dtype=torch.int64).reshape(rows, case.k),
@@ -270,7 +280,8 @@ def run_enumeration(tables: Tables, enum: Enumeration, monkeypatch) -> tuple[Ver
         seeds=torch.arange(rows, dtype=torch.int64),
         counters=base,
     )
-    return verify(**inputs), inputs
+    out = verify(**{k: v if v is None else v.to(device) for k, v in inputs.items()})
+    return on_cpu(out), inputs
 
 
 def emitted_distributions(enum: Enumeration, out: Verified) -> dict[tuple, dict[tuple, float]]:
@@ -358,12 +369,13 @@ EXACT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: f"{c}")
-def test_exact_losslessness(case: Case, monkeypatch) -> None:
+def test_exact_losslessness(case: Case, monkeypatch, device: str) -> None:
     """Exact distribution of every emitted position (given the previous ones) equals p."""
     tables = Tables(case)
     enum = enumerate_case(tables, np.random.default_rng(case.seed))
-    out, _ = run_enumeration(tables, enum, monkeypatch)
+    out, _ = run_enumeration(tables, enum, monkeypatch, device)
     dists = emitted_distributions(enum, out)
     assert len(dists) == (case.k + 1 if case.stochastic else 4 * (case.k + 1))
     for dist in dists.values():
@@ -539,9 +551,10 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.9, 6, 0.9)], ids=["plain", "truncated"])
-def test_monte_carlo_chi_square(stochastic: bool, settings: tuple) -> None:
+def test_monte_carlo_chi_square(stochastic: bool, settings: tuple, device: str) -> None:
     """Real uniforms, V=12, ragged lengths 0..3: first token and (token 1, token 2) follow p.
 
     Rows that emitted one token continue with plain sampling for token 2, so the pair must follow
@@ -572,7 +585,9 @@ def test_monte_carlo_chi_square(stochastic: bool, settings: tuple) -> None:
             )
     ids = prefix_ids(drafts, vocab)  # [N, k+1]
     draft_probs = q_table[ids[:, :k]] if stochastic else None
-    out = verify(drafts, lengths, draft_probs, logits_table[ids], *settings_t, seeds, counters)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args = (drafts, lengths, draft_probs, logits_table[ids], *settings_t, seeds, counters)
+    out = on_cpu(verify(*map(on, args)))  # verified on the device
     assert 0 < out.num_accepted.float().mean() < lengths.float().mean()
     p_root = processed(logits_table[:1], Case(vocab, k, False, *settings, "", 0)).exp()[0]
     assert int((p_root > 0).sum()) >= 3  # truncation leaves a real distribution to test

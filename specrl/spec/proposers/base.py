@@ -18,6 +18,9 @@ Contract:
 - ``load_weights(state)`` refreshes a learned drafter after a policy update (no-op for model-free
   drafters); a drafter that is never refreshed stays correct but its acceptance collapses.
 - ``deterministic`` is True iff ``propose`` always returns ``probs=None``.
+- Devices: the batch's tensors (and ``hidden``) are on the engine's device; a learned drafter
+  drafts there, a model-free one may return its ``Draft`` on the host (the engine moves it with
+  one copy per step, ``Draft.to``), never syncing per row.
 
 This module holds only data types and the protocol; drafters live in sibling modules and are
 registered by name in ``specrl.spec.proposers``.
@@ -64,6 +67,14 @@ class Draft:
                 tokens[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
             lengths[b] = len(row)
         return Draft(tokens=tokens, lengths=lengths)
+
+    def to(self, device: torch.device) -> Draft:
+        """This draft on ``device`` (itself when it is there already: no copy on the CPU)."""
+        if self.tokens.device == device:
+            return self
+        probs = None if self.probs is None else self.probs.to(device, non_blocking=True)
+        return Draft(self.tokens.to(device, non_blocking=True),
+                     self.lengths.to(device, non_blocking=True), probs)  # fmt: skip
 
     def rows(self) -> list[list[int]]:
         """Valid draft tokens of every row, as Python lists."""

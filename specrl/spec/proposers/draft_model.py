@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specrl.models.device import model_device, on
 from specrl.models.transformer import Transformer
 from specrl.models.weights import copy_weights
 from specrl.sampling import draw, uniforms
@@ -50,6 +51,7 @@ class DraftModelProposer:
                 "layers)"
             )
         self.model = draft_model
+        self.device = model_device(draft_model)  # drafts where the draft model's weights are
         self.rows: dict[int, _Row] = {}
         self.cache = None
         self.free: list[int] = []
@@ -101,9 +103,9 @@ class DraftModelProposer:
         rows = [self._row(rid) for rid in batch.row_ids]
         self._prefill_new(rows, batch.histories)
         logits = self._catch_up(rows, batch.histories)  # [B, V]
-        slots = torch.tensor([r.slot for r in rows])
+        (slots,) = on(self.device, torch.tensor([r.slot for r in rows]))
         tokens, probs = [], []
-        steps = batch.counters[:, None] + torch.arange(k)[None, :]  # [B, k]
+        steps = batch.counters[:, None] + torch.arange(k, device=self.device)[None, :]  # [B, k]
         u = uniforms(batch.seeds, steps, batch.draft_stream)  # [B, k]
         for i in range(k):
             tok, q = draw(logits, batch.temperature, batch.top_k, batch.top_p, u[:, i])
@@ -117,8 +119,10 @@ class DraftModelProposer:
             row.fed, row.safe = hist + drafted[: k - 1], len(hist)
         b = len(rows)
         return Draft(
-            tokens=torch.stack(tokens, 1) if k else torch.zeros(b, 0, dtype=torch.int64),
-            lengths=torch.full((b,), k, dtype=torch.int64),
+            tokens=torch.stack(tokens, 1)
+            if k
+            else torch.zeros(b, 0, dtype=torch.int64, device=self.device),
+            lengths=torch.full((b,), k, dtype=torch.int64, device=self.device),
             probs=torch.stack(probs, 1) if k else None,
         )
 
@@ -143,6 +147,7 @@ class DraftModelProposer:
             ids[i, : len(t)] = torch.tensor(t)
         slots = torch.tensor([r.slot for r, _ in new])
         positions = torch.arange(width).expand(len(new), width)
+        ids, positions, slots = on(self.device, ids, positions, slots)
         self.model.hidden_states(ids, positions, self.cache, slots=slots, prefill=True)
         for r, t in new:
             r.fed, r.safe = list(t), len(t)
@@ -163,13 +168,14 @@ class DraftModelProposer:
             last[i, 0] = n - 1
         slots = torch.tensor([r.slot for r in rows])
         kv_len = max(s + width for s in starts)
+        ids, positions, last, slots = on(self.device, ids, positions, last, slots)
         out = self.model(ids, positions, self.cache, kv_len=kv_len, logits_at=last, slots=slots)
         return out.logits[:, 0].float()
 
     def _step(
         self, tokens: torch.Tensor, positions: list[int], slots: torch.Tensor
     ) -> torch.Tensor:
-        pos = torch.tensor(positions)[:, None]
+        (pos,) = on(self.device, torch.tensor(positions)[:, None])
         out = self.model(tokens[:, None], pos, self.cache, kv_len=max(positions) + 1, slots=slots)
         return out.logits[:, 0].float()
 

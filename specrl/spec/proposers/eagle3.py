@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specrl.models.device import model_device, on
 from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config, load_head
 from specrl.models.transformer import Transformer
 from specrl.sampling import draw, uniforms
@@ -53,7 +54,8 @@ class Eagle3Proposer:
         if drafter.kind != self.kind:
             raise ValueError(f"a {drafter.kind!r} head cannot serve the {self.kind!r} drafter")
         drafter._target = (target_model,)  # always share the live target's embedding/LM head
-        self.head = drafter.requires_grad_(False)
+        self.device = model_device(target_model)
+        self.head = drafter.to(self.device).requires_grad_(False)
         self.hidden_layers = drafter.feature_layers
         self.cache = None
         self.slots: dict[int, int] = {}
@@ -91,7 +93,7 @@ class Eagle3Proposer:
         vocab = state.get("d2t")
         current = self.head.d2t
         if vocab is not None and (current is None or not torch.equal(current, vocab)):
-            self.head.set_draft_vocab(vocab.clone())
+            self.head.set_draft_vocab(vocab.to(self.device, copy=True))
         self.head.load_state_dict(cast_floats(state, self.head.dtype))
 
     # ------------------------------------------------------------------ drafting
@@ -105,14 +107,14 @@ class Eagle3Proposer:
         b = len(batch)
         if k == 0:
             return Draft.empty(b, 0)
-        slots = torch.tensor([self._slot(r) for r in batch.row_ids])
+        slot_ids = [self._slot(r) for r in batch.row_ids]
         ends = [len(h) - 1 for h in batch.histories]  # next head position per row
-        g, logits = self._catch_up(batch, slots, ends)
+        slots, first = on(self.device, torch.tensor(slot_ids), torch.tensor(ends)[:, None])
+        g, logits = self._catch_up(batch, slot_ids, slots, ends)
         tokens, probs = [], []
-        steps = batch.counters[:, None] + torch.arange(k)[None, :]  # [B, k]
+        steps = batch.counters[:, None] + torch.arange(k, device=self.device)[None, :]  # [B, k]
         u = uniforms(batch.seeds, steps, batch.draft_stream)  # [B, k]
-        settings = (batch.temperature, batch.top_k, batch.top_p)
-        first = torch.tensor(ends)[:, None]  # [B, 1] head position of the first own step
+        settings = (batch.temperature, batch.top_k, batch.top_p)  # first: [B, 1] head position
         for i in range(k):
             idx, q = draw(logits, *settings, u[:, i])  # [B], [B, Vd]
             tok = self.head.to_target(idx)  # [B] target ids
@@ -126,7 +128,7 @@ class Eagle3Proposer:
         q = torch.stack(probs, 1)  # [B, k, Vd]
         return Draft(
             tokens=torch.stack(tokens, 1),
-            lengths=torch.full((b,), k, dtype=torch.int64),
+            lengths=torch.full((b,), k, dtype=torch.int64, device=self.device),
             probs=self.head.to_full(q.flatten(0, 1)).view(b, k, -1),  # [B, k, V]
         )
 
@@ -139,7 +141,7 @@ class Eagle3Proposer:
         return slot
 
     def _catch_up(
-        self, batch: ProposerBatch, slots: torch.Tensor, ends: list[int]
+        self, batch: ProposerBatch, slot_ids: list[int], slots: torch.Tensor, ends: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's new features; return g [B, 1, H] and logits [B, V] at its last one."""
         feats = batch.hidden
@@ -148,7 +150,7 @@ class Eagle3Proposer:
             raise RuntimeError("a row brought no new target features since its last propose")
         b, width = len(feats), max(counts)
         scratch = self.cache.slots - 1
-        f = torch.zeros(b, width, feats[0].shape[-1], dtype=feats[0].dtype)
+        f = feats[0].new_zeros(b, width, feats[0].shape[-1])  # where the features are
         ids = torch.zeros(b, width, dtype=torch.int64)
         positions = torch.zeros(b, width, dtype=torch.int64)  # padding: position 0, scratch slot
         rows = torch.full((b, width), scratch, dtype=torch.int64)
@@ -157,9 +159,10 @@ class Eagle3Proposer:
             f[i, :m] = feats[i]
             ids[i, :m] = torch.tensor(hist[start + 1 : end + 1])
             positions[i, :m] = torch.arange(start, end)
-            rows[i, :m] = slots[i]
+            rows[i, :m] = slot_ids[i]
+        ids, positions, rows, last = on(self.device, ids, positions, rows,
+                                        torch.tensor(counts)[:, None, None] - 1)  # fmt: skip
         h = self.head.features_in(f.to(self.head.dtype))
         g = self.head.step(h, ids, positions, self.cache, rows, slots, max(ends))
-        last = torch.tensor(counts)[:, None, None] - 1
         g = g.gather(1, last.expand(b, 1, g.shape[-1]))  # [B, 1, H]
         return g, self.head.logits(g[:, 0]).float()

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specrl.models.device import on
 from specrl.models.heads import DraftHead
 from specrl.models.transformer import Transformer
 from specrl.spec.proposers import register_proposer
@@ -149,9 +150,10 @@ class HybridProposer(Eagle3Proposer):
     def _assemble(self, batch: ProposerBatch, sfx: Draft, heads: list[int], k: int) -> Draft:
         """The suffix draft with one-hot q, the head's draft and q on rows ``heads``."""
         b, vocab = len(batch), self.head.target_config.vocab_size
+        sfx = sfx.to(self.device)  # the suffix tree drafts on the host
         tokens, lengths = sfx.tokens.clone(), sfx.lengths.clone()
-        probs = torch.zeros(b, k, vocab)  # [B, k, V]
-        hot = torch.arange(k)[None, :] < sfx.lengths[:, None]  # [B, k] valid suffix slots
+        probs = torch.zeros(b, k, vocab, device=self.device)  # [B, k, V]
+        hot = torch.arange(k, device=self.device)[None, :] < sfx.lengths[:, None]  # [B, k]
         probs[hot] = torch.nn.functional.one_hot(sfx.tokens[hot], vocab).float()
         if heads:
             drafted = super().propose(self._head_batch(batch, heads), k)
@@ -172,13 +174,14 @@ class HybridProposer(Eagle3Proposer):
         ]  # fmt: skip
         if rows:
             sub = self._head_batch(batch, rows)
-            slots = torch.tensor([self._slot(r) for r in sub.row_ids])
-            self._catch_up(sub, slots, [len(h) - 1 for h in sub.histories])
+            slot_ids = [self._slot(r) for r in sub.row_ids]
+            (slots,) = on(self.device, torch.tensor(slot_ids))
+            self._catch_up(sub, slot_ids, slots, [len(h) - 1 for h in sub.histories])
 
     def _head_batch(self, batch: ProposerBatch, rows: list[int]) -> ProposerBatch:
         """The rows ``rows`` of ``batch``, each with every feature the head has not read yet."""
         hidden = [torch.cat(self.pending.pop(batch.row_ids[i])) for i in rows]
-        pick = torch.tensor(rows)
+        pick = torch.tensor(rows, device=batch.seeds.device)
         return ProposerBatch(
             histories=[batch.histories[i] for i in rows],
             group_keys=[batch.group_keys[i] for i in rows],
