@@ -5,7 +5,10 @@ reading and writing a ``KVCache`` (row b of the batch uses cache slot b) and opt
 the hidden states of chosen layers (for EAGLE-3 / MTP drafters); a draft tree (``tree``) is read
 in one forward with RoPE by depth and an ancestor mask. Weights use Hugging Face
 semantics (rotate-half RoPE, q/k/v and gate/up projections), stored fused (qkv, gate_up) for fewer
-GEMMs. No sampling, no RL.
+GEMMs. Packed rows (``segments``, no cache) attend through a dense [B, 1, T, T] mask or, on CUDA,
+FlexAttention block masks (``packed_attention``, see ``specrl.models.packed_attention``); with
+``checkpoint_layers`` a forward under autograd recomputes each decoder block in backward.
+No sampling, no RL.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from specrl.kernels import gemv
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import native_layers
 from specrl.models.linear import Linear
+from specrl.models.packed_attention import PackedAttention, PackedMask, use_flex
 
 
 def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
@@ -202,6 +207,9 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         if ctx.cache is not None:
             ctx.cache.write(self.layer, *ctx.write_index(), k, v)
+        if ctx.packed is not None:  # packed rows through flex attention
+            out = ctx.packed.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return self.o(out.transpose(1, 2).reshape(b, t, -1))
         reads = ctx.cache is not None and ctx.read_cache
         out = self._attend_native(q, ctx) if reads else None  # [B, T, heads, head_dim]
         if out is None:
@@ -269,6 +277,7 @@ class AttnContext:
     read_cache: bool = True  # False: prefill, attend only within the new tokens
     slots: torch.Tensor | None = None  # [B] slots read (None: slots 0..B-1, a view)
     store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
+    packed: PackedMask | None = None  # packed rows via flex attention (no cache; mask None)
     _visible: tuple | None = field(default=None, repr=False)  # visible_keys(), once per forward
     _written: tuple | None = field(default=None, repr=False)  # write_index(), once per forward
 
@@ -309,9 +318,15 @@ class ForwardOutput:
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward`` returns logits; ``hidden_states`` stops before the LM head.
     Forwards that read the cache in bf16 run all layers in one native call
-    (``specrl.models.fused``; ``native_layers = False`` runs the modules one by one)."""
+    (``specrl.models.fused``; ``native_layers = False`` runs the modules one by one).
+    ``packed_attention`` picks the attention of packed, cache-free forwards: 'auto' (flex
+    attention on CUDA, the dense mask elsewhere), 'flex' or 'dense'. ``checkpoint_layers``
+    recomputes each block in backward (forwards under autograd only): less activation memory
+    for about one more forward of compute."""
 
     native_layers: bool = True
+    packed_attention: str = "auto"
+    checkpoint_layers: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -322,6 +337,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.flex = PackedAttention()  # compiled flex attention, per model
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -336,7 +352,8 @@ class Transformer(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
         weights = self.embed.weight if like is None else like
-        dtype = torch.float32 if torch.is_autocast_enabled("cpu") else weights.dtype
+        autocast = torch.is_autocast_enabled(positions.device.type)
+        dtype = torch.float32 if autocast else weights.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attn_context(
@@ -351,6 +368,9 @@ class Transformer(nn.Module):
         parents: torch.Tensor | None = None,  # [B, T] segment a token also sees; -2 = none
     ) -> AttnContext:
         b, t = positions.shape
+        packed = cache is None and segments is not None
+        if packed and use_flex(self.packed_attention, positions.device, self.config.head_dim):
+            return AttnContext(positions, None, packed=self.flex.mask(segments, parents))
         if cache is None or prefill:
             mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key <= query
             mask = mask & torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
@@ -428,8 +448,12 @@ class Transformer(nn.Module):
         if fused is not None:
             return fused
         captured = []
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, ctx)
             if i in capture:
                 captured.append(x)
         return self.norm(x), captured

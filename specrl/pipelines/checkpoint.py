@@ -8,7 +8,10 @@ Layout of a run directory::
     eval.jsonl                  one JSON object per evaluation (``step`` = updates done before it)
     summary.json                written at the end of a run (``train.run_training``)
     checkpoints/step_000020/    after 20 updates:
-        policy.safetensors      the learner's float32 policy under Hugging Face names
+        policy.safetensors      the learner's policy under Hugging Face names (float32, or
+                                bf16 when trained with float32 masters)
+        masters.safetensors     those float32 masters, keys "<param index>" (the learner's
+                                bf16_mode 'params' only)
         optimizer.safetensors   AdamW state tensors, keys "<param index>.<name>"
         optimizer.json          AdamW param groups and the state keys (no pickle anywhere)
         state.json              step, policy version, torch RNG state (hex), data-order
@@ -37,10 +40,14 @@ Contract:
   checkpoint whose state.json has the ``format`` marker and no manifest is damaged
   (``manifest.json: missing``); one without either (written before manifests existed) is
   accepted when every file parses.
-  ``apply_checkpoint`` restores policy, optimizer and torch RNG in place and returns
+  ``apply_checkpoint`` restores policy, optimizer, masters and torch RNG in place and returns
   ``state.json`` (less ``format`` and the RNG) plus the backend state (``{}`` if none) for
   ``RolloutBackend.load_state_dict``; a checkpoint that does not fit the model raises
   ``RunDirError``. ``load_checkpoint`` is both.
+- Masters (``master_tensors``) are the optimizer's parameters that are not the policy's own;
+  they are saved bit-exact and restored into the optimizer's parameters by index. Resuming a
+  checkpoint without masters into an optimizer that has them copies the policy's values into
+  them (masters are in the policy's parameter order, as the learner builds them).
 - ``RunDir.rows`` reads a JSONL log: a last line cut mid-write (a killed run) is dropped, any
   other unreadable line raises ``RunDirError`` naming the file and line. ``RunDir.append``
   fsyncs each row; ``RunDir.truncate`` (drop the rows a resumed run will produce again)
@@ -55,7 +62,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,6 +81,7 @@ MANIFEST = "manifest.json"
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
 BACKEND = "backend.json"
+MASTERS = "masters.safetensors"
 DRAFTER = "drafter.safetensors"
 _CHUNK = 1 << 20
 
@@ -276,6 +284,41 @@ def optimizer_state(tensors: Mapping[str, torch.Tensor], meta: dict) -> dict[str
     return {"state": state, "param_groups": groups}
 
 
+def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in state-dict index order."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def master_tensors(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """The optimizer's parameters that are not ``policy``'s own (float32 masters of a bf16
+    policy), keyed by their state-dict index; empty when it steps the policy itself."""
+    own = {id(p) for p in policy.parameters()}
+    params = _stepped(optimizer)
+    return {str(i): p.detach().contiguous() for i, p in enumerate(params) if id(p) not in own}
+
+
+@torch.no_grad()
+def restore_masters(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    masters: Mapping[str, torch.Tensor],
+) -> None:
+    """Copy saved ``masters`` into the optimizer's parameters (``ValueError`` on a shape or
+    index that does not fit); without saved ones, separate masters take the policy's values."""
+    params = _stepped(optimizer)
+    if not masters:
+        for p, m in zip(policy.parameters(), params, strict=False):
+            if p is not m:
+                m.copy_(p)
+        return
+    for key, value in masters.items():
+        if not key.isdigit() or int(key) >= len(params) or params[int(key)].shape != value.shape:
+            raise ValueError(f"{MASTERS}: tensor {key!r} {tuple(value.shape)} fits no parameter")
+        params[int(key)].copy_(value)
+
+
 def restore_optimizer(
     opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: dict
 ) -> None:
@@ -302,9 +345,12 @@ def _write_files(
     tensors, meta = optimizer_tensors(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "optimizer.json").write_text(json.dumps(meta))
+    masters = master_tensors(policy, optimizer)
+    if masters:
+        save_file(masters, str(tmp / MASTERS))
     marked = dict(state) | {"format": FORMAT, "torch_rng": rng_state()}
     (tmp / "state.json").write_text(json.dumps(marked))
-    names = list(REQUIRED)
+    names = list(REQUIRED) + ([MASTERS] if masters else [])
     if backend_state:
         (tmp / BACKEND).write_text(json.dumps(dict(backend_state)))
         names.append(BACKEND)
@@ -375,6 +421,7 @@ class CheckpointData:
     rng: torch.Tensor
     backend: dict[str, Any]
     drafter: Path | None = None  # a learned drafter's training state, verified, not yet read
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # float32 masters, if any
 
 
 def verify_manifest(ckpt: Path) -> None:
@@ -470,17 +517,21 @@ def read_checkpoint(ckpt: Path) -> CheckpointData:
     if not isinstance(backend, dict):
         raise CheckpointDamaged(f"{BACKEND}: not a JSON object")
     drafter = ckpt / DRAFTER if (ckpt / DRAFTER).is_file() else None
-    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter)
+    masters = (
+        _parse(ckpt, MASTERS, lambda p: load_file(str(p))) if (ckpt / MASTERS).exists() else {}
+    )
+    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters)
 
 
 def apply_checkpoint(
     data: CheckpointData, policy: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore policy, optimizer and torch RNG from ``data``; return (its state, the backend
-    state). A checkpoint that does not fit this model or optimizer is a ``RunDirError``."""
+    """Restore policy, optimizer, masters and torch RNG from ``data``; return (its state, the
+    backend state). A checkpoint that does not fit this model or optimizer is a ``RunDirError``."""
     try:
         load_state(policy, data.policy)
         optimizer.load_state_dict(data.optimizer)
+        restore_masters(policy, optimizer, data.masters)
         torch.set_rng_state(data.rng)
     except (ValueError, KeyError, RuntimeError) as e:
         raise RunDirError(f"checkpoint {data.path} does not fit this run: {one_line(e)}") from None

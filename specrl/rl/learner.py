@@ -4,13 +4,13 @@ Contract:
 - ``token_logprobs(model, sequences, ...)`` returns, for each ``(prompt_ids, completion_ids)``,
   the log-probabilities ``[len(completion)]`` the model assigns to the completion tokens given
   everything before them (raw logits / temperature, log-softmax, no top-k/top-p). Sequences are
-  packed into rows (``pack_sequences``): a prompt segment then a completion segment that sees it,
-  positions from 0, attention never crossing into other sequences, so a packed sequence sees
-  exactly what it would see alone; with ``share_prompts`` (the learner's default) consecutive
-  sequences with the same prompt (a GRPO group) share one copy of it, so the prompt's tokens run
-  once per micro-batch instead of once per sample (same values, fewer FLOPs). The LM head and
-  the float32 log-softmax run only at completion positions, in chunks of
-  ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
+  packed into rows (``pack_sequences``, ``rl.packing``): a prompt segment then a completion
+  segment that sees it, positions from 0, attention never crossing into other sequences, so a
+  packed sequence sees exactly what it would see alone; with ``share_prompts`` (the learner's
+  default) consecutive sequences with the same prompt (a GRPO group) share one copy of it, so
+  the prompt's tokens run once per micro-batch instead of once per sample (same values, fewer
+  FLOPs). The LM head and the float32 log-softmax run only at completion positions, in chunks
+  of ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
   checkpointing), so the [positions, vocab] float32 logits never exist for more than one chunk.
 - ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
   reports as raw logprobs, for the engine-vs-learner mismatch metric (``Learner.raw_logprobs``
@@ -19,15 +19,28 @@ Contract:
   completion, advantage, optional behaviour logprobs): micro-batches of at most
   ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
   gradient equals the whole-batch gradient; then gradient-norm clipping and AdamW. Returns float
-  metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s).
+  metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s) and
+  the throughput: ``forward_tokens`` (non-padding packed tokens through forward and backward),
+  ``tokens_per_s`` (those per second of the step), ``model_tflops`` (``models.flops``: 6 x
+  trunk parameters x forward tokens + 6 x LM-head parameters x completion positions, per
+  second, in 1e12) and, where the device's bf16 peak is known (``peak_flops``; not on the CPU),
+  ``mfu`` = achieved / peak. On CUDA the clock is read after ``synchronize``.
   With ``capture=FeatureSink(layers)`` the same training forward also records, per sample, the
   outputs of those layers and the final hidden state over prompt + completion (``Captured``,
   bfloat16, detached): a learned drafter's training data at no extra forward.
+- Device: the learner works where its model's parameters are (``model_device``): batches are
+  packed on the host and each tensor moved once; AdamW is fused on CUDA, ``foreach`` on the CPU.
 - Precision: ``dtype="fp32"`` runs everything in float32. ``dtype="bf16"`` keeps float32 master
-  weights, gradients and AdamW state and runs the trunk under CPU bf16 autocast (AMX matmuls);
-  the LM head and log-softmax always run in float32, because bf16 logits (8-bit mantissa) would
-  shift log-probabilities by several hundredths. Autocast was chosen over bf16 parameters with
-  a float32 master copy: it gives the same matmul speed here with no weight copies to keep in sync.
+  weights, gradients and AdamW state, in one of two ways (``bf16_mode``): 'autocast' (default)
+  holds float32 parameters and runs the trunk under the device's bf16 autocast (AMX matmuls on
+  the CPU: the same speed as bf16 parameters there, with no copies to keep in sync); 'params'
+  holds the model's parameters in bf16 for forward and backward, each with a float32 master
+  (``masters``) that AdamW updates: every micro-batch's bf16 gradients are added in float32 to
+  the masters' ``.grad``, and the bf16 parameters are refreshed from the masters after each
+  step ('params' with fp32 is refused). Either way the LM head and log-softmax run in float32,
+  because bf16 logits (8-bit mantissa) would shift log-probabilities by several hundredths.
+- ``activation_checkpointing``: the model recomputes each decoder block in backward
+  (``Transformer.checkpoint_layers``, forwards under autograd only): less memory, more compute.
 - Behaviour logprobs reach the loss through the registered off-policy correction
   (``rl.corrections``, ``correction=``): 'ppo' clips against them, 'tis' weights each token by
   the truncated importance ratio. Without behaviour logprobs a sample is on-policy: the current
@@ -37,7 +50,6 @@ The learner knows nothing about how rollouts were produced.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,14 +59,25 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from specrl.models.device import (
+    autocast,
+    mm_out_dtype,
+    model_device,
+    on,
+    peak_flops,
+    synchronize,
+)
+from specrl.models.flops import train_flops
 from specrl.models.precision import resolve_precision
 from specrl.rl.corrections import get_correction
 from specrl.rl.losses import LossNorm, get_loss
+from specrl.rl.packing import PackedBatch, Span, pack_sequences  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from specrl.config import LearnerCfg
 
 DTYPES = ("fp32", "bf16")
+BF16_MODES = ("autocast", "params")
 
 
 @dataclass(frozen=True)
@@ -65,38 +88,6 @@ class TrainSample:
     completion_ids: Sequence[int]
     advantage: float
     old_logprobs: Sequence[float] | None = None  # behaviour policy, per completion token
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Sequences packed into rows; completion-token coordinates listed in sequence order."""
-
-    ids: torch.Tensor  # [R, L] token ids (padding: 0)
-    positions: torch.Tensor  # [R, L] position within the own sequence
-    segments: torch.Tensor  # [R, L] segment id (a prompt or a completion); -1 = padding
-    parents: torch.Tensor  # [R, L] a completion's prompt segment; -2 = none
-    rows: torch.Tensor  # [M] row of each completion token's *predicting* position
-    cols: torch.Tensor  # [M] column of the predicting position
-    targets: torch.Tensor  # [M] the completion token ids
-    lengths: list[int]  # completion length per sequence (sum = M)
-    spans: list[Span] = field(default_factory=list)  # where each sequence's tokens sit
-
-
-@dataclass(frozen=True)
-class Span:
-    """One packed sequence's place: its row, the column and length of its (possibly shared)
-    prompt segment, and the column where its completion starts."""
-
-    row: int
-    prompt_col: int
-    prompt_len: int
-    completion_col: int
-
-    def columns(self, completion_len: int) -> torch.Tensor:  # [prompt_len + completion_len]
-        """The columns of the sequence's tokens in order: prompt, then completion."""
-        p = torch.arange(self.prompt_col, self.prompt_col + self.prompt_len)
-        c = torch.arange(self.completion_col, self.completion_col + completion_len)
-        return torch.cat([p, c])
 
 
 @dataclass(frozen=True)
@@ -112,95 +103,17 @@ class Captured:
     final: torch.Tensor  # [T, H]
 
 
-@dataclass
-class _Block:
-    """A prompt and the (consecutive) sequences whose completions follow it in one row."""
-
-    prompt: list[int]
-    members: list[int]
-    size: int  # tokens: the prompt once + every member's completion
-
-
-def _blocks(
-    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], width: int, share: bool
-) -> list[_Block]:
-    """One block per sequence, or with ``share`` consecutive sequences of the same prompt in
-    one block while it fits ``width`` tokens."""
-    blocks: list[_Block] = []
-    for i, (p, c) in enumerate(sequences):
-        if len(p) == 0:
-            raise ValueError(f"sequence {i} has an empty prompt: nothing predicts its first token")
-        last = blocks[-1] if blocks else None
-        if share and last and last.size + len(c) <= width and last.prompt == list(p):
-            last.members.append(i)
-            last.size += len(c)
-        else:
-            blocks.append(_Block(list(p), [i], len(p) + len(c)))
-    return blocks
-
-
-def pack_sequences(
-    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
-    row_len: int = 256,
-    share_prompts: bool = False,
-) -> PackedBatch:
-    """First-fit packing (in order) into rows of ``max(row_len, longest sequence)`` tokens.
-
-    Each sequence is a prompt segment followed by a completion segment that also sees that
-    prompt (``parents``), positions continuing after it. With ``share_prompts`` consecutive
-    sequences with the same prompt share one copy of it (a GRPO group: the prompt's tokens run
-    once, not G times); each completion still sees exactly the prompt and itself.
-    """
-    width = max([row_len] + [len(p) + len(c) for p, c in sequences])
-    blocks = _blocks(sequences, width, share_prompts)
-    fill: list[int] = []
-    place: list[tuple[int, int]] = []  # (row, start column) per block
-    for b in blocks:
-        r = next((i for i, used in enumerate(fill) if used + b.size <= width), len(fill))
-        if r == len(fill):
-            fill.append(0)
-        place.append((r, fill[r]))
-        fill[r] += b.size
-    shape = (len(fill), width)
-    ids = torch.zeros(shape, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    segments = torch.full(shape, -1, dtype=torch.long)
-    parents = torch.full(shape, -2, dtype=torch.long)
-    rows, cols, targets, lengths, spans = [], [], [], [], []
-    seg = 0
-    for b, (r, start) in zip(blocks, place, strict=True):
-        n = len(b.prompt)
-        ids[r, start : start + n] = torch.tensor(b.prompt, dtype=torch.long)
-        positions[r, start : start + n] = torch.arange(n)
-        segments[r, start : start + n] = prompt_seg = seg
-        col = start + n
-        for i in b.members:
-            c = list(sequences[i][1])
-            seg += 1
-            ids[r, col : col + len(c)] = torch.tensor(c, dtype=torch.long)
-            positions[r, col : col + len(c)] = torch.arange(n, n + len(c))
-            segments[r, col : col + len(c)] = seg
-            parents[r, col : col + len(c)] = prompt_seg
-            rows += [r] * len(c)
-            cols += [start + n - 1, *range(col, col + len(c) - 1)][: len(c)]
-            targets += c
-            lengths.append(len(c))
-            spans.append(Span(r, start, n, col))
-            col += len(c)
-        seg += 1
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return PackedBatch(ids, positions, segments, parents, as_long(rows), as_long(cols),
-                       as_long(targets), lengths, spans)  # fmt: skip
-
-
 def _chunk_logprobs(
     hidden: torch.Tensor,  # [m, H]
-    weight: torch.Tensor,  # [V, H]
+    weight: torch.Tensor,  # [V, H] (bf16 for a bf16 head, see ``head_logprobs``)
     targets: torch.Tensor,  # [m]
     temperature: float,
 ) -> torch.Tensor:  # [m]
-    with torch.autocast("cpu", enabled=False):
-        logits = hidden.float() @ weight.float().T  # [m, V] float32
+    with torch.autocast(hidden.device.type, enabled=False):
+        if weight.dtype == torch.bfloat16 and hidden.device.type == "cuda":  # [m, V] float32
+            logits = torch.mm(hidden.to(torch.bfloat16), weight.T, out_dtype=torch.float32)
+        else:
+            logits = hidden.float() @ weight.float().T  # [m, V] float32
         if temperature != 1.0:
             logits = logits / temperature
         picked = logits.gather(1, targets[:, None]).squeeze(1)
@@ -214,7 +127,12 @@ def head_logprobs(
     temperature: float = 1.0,
     chunk: int = 256,
 ) -> torch.Tensor:  # [M] float32
-    """log softmax(hidden @ weight.T / temperature)[targets], ``chunk`` rows at a time."""
+    """log softmax(hidden @ weight.T / temperature)[targets], ``chunk`` rows at a time, with
+    float32 logits. On CUDA in bf16 (autocast on, or bf16 weights) the product takes bf16
+    inputs with float32 accumulation and output (``bf16_head``): a float32 product over a
+    128k vocabulary would cost more than the whole bf16 trunk; elsewhere it is float32."""
+    if bf16_head(hidden, weight):
+        weight = weight.to(torch.bfloat16)  # once per call, not per chunk (no-op when bf16)
     out = []
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s : s + chunk], targets[s : s + chunk]
@@ -223,6 +141,16 @@ def head_logprobs(
         else:
             out.append(_chunk_logprobs(h, weight, t, temperature))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``head_logprobs`` multiplies in bf16 (into float32): a CUDA device whose matmul
+    takes ``out_dtype`` (``mm_out_dtype``), with bf16 autocast on or bf16 weights."""
+    device = hidden.device
+    if device.type != "cuda":
+        return False
+    bf16 = torch.is_autocast_enabled("cuda") or weight.dtype == torch.bfloat16
+    return bf16 and mm_out_dtype(device)
 
 
 def packed_logprobs(
@@ -234,7 +162,9 @@ def packed_logprobs(
     captured: list[Captured] | None = None,
 ) -> torch.Tensor:  # [M] flat, in sequence order
     """Completion logprobs of a packed batch; with ``capture`` (layer indices, possibly empty)
-    one ``Captured`` per sequence is appended to ``captured`` from the same forward."""
+    one ``Captured`` per sequence is appended to ``captured`` from the same forward. The batch
+    goes to the model's device (one copy per tensor) unless it is there."""
+    batch = batch.to(model_device(model))
     hidden, layers = model.hidden_states(
         batch.ids, batch.positions, segments=batch.segments, parents=batch.parents,
         capture=tuple(capture or ()),
@@ -255,7 +185,7 @@ def capture_features(
     feats = torch.cat(layers, dim=-1) if layers else hidden.new_zeros(*hidden.shape[:2], 0)
     out = []
     for span, n in zip(batch.spans, batch.lengths, strict=True):
-        cols = span.columns(n)
+        cols = span.columns(n).to(hidden.device)
         row = batch.ids[span.row, cols]  # [T]
         out.append(Captured(row.clone(), span.prompt_len,
                             feats[span.row, cols].detach().to(torch.bfloat16),
@@ -322,11 +252,42 @@ def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, w
     return out
 
 
+def _adamw(
+    params: list[torch.Tensor], device: torch.device, **kwargs: float | tuple[float, float]
+) -> torch.optim.AdamW:
+    """AdamW with the fast implementation for ``device``: fused on CUDA, foreach elsewhere."""
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(params, **kwargs, **fast)
+
+
+def _masters(params: list[torch.Tensor]) -> list[nn.Parameter]:
+    """float32 master copies of ``params`` (taken before they are cast to bf16)."""
+    return [nn.Parameter(p.detach().float().clone()) for p in params]
+
+
+def _model_for_training(
+    model: nn.Module, dtype: str, bf16_mode: str
+) -> tuple[list[torch.Tensor], list[nn.Parameter] | None]:
+    """Convert ``model`` in place for training: (its trained parameters, their float32 masters
+    in 'params' mode, else None)."""
+    if bf16_mode not in BF16_MODES:
+        raise ValueError(f"bf16_mode must be one of {BF16_MODES}, got {bf16_mode!r}")
+    if bf16_mode == "params" and dtype != "bf16":
+        raise ValueError(f"bf16_mode='params' needs dtype='bf16', got dtype={dtype!r}")
+    params = [p for p in model.float().requires_grad_(True).parameters()]
+    if bf16_mode != "params" or dtype != "bf16":
+        return params, None
+    masters = _masters(params)
+    model.to(torch.bfloat16)
+    return params, masters
+
+
 class Learner:
     """AdamW policy-gradient learner over a ``Transformer``.
 
-    The learner owns ``model``: it is converted to float32 in place (the master weights) and
-    updated in place; give a rollout engine its own (e.g. bf16) copy and refit it after steps.
+    The learner owns ``model``: it is converted in place (to float32, the master weights; or to
+    bf16 with float32 ``masters`` in 'params' mode) and updated in place on its own device; give
+    a rollout engine its own copy and refit it after steps.
     """
 
     def __init__(
@@ -350,12 +311,16 @@ class Learner:
         share_prompts: bool = True,
         correction: str = "ppo",
         is_cap: float = 2.0,
+        bf16_mode: str = "autocast",
+        activation_checkpointing: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
-        self.model = model.float().requires_grad_(True)
+        self.params, self.masters = _model_for_training(model, dtype, bf16_mode)
+        self.model, self.bf16_mode = model, bf16_mode
+        model.checkpoint_layers = activation_checkpointing  # recompute blocks in backward
         self.loss_fn, self.loss_name = get_loss(loss), loss
         self.correction, self.is_cap = get_correction(correction), is_cap
         self.loss_kwargs = dict(eps_low=eps_low, kl_coef=kl_coef, max_len=max_len)
@@ -367,10 +332,8 @@ class Learner:
         )  # fmt: skip
         self.temperature, self.chunk, self.row_len = temperature, chunk, row_len
         self.share_prompts = share_prompts  # a GRPO group's prompt runs once per micro-batch
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
-        )
+        stepped = self.masters if self.masters is not None else self.params
+        self.optimizer = _adamw(stepped, self.device, lr=lr, betas=betas, weight_decay=weight_decay)
 
     @classmethod
     def from_config(
@@ -381,21 +344,27 @@ class Learner:
         temperature: float = 1.0,
         ref_model: nn.Module | None = None,
     ) -> Learner:
-        """A learner from ``LearnerCfg``; ``max_len`` (Dr. GRPO) is the generation budget."""
+        """A learner from ``LearnerCfg``; ``max_len`` (Dr. GRPO) is the generation budget;
+        'auto' precision is resolved for the model's device."""
         return cls(
             model, loss=cfg.loss, lr=cfg.lr, betas=tuple(cfg.betas),
             weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-            micro_batch_tokens=cfg.micro_batch_tokens, dtype=resolve_precision(cfg.dtype),
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            dtype=resolve_precision(cfg.dtype, model_device(model)),
             eps_low=cfg.clip_eps_low,
             eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, ref_model=ref_model,
             max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
             share_prompts=cfg.share_prompts, correction=cfg.correction, is_cap=cfg.is_cap,
+            bf16_mode=cfg.bf16_mode, activation_checkpointing=cfg.activation_checkpointing,
         )  # fmt: skip
 
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
     def _autocast(self):
-        if self.dtype == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        bf16_autocast = self.dtype == "bf16" and self.masters is None
+        return autocast(self.device, bf16_autocast, torch.bfloat16)
 
     @torch.no_grad()
     def raw_logprobs(
@@ -424,12 +393,16 @@ class Learner:
     ) -> dict[str, float]:
         pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
         batch = pack_sequences(pairs, self.row_len, self.share_prompts)
+        forward_tokens = batch.tokens
+        batch = batch.to(self.device)
         width = max(batch.lengths)
         per_sample = list(self._logprobs(self.model, batch, capture).split(batch.lengths))
         if keep is not None:
             keep.extend(lp.detach() for lp in per_sample)
         logprobs = _padded(per_sample, width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)  # [N]
+        mask, adv = on(self.device, mask, adv)
         behaviour, has = self._behaviour(samples, logprobs)
         corr = self.correction(logprobs.detach(), behaviour, has, self.is_cap)
         ref = None
@@ -437,11 +410,12 @@ class Learner:
             with torch.no_grad():
                 ref_flat = self._logprobs(self.ref_model, batch)
             ref = _padded(list(ref_flat.split(batch.lengths)), width)
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         out = self.loss_fn(logprobs, corr.old, adv, mask, ref_logprobs=ref, norm=norm,
                            is_weight=corr.weight, **self.loss_kwargs)  # fmt: skip
         out.loss.backward()
-        return out.metrics | {"loss": float(out.loss.detach())}
+        self._grads_to_masters()
+        metrics = out.metrics | {"loss": float(out.loss.detach())}
+        return metrics | {"forward_tokens": float(forward_tokens)}
 
     @staticmethod
     def _behaviour(
@@ -449,9 +423,9 @@ class Learner:
         logprobs: torch.Tensor,  # [N, T]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Behaviour logprobs [N, T] (the current ones where a sample has none, and at
-        padding) and which samples have them [N]."""
-        old = logprobs.detach().clone()
-        has = torch.tensor([s.old_logprobs is not None for s in samples])
+        padding) and which samples have them [N], on ``logprobs``' device."""
+        given = torch.zeros(logprobs.shape, dtype=logprobs.dtype)  # [N, T] built on the host
+        known = torch.zeros(logprobs.shape, dtype=torch.bool)  # [N, T]
         for i, s in enumerate(samples):
             if s.old_logprobs is not None:
                 if len(s.old_logprobs) != len(s.completion_ids):
@@ -459,8 +433,28 @@ class Learner:
                         f"sample has {len(s.old_logprobs)} old_logprobs for "
                         f"{len(s.completion_ids)} completion tokens"
                     )
-                old[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=old.dtype)
-        return old, has
+                given[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=given.dtype)
+                known[i, : len(s.old_logprobs)] = True
+        has = torch.tensor([s.old_logprobs is not None for s in samples])  # [N]
+        given, known, has = on(logprobs.device, given, known, has)
+        return torch.where(known, given, logprobs.detach()), has
+
+    def _grads_to_masters(self) -> None:
+        """'params' mode: add the bf16 gradients, in float32, to the masters' ``.grad``."""
+        if self.masters is None:
+            return
+        for p, m in zip(self.params, self.masters, strict=True):
+            if p.grad is not None:
+                g = p.grad.float()
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
+    @torch.no_grad()
+    def _refresh_from_masters(self) -> None:
+        """'params' mode: the bf16 parameters become the updated masters, rounded."""
+        if self.masters is not None:
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
 
     def train_step(
         self,
@@ -474,13 +468,29 @@ class Learner:
         with a non-empty completion, in order; with ``capture``, that forward's features of
         the same samples (``Captured``, in the same order) are appended to
         ``capture.captured``."""
+        device = self.device
+        synchronize(device)
         t0 = time.perf_counter()
+        stepped = self.optimizer.param_groups[0]["params"]
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(samples, keep, capture)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(stepped, self.max_grad_norm)
         self.optimizer.step()
-        metrics.update(grad_norm=float(grad_norm), time_s=time.perf_counter() - t0)
+        self._refresh_from_masters()
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        metrics.update(grad_norm=float(grad_norm), time_s=seconds)
+        metrics.update(self._throughput(metrics["forward_tokens"], metrics["tokens"], seconds))
         return metrics
+
+    def _throughput(self, forward_tokens: float, positions: float, seconds: float) -> dict:
+        """tokens_per_s, model_tflops and (peak known) mfu of a step (see the module)."""
+        flops = train_flops(self.model, int(forward_tokens), int(positions)) / seconds
+        out = {"tokens_per_s": forward_tokens / seconds, "model_tflops": flops / 1e12}
+        peak = peak_flops(self.device)
+        if peak is not None:
+            out["mfu"] = flops / peak
+        return out
 
     def accumulate_gradients(
         self,
@@ -488,8 +498,8 @@ class Learner:
         keep: list[torch.Tensor] | None = None,
         capture: FeatureSink | None = None,
     ) -> dict[str, float]:
-        """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch); no step
-        (``keep``, ``capture``: see ``train_step``)."""
+        """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch; the
+        masters' in 'params' mode); no step (``keep``, ``capture``: see ``train_step``)."""
         samples = [s for s in samples if len(s.completion_ids) > 0]
         if not samples:
             raise ValueError("a training batch needs at least one non-empty completion")
@@ -506,6 +516,7 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum losses and token counts; token-weighted means of the per-token metrics."""
     tokens = sum(p["tokens"] for p in parts)
     out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
+    out["forward_tokens"] = sum(p["forward_tokens"] for p in parts)
     for key in ("clip_frac", "ratio_mean", "kl", "is_weight_mean"):
         out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
     return out

@@ -1,0 +1,175 @@
+"""The learner's device path: placement and fused AdamW, activation checkpointing, bf16 with
+float32 masters ('params' mode, checkpointed bit-exact), and the throughput metrics (model FLOPs
+against a hand count). CUDA cases run where a GPU is present (``-k cuda``)."""
+
+import copy
+
+import pytest
+import torch
+
+from specrl.config import LearnerCfg
+from specrl.models.device import peak_flops
+from specrl.models.flops import param_counts, train_flops
+from specrl.models.transformer import Block
+from specrl.pipelines.checkpoint import load_checkpoint, save_checkpoint
+from specrl.rl.learner import Learner, TrainSample
+from tests.conftest import DEVICES, make_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _samples(seed: int = 0, groups: int = 3, size: int = 4) -> list[TrainSample]:
+    """GRPO-like groups: ``size`` completions after each shared prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(groups):
+        prompt = torch.randint(0, 32, (4,), generator=g).tolist()
+        for _ in range(size):
+            completion = torch.randint(0, 32, (6,), generator=g).tolist()
+            out.append(TrainSample(prompt, completion, float(torch.randn(1, generator=g))))
+    return out
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_learner_runs_where_its_model_is(device):
+    model = make_tiny(head_dim=16).to(device)  # head_dim 16: flex attention on CUDA
+    learner = Learner(model, dtype="fp32", lr=1e-3, micro_batch_tokens=40)
+    assert learner.device.type == device
+    fused = learner.optimizer.defaults["fused"]
+    assert (fused, learner.optimizer.defaults["foreach"]) == (
+        (True, None) if device == "cuda" else (None, True)
+    )
+    metrics = learner.train_step(_samples())
+    assert metrics["micro_batches"] > 1 and all(p.device.type == device for p in model.parameters())
+    cpu = Learner(make_tiny(head_dim=16), dtype="fp32", lr=1e-3, micro_batch_tokens=40)
+    want = cpu.train_step(_samples())
+    assert metrics["loss"] == pytest.approx(want["loss"], abs=1e-4)
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(monkeypatch):
+    count = [0]
+    forward = Block.forward
+
+    def counted(self, *args):
+        count[0] += 1
+        return forward(self, *args)
+
+    monkeypatch.setattr(Block, "forward", counted)
+    calls = {}
+    for flag in (False, True):
+        model, count[0] = make_tiny(), 0
+        learner = Learner(model, dtype="fp32", activation_checkpointing=flag)
+        metrics = learner.accumulate_gradients(_samples())
+        calls[flag] = (metrics["loss"], _grads(model), count[0])
+    (loss0, grads0, n0), (loss1, grads1, n1) = calls[False], calls[True]
+    assert n1 == 2 * n0 == 2 * len(model.layers)  # each block ran again in backward
+    assert loss0 == loss1
+    for a, b in zip(grads0, grads1, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # no recomputation outside training forwards
+        learner.raw_logprobs([([1, 2], [3, 4])])
+    assert count[0] == n1 + len(model.layers)
+
+
+def test_step_metrics_count_model_flops_by_hand():
+    # tiny_config: H=32, I=64, 2 layers, 4 heads / 2 KV heads of 8, V=32, tied embeddings
+    per_layer = 32 + 32 * (32 + 2 * 16) + 32 * 32 + 32 + 32 * 2 * 64 + 64 * 32
+    assert param_counts(make_tiny()) == (2 * per_layer + 32, 32 * 32)
+    samples = [TrainSample([1, 2, 3, 4], [5, 6, 7], 1.0), TrainSample([1, 2, 3, 4], [8, 9], -1.0),
+               TrainSample([3, 1], [2, 2, 2, 2, 2], 0.5)]  # fmt: skip
+    learner = Learner(make_tiny(), dtype="fp32")
+    m = learner.train_step(samples)
+    forward, positions = 4 + 3 + 2 + 2 + 5, 3 + 2 + 5  # the shared prompt runs once
+    assert (m["forward_tokens"], m["tokens"]) == (forward, positions)
+    flops = 6 * 18592 * forward + 6 * 1024 * positions
+    assert train_flops(learner.model, forward, positions) == flops
+    assert m["model_tflops"] * 1e12 * m["time_s"] == pytest.approx(flops)
+    assert m["tokens_per_s"] * m["time_s"] == pytest.approx(forward)
+    assert "mfu" not in m  # no known peak on the CPU
+
+
+def test_bf16_params_mode_is_refused_without_bf16():
+    with pytest.raises(ValueError, match="bf16_mode='params'.*dtype='fp32'"):
+        Learner(make_tiny(), dtype="fp32", bf16_mode="params")
+    with pytest.raises(ValueError, match="bf16_mode"):
+        Learner(make_tiny(), bf16_mode="half")
+    cfg = LearnerCfg(dtype="fp32", bf16_mode="params")
+    with pytest.raises(ValueError, match="bf16_mode='params'"):
+        Learner.from_config(make_tiny(), cfg)
+    cfg = LearnerCfg(dtype="bf16", bf16_mode="params", activation_checkpointing=True)
+    learner = Learner.from_config(make_tiny(), cfg)
+    assert learner.masters is not None and learner.model.checkpoint_layers
+
+
+def _update(params, init) -> torch.Tensor:
+    return torch.cat(
+        [(p.detach().float() - i).flatten() for p, i in zip(params, init, strict=True)]
+    )
+
+
+def test_bf16_params_masters_track_an_fp32_reference():
+    model = make_tiny()
+    init = [p.detach().clone() for p in model.parameters()]
+    runs = {}
+    for name, kw in {"fp32": dict(dtype="fp32"), "autocast": dict(dtype="bf16"),
+                     "params": dict(dtype="bf16", bf16_mode="params")}.items():  # fmt: skip
+        learner = Learner(copy.deepcopy(model), lr=1e-3, micro_batch_tokens=40, **kw)
+        for step in range(3):
+            learner.train_step(_samples(seed=step))
+        runs[name] = learner
+    bf = runs["params"]
+    assert all(m.dtype == torch.float32 for m in bf.masters)
+    assert all(p.dtype == torch.bfloat16 for p in bf.model.parameters())
+    for p, m in zip(bf.model.parameters(), bf.masters, strict=True):
+        assert torch.equal(p, m.to(torch.bfloat16))  # refreshed from the masters
+    ref = _update(runs["fp32"].model.parameters(), init)
+    err = (_update(bf.masters, init) - ref).norm() / ref.norm()
+    err_autocast = (_update(runs["autocast"].model.parameters(), init) - ref).norm() / ref.norm()
+    assert err < 0.25 and err < 2 * err_autocast  # bf16 forward noise, as with autocast
+
+
+def test_bf16_params_masters_keep_updates_below_bf16_resolution():
+    model = make_tiny()
+    learner = Learner(copy.deepcopy(model), lr=1e-6, dtype="bf16", bf16_mode="params")
+    learner.train_step(_samples())
+    moved = _update(learner.masters, list(model.parameters()))
+    assert 0 < moved.abs().max() <= 2e-6  # the masters took the step; bf16 alone would round
+
+
+def test_bf16_params_checkpoint_keeps_the_masters_bit_exact(tmp_path):
+    def learner():
+        return Learner(make_tiny(), lr=1e-3, dtype="bf16", bf16_mode="params")
+
+    a = learner()
+    a.train_step(_samples(seed=0))
+    save_checkpoint(tmp_path / "step_000001", a.model, a.optimizer,
+                    {"step": 1, "policy_version": 1})  # fmt: skip
+    assert (tmp_path / "step_000001" / "masters.safetensors").is_file()
+    b = learner()
+    b.train_step(_samples(seed=5))  # different state, overwritten by the resume
+    load_checkpoint(tmp_path / "step_000001", b.model, b.optimizer)
+    for x, y in zip(a.masters, b.masters, strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(x, y)
+    a.train_step(_samples(seed=1))
+    b.train_step(_samples(seed=1))
+    for x, y in zip(a.masters, b.masters, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["autocast", "params"])
+def test_bf16_modes_step_on_cuda_and_report_mfu(mode):
+    model = make_tiny(head_dim=16).cuda()
+    learner = Learner(model, dtype="bf16", bf16_mode=mode, lr=1e-3, micro_batch_tokens=40,
+                      activation_checkpointing=True)  # fmt: skip
+    assert learner.optimizer.defaults["fused"]
+    m = learner.train_step(_samples())
+    assert m["loss"] == m["loss"] and m["tokens_per_s"] > 0 and m["model_tflops"] > 0
+    assert ("mfu" in m) == (peak_flops(learner.device) is not None)
