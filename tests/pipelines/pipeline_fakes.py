@@ -10,57 +10,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from specrl.config import Config, load_config
-from specrl.envs.reasoning_gym_env import Prompt
+from specrl.envs.synthetic import STOP, IdCodec, ModFourEnv  # noqa: F401 (re-exported)
 from specrl.pipelines.build import RunParts, build_run
 from tests.conftest import make_tiny
-
-STOP = 1
-
-
-class IdCodec:
-    stop_token_ids = (STOP,)
-
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return list(prompt.meta["ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(str(t) for t in ids)
-
-
-class ModFourEnv:
-    """Prompts of 3-6 random ids in [2, 32); reward = share of completion ids divisible by 4."""
-
-    def __init__(self, num_train: int = 24, num_eval: int = 6, seed: int = 0) -> None:
-        rng = random.Random(seed)
-        self.splits = {
-            split: [self._prompt(split, i, rng) for i in range(n)]
-            for split, n in (("train", num_train), ("eval", num_eval))
-        }
-
-    @staticmethod
-    def _prompt(split: str, i: int, rng: random.Random) -> Prompt:
-        ids = [rng.randrange(2, 32) for _ in range(rng.randrange(3, 7))]
-        return Prompt(f"{split}/{i}", ({"role": "user", "content": str(ids)},), {"ids": ids})
-
-    def prompts(self, split: str, seed: int | None = None) -> list[Prompt]:
-        out = list(self.splits[split])
-        if seed is not None:
-            random.Random(seed).shuffle(out)
-        return out
-
-    def reward(self, completion_text: str, meta: Mapping[str, Any]) -> float:
-        ids = [int(t) for t in completion_text.split() if int(t) != STOP]
-        return sum(t % 4 == 0 for t in ids) / len(ids) if ids else 0.0
-
-    def correct(self, completion_text: str, meta: Mapping[str, Any]) -> bool:
-        return self.reward(completion_text, meta) >= 0.5
-
 
 TINY_OVERRIDES = [
     "model.dtype=fp32", "learner.dtype=fp32", "learner.lr=3e-3", "learner.micro_batch_tokens=256",
