@@ -271,6 +271,13 @@ class LearnerCfg(_Section):
         "copy of each that AdamW updates (the bf16 weights are refreshed from it after every "
         "step and are what the rollout engine receives; checkpoints keep the masters).",
     )
+    head_precision: Literal["auto", "fp32"] = Field(
+        "auto",
+        description="LM head product of the learner's logprobs (always float32 logits and "
+        "log-softmax): 'auto' takes bf16 inputs with float32 accumulation on a CUDA device in "
+        "bf16 (a float32 product over a large vocabulary costs more than the bf16 trunk), "
+        "float32 elsewhere; 'fp32' always multiplies in float32.",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each decoder block in backward instead of keeping its "

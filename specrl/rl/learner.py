@@ -37,8 +37,11 @@ Contract:
   holds the model's parameters in bf16 for forward and backward, each with a float32 master
   (``masters``) that AdamW updates: every micro-batch's bf16 gradients are added in float32 to
   the masters' ``.grad``, and the bf16 parameters are refreshed from the masters after each
-  step ('params' with fp32 is refused). Either way the LM head and log-softmax run in float32,
-  because bf16 logits (8-bit mantissa) would shift log-probabilities by several hundredths.
+  step ('params' with fp32 is refused). Either way the logits and the log-softmax are float32
+  (bf16 logits would shift log-probabilities by several hundredths); the LM head's product is
+  float32 on the CPU, and on CUDA in bf16 (``head='auto'``) takes bf16 inputs with float32
+  accumulation and output, the rounding of the bf16 engine's own head (``head='fp32'`` keeps
+  float32 there too, at several times the head's cost).
 - ``activation_checkpointing``: the model recomputes each decoder block in backward
   (``Transformer.checkpoint_layers``, forwards under autograd only): less memory, more compute.
 - Behaviour logprobs reach the loss through the registered off-policy correction
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("fp32", "bf16")
 BF16_MODES = ("autocast", "params")
+HEAD_PRECISIONS = ("auto", "fp32")
 
 
 @dataclass(frozen=True)
@@ -126,12 +130,16 @@ def head_logprobs(
     targets: torch.Tensor,  # [M]
     temperature: float = 1.0,
     chunk: int = 256,
+    head: str = "auto",
 ) -> torch.Tensor:  # [M] float32
     """log softmax(hidden @ weight.T / temperature)[targets], ``chunk`` rows at a time, with
-    float32 logits. On CUDA in bf16 (autocast on, or bf16 weights) the product takes bf16
-    inputs with float32 accumulation and output (``bf16_head``): a float32 product over a
-    128k vocabulary would cost more than the whole bf16 trunk; elsewhere it is float32."""
-    if bf16_head(hidden, weight):
+    float32 logits. With ``head='auto'`` on CUDA in bf16 (autocast on, or bf16 weights) the
+    product takes bf16 inputs with float32 accumulation and output (``bf16_head``): a float32
+    product over a 128k vocabulary would cost more than the whole bf16 trunk, and the inputs'
+    rounding is that of the bf16 engine's own head; elsewhere, or with 'fp32', float32."""
+    if head not in HEAD_PRECISIONS:
+        raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {head!r}")
+    if head == "auto" and bf16_head(hidden, weight):
         weight = weight.to(torch.bfloat16)  # once per call, not per chunk (no-op when bf16)
     out = []
     for s in range(0, hidden.shape[0], chunk):
@@ -160,6 +168,7 @@ def packed_logprobs(
     chunk: int = 256,
     capture: tuple[int, ...] | None = None,
     captured: list[Captured] | None = None,
+    head: str = "auto",
 ) -> torch.Tensor:  # [M] flat, in sequence order
     """Completion logprobs of a packed batch; with ``capture`` (layer indices, possibly empty)
     one ``Captured`` per sequence is appended to ``captured`` from the same forward. The batch
@@ -172,7 +181,8 @@ def packed_logprobs(
     if capture is not None and captured is not None:
         captured.extend(capture_features(batch, hidden, layers))
     selected = hidden[batch.rows, batch.cols]  # [M, H]
-    return head_logprobs(selected, model.lm_head.weight, batch.targets, temperature, chunk)
+    weight = model.lm_head.weight
+    return head_logprobs(selected, weight, batch.targets, temperature, chunk, head)
 
 
 @torch.no_grad()
@@ -313,13 +323,16 @@ class Learner:
         is_cap: float = 2.0,
         bf16_mode: str = "autocast",
         activation_checkpointing: bool = False,
+        head: str = "auto",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
         self.params, self.masters = _model_for_training(model, dtype, bf16_mode)
-        self.model, self.bf16_mode = model, bf16_mode
+        if head not in HEAD_PRECISIONS:
+            raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {head!r}")
+        self.model, self.bf16_mode, self.head = model, bf16_mode, head
         model.checkpoint_layers = activation_checkpointing  # recompute blocks in backward
         self.loss_fn, self.loss_name = get_loss(loss), loss
         self.correction, self.is_cap = get_correction(correction), is_cap
@@ -356,6 +369,7 @@ class Learner:
             max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
             share_prompts=cfg.share_prompts, correction=cfg.correction, is_cap=cfg.is_cap,
             bf16_mode=cfg.bf16_mode, activation_checkpointing=cfg.activation_checkpointing,
+            head=cfg.head_precision,
         )  # fmt: skip
 
     @property
@@ -374,7 +388,7 @@ class Learner:
         engine-vs-learner mismatch metric)."""
         batch = pack_sequences(sequences, self.row_len, self.share_prompts)
         with self._autocast():
-            flat = packed_logprobs(self.model, batch, 1.0, self.chunk)
+            flat = packed_logprobs(self.model, batch, 1.0, self.chunk, head=self.head)
         return list(flat.split(batch.lengths))
 
     def _logprobs(
@@ -382,7 +396,8 @@ class Learner:
     ) -> torch.Tensor:  # [M]
         layers, sink = (None, None) if capture is None else (capture.layers, capture.captured)
         with self._autocast():
-            return packed_logprobs(model, batch, self.temperature, self.chunk, layers, sink)
+            return packed_logprobs(model, batch, self.temperature, self.chunk, layers, sink,
+                                   self.head)  # fmt: skip
 
     def _micro_step(
         self,

@@ -173,3 +173,41 @@ def test_bf16_modes_step_on_cuda_and_report_mfu(mode):
     m = learner.train_step(_samples())
     assert m["loss"] == m["loss"] and m["tokens_per_s"] > 0 and m["model_tflops"] > 0
     assert ("mfu" in m) == (peak_flops(learner.device) is not None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_head_on_cuda_accumulates_bf16_inputs_in_float32():
+    """On CUDA in bf16 the LM head multiplies bf16 inputs into float32 logits: the logprobs
+    equal a float64 product of the bf16-rounded inputs (float32 accumulation, not bf16 output
+    rounding), 'fp32' keeps the float32 product, and gradients flow through both."""
+    from specrl.rl.learner import bf16_head, head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(300, 64, generator=g) * 2).cuda().requires_grad_(True)  # [M, H]
+    weight = torch.randn(5000, 64, generator=g).cuda().requires_grad_(True)  # [V, H]
+    targets = torch.randint(0, 5000, (300,), generator=g).cuda()
+    rounded = head_logprobs(hidden.bfloat16().double(), weight.bfloat16().double(), targets)
+    exact = head_logprobs(hidden.double(), weight.double(), targets)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert bf16_head(hidden, weight)
+        fast = head_logprobs(hidden, weight, targets, chunk=128)
+        full = head_logprobs(hidden, weight, targets, chunk=128, head="fp32")
+    assert fast.dtype == full.dtype == torch.float32
+    assert (fast.double() - rounded).abs().max().item() < 1e-3
+    assert (full.double() - exact).abs().max().item() < 1e-3
+    (fast.sum() + full.sum()).backward()
+    assert torch.isfinite(weight.grad).all() and torch.isfinite(hidden.grad).all()
+
+
+def test_head_precision_is_checked_and_float32_on_the_cpu():
+    with pytest.raises(ValueError, match="head precision must be one of"):
+        Learner(make_tiny(), dtype="fp32", head="bf16")
+    learner = Learner.from_config(make_tiny(), LearnerCfg(head_precision="fp32", dtype="bf16"))
+    auto = Learner.from_config(make_tiny(), LearnerCfg(dtype="bf16"))
+    assert (learner.head, auto.head) == ("fp32", "auto")
+    samples = _samples()
+    pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
+    assert all(  # on the CPU both are the float32 product: the same numbers
+        torch.equal(a, b)
+        for a, b in zip(learner.raw_logprobs(pairs), auto.raw_logprobs(pairs), strict=True)
+    )
