@@ -358,6 +358,13 @@ def learner_batch(s: Sizes, vocab: int, seed: int = 0) -> LearnerBatch:
     return LearnerBatch(prompts, completions, advantages)
 
 
+def from_compile(e: BaseException) -> bool:
+    """Whether ``e`` comes out of torch.compile or flex attention (the failures that the dense
+    mask avoids), not from the learner itself."""
+    where = "".join(traceback.format_exception(e))
+    return any(k in where for k in ("torch/_dynamo", "torch/_inductor", "flex_attention"))
+
+
 def specrl_row(
     device: torch.device, s: Sizes, batch: LearnerBatch, mode: str, deadline: float
 ) -> dict:
@@ -389,8 +396,8 @@ def specrl_row(
     t0 = time.perf_counter()
     try:
         learner.train_step(samples)  # warm-up: compiles flex attention on CUDA
-    except Exception as e:  # noqa: BLE001 (the dense mask is the fallback)
-        if device.type != "cuda":
+    except Exception as e:  # noqa: BLE001 (the dense mask is the fallback for flex only)
+        if device.type != "cuda" or not from_compile(e):
             raise
         row |= {"attention": "dense", "flex_error": f"{type(e).__name__}: {one_line(e)}"}
         model.packed_attention = "dense"

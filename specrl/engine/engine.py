@@ -301,9 +301,13 @@ class Engine(InflightUpdates):
         self._batch_cap = cap = self._rows_that_fit(self._cache_limit)
         slots = min(cap, total) + (total > cap)  # + the stash slot
         cache = self._cache
-        if cache is None or cache.slots < slots or cache.max_len < need_len:
-            slots = max(slots, cache.slots if cache else 0)
-            need_len = max(need_len, cache.max_len if cache else 0)
+        # under a memory budget a cache with more slots than this call may use is made anew:
+        # growing it (``_reserve``) would lengthen the extra slots too
+        extra = self.memory_fraction is not None and cache is not None and cache.slots > slots
+        if cache is None or cache.slots < slots or cache.max_len < need_len or extra:
+            keep = cache is not None and not extra
+            slots = max(slots, cache.slots if keep else 0)
+            need_len = max(need_len, cache.max_len if keep else 0)
             self._cache = None  # free the old one first
             self._cache = self.model.new_cache(slots, need_len)
 

@@ -85,10 +85,12 @@ def autocast(device: torch.device, enabled: bool, dtype: torch.dtype = torch.bfl
 @functools.cache
 def mm_out_dtype(device: torch.device) -> bool:
     """Whether ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` (float32 accumulation and
-    output) runs forward and backward on ``device`` (tried once per device)."""
+    output) runs on ``device`` (tried once per device, outside autograd: the op has no
+    derivative, callers supply their own backward)."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device, requires_grad=True)
-        torch.mm(a, a.T, out_dtype=torch.float32).sum().backward()
+        with torch.no_grad():
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            torch.mm(a, a, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True
@@ -105,9 +107,11 @@ def peak_flops(device: torch.device) -> float | None:
 def memory_budget(device: torch.device, fraction: float, held: int = 0) -> int | None:
     """Bytes an engine may still allocate on ``device`` so that everything in use stays within
     ``fraction`` of the device's memory (vLLM's ``gpu_memory_utilization``); ``held`` bytes
-    already counted as in use are the engine's own and may be reused. None on the CPU."""
+    already counted as in use are the engine's own and may be reused, and so may the blocks
+    torch's caching allocator holds free (the learner's freed activations). None on the CPU."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free - held
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    used = total - free - cached - held  # blocks torch's allocator keeps free are reusable
     return max(0, int(fraction * total) - used)

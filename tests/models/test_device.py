@@ -62,9 +62,11 @@ def test_peak_table_matches_longest_names_first(monkeypatch):
 def test_budget_counts_what_is_in_use(monkeypatch):
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 25 * gib)
     cuda = torch.device("cuda", 0)
-    assert memory_budget(cuda, 0.9) == 50 * gib  # 90 allowed, 40 in use
-    assert memory_budget(cuda, 0.9, held=10 * gib) == 60 * gib  # the engine's own cache
+    assert memory_budget(cuda, 0.9) == 55 * gib  # 90 allowed, 40 in use of which 5 cached
+    assert memory_budget(cuda, 0.9, held=10 * gib) == 65 * gib  # the engine's own cache
     assert memory_budget(cuda, 0.3) == 0
 
 
@@ -141,3 +143,20 @@ def test_memory_fraction_too_small_is_one_line(monkeypatch):
         engine.generate([Request([1, 2], params)])
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         Engine(model, memory_fraction=1.5)
+
+
+def test_a_smaller_budget_makes_the_cache_anew(monkeypatch):
+    """A cache kept from a call with more room is not grown past a later, smaller budget: the
+    next call makes one with only the slots it may use."""
+    model = make_tiny(seed=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=5, seed=3)
+    limit = 3 + 6 + 1 + 1
+    budget = [rows_for(9, model, limit)]  # 8 rows + the stash slot
+    monkeypatch.setattr("specrl.engine.engine.memory_budget", lambda d, f, held=0: budget[0])
+    engine = Engine(model, max_batch=8, memory_fraction=0.5)
+    first = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
+    assert engine._cache.slots == 9
+    budget[0] = rows_for(3, model, limit)  # 2 rows + the stash slot
+    again = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
+    assert engine._cache.slots == 3 and engine._batch_cap == 2
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]

@@ -211,3 +211,26 @@ def test_head_precision_is_checked_and_float32_on_the_cpu():
         torch.equal(a, b)
         for a, b in zip(learner.raw_logprobs(pairs), auto.raw_logprobs(pairs), strict=True)
     )
+
+
+def test_bf16_head_function_backward_is_the_product_of_rounded_inputs():
+    """``Bf16Head`` (the CUDA LM head: bf16 inputs, float32 accumulation, its own backward) on
+    the CPU, where its products are float32 products of the same bf16 values: forward and
+    gradients equal autograd's through the float32 product of the rounded inputs."""
+    from specrl.rl.learner import Bf16Head
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(7, 16, generator=g, requires_grad=True)  # [m, H] float32
+    weight = torch.randn(40, 16, generator=g).bfloat16().requires_grad_(True)  # [V, H]
+    upstream = torch.randn(7, 40, generator=g)  # [m, V]
+    out = Bf16Head.apply(hidden, weight)
+    assert out.dtype == torch.float32
+    out.backward(upstream)
+    h_ref = hidden.detach().bfloat16().float().requires_grad_(True)
+    w_ref = weight.detach().float().requires_grad_(True)
+    ref = h_ref @ w_ref.T
+    torch.testing.assert_close(out, ref)
+    ref.backward(upstream.bfloat16().float())  # the backward reads the gradient in bf16
+    torch.testing.assert_close(hidden.grad, h_ref.grad)
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(weight.grad, w_ref.grad.bfloat16())
