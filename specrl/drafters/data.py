@@ -36,6 +36,7 @@ from tqdm import tqdm
 from specrl.errors import one_line
 from specrl.fsutil import atomic_writer
 from specrl.jsonl_prompts import numbered_lines, parse_line, prompt_of
+from specrl.models.device import model_device, on
 from specrl.models.transformer import Transformer
 
 EXAMPLES_FORMAT = "specrl-drafter-examples"
@@ -150,15 +151,16 @@ def _group_examples(
     lens = [len(s.tokens) - p for s in seqs]  # completion lengths
     width = max(max(lens), 1)
     cache = target.new_cache(n, p + width)
-    prompt = torch.tensor([seqs[0].tokens[:p]])  # [1, P]
-    pre = _forward(target, prompt, torch.arange(p)[None], layers, cache=cache,
-                   slots=torch.tensor([0]), prefill=True)  # fmt: skip
+    device = model_device(target)  # host-built inputs go where the target is
+    prompt, at, slot = on(device, torch.tensor([seqs[0].tokens[:p]]), torch.arange(p)[None],
+                          torch.tensor([0]))  # fmt: skip
+    pre = _forward(target, prompt, at, layers, cache=cache, slots=slot, prefill=True)  # [1, P]
     for j in range(1, n):
         cache.copy_slot(0, j, p)
     ids = torch.zeros(n, width, dtype=torch.int64)  # [n, C], right-padded
     for j, s in enumerate(seqs):
         ids[j, : lens[j]] = torch.tensor(s.tokens[p:])
-    positions = p + torch.arange(width).expand(n, width)
+    ids, positions = on(device, ids, p + torch.arange(width).expand(n, width))
     rest = _forward(target, ids, positions, layers, cache=cache, kv_len=p + width)
     return [
         tuple(torch.cat([a[0], b[j, : lens[j]]]) for a, b in zip(pre, rest, strict=True))
