@@ -341,7 +341,17 @@ class RunCfg(_Section):
 
     steps: int = Field(16, ge=1, le=1_000_000, description="RL steps (learner updates).")
     eval_every: int = Field(8, ge=0, description="Evaluate every N steps (0 = never).")
-    checkpoint_every: int = Field(8, ge=0, description="Checkpoint every N steps (0 = never).")
+    checkpoint_every: int = Field(
+        8, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = never)."
+    )
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        le=1_000_000,
+        description="Checkpoints kept: after each save the oldest beyond this many are removed "
+        "(the one just written always stays; each takes ~12 bytes per policy parameter, "
+        "1.6 GB for SmolLM2-135M).",
+    )
     seed: int = Field(
         0,
         ge=0,
