@@ -6,7 +6,8 @@ Contract: ``register(app)`` adds two commands to the main Typer app.
   the default task, speculation per config). The config is validated, the run directory
   checked (a file, or a place this user cannot write, is refused), the model, task and drafter
   checked before any work: a bad value ends with one ``error: ...`` line and exit code 2.
-  ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``)
+  ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``,
+  but not below the steps already run, nor ``run.run_dir``; no ``--run-dir`` elsewhere)
   and its logs, and continues from its newest checkpoint that verifies (one line names any
   damaged newer one; a run killed before its first checkpoint restarts from step 0); a run
   whose checkpoints are all damaged, or a log line that is not JSON, is one ``error:`` line.
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from specrl.cli_util import fail
-from specrl.config import Config, ConfigError, load_config
+from specrl.config import Config, ConfigError, load_config, load_run_config, parse_override
 from specrl.fsutil import writable_problem
 from specrl.pipelines.checkpoint import RunDir, RunDirError
 
@@ -86,13 +87,30 @@ def resolve_config(
         if config is not None or preset is not None:
             raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
         check_resumable(RunDir(resume))
-        return with_run_dir(load_config(resume / "config.toml", sets), resume), resume
+        if run_dir is not None and run_dir != resume:
+            raise ConfigError(f"--run-dir {run_dir} with --resume {resume}: a resumed run "
+                              "stays in its own directory")  # fmt: skip
+        cfg = load_run_config(resume / "config.toml", sets)
+        check_resume_overrides(cfg, RunDir(resume), sets)
+        return with_run_dir(cfg, resume), resume
     cfg = load_config(config, sets, preset)
     base = run_dir or Path(cfg.run.run_dir)
     require_writable_dir(base, "run dir")
     target = free_run_dir(base)
     require_writable_dir(target, "run dir")
     return with_run_dir(cfg, target), target
+
+
+def check_resume_overrides(cfg: Config, run: RunDir, sets: list[str]) -> None:
+    """What ``--set`` cannot change on a resume: the run's directory, and ``run.steps`` below
+    the steps it has already run (nothing would be done)."""
+    if any(parse_override(item)[0] == ["run", "run_dir"] for item in sets):
+        raise ConfigError(f"--set run.run_dir with --resume {run.path}: a resumed run stays "
+                          "in its own directory")  # fmt: skip
+    done = len(run.rows(run.metrics))
+    if cfg.run.steps < done:
+        raise ConfigError(f"run.steps={cfg.run.steps} with --resume {run.path}: it has already "
+                          f"run {done} steps (set run.steps >= {done})")  # fmt: skip
 
 
 def with_run_dir(cfg: Config, run_dir: Path) -> Config:
