@@ -61,6 +61,7 @@ class ConfigError(ValueError):
 # ((seed * 1_000_003 + step) * 8191 + index) * 4 + stream) below 2**63, the engine's seed range.
 MAX_RUN_SEED = 2**28 - 1
 MAX_TOP_K = 10_000_000  # rollout.top_k: more than any vocabulary (the same as 0, off)
+MAX_TOKENS_PER_FORWARD = 1_000_000  # rollout.max_tokens_per_forward
 
 
 class _Section(BaseModel):
@@ -206,9 +207,12 @@ class RolloutCfg(_Section):
     @field_validator("max_tokens_per_forward", mode="before")
     @classmethod
     def _tokens_cap(cls, v: Any) -> Any:
-        ok = v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+        number = isinstance(v, int) and not isinstance(v, bool)
+        ok = v is None or v == "auto" or (number and 1 <= v <= MAX_TOKENS_PER_FORWARD)
         if not ok:
-            raise ValueError("must be 'auto', an integer >= 1 or unset")
+            raise ValueError(
+                f"must be 'auto', an integer in [1, {MAX_TOKENS_PER_FORWARD}] or unset"
+            )
         return v
 
     @field_validator("drafter_path")

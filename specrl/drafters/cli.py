@@ -187,6 +187,8 @@ def train_drafter(
         torch.set_num_threads(threads)
     if drafter == "draft":
         draft_layers = _draft_options(model, draft_layers, draft_vocab)
+    elif draft_layers is not None:
+        fail(f"--draft-layers applies only with --drafter draft, not {drafter}")
     out = out or drafter_cache_dir(model, drafter)
     problem = writable_problem(out, "dir")
     if problem:

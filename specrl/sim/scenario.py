@@ -233,6 +233,7 @@ class Engine(_Strict):
     graph_capture_tokens: int | None = Field(
         None,
         ge=0,
+        le=MAX_TOKENS,
         description="largest CUDA-graph forward, tokens; 0: no limit (None: the profile's)",
     )
     eager_s_per_layer: float | None = Field(

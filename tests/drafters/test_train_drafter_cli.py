@@ -42,6 +42,7 @@ def app() -> typer.Typer:
         (["--ckpt-every", "0"], "--ckpt-every must be in [1, 1000000], got 0"),
         (["--task", "no_such_task"], "--task: unknown reasoning-gym task 'no_such_task'"),
         (["--task", "basic_arithmetc"], "did you mean basic_arithmetic"),
+        (["--draft-layers", "2"], "--draft-layers applies only with --drafter draft, not eagle3"),
     ],
 )
 def test_bad_values_fail_before_work(app, tmp_path, args, match):
