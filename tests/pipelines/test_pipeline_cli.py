@@ -98,6 +98,13 @@ def test_a_resume_refuses_what_it_would_ignore(app, four_steps, args, match):
     assert sorted(p.name for p in four_steps.iterdir()) == before
 
 
+def test_report_of_a_file_names_run_dir_not_out(app, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = CliRunner().invoke(app, ["report", str(afile)])
+    assert result.exit_code == 2 and result.output.startswith(f"error: RUN_DIR {afile} is not")
+
+
 def test_used_run_dir_gets_a_fresh_sibling(tmp_path):
     (tmp_path / "run").mkdir()
     assert free_run_dir(tmp_path / "run") == tmp_path / "run"
@@ -161,3 +168,16 @@ def test_summary_says_what_speculation_did_and_why_not():
     assert "drafted in 25% of decode steps" in busy and "--preset" not in busy
     old = [{k: v for k, v in r.items() if k != "spec_step_share"} for r in rows]
     assert "drafted in" not in summary_text(summarize(old))
+
+
+def test_damage_notes_and_warnings_go_to_stderr(capsys):
+    """Issue 42: "checkpoint ... is damaged" was printed on stdout with the step rows."""
+    from specrl.pipelines.cli import console_line
+
+    console_line("checkpoint step_000003 is damaged (x); resuming from step_000002")
+    console_line("warning: acceptance collapsed")
+    console_line("step   0 reward 0.5")
+    out, err = capsys.readouterr()
+    assert out == "step   0 reward 0.5\n"
+    assert err.splitlines() == ["checkpoint step_000003 is damaged (x); resuming from step_000002",
+                                "warning: acceptance collapsed"]  # fmt: skip
