@@ -442,15 +442,15 @@ def _is(value: Any) -> Callable[[Any], bool]:
 # value, what that test asks). Setting one where it cannot apply is refused (``Config``), and
 # ``Config.to_toml`` writes it only as a comment there.
 APPLIES_ONLY: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
-    ("pipeline.max_staleness", "pipeline.mode", _is("async"), "= 'async'"),
-    ("pipeline.update", "pipeline.mode", _is("async"), "= 'async'"),
-    ("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "= 'in_flight'"),
+    ("pipeline.max_staleness", "pipeline.mode", _is("async"), "='async'"),
+    ("pipeline.update", "pipeline.mode", _is("async"), "='async'"),
+    ("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "='in_flight'"),
     *(
-        (f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, "> 0")
+        (f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, " > 0")
         for key in ("address", "threads", "worker_cpus", "worker_gpus", "max_restarts")
     ),
     *(
-        (f"rollout.{key}", "rollout.spec", lambda m: m != "none", "other than 'none'")
+        (f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
         for key in ("num_spec_tokens", "spec_siblings", "drafter_path")
     ),
 )
@@ -482,8 +482,8 @@ class Config(_Section):
         if info.context and info.context.get("check_applies") is False:
             return self
         problems = [
-            f"{key} is set but applies only with {other} {needs} "
-            f"(got {other} = {_shown(_value(self, other))})"
+            f"{key}={_value(self, key)!r} needs {other}{needs} (it is set, and {other} is "
+            f"{_value(self, other)!r})"
             for key, other, _, needs in self.inapplicable()
             if key.split(".")[1] in getattr(self, key.split(".")[0]).model_fields_set
         ]
@@ -501,7 +501,7 @@ class Config(_Section):
         (``APPLIES_ONLY``) is only a comment."""
         doc = tomlkit.document()
         doc.add(tomlkit.comment(type(self).__doc__ or ""))
-        skipped = {key: f"{other} {needs}" for key, other, _, needs in self.inapplicable()}
+        skipped = {key: f"{other}{needs}" for key, other, _, needs in self.inapplicable()}
         for name in type(self).model_fields:
             doc.add(tomlkit.nl())
             doc.add(name, _section_toml(getattr(self, name), name, skipped))

@@ -42,12 +42,15 @@ def app() -> typer.Typer:
         (["--resume", "/no/such/run", "--preset", "reasoning"], "--resume reads RUN_DIR"),
         # issue 42: bounded where parsed, and nothing set where it cannot apply
         (["--set", "rollout.top_k=9223372036854775808"], "rollout.top_k: Input should be less"),
-        (["--set", "pipeline.max_staleness=1"], "applies only with pipeline.mode = 'async'"),
+        (
+            ["--set", "pipeline.max_staleness=1"],
+            "pipeline.max_staleness=1 needs pipeline.mode='async'",
+        ),
         (["--set", "rollout.spec_siblings=3"], "not to rollout.spec 'suffix'"),
-        (["--set", 'cluster.address="10.9.9.9:6379"'], "only with cluster.rollout_workers > 0"),
+        (["--set", 'cluster.address="10.9.9.9:6379"'], "needs cluster.rollout_workers > 0"),
         (
             ["--set", "rollout.spec=none", "--set", "rollout.num_spec_tokens=7"],
-            "rollout.num_spec_tokens is set but applies only with rollout.spec other than 'none'",
+            "rollout.num_spec_tokens=7 needs rollout.spec other than 'none'",
         ),
     ],
 )
@@ -77,7 +80,7 @@ def test_a_resume_reads_a_config_written_whole(four_steps):
     assert "max_staleness = 1" in (four_steps / "config.toml").read_text()
     cfg, target = resolve_config(None, ["run.steps=6"], None, four_steps)
     assert target == four_steps and cfg.run.steps == 6 and cfg.pipeline.max_staleness == 1
-    with pytest.raises(ConfigError, match="pipeline.max_staleness is set but applies only"):
+    with pytest.raises(ConfigError, match="pipeline.max_staleness=2 needs pipeline.mode"):
         resolve_config(None, ["pipeline.max_staleness=2"], None, four_steps)
 
 
