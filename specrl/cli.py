@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specrl.cli_util import OneLineErrors, fail
+from specrl.cli_util import OneLineErrors, fail, refuse_unless_applies
+from specrl.config import MAX_TOP_K
 from specrl.drafters.cli import register as register_drafters
 from specrl.errors import one_line
 from specrl.fsutil import atomic_write
@@ -104,6 +105,12 @@ DrafterOpt = Annotated[
         "mtp a head dir (default: the one `specrl train-drafter` cached), or 'untrained'",
     ),
 ]
+
+
+MAX_REPEATS = 1000  # bench --repeats
+MAX_N = 65_536  # --n: completions per prompt (each is held in memory to the end)
+MAX_BATCH = 4096  # --max-batch, --batch-sizes, --group-size: as the config's rollout.max_batch
+MAX_NEW_TOKENS = 1_000_000  # --max-new-tokens, --new-tokens (the context stops them sooner)
 
 
 def parse_device(name: str):
@@ -227,10 +234,13 @@ def check_generate_options(
         fail(str(e))
     if max_batch < 1:
         fail(f"--max-batch must be >= 1, got {max_batch}")
+    if spec != "none" and k < 1:
+        fail(f"--num-spec-tokens {k} drafts nothing with --spec {spec}: give k >= 1")
 
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     prompts: Annotated[list[str] | None, typer.Argument(help="prompt texts")] = None,
     prompts_file: Annotated[
         Path | None,
@@ -242,11 +252,14 @@ def generate(
     model: ModelOpt = "smollm2-135m-instruct",
     temperature: Annotated[float, typer.Option(help="0 = greedy; finite")] = 0.7,
     top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass in (0, 1]")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 = off")] = 0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off", max=MAX_TOP_K)] = 0,
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", help=">= 1; stops at the model's context")
+        int,
+        typer.Option(
+            "--max-new-tokens", help=">= 1; stops at the model's context", max=MAX_NEW_TOKENS
+        ),
     ] = 128,
-    n: Annotated[int, typer.Option("--n", help="completions per prompt")] = 1,
+    n: Annotated[int, typer.Option("--n", help="completions per prompt", max=MAX_N)] = 1,
     seed: Annotated[
         int | None, typer.Option(help="base seed in [0, 2**63 - 1] (default: random)")
     ] = None,
@@ -256,7 +269,9 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per completion")] = False,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    max_batch: Annotated[int, typer.Option("--max-batch", help="concurrent sequences")] = 64,
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="concurrent sequences", max=MAX_BATCH)
+    ] = 64,
     spec: SpecOpt = "none",
     num_spec_tokens: KOpt = 3,
     spec_siblings: SiblingsOpt = 0,
@@ -277,6 +292,10 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens, n=n, seed=seed)  # fmt: skip
     check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings, spec_exact)
+    refuse_unless_applies(ctx, ["num_spec_tokens", "spec_exact"], spec != "none",
+                          "--spec other than none")  # fmt: skip
+    needs = f"a --spec that loads a drafter (eagle3, mtp, hybrid, draft), not {spec}"
+    refuse_unless_applies(ctx, ["drafter"], loads_drafter(spec), needs)
     where = parse_device(device)
     torch_dtype = parse_dtype(dtype, where)
     if all(item.error is not None for item in items):  # nothing to answer: load nothing
@@ -329,6 +348,13 @@ def generate(
         raise typer.Exit(2)
 
 
+def loads_drafter(spec: str) -> bool:
+    """Whether ``--spec`` takes ``--drafter`` (a trained head or a draft model)."""
+    from specrl.spec.proposers import proposer_takes
+
+    return proposer_takes(spec, "drafter_path") or proposer_takes(spec, "draft_model")
+
+
 def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
     """``--drafter`` for a learned head (eagle3, mtp, hybrid): as given, else the cached
     trained head; 'untrained' says on stderr that a random head runs."""
@@ -362,8 +388,11 @@ def completion_json(c, text: str) -> dict:
 
 @bench_app.command("generate")
 def bench_generate(
+    ctx: typer.Context,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="comma list")] = "1,8,32,64",
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="tokens per sequence")] = 128,
+    new_tokens: Annotated[
+        int, typer.Option("--new-tokens", help="tokens per sequence", max=MAX_NEW_TOKENS)
+    ] = 128,
     compare: Annotated[
         str,
         typer.Option(
@@ -374,13 +403,18 @@ def bench_generate(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     model: ModelOpt = "smollm2-135m-instruct",
     dtype: DtypeOpt = "auto",
-    repeats: Annotated[int, typer.Option(help="timed runs per point, >= 1 (best kept)")] = 1,
+    repeats: Annotated[
+        int, typer.Option(help="timed runs per point, >= 1 (best kept)", max=MAX_REPEATS)
+    ] = 1,
     spec: Annotated[
         str, typer.Option("--spec", help="comma list of drafters to compare with no speculation")
     ] = "",
     num_spec_tokens: KOpt = 3,
     group_size: Annotated[
-        int, typer.Option("--group-size", help="samples per prompt (GRPO group); divides batch")
+        int,
+        typer.Option(
+            "--group-size", help="samples per prompt (GRPO group); divides batch", max=MAX_BATCH
+        ),
     ] = 1,
     drafter: DrafterOpt = None,
     spec_exact: ExactOpt = "distribution",
@@ -413,6 +447,8 @@ def bench_generate(
         fail(f"cannot write --json: {problem}")
     if spec_exact not in RULES:
         fail(f"--spec-exact must be one of {', '.join(RULES)}, got {spec_exact!r}")
+    refuse_unless_applies(ctx, ["num_spec_tokens", "drafter", "spec_exact"], bool(methods),
+                          "--spec naming a drafter")  # fmt: skip
     for method in methods:  # before any work: a learned drafter needs its cached head
         if proposer_takes(method, "drafter_path") and default_drafter_path(model, method) is None:
             fail(missing_head(method))
@@ -430,12 +466,15 @@ def bench_generate(
 
 
 def parse_batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes``: a comma list of integers in [1, ``MAX_BATCH``], no empty entry."""
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        sizes = [int(x) for x in text.split(",")]
     except ValueError:
-        fail(f"--batch-sizes must be integers, got {text!r}")
+        fail(f"--batch-sizes must be integers, comma-separated, no empty entry: got {text!r}")
     if not sizes or min(sizes) < 1:
         fail(f"batch sizes must be >= 1, got {text!r}")
+    if max(sizes) > MAX_BATCH:
+        fail(f"batch sizes must be <= {MAX_BATCH}, got {max(sizes)}")
     return sizes
 
 
@@ -461,6 +500,8 @@ def parse_methods(text: str, k: int) -> list[str]:
             SpecConfig(m, k).validate()
     except ValueError as e:
         fail(str(e))
+    if methods and k < 1:
+        fail(f"--num-spec-tokens {k} drafts nothing with --spec {text}: give k >= 1")
     return methods
 
 

@@ -1,12 +1,15 @@
 """What every ``specrl`` command shares: the one-line error exit.
 
 Contract: ``fail(message, code=2)`` prints ``error: <message>`` to stderr and exits with
-``code`` (never a traceback). ``OneLineErrors`` is the root command group's class: a usage error
-anywhere below it (an unknown command or option, a value of the wrong type, a missing argument)
-is printed the same way, as one ``error: ... (see specrl CMD --help)`` line with exit code 2,
-instead of click's usage block; asking for help (no arguments to a group) is left as it is.
-Only CLI modules (``specrl/cli.py``, ``specrl/*/cli.py``) import this; it imports nothing from
-specrl, so each CLI module can use it without importing another.
+``code`` (never a traceback). ``refuse_unless_applies(ctx, names, applies, needs)`` is the one
+rule for options that apply only with others: one given on the command line (``given``,
+whatever its value) where it cannot apply fails naming both. ``OneLineErrors`` is the root
+command group's class: a usage error anywhere below it (an unknown command or option, a value
+of the wrong type or out of range, a missing argument) is printed the same way, as one
+``error: ... (see specrl CMD --help)`` line with exit code 2, instead of click's usage block;
+asking for help (no arguments to a group) is left as it is. Only CLI modules
+(``specrl/cli.py``, ``specrl/*/cli.py``) import this; it imports nothing from specrl, so each
+CLI module can use it without importing another.
 """
 
 from __future__ import annotations
@@ -29,6 +32,28 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error and exit."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` (its parameter name) was given on the command line, whatever
+    its value (not left at its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def refuse_unless_applies(ctx: typer.Context, names: list[str], applies: bool, needs: str) -> None:
+    """The one rule for options that apply only with others: an option of ``names`` given
+    where it cannot apply (``applies`` False) is one line naming it and ``needs``."""
+    if applies:
+        return
+    for name in names:
+        if given(ctx, name):
+            fail(f"{_option(ctx, name)} applies only with {needs}")
+
+
+def _option(ctx: typer.Context, name: str) -> str:
+    param = next((p for p in ctx.command.params if p.name == name), None)
+    return param.opts[0] if param is not None and param.opts else name
 
 
 class OneLineUsageError(UsageError):

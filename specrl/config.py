@@ -15,7 +15,15 @@ Contract:
   and the expected type); numbers are finite (no ``inf``/``nan``).
 - ``load_config(..., preset=NAME)`` starts from a preset shipped in ``specrl/presets`` (the
   file and the overrides apply over it); an unknown name raises ``ConfigError`` listing them.
-- ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config.
+- A field that applies only with another (``APPLIES_ONLY``: ``pipeline.max_staleness`` and
+  ``pipeline.update`` only in async mode, ``pipeline.in_flight_tokens`` only with in-flight
+  updates, ``cluster.*`` only with Ray rollout workers, ``rollout.num_spec_tokens`` /
+  ``spec_siblings`` / ``drafter_path`` only with speculation) is refused when it is set (by a
+  file or an override, whatever its value; pydantic's ``model_fields_set``) where it cannot
+  apply: one line naming both fields.
+- ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config
+  (fields that cannot apply are comments). ``load_run_config`` reads a run directory's
+  config.toml, dropping such fields that an older specrl wrote, then applies overrides.
 Only types and bounds are checked here: this module is a leaf (it imports nothing from specrl).
 Names (task, template, drafter, loss, advantage estimator) are checked against their registries
 by ``specrl.pipelines.validate.check_names``, before any work starts.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +45,7 @@ from pydantic import (
     Field,
     StrictFloat,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -50,6 +60,8 @@ class ConfigError(ValueError):
 # The largest run.seed: keeps every request seed derived from it (``pipelines.step``:
 # ((seed * 1_000_003 + step) * 8191 + index) * 4 + stream) below 2**63, the engine's seed range.
 MAX_RUN_SEED = 2**28 - 1
+MAX_TOP_K = 10_000_000  # rollout.top_k: more than any vocabulary (the same as 0, off)
+MAX_TOKENS_PER_FORWARD = 1_000_000  # rollout.max_tokens_per_forward
 
 
 class _Section(BaseModel):
@@ -112,7 +124,9 @@ class EnvCfg(_Section):
     format_bonus: float = Field(
         0.0, ge=0.0, le=1.0, description="Reward added when an answer could be extracted at all."
     )
-    seed: int = Field(0, ge=0, description="Seed of the train split (eval uses a derived seed).")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed of the train split (eval uses a derived seed)."
+    )
 
 
 class RolloutCfg(_Section):
@@ -125,7 +139,9 @@ class RolloutCfg(_Section):
         1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 = greedy."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass (1 = off).")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
+    top_k: int = Field(
+        0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens (0 = off)."
+    )
     spec: str = Field(
         "suffix",
         description="Speculation method: 'none' (plain decoding) or a registered drafter "
@@ -207,9 +223,12 @@ class RolloutCfg(_Section):
     @field_validator("max_tokens_per_forward", mode="before")
     @classmethod
     def _tokens_cap(cls, v: Any) -> Any:
-        ok = v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+        number = isinstance(v, int) and not isinstance(v, bool)
+        ok = v is None or v == "auto" or (number and 1 <= v <= MAX_TOKENS_PER_FORWARD)
         if not ok:
-            raise ValueError("must be 'auto', an integer >= 1 or unset")
+            raise ValueError(
+                f"must be 'auto', an integer in [1, {MAX_TOKENS_PER_FORWARD}] or unset"
+            )
         return v
 
     @field_validator("drafter_path")
@@ -235,7 +254,10 @@ class LearnerCfg(_Section):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clipping threshold.")
     micro_batch_tokens: int = Field(
-        2048, ge=16, description="Token budget per micro-batch (gradient accumulation)."
+        2048,
+        ge=16,
+        le=10_000_000,
+        description="Token budget per micro-batch (gradient accumulation).",
     )
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL-to-reference coefficient (0 = off).")
     share_prompts: bool = Field(
@@ -252,7 +274,9 @@ class LearnerCfg(_Section):
         description="Trainer precision: bf16 autocast with fp32 master weights, or fp32; "
         "'auto': bf16 where the CPU multiplies bf16 natively, else fp32.",
     )
-    logprob_chunk: int = Field(256, ge=1, description="Positions per LM-head/log-softmax chunk.")
+    logprob_chunk: int = Field(
+        256, ge=1, le=1_000_000, description="Positions per LM-head/log-softmax chunk."
+    )
     correction: str = Field(
         "ppo",
         description="Off-policy correction (registered): 'ppo' clips the ratio to the "
@@ -377,8 +401,20 @@ class RunCfg(_Section):
     """Length, cadence and place of the run."""
 
     steps: int = Field(16, ge=1, le=1_000_000, description="RL steps (learner updates).")
-    eval_every: int = Field(8, ge=0, description="Evaluate every N steps (0 = never).")
-    checkpoint_every: int = Field(8, ge=0, description="Checkpoint every N steps (0 = never).")
+    eval_every: int = Field(
+        8, ge=0, le=1_000_000, description="Evaluate every N steps (0 = never)."
+    )
+    checkpoint_every: int = Field(
+        8, ge=0, le=1_000_000, description="Checkpoint every N steps (0 = never)."
+    )
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        le=1_000_000,
+        description="Checkpoints kept: after each save the oldest beyond this many are removed "
+        "(the one just written always stays; each takes ~12 bytes per policy parameter, "
+        "1.6 GB for SmolLM2-135M).",
+    )
     seed: int = Field(
         0,
         ge=0,
@@ -435,6 +471,34 @@ class ClusterCfg(_Section):
     )
 
 
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+# Fields that apply only while another field holds: (field, other field, test of the other's
+# value, what that test asks). Setting one where it cannot apply is refused (``Config``), and
+# ``Config.to_toml`` writes it only as a comment there.
+APPLIES_ONLY: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+    ("pipeline.max_staleness", "pipeline.mode", _is("async"), "='async'"),
+    ("pipeline.update", "pipeline.mode", _is("async"), "='async'"),
+    ("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "='in_flight'"),
+    *(
+        (f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, " > 0")
+        for key in ("address", "threads", "worker_cpus", "worker_gpus", "max_restarts")
+    ),
+    *(
+        (f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
+        for key in ("num_spec_tokens", "spec_siblings", "drafter_path")
+    ),
+    ("model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"),
+)
+
+
+def _value(cfg: BaseModel, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 class Config(_Section):
     """A whole training run."""
 
@@ -449,14 +513,36 @@ class Config(_Section):
     run: RunCfg = Field(default_factory=RunCfg, description="Run management.")
     cluster: ClusterCfg = Field(default_factory=ClusterCfg, description="Ray placement.")
 
+    @model_validator(mode="after")
+    def _only_what_applies(self, info: ValidationInfo) -> Config:
+        """A field set (in a file or an override, whatever its value) where it cannot apply
+        is refused, naming both fields (see ``APPLIES_ONLY``)."""
+        if info.context and info.context.get("check_applies") is False:
+            return self
+        problems = [
+            f"{key}={_value(self, key)!r} needs {other}{needs} (it is set, and {other} is "
+            f"{_value(self, other)!r})"
+            for key, other, _, needs in self.inapplicable()
+            if key.split(".")[1] in getattr(self, key.split(".")[0]).model_fields_set
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def inapplicable(self) -> list[tuple[str, str, Callable[[Any], bool], str]]:
+        """The ``APPLIES_ONLY`` rules whose field cannot apply in this config."""
+        return [rule for rule in APPLIES_ONLY if not rule[2](_value(self, rule[1]))]
+
     def to_toml(self) -> str:
         """A TOML document (each field's description as a comment above it) that
-        ``load_config`` reads back to an equal config."""
+        ``load_config`` reads back to an equal config; a field that cannot apply here
+        (``APPLIES_ONLY``) is only a comment."""
         doc = tomlkit.document()
         doc.add(tomlkit.comment(type(self).__doc__ or ""))
+        skipped = {key: f"{other}{needs}" for key, other, _, needs in self.inapplicable()}
         for name in type(self).model_fields:
             doc.add(tomlkit.nl())
-            doc.add(name, _section_toml(getattr(self, name)))
+            doc.add(name, _section_toml(getattr(self, name), name, skipped))
         return tomlkit.dumps(doc)
 
 
@@ -497,6 +583,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
 
@@ -510,9 +598,26 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> None:
             base[key] = value
 
 
-def validate_config(data: dict[str, Any]) -> Config:
+def load_run_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A run directory's config.toml (``Config.to_toml``) <- overrides, validated. The file
+    was written whole: fields of it that cannot apply (``APPLIES_ONLY``; an older specrl wrote
+    them) are dropped, having had no effect; an override is checked like any other."""
+    data = _read_toml(path)
+    for key, *_ in validate_config(data, check_applies=False).inapplicable():
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict):
+            data[section].pop(name, None)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_path(data, key, value)
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any], check_applies: bool = True) -> Config:
+    """``Config`` from TOML data (``ConfigError`` in one line); ``check_applies=False`` skips
+    the refusal of fields set where they cannot apply."""
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"check_applies": check_applies})
     except ValidationError as e:
         raise ConfigError("; ".join(_describe(err) for err in e.errors())) from None
 
@@ -520,6 +625,8 @@ def validate_config(data: dict[str, Any]) -> Config:
 def _describe(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if not key:  # a rule between fields: the message names them
+        return msg
     if err["type"] == "extra_forbidden":
         return f"unknown config key {key!r}"
     msg = _EXPECTED.get(err["type"], msg)
@@ -574,16 +681,22 @@ def _set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
 # --------------------------------------------------------------------------- writing TOML
 
 
-def _section_toml(section: BaseModel) -> tomlkit.items.Table:
+def _section_toml(
+    section: BaseModel, name: str = "", skipped: dict[str, str] | None = None
+) -> tomlkit.items.Table:
     """One section as a TOML table: each field's description as a comment above it, unset
-    fields as comments, dict-valued fields as sub-tables after the scalars."""
+    fields and those in ``skipped`` (``"section.key"``: what they apply with) as comments,
+    dict-valued fields as sub-tables after the scalars."""
     table = tomlkit.table()
     table.comment(type(section).__doc__ or "")
     dumped = section.model_dump(mode="json")
     fields_ = type(section).model_fields
     nested = [k for k in fields_ if isinstance(dumped[k], dict)]
     for key in (k for k in fields_ if k not in nested):
-        if dumped[key] is None:
+        if (needs := (skipped or {}).get(f"{name}.{key}")) is not None:
+            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (applies only "
+                                      f"with {needs})"))  # fmt: skip
+        elif dumped[key] is None:
             table.add(tomlkit.comment(f"{key}: {fields_[key].description} (unset)"))
         else:
             table.add(tomlkit.comment(fields_[key].description or key))

@@ -254,6 +254,15 @@ def test_tokenizer_without_chat_template_is_one_line(tmp_path):
         (["--spec", "draft", "--spec-exact", "sample", "--spec-siblings", "2"], ["no siblings"]),
         (["--dtype", "float8"], ["unknown dtype"]),
         (["--model", "/no/such/model"], ["does not exist"]),
+        # issue 42: bounded where parsed; nothing given where it cannot apply
+        (["--top-k", "9223372036854775808"], ["--top-k", "10000000"]),
+        (["--n", "100000000"], ["--n", "65536"]),
+        (["--max-batch", str(10**30)], ["--max-batch", "4096"]),
+        (["--spec", "ngram", "--spec-siblings", "3"], ["spec_siblings=3", "not to spec 'ngram'"]),
+        (["--spec-siblings", "3"], ["spec_siblings=3", "not to spec 'none'"]),
+        (["--num-spec-tokens", "5"], ["--num-spec-tokens applies only with --spec"]),
+        (["--spec", "ngram", "--num-spec-tokens", "0"], ["--num-spec-tokens 0 drafts nothing"]),
+        (["--spec", "ngram", "--drafter", "x"], ["--drafter applies only with", "not ngram"]),
     ],
 )
 def test_bad_generate_option_is_one_line_before_work(monkeypatch, args, words):
@@ -312,6 +321,10 @@ def no_vllm(monkeypatch):
         (["--compare", "sglang"], ["unknown --compare engine 'sglang'"]),
         (["--spec", "bogus"], ["unknown speculation method"]),
         (["--group-size", "3", "--batch-sizes", "4"], ["--group-size 3"]),
+        (["--batch-sizes", "99999999999999999999"], ["batch sizes must be <= 4096"]),
+        (["--batch-sizes", "1,,2"], ["no empty entry", "'1,,2'"]),
+        (["--spec", "ngram", "--num-spec-tokens", "0"], ["--num-spec-tokens 0 drafts nothing"]),
+        (["--num-spec-tokens", "4"], ["--num-spec-tokens applies only with --spec"]),
         (["--dtype", "int8"], ["unknown dtype"]),
         (["--model", "/no/such/model"], ["does not exist"]),
         (

@@ -156,6 +156,10 @@ def test_bad_override_syntax_and_files(tmp_path):
         load_config(unknown)
     with pytest.raises(ConfigError, match="not a table"):
         load_config(None, ["learner.lr=1", "learner.lr.x=2"])
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00 garbage")
+    with pytest.raises(ConfigError, match=f"config file {binary} is not UTF-8 text"):
+        load_config(binary)
 
 
 def test_assignment_is_validated():

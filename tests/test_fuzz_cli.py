@@ -6,6 +6,8 @@ inputs were all accepted: here the first expensive call raises ``ReachedWork``),
 read from the CLI itself, so an option added later is fuzzed too. Values mix numbers at and past
 every bound (huge, negative, inf, nan), words the options know, junk text (NUL bytes, lone
 surrogates) and paths that are files, directories, missing, or under a regular file.
+Every number past its bound, and every pair of options that cannot apply together, is checked
+case by case (and must be refused, not just not crash) in ``tests/test_fuzz_bounds.py``.
 """
 
 from __future__ import annotations
@@ -61,7 +63,19 @@ WORDS = ["", " ", "0", "1", "-1", "3", "auto", "none", "ngram", "suffix", "draft
 def values(paths: list[str]) -> st.SearchStrategy[str]:
     return st.one_of(
         st.integers(-(2**70), 2**70).map(str),
-        st.sampled_from(["2147483648", "9223372036854775807", "9223372036854775808", "1e400"]),
+        st.sampled_from(
+            [
+                "2147483648",
+                "9223372036854775807",
+                "9223372036854775808",
+                "1e400",
+                str(10**30),
+                str(-(10**30)),
+                "nan",
+                "inf",
+                "-inf",
+            ]
+        ),  # fmt: skip
         st.floats(allow_nan=True, allow_infinity=True).map(repr),
         st.sampled_from(WORDS),
         st.text(max_size=8),

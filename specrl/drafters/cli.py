@@ -14,10 +14,13 @@ the held-out acceptance length (k, T=0 and T=1) on the task's eval split, untrai
 layers (``specrl.drafters.distill``), saved in ``--out`` as a model directory for ``--spec draft
 --drafter DIR``; untrained = the undistilled layer prefix. The defaults are the recipe of the
 cached default drafters (docs/drafters.md). ``--prompts`` lines are a string, {"prompt": str}
-or {"messages": [...]} (``specrl.jsonl_prompts``). Bad values (options, a ``--out`` that cannot
-be a writable directory, a ``--prompts`` file, a model that cannot be loaded) exit 2 with one
-``error:`` line before any work (``--out`` is checked before anything is created; it is created
-before the model loads); so does an OSError during the work (a full disk).
+or {"messages": [...]} (``specrl.jsonl_prompts``). Every integer option is bounded (``BOUNDS``),
+learning rates are finite and in (0, 1], ``--task`` is a reasoning-gym task (did-you-mean); a
+training step that makes the drafter non-finite ends the command with one line naming the step,
+nothing of that phase saved (``drafters.train.NonFiniteWeights``). Bad values (options, a
+``--out`` that cannot be a writable directory, a ``--prompts`` file, a model that cannot be
+loaded) exit 2 with one ``error:`` line before any work (``--out`` is checked before anything is
+created; it is created before the model loads); so does an OSError during the work (a full disk).
 ``--head-arch eagle3`` trains an eagle3 head in the EAGLE-3 paper's (and vLLM's) layer layout.
 
 ``specrl export-drafter --drafter eagle3|draft [--from DIR] [--model M] --out DIR`` writes a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -146,7 +150,7 @@ def train_drafter(
 
     from specrl.drafters import data
     from specrl.drafters.distill import distill, init_draft
-    from specrl.drafters.train import TrainConfig, acceptance, train_head
+    from specrl.drafters.train import NonFiniteWeights, TrainConfig, acceptance, train_head
     from specrl.models.checkpoints import resolve_model
     from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
     from specrl.sampling import MAX_SEED
@@ -168,13 +172,23 @@ def train_drafter(
         draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
     if draft_vocab < 0:
         fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
+    _check_bounds({"num-prompts": num_prompts, "samples-per-prompt": samples_per_prompt,
+                   "max-new-tokens": max_new_tokens, "steps": steps, "tv-steps": tv_steps,
+                   "batch-size": batch_size, "unroll": unroll, "ckpt-every": ckpt_every,
+                   "eval-prompts": eval_prompts, "num-spec-tokens": k,
+                   "draft-vocab": draft_vocab, "threads": threads})  # fmt: skip
+    _check_lr("lr", lr)
+    _check_lr("tv-lr", tv_lr)
     temps = _temperatures(temperature)
     if prompts is not None and not prompts.is_file():
         fail(f"--prompts file {prompts} does not exist or is not a file")
+    _check_task(task)
     if threads > 0:
         torch.set_num_threads(threads)
     if drafter == "draft":
         draft_layers = _draft_options(model, draft_layers, draft_vocab)
+    elif draft_layers is not None:
+        fail(f"--draft-layers applies only with --drafter draft, not {drafter}")
     out = out or drafter_cache_dir(model, drafter)
     problem = writable_problem(out, "dir")
     if problem:
@@ -234,16 +248,20 @@ def train_drafter(
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, unroll=unroll,
                       ckpt_every=ckpt_every, seed=seed)  # fmt: skip
     t0 = time.perf_counter()
-    if drafter == "draft":
-        losses = distill(head, target, examples, cfg, out=out, tokenizer_dir=resolve_model(model))
-    else:
-        losses = train_head(head, examples, cfg, out=out)
-    _report("trained", steps, t0, losses)
-    if tv_steps and drafter != "draft":
-        tv = replace(cfg, steps=tv_steps, lr=tv_lr, warmup=min(10, tv_steps), loss="tv")
-        t0 = time.perf_counter()
-        losses = train_head(head, examples, tv, out=out, state_name=TV_STATE_FILE)
-        _report("fine-tuned (total variation)", tv_steps, t0, losses)
+    try:
+        if drafter == "draft":
+            tok_dir = resolve_model(model)
+            losses = distill(head, target, examples, cfg, out=out, tokenizer_dir=tok_dir)
+        else:
+            losses = train_head(head, examples, cfg, out=out)
+        _report("trained", steps, t0, losses)
+        if tv_steps and drafter != "draft":
+            tv = replace(cfg, steps=tv_steps, lr=tv_lr, warmup=min(10, tv_steps), loss="tv")
+            t0 = time.perf_counter()
+            losses = train_head(head, examples, tv, out=out, state_name=TV_STATE_FILE)
+            _report("fine-tuned (total variation)", tv_steps, t0, losses)
+    except NonFiniteWeights as e:
+        fail(str(e))
     after = measure()
     typer.echo(f"saved {drafter} drafter to {out}")
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
@@ -297,6 +315,47 @@ def _report(what: str, steps: int, t0: float, losses: list[float]) -> None:
     tail = losses[-10:]
     typer.echo(f"{what} {steps} steps in {time.perf_counter() - t0:.0f}s, loss "
                f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f}")  # fmt: skip
+
+
+# Each integer option's range (a bad value is one line naming it, before anything is written).
+BOUNDS = {
+    "num-prompts": (1, 1_000_000),
+    "samples-per-prompt": (1, 1024),
+    "max-new-tokens": (1, 32768),
+    "steps": (1, 1_000_000),
+    "tv-steps": (0, 1_000_000),
+    "batch-size": (1, 4096),
+    "unroll": (1, 16),
+    "ckpt-every": (1, 1_000_000),
+    "eval-prompts": (1, 100_000),
+    "num-spec-tokens": (1, 16),
+    "draft-vocab": (0, 1_000_000),
+    "threads": (0, 1024),
+}
+
+
+def _check_bounds(values: dict[str, int]) -> None:
+    """Each option of ``values`` within its ``BOUNDS`` (exit 2 with one line otherwise)."""
+    for name, value in values.items():
+        lo, hi = BOUNDS[name]
+        if not lo <= value <= hi:
+            fail(f"--{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _check_lr(name: str, value: float) -> None:
+    """A learning rate: finite, in (0, 1] (exit 2 with one line otherwise)."""
+    if not (math.isfinite(value) and 0 < value <= 1):
+        fail(f"--{name} must be a finite number in (0, 1], got {value}")
+
+
+def _check_task(task: str) -> None:
+    """``--task`` names a reasoning-gym task (did-you-mean hint; exit 2 otherwise)."""
+    from specrl.envs.reasoning_gym_env import check_task
+
+    try:
+        check_task(task)
+    except ValueError as e:
+        fail(f"--task: {e}")
 
 
 def _temperatures(text: str) -> list[float]:

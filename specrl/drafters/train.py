@@ -19,7 +19,9 @@ Contract:
   (``draw_batch``), and ``state_path`` (module + optimizer + step + losses) is written every
   ``cfg.ckpt_every`` steps and resumed from, so a resumed run sees the same batches and losses.
   A state file that cannot be read or does not fit the module is ignored with a warning
-  (training starts at step 0), never unpickled.
+  (training starts at step 0), never unpickled. A step after which the loss or a trainable
+  weight is not finite raises ``NonFiniteWeights`` (a ``ValueError`` naming the step) before
+  anything of it is saved: a diverged drafter is never written.
 - Training state file (``save_state``/``load_state``): one safetensors file, written atomically
   (``specrl.fsutil.atomic_writer``: temporary file, fsync, rename, directory fsync; no temporary
   left on failure): the module's trainable parameters ``param.<name>`` and the
@@ -189,6 +191,7 @@ def fit(
         opt.step()
         step += 1
         losses.append(float(loss.detach()))
+        check_finite(module, step, losses[-1])
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if state_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
@@ -196,6 +199,21 @@ def fit(
     bar.close()
     module.eval().requires_grad_(False)
     return losses
+
+
+class NonFiniteWeights(ValueError):
+    """Training made a drafter's weights (or its loss) non-finite; nothing of it is saved."""
+
+
+def check_finite(module: nn.Module, step: int, loss: float) -> None:
+    """Raise ``NonFiniteWeights`` naming ``step`` if the loss or a trainable weight of
+    ``module`` is not finite (a too-large learning rate)."""
+    bad = [n for n, p in module.named_parameters() if p.requires_grad and not p.isfinite().all()]
+    if bad or not math.isfinite(loss):
+        what = f"weight {bad[0]}" if bad else "loss"
+        raise NonFiniteWeights(f"training diverged at step {step}: the drafter's {what} is not "
+                               f"finite (loss {loss:g}); nothing was saved from this phase, try a "
+                               "lower learning rate")  # fmt: skip
 
 
 def save_state(

@@ -17,7 +17,8 @@ package) into ``$SPECRL_CACHE/kernels/`` (~0.3 s) and loaded with ctypes (no tor
   (temporary file, fsync, rename, directory fsync; no temporary left on failure), mode 0755/0644.
   The directory is created 0700.
 - Load (``verified_library``, then ctypes): nothing is dlopen'ed before these checks pass: the
-  cache directory is a real directory (not a symlink) owned by the current user and not writable
+  cache directory (and ``$SPECRL_CACHE`` itself) is a real directory (not a symlink) owned by
+  the current user and not writable
   by group or others, and none of its parents up to ``/`` is writable by others without the
   sticky bit (``ensure_safe_directory``); the record and the library are regular files (symlinks
   refused) owned by the current user and not writable by group or others; the record equals the
@@ -144,6 +145,9 @@ def open_library(
     library is loaded through the descriptor its checks read (``/proc/self/fd/N``)."""
     directory = Path(directory) if directory is not None else cache_dir() / "kernels"
     try:
+        if directory == cache_dir() / "kernels" and cache_dir().is_symlink():
+            raise UnsafeCacheError(f"SPECRL_CACHE {cache_dir()} is a symlink; point it at a "
+                                   "real directory")  # fmt: skip
         key = build_key(compiler, source, flags)
         ensure_safe_directory(directory)
         fd = verified_library(key, directory)

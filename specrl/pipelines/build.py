@@ -99,12 +99,8 @@ def truncated(cfg: Config) -> bool:
 
 
 def _ignored(cfg: Config) -> str | None:
-    """A setting (changed from its default) that the rest of the config would ignore."""
-    p, default = cfg.pipeline, type(cfg.pipeline)()
-    if p.mode == "sync" and p.max_staleness not in (0, default.max_staleness):
-        return f"pipeline.max_staleness={p.max_staleness} needs pipeline.mode='async'"
-    if p.update != "in_flight" and p.in_flight_tokens != default.in_flight_tokens:
-        return f"pipeline.in_flight_tokens={p.in_flight_tokens!r} needs pipeline.update='in_flight'"
+    """A setting that the rest of the config would ignore and that the config alone cannot
+    tell (``config.APPLIES_ONLY`` refuses the others as they are read)."""
     if cfg.rollout.threads and placement(cfg) != "process":
         return (
             f"rollout.threads={cfg.rollout.threads} needs the engine in a worker process "

@@ -48,6 +48,9 @@ Contract:
   they are saved bit-exact and restored into the optimizer's parameters by index. Resuming a
   checkpoint without masters into an optimizer that has them copies the policy's values into
   them (masters are in the policy's parameter order, as the learner builds them).
+- ``RunDir.prune(latest, keep)`` (checkpoint retention, ``run.keep_checkpoints``) keeps the
+  checkpoint just written and the newest ``keep - 1`` before it; each older one is renamed to
+  ``step_N.del`` (never recovered, removed by ``clear_interrupted``) and then removed.
 - ``RunDir.rows`` reads a JSONL log: a last line cut mid-write (a killed run) is dropped, any
   other unreadable line raises ``RunDirError`` naming the file and line. ``RunDir.append``
   fsyncs each row; ``RunDir.truncate`` (drop the rows a resumed run will produce again)
@@ -77,6 +80,7 @@ from specrl.models.checkpoints import hf_state_dict, load_state
 CKPT_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"  # a checkpoint being written
 OLD_SUFFIX = ".old"  # a checkpoint being replaced
+DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
 MANIFEST = "manifest.json"
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
@@ -194,14 +198,15 @@ class RunDir:
         return found[0] if found else None
 
     def leftovers(self) -> list[Path]:
-        """What interrupted saves left behind (``step_N.tmp``, ``step_N.old``): by step, a
-        ``.tmp`` before the ``.old`` of the same step."""
+        """What interrupted saves and removals left behind (``step_N.tmp``, ``step_N.old``,
+        ``step_N.del``): by step, a ``.tmp`` before the ``.old`` of the same step."""
         if not self.checkpoints.is_dir():
             return []
+        ends = (TMP_SUFFIX, OLD_SUFFIX, DEL_SUFFIX)
         found = [
             p
             for p in self.checkpoints.iterdir()
-            if p.name.startswith(CKPT_PREFIX) and p.name.endswith((TMP_SUFFIX, OLD_SUFFIX))
+            if p.name.startswith(CKPT_PREFIX) and p.name.endswith(ends)
         ]
         return sorted(found, key=lambda p: (p.stem, p.suffix != TMP_SUFFIX))
 
@@ -212,6 +217,8 @@ class RunDir:
         checkpoints so recovered; the rest is left for ``clear_interrupted``."""
         recovered = []
         for leftover in self.leftovers():
+            if leftover.suffix == DEL_SUFFIX:  # retention was removing it: never brought back
+                continue
             ckpt = leftover.with_suffix("")
             if not ckpt.exists() and leftover.exists() and _recoverable(leftover):
                 leftover.rename(ckpt)
@@ -219,10 +226,29 @@ class RunDir:
                 recovered.append(ckpt)
         return recovered
 
+    def prune(self, latest: Path, keep: int) -> list[Path]:
+        """Checkpoint retention: keep ``latest`` (the one just written) and the newest
+        ``keep - 1`` checkpoints of fewer updates; remove the older ones, each renamed to
+        ``step_N.del`` first (a removal cut short is never taken for a checkpoint, and
+        ``clear_interrupted`` finishes it). Checkpoints of more updates than ``latest`` (left
+        by a run resumed from before them) are not touched: the run replaces them when it gets
+        there. Returns the removed checkpoints."""
+        step = _checkpoint_step(latest)
+        if step is None:
+            return []
+        older = [p for p in self.checkpoints_newest_first() if _checkpoint_step(p) < step]
+        removed = older[max(keep - 1, 0) :]
+        for ckpt in removed:
+            doomed = ckpt.with_name(ckpt.name + DEL_SUFFIX)
+            ckpt.rename(doomed)
+            fsync_path(ckpt.parent)
+            shutil.rmtree(doomed, ignore_errors=True)
+        return removed
+
     def clear_interrupted(self) -> None:
-        """Remove what interrupted saves left behind (``step_N.tmp``, ``step_N.old``) and the
-        temporaries of an interrupted ``fsutil.atomic_write`` of the run's own files
-        (``.metrics.jsonl.<random>.tmp``)."""
+        """Remove what interrupted saves and removals left behind (``step_N.tmp``, ``.old``,
+        ``.del``) and the temporaries of an interrupted ``fsutil.atomic_write`` of the run's own
+        files (``.metrics.jsonl.<random>.tmp``)."""
         for p in self.leftovers():
             shutil.rmtree(p, ignore_errors=True)
         for own in (self.config, self.metrics, self.evals, self.summary):

@@ -6,9 +6,10 @@ Contract: ``register(app)`` adds two commands to the main Typer app.
   the default task, speculation per config). The config is validated, the run directory
   checked (a file, or a place this user cannot write, is refused), the model, task and drafter
   checked before any work: a bad value ends with one ``error: ...`` line and exit code 2.
-  ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``)
-  and its logs, and continues from its newest checkpoint that verifies (one line names any
-  damaged newer one; a run killed before its first checkpoint restarts from step 0); a run
+  ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``,
+  but not below the steps already run, nor ``run.run_dir``; no ``--run-dir`` elsewhere)
+  and its logs, and continues from its newest checkpoint that verifies (one line on stderr names
+  any damaged newer one; a run killed before its first checkpoint restarts from step 0); a run
   whose checkpoints are all damaged, or a log line that is not JSON, is one ``error:`` line.
   A failed weight-sync check (``guard.WeightSyncError``: the rollout backend does not serve the
   weights the learner pushed) ends the run with one ``error:`` line and exit code 1.
@@ -31,6 +32,7 @@ Contract: ``register(app)`` adds two commands to the main Typer app.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from specrl.cli_util import fail
-from specrl.config import Config, ConfigError, load_config
+from specrl.config import Config, ConfigError, load_config, load_run_config, parse_override
 from specrl.fsutil import writable_problem
 from specrl.pipelines.checkpoint import RunDir, RunDirError
 
@@ -86,13 +88,30 @@ def resolve_config(
         if config is not None or preset is not None:
             raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
         check_resumable(RunDir(resume))
-        return with_run_dir(load_config(resume / "config.toml", sets), resume), resume
+        if run_dir is not None and run_dir != resume:
+            raise ConfigError(f"--run-dir {run_dir} with --resume {resume}: a resumed run "
+                              "stays in its own directory")  # fmt: skip
+        cfg = load_run_config(resume / "config.toml", sets)
+        check_resume_overrides(cfg, RunDir(resume), sets)
+        return with_run_dir(cfg, resume), resume
     cfg = load_config(config, sets, preset)
     base = run_dir or Path(cfg.run.run_dir)
     require_writable_dir(base, "run dir")
     target = free_run_dir(base)
     require_writable_dir(target, "run dir")
     return with_run_dir(cfg, target), target
+
+
+def check_resume_overrides(cfg: Config, run: RunDir, sets: list[str]) -> None:
+    """What ``--set`` cannot change on a resume: the run's directory, and ``run.steps`` below
+    the steps it has already run (nothing would be done)."""
+    if any(parse_override(item)[0] == ["run", "run_dir"] for item in sets):
+        raise ConfigError(f"--set run.run_dir with --resume {run.path}: a resumed run stays "
+                          "in its own directory")  # fmt: skip
+    done = len(run.rows(run.metrics))
+    if cfg.run.steps < done:
+        raise ConfigError(f"run.steps={cfg.run.steps} with --resume {run.path}: it has already "
+                          f"run {done} steps (set run.steps >= {done})")  # fmt: skip
 
 
 def with_run_dir(cfg: Config, run_dir: Path) -> Config:
@@ -164,22 +183,31 @@ def train_command(
             parts.backend.close()
 
 
+NOTES = ("checkpoint ", "checkpoints ", "warning")  # console lines that go to stderr
+
+
+def console_line(line: str) -> None:
+    """Print a training run's console line above the progress bar: a note about damaged
+    checkpoints or a warning on stderr, step and eval lines on stdout."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr if line.startswith(NOTES) else sys.stdout)
+
+
 def run_and_report(
     parts: RunParts, target: Path, resume: bool, compare: bool, progress: bool
 ) -> None:
     """``run_training`` and its summary (``report``)."""
-    from tqdm import tqdm
 
     from specrl.pipelines.train import run_training
 
     report(lambda: run_training(parts, str(target), resume=resume, compare_plain=compare,
-                                progress=progress, echo=tqdm.write), target)  # fmt: skip
+                                progress=progress, echo=console_line), target)  # fmt: skip
 
 
 def ray_and_report(cfg: Config, target: Path, resume: bool, compare: bool, progress: bool) -> None:
     """``ray_run.run_training_on_ray`` and its summary (``report``); a bad model or config
     found by the learner actor is one ``error:`` line (exit code 2), as before any work."""
-    from tqdm import tqdm
 
     from specrl.models.checkpoints import CheckpointError
     from specrl.pipelines.ray_run import run_training_on_ray
@@ -187,7 +215,7 @@ def ray_and_report(cfg: Config, target: Path, resume: bool, compare: bool, progr
     def produce() -> dict[str, Any]:
         try:
             return run_training_on_ray(cfg, str(target), resume=resume, compare_plain=compare,
-                                       progress=progress, echo=tqdm.write)  # fmt: skip
+                                       progress=progress, echo=console_line)  # fmt: skip
         except (ConfigError, CheckpointError) as e:
             fail(str(e))
 
@@ -243,7 +271,7 @@ def report_command(
 
     dest = out if out is not None else run_dir
     try:
-        require_writable_dir(dest, "--out")
+        require_writable_dir(dest, "--out" if out is not None else "RUN_DIR")
         paths = write_report(run_dir, out)
         if compare:
             paths.append(write_comparison([run_dir, *compare], dest / "compare.png"))

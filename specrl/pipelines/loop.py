@@ -15,8 +15,9 @@ Contract:
   Returns the first step to run.
 - ``finish_step(parts, run, row, log, stop)``: append the metrics row, update the progress bar
   and the console, checkpoint when due (every ``run.checkpoint_every`` updates and after the
-  last one); returns whether the loop goes on (False once ``stop``, a
-  ``signals.StopRequest``, was requested: the loop ends without starting another step).
+  last one; then only the newest ``run.keep_checkpoints`` are kept, ``RunDir.prune``); returns
+  whether the loop goes on (False once ``stop``, a ``signals.StopRequest``, was requested: the
+  loop ends without starting another step).
 - ``stop_checkpoint(parts, run, updates)``: after a stopped loop ended, the checkpoint of
   ``updates`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
   (never rewritten), otherwise it is written now.
@@ -93,11 +94,14 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
 
 
 def save(parts: RunParts, run: RunDir, updates: int) -> Path:
+    """Checkpoint ``updates``, then remove the oldest beyond ``run.keep_checkpoints``."""
     state = {"step": updates, "policy_version": parts.version, "alarm": parts.alarm.state_dict()}
     trainer = parts.drafter.trainer if parts.drafter is not None else None
-    return save_checkpoint(run.checkpoint_dir(updates), parts.learner.model,
+    ckpt = save_checkpoint(run.checkpoint_dir(updates), parts.learner.model,
                            parts.learner.optimizer, state, parts.backend.state_dict(),
                            trainer)  # fmt: skip
+    run.prune(ckpt, parts.cfg.run.keep_checkpoints)
+    return ckpt
 
 
 def _report(say: Echo | None, line: str) -> None:

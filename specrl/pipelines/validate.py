@@ -4,7 +4,8 @@ Contract: ``check_names(cfg)`` returns None when every name in ``cfg`` is regist
 ``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``, several
 joined by ``; ``). Checked: ``env.task`` (a reasoning-gym task; did-you-mean hint),
 ``env.task_config`` (merged over the task's preset, accepted by the task), ``env.template``,
-``rollout.spec`` ('none' or a registered drafter; did-you-mean hint), ``learner.loss``,
+``rollout.spec`` ('none' or a registered drafter; did-you-mean hint), ``rollout.spec_siblings``
+(> 0 only with a stochastic drafter), ``learner.loss``,
 ``learner.advantage`` and ``learner.correction``. ``specrl.config`` checks only types and bounds
 and imports no registry (it stays a leaf); ``build_run`` calls this before any work.
 """
@@ -27,7 +28,7 @@ from specrl.errors import unknown
 from specrl.rl.advantages import get_advantage
 from specrl.rl.corrections import get_correction
 from specrl.rl.losses import get_loss
-from specrl.spec.proposers import available_proposers
+from specrl.spec.proposers import available_proposers, takes_siblings
 
 
 def check_names(cfg: Config, env_given: bool = False) -> None:
@@ -43,6 +44,7 @@ def check_names(cfg: Config, env_given: bool = False) -> None:
     checks: list[tuple[str, Any, Callable[[], object]]] = [
         *([] if env_given else env_checks),
         ("rollout.spec", cfg.rollout.spec, lambda: check_spec(cfg.rollout.spec)),
+        ("rollout.spec_siblings", cfg.rollout.spec_siblings, lambda: _check_siblings(cfg)),
         ("learner.loss", learner.loss, lambda: get_loss(learner.loss)),
         ("learner.advantage", learner.advantage, lambda: get_advantage(learner.advantage)),
         ("learner.correction", learner.correction, lambda: get_correction(learner.correction)),
@@ -57,6 +59,13 @@ def check_spec(method: str) -> None:
     known = ["none", *available_proposers()]
     if method not in known:
         raise ValueError(unknown("speculation method", method, known))
+
+
+def _check_siblings(cfg: Config) -> None:
+    """Siblings apply only to a stochastic drafter (an unknown one is reported apart)."""
+    spec, siblings = cfg.rollout.spec, cfg.rollout.spec_siblings
+    if siblings and spec in available_proposers() and not takes_siblings(spec):
+        raise ValueError(f"applies only to a stochastic drafter, not to rollout.spec {spec!r}")
 
 
 def _check_task_config(task: str, config: dict[str, Any]) -> None:

@@ -188,7 +188,9 @@ def calibrate_command(
     heldout: Annotated[
         float, typer.Option("--heldout", help="fraction of records held out to report error")
     ] = 0.25,
-    seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="seed of the held-out split", min=0, max=2**63 - 1)
+    ] = 0,
     heldout_configs: Annotated[
         str,
         typer.Option(

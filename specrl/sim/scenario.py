@@ -9,7 +9,9 @@ variant states only what differs. Values are
 checked strictly (TOML types: a bool is not an int, no inf/nan) and every bad input, an unknown
 scenario or key (with the valid keys and a did-you-mean), a wrong type or range, a malformed or
 unreadable file, raises ``SimInputError`` with one line saying where it came from (the file or the
-``--set`` item). Checks across fields and specs live in validate.py. Nothing here simulates;
+``--set`` item). Integers are bounded (GPU counts by ``MAX_GPUS``: the simulation's cost grows
+with them). An async-only pipeline input given by ``--set`` for a sync run is refused.
+Checks across fields and specs live in validate.py. Nothing here simulates;
 runner.py does.
 """
 
@@ -24,6 +26,9 @@ from specrl.errors import did_you_mean
 from specrl.sim.errors import SimInputError
 from specrl.sim.specs import read_toml, spec_path
 
+MAX_GPUS = 65_536  # GPU counts: the simulation's cost grows with them (1e6 took 15 s)
+MAX_TOKENS = 10_000_000  # token counts (lengths, caps)
+
 
 class _Strict(BaseModel):
     # strict: TOML has types, so a bool is not an int and "3" is not a number; no inf/nan
@@ -31,13 +36,17 @@ class _Strict(BaseModel):
 
 
 class Workload(_Strict):
-    samples_per_step: int = Field(gt=0, description="rollouts per RL step (prompts x group size)")
-    prompt_len: int = Field(256, ge=1, description="prompt tokens per rollout")
+    samples_per_step: int = Field(
+        gt=0, le=10_000_000, description="rollouts per RL step (prompts x group size)"
+    )
+    prompt_len: int = Field(256, ge=1, le=MAX_TOKENS, description="prompt tokens per rollout")
     mean_response_len: float = Field(gt=0, description="mean response tokens (before truncation)")
     response_sigma: float = Field(
         0.8, ge=0, description="log-space sigma of the lognormal response length (the tail)"
     )
-    max_response_len: int = Field(gt=0, description="response length cap (max_tokens)")
+    max_response_len: int = Field(
+        gt=0, le=MAX_TOKENS, description="response length cap (max_tokens)"
+    )
     mean_is_after_cap: bool = Field(
         False,
         description="mean_response_len is the observed mean after the cap (a published average)"
@@ -46,8 +55,15 @@ class Workload(_Strict):
     length_trace: list[int] = Field(
         default_factory=list, description="replay these response lengths instead of sampling"
     )
-    rl_step: int = Field(0, ge=0, description="RL steps since the drafter was last trained")
-    seed: int = Field(0, description="seed of the length sampler (same draw with and without spec)")
+    rl_step: int = Field(
+        0, ge=0, le=1_000_000, description="RL steps since the drafter was last trained"
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="seed of the length sampler (same draw with and without spec)",
+    )
     seeds: int = Field(
         3,
         ge=1,
@@ -58,19 +74,31 @@ class Workload(_Strict):
 
 
 class Generation(_Strict):
-    gpus: int = Field(gt=0, description="GPUs generating (sync: the whole colocated pool)")
-    gpus_per_replica: int = Field(1, gt=0, description="GPUs per engine replica (TP x EP)")
-    max_num_seqs: int = Field(256, gt=0, description="engine limit on running sequences")
-    replan_tokens: int = Field(256, gt=0, description="re-choose k every this many tokens")
+    gpus: int = Field(
+        gt=0, le=MAX_GPUS, description="GPUs generating (sync: the whole colocated pool)"
+    )
+    gpus_per_replica: int = Field(
+        1, gt=0, le=MAX_GPUS, description="GPUs per engine replica (TP x EP)"
+    )
+    max_num_seqs: int = Field(
+        256, gt=0, le=1_000_000, description="engine limit on running sequences"
+    )
+    replan_tokens: int = Field(
+        256, gt=0, le=MAX_TOKENS, description="re-choose k every this many tokens"
+    )
     routing_locality: float = Field(
         0.0, ge=0, le=1, description="MoE: chance a verify token reuses its sequence's experts"
     )
     prefill_group: int = Field(
-        1, ge=1, description="sequences sharing one prompt, prefilled once (1: each its own)"
+        1,
+        ge=1,
+        le=1_000_000,
+        description="sequences sharing one prompt, prefilled once (1: each its own)",
     )
     ep: int = Field(
         1,
         ge=1,
+        le=MAX_GPUS,
         description="MoE: expert-parallel degree inside a replica (1: experts tensor-parallel,"
         " vLLM's default; > 1: E/ep experts per GPU, all-to-all dispatch and combine)",
     )
@@ -87,7 +115,7 @@ class Acceptance(_Strict):
     acceptance_length: float = Field(
         2.26, ge=1, description="mean tokens per verify step at k = at_k (sets per-token rate)"
     )
-    at_k: int = Field(3, ge=1, description="k at which acceptance_length was measured")
+    at_k: int = Field(3, ge=1, le=64, description="k at which acceptance_length was measured")
     per_position: list[float] = Field(
         default_factory=list, description="positional: acceptance of draft 1, 2, ... given prefix"
     )
@@ -95,7 +123,7 @@ class Acceptance(_Strict):
     decay_per_rl_step: float = Field(0.0, description="drift: rate lost per RL step of staleness")
     floor: float = Field(0.0, ge=0, le=1, description="drift: lowest per-token rate")
     decay_after_tokens: int = Field(
-        0, ge=0, description="drift: response tokens before the decay starts"
+        0, ge=0, le=MAX_TOKENS, description="drift: response tokens before the decay starts"
     )
     position_ratio: float | None = Field(
         None,
@@ -118,9 +146,15 @@ class Speculation(_Strict):
     policy: str = Field(
         "fixed", description="fixed (always k) | cost_optimal (best k<=k per batch)"
     )
-    k: int = Field(3, ge=1, description="draft tokens per step (upper bound for cost_optimal)")
-    tree_width: int = Field(1, ge=1, description="draft tokens per sequence per draft forward")
-    tree_verify_tokens: int = Field(0, ge=0, description="tokens verified per sequence (0: k+1)")
+    k: int = Field(
+        3, ge=1, le=64, description="draft tokens per step (upper bound for cost_optimal)"
+    )
+    tree_width: int = Field(
+        1, ge=1, le=64, description="draft tokens per sequence per draft forward"
+    )
+    tree_verify_tokens: int = Field(
+        0, ge=0, le=4096, description="tokens verified per sequence (0: k+1)"
+    )
     draft_coverage: list[float] = Field(
         default_factory=list,
         description="per draft position, chance a sequence drafts there (n-gram/suffix may not);"
@@ -130,20 +164,24 @@ class Speculation(_Strict):
 
 
 class Training(_Strict):
-    gpus: int = Field(0, ge=0, description="training GPUs (async only; sync uses generation.gpus)")
+    gpus: int = Field(
+        0, ge=0, le=MAX_GPUS, description="training GPUs (async only; sync uses generation.gpus)"
+    )
     mfu: float = Field(
         0.0, ge=0, le=1, description="training MFU (0: the model class's, data/training.toml)"
     )
     logprob_mfu: float = Field(
         0.0, ge=0, le=1, description="logprob-pass MFU (0: the model class's, data/training.toml)"
     )
-    logprob_passes: int = Field(2, ge=0, description="logprob forwards per token (policy + ref)")
+    logprob_passes: int = Field(
+        2, ge=0, le=16, description="logprob forwards per token (policy + ref)"
+    )
     train_drafter: bool = Field(False, description="train the drafter online every step")
 
 
 class PipelineCfg(_Strict):
     mode: str = Field("sync", description="sync (colocated) | async (disaggregated)")
-    staleness: int = Field(1, ge=0, description="async: max policy versions a batch may lag")
+    staleness: int = Field(1, ge=0, le=64, description="async: max policy versions a batch may lag")
     async_generation: str = Field(
         "continuous",
         description="async: continuous (generators stay full across steps within the staleness"
@@ -153,12 +191,14 @@ class PipelineCfg(_Strict):
     warmup_periods: int = Field(
         1,
         ge=0,
+        le=64,
         description="async: periods of staleness + 1 steps simulated before measuring (the"
         " pipeline filling); sync is exact from the first step",
     )
     measure_periods: int = Field(
         2,
         ge=1,
+        le=64,
         description="async: periods of staleness + 1 steps averaged in steady state (step"
         " completions repeat with that period); one more period runs after them",
     )
@@ -193,6 +233,7 @@ class Engine(_Strict):
     graph_capture_tokens: int | None = Field(
         None,
         ge=0,
+        le=MAX_TOKENS,
         description="largest CUDA-graph forward, tokens; 0: no limit (None: the profile's)",
     )
     eager_s_per_layer: float | None = Field(
@@ -384,9 +425,27 @@ def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
     data, path = scenario_data(name)
     check_override_keys(overrides)
     try:
-        return Scenario.model_validate(apply_overrides(data, overrides))
+        sc = Scenario.model_validate(apply_overrides(data, overrides))
     except ValidationError as e:
         raise SimInputError(validation_message(e, f"scenario {path}", overrides)) from None
+    check_async_only(sc, overrides)
+    return sc
+
+
+ASYNC_ONLY = ("staleness", "async_generation", "warmup_periods", "measure_periods")
+
+
+def check_async_only(sc: Scenario, overrides: list[str]) -> None:
+    """An async-only pipeline input given by ``--set`` (whatever its value) for a sync run,
+    where it would be ignored: ``SimInputError`` naming both keys. (A scenario file's own
+    values stay: ``--set pipeline.mode=sync`` turns an async scenario into its sync baseline.)"""
+    if sc.pipeline.mode == "async":
+        return
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key.removeprefix("pipeline.") in ASYNC_ONLY and key.startswith("pipeline."):
+            raise SimInputError(f"--set {item}: {key} applies only with pipeline.mode = "
+                                f"'async' (the scenario runs {sc.pipeline.mode!r})")  # fmt: skip
 
 
 def field_help(model: type[BaseModel] = Scenario, prefix: str = "") -> list[str]:

@@ -25,6 +25,7 @@ from specrl.spec.proposers import (
     get_proposer_class,
     head_kind,
     proposer_takes,
+    takes_siblings,
 )
 from specrl.spec.verify import RULES
 
@@ -119,6 +120,10 @@ class SpecConfig:
         known = ["none", *available_proposers()]
         if self.method not in known:
             raise ValueError(unknown("speculation method", self.method, known))
+        if self.siblings and not takes_siblings(self.method):
+            stochastic = ", ".join(m for m in known if takes_siblings(m))
+            raise ValueError(f"spec_siblings={self.siblings} applies only to a stochastic drafter "
+                             f"({stochastic}), not to spec {self.method!r}")  # fmt: skip
         return self
 
 

@@ -17,6 +17,7 @@ from specrl.drafters.data import (
 )
 from specrl.drafters.train import (
     STATE_FILE,
+    NonFiniteWeights,
     TrainConfig,
     acceptance,
     collate,
@@ -254,3 +255,14 @@ def test_building_examples_never_calls_the_lm_head():
     with pytest.raises(ValueError, match="M=0"):  # control: the stand-in refuses M = 0
         ids = torch.tensor([[1, 2]])
         target(ids, torch.arange(2)[None], logits_at=ids[:, :0])
+
+
+def test_a_diverged_head_is_never_saved(tmp_path):
+    """Issue 42: `--tv-lr inf` saved a head of non-finite weights that then ran silently at
+    acceptance 1.0. A step that makes a weight or the loss non-finite stops training, naming the
+    step; neither the head nor its training state is written."""
+    _, head, examples, _ = tiny_setup()
+    cfg = TrainConfig(steps=5, lr=float("inf"), warmup=0, batch_size=8, bf16=False, ckpt_every=1)
+    with pytest.raises(NonFiniteWeights, match=r"training diverged at step \d+: the drafter's"):
+        train_head(head, examples, cfg, out=tmp_path, progress=False, state_name="tv")
+    assert not (tmp_path / "head.safetensors").exists() and not (tmp_path / "tv").exists()

@@ -32,6 +32,17 @@ def app() -> typer.Typer:
         (["--drafter", "medusa"], "unknown --drafter 'medusa'"),
         (["--seed", str(2**63)], "--seed must be in [0, 2**63 - 1], got 9223372036854775808"),
         (["--seed", "-1"], "--seed must be in [0, 2**63 - 1], got -1"),
+        # issue 42: every option bounded, learning rates finite and > 0, the task checked
+        (["--tv-lr", "inf"], "--tv-lr must be a finite number in (0, 1], got inf"),
+        (["--lr", "nan"], "--lr must be a finite number in (0, 1], got nan"),
+        (["--lr", "-1"], "--lr must be a finite number in (0, 1], got -1.0"),
+        (["--batch-size", "0"], "--batch-size must be in [1, 4096], got 0"),
+        (["--threads", "-1"], "--threads must be in [0, 1024], got -1"),
+        (["--num-prompts", str(10**30)], f"--num-prompts must be in [1, 1000000], got {10**30}"),
+        (["--ckpt-every", "0"], "--ckpt-every must be in [1, 1000000], got 0"),
+        (["--task", "no_such_task"], "--task: unknown reasoning-gym task 'no_such_task'"),
+        (["--task", "basic_arithmetc"], "did you mean basic_arithmetic"),
+        (["--draft-layers", "2"], "--draft-layers applies only with --drafter draft, not eagle3"),
     ],
 )
 def test_bad_values_fail_before_work(app, tmp_path, args, match):

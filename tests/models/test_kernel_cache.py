@@ -357,6 +357,18 @@ def test_a_symlinked_cache_directory_loads_nothing(tmp_path, loads):
     assert loads == []
 
 
+def test_a_symlinked_specrl_cache_loads_nothing(tmp_path, loads, monkeypatch):
+    """Issue 42: SPECRL_CACHE itself a symlink (its kernels/ a real directory) was accepted."""
+    real = tmp_path / "real"
+    build(real / "kernels")
+    loads.clear()
+    (tmp_path / "cache").symlink_to(real, target_is_directory=True)
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="unavailable .*SPECRL_CACHE .*cache is a symlink"):
+        assert kbuild.open_library(GCC) is None
+    assert loads == []
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o1777], ids=["no sticky bit", "sticky bit"])
 def test_a_parent_others_can_write_needs_the_sticky_bit(tmp_path, loads, mode):
     """Whoever can write a parent could rename the cache away and put their own in its place,

@@ -53,7 +53,8 @@ from tests.pipelines.pipeline_fakes import TINY_OVERRIDES, tiny_config, tiny_par
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SETTINGS = ("rollout.spec=suffix", "run.steps=4", "run.checkpoint_every=1", "run.eval_every=2",
-            "rollout.temperature=0.7", "rollout.max_new_tokens=12")  # fmt: skip
+            "rollout.temperature=0.7", "rollout.max_new_tokens=12",
+            "run.keep_checkpoints=4")  # all kept (retention has its own tests) # fmt: skip
 
 
 def parts(*overrides: str, seed: int = 0):

@@ -4,13 +4,15 @@ bad input fails with one line before any work; report writes the plots and summa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import typer
 from typer.testing import CliRunner
 
-from specrl.pipelines.cli import free_run_dir, register
+from specrl.config import ConfigError, load_config
+from specrl.pipelines.cli import free_run_dir, register, resolve_config
 from specrl.pipelines.report import samples_axis, summarize, summary_text
 from specrl.pipelines.train import run_training
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
@@ -38,6 +40,18 @@ def app() -> typer.Typer:
         (["--resume", "/no/such/run"], "cannot resume"),
         (["--preset", "reasonin"], "unknown preset 'reasonin' (presets: reasoning)"),
         (["--resume", "/no/such/run", "--preset", "reasoning"], "--resume reads RUN_DIR"),
+        # issue 42: bounded where parsed, and nothing set where it cannot apply
+        (["--set", "rollout.top_k=9223372036854775808"], "rollout.top_k: Input should be less"),
+        (
+            ["--set", "pipeline.max_staleness=1"],
+            "pipeline.max_staleness=1 needs pipeline.mode='async'",
+        ),
+        (["--set", "rollout.spec_siblings=3"], "not to rollout.spec 'suffix'"),
+        (["--set", 'cluster.address="10.9.9.9:6379"'], "needs cluster.rollout_workers > 0"),
+        (
+            ["--set", "rollout.spec=none", "--set", "rollout.num_spec_tokens=7"],
+            "rollout.num_spec_tokens=7 needs rollout.spec other than 'none'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_work(app, tmp_path, monkeypatch, args, match):
@@ -47,6 +61,51 @@ def test_bad_input_is_one_line_before_work(app, tmp_path, monkeypatch, args, mat
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], lines
     assert not (tmp_path / "run").exists()  # no work started
+
+
+@pytest.fixture
+def four_steps(tmp_path) -> Path:
+    """A run dir that ran 4 steps, its config.toml written whole, as an older specrl did
+    (pipeline.max_staleness is there in a sync run)."""
+    run = tmp_path / "done"
+    run.mkdir()
+    text = load_config(None, ["run.steps=4"]).to_toml()
+    text = text.replace("[pipeline]", "[pipeline]\nmax_staleness = 1\nupdate = 'between_steps'")
+    (run / "config.toml").write_text(text.replace("[cluster]", "[cluster]\nmax_restarts = 3"))
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}}}\n' for i in range(4)))
+    return run
+
+
+def test_a_resume_reads_a_config_written_whole(four_steps):
+    assert "max_staleness = 1" in (four_steps / "config.toml").read_text()
+    cfg, target = resolve_config(None, ["run.steps=6"], None, four_steps)
+    assert target == four_steps and cfg.run.steps == 6 and cfg.pipeline.max_staleness == 1
+    with pytest.raises(ConfigError, match="pipeline.max_staleness=2 needs pipeline.mode"):
+        resolve_config(None, ["pipeline.max_staleness=2"], None, four_steps)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--run-dir", "other"], "--run-dir other with --resume"),
+        (["--set", "run.run_dir=other"], "--set run.run_dir with --resume"),
+        (["--set", "run.steps=2"], "run.steps=2 with --resume"),
+    ],
+)
+def test_a_resume_refuses_what_it_would_ignore(app, four_steps, args, match):
+    before = sorted(p.name for p in four_steps.iterdir())
+    result = CliRunner().invoke(app, ["train", "--resume", str(four_steps), *args])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], lines
+    assert sorted(p.name for p in four_steps.iterdir()) == before
+
+
+def test_report_of_a_file_names_run_dir_not_out(app, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = CliRunner().invoke(app, ["report", str(afile)])
+    assert result.exit_code == 2 and result.output.startswith(f"error: RUN_DIR {afile} is not")
 
 
 def test_used_run_dir_gets_a_fresh_sibling(tmp_path):
@@ -112,3 +171,16 @@ def test_summary_says_what_speculation_did_and_why_not():
     assert "drafted in 25% of decode steps" in busy and "--preset" not in busy
     old = [{k: v for k, v in r.items() if k != "spec_step_share"} for r in rows]
     assert "drafted in" not in summary_text(summarize(old))
+
+
+def test_damage_notes_and_warnings_go_to_stderr(capsys):
+    """Issue 42: "checkpoint ... is damaged" was printed on stdout with the step rows."""
+    from specrl.pipelines.cli import console_line
+
+    console_line("checkpoint step_000003 is damaged (x); resuming from step_000002")
+    console_line("warning: acceptance collapsed")
+    console_line("step   0 reward 0.5")
+    out, err = capsys.readouterr()
+    assert out == "step   0 reward 0.5\n"
+    assert err.splitlines() == ["checkpoint step_000003 is damaged (x); resuming from step_000002",
+                                "warning: acceptance collapsed"]  # fmt: skip

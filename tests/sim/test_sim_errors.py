@@ -136,6 +136,18 @@ RUN_CASES = {
         _set(RLZERO, "speculation.acceptance.acceptance_length=3.99"),
         "outside the reachable",
     ),
+    # issue 42: bounded where parsed (the cost grows with GPUs), nothing ignored in sync mode
+    "gpus-past-uint64": (
+        _set(SYNC, "generation.gpus=18446744073709551616"),
+        "less than or equal to 65536",
+    ),
+    "training-gpus-huge": (_set(ASYNC, f"training.gpus={10**30}"), "training.gpus"),
+    "negative-seed": (_set(SYNC, "workload.seed=-1"), "workload.seed"),
+    "staleness-in-sync": (
+        _set(SYNC, "pipeline.staleness=3"),
+        "pipeline.staleness applies only with pipeline.mode = 'async'",
+    ),
+    "warmup-in-sync": (_set(SYNC, "pipeline.warmup_periods=0"), "pipeline.warmup_periods"),
 }
 
 

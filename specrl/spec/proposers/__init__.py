@@ -7,7 +7,8 @@ package once, so a new drafter only needs a module here with a decorated class. 
 registering a second class under a taken name raises ``ValueError``. ``proposer_takes(name, arg)``
 says whether a drafter's constructor takes ``arg`` (``drafter_path``: a trained head directory;
 ``draft_model``: a draft model), the one test callers use to decide what a drafter needs.
-``head_kind(name)`` is the kind of head a drafter loads (``eagle3`` for ``hybrid``).
+``head_kind(name)`` is the kind of head a drafter loads (``eagle3`` for ``hybrid``);
+``takes_siblings(name)`` whether it is stochastic (siblings apply only to those).
 
 The registry dict is the only module-level mutable state.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "head_kind",
     "proposer_takes",
     "register_proposer",
+    "takes_siblings",
 ]
 
 _REGISTRY: dict[str, type] = {}
@@ -72,6 +74,15 @@ def proposer_takes(name: str, argument: str) -> bool:
         _import_all()
     cls = _REGISTRY.get(name)
     return cls is not None and argument in inspect.signature(cls).parameters
+
+
+def takes_siblings(name: str) -> bool:
+    """Whether drafter ``name`` is stochastic (its class's ``deterministic`` is False), the only
+    kind whose first draft token gets sibling candidates; False for 'none' or an unknown name."""
+    if name not in _REGISTRY:
+        _import_all()
+    cls = _REGISTRY.get(name)
+    return cls is not None and getattr(cls, "deterministic", True) is False
 
 
 def head_kind(name: str) -> str:
