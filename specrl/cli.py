@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specrl.cli_util import OneLineErrors, fail, refuse_unless_applies
+from specrl.cli_util import OneLineErrors, fail, parse_device, refuse_unless_applies
 from specrl.config import MAX_TOP_K
 from specrl.drafters.cli import register as register_drafters
 from specrl.errors import one_line
@@ -111,16 +111,6 @@ MAX_REPEATS = 1000  # bench --repeats
 MAX_N = 65_536  # --n: completions per prompt (each is held in memory to the end)
 MAX_BATCH = 4096  # --max-batch, --batch-sizes, --group-size: as the config's rollout.max_batch
 MAX_NEW_TOKENS = 1_000_000  # --max-new-tokens, --new-tokens (the context stops them sooner)
-
-
-def parse_device(name: str):
-    """``--device`` resolved (one ``error:`` line when it cannot be had here)."""
-    from specrl.models.device import DeviceError, resolve_device
-
-    try:
-        return resolve_device(name)
-    except DeviceError as e:
-        fail(str(e))
 
 
 def parse_dtype(name: str, device=None):

@@ -7,9 +7,10 @@ whatever its value) where it cannot apply fails naming both. ``OneLineErrors`` i
 command group's class: a usage error anywhere below it (an unknown command or option, a value
 of the wrong type or out of range, a missing argument) is printed the same way, as one
 ``error: ... (see specrl CMD --help)`` line with exit code 2, instead of click's usage block;
-asking for help (no arguments to a group) is left as it is. Only CLI modules
-(``specrl/cli.py``, ``specrl/*/cli.py``) import this; it imports nothing from specrl, so each
-CLI module can use it without importing another.
+asking for help (no arguments to a group) is left as it is. ``parse_device(name)`` resolves
+a ``--device`` value (``specrl.models.device``, imported when called) or fails in one line.
+Only CLI modules (``specrl/cli.py``, ``specrl/*/cli.py``) import this; at import time it imports
+nothing from specrl, so each CLI module can use it without importing another.
 """
 
 from __future__ import annotations
@@ -85,3 +86,13 @@ class OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except UsageError as e:
             raise _one_line(e) from None
+
+
+def parse_device(name: str):
+    """``--device`` resolved (one ``error:`` line when it cannot be had here)."""
+    from specrl.models.device import DeviceError, resolve_device
+
+    try:
+        return resolve_device(name)
+    except DeviceError as e:
+        fail(str(e))

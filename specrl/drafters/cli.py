@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specrl.cli_util import fail
+from specrl.cli_util import fail, parse_device
 from specrl.errors import unknown
 from specrl.fsutil import atomic_write, writable_problem
 from specrl.paths import drafter_cache_dir
@@ -144,6 +144,14 @@ def train_drafter(
     ] = "proj",
     threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N: where the target "
+            "rolls out and the drafter trains",
+        ),
+    ] = "auto",
 ) -> None:
     """Train an EAGLE-3 / MTP drafter or distill a draft model on the target's own rollouts."""
     import torch
@@ -183,6 +191,7 @@ def train_drafter(
     if prompts is not None and not prompts.is_file():
         fail(f"--prompts file {prompts} does not exist or is not a file")
     _check_task(task)
+    where = parse_device(device)
     if threads > 0:
         torch.set_num_threads(threads)
     if drafter == "draft":
@@ -195,7 +204,7 @@ def train_drafter(
         fail(f"cannot use --out: {problem}")
     out.mkdir(parents=True, exist_ok=True)  # an OSError here (a race, a full disk): one line
     torch.manual_seed(seed)
-    target, tok = _load_target(model)
+    target, tok = _load_target(model, where)
     stops = tuple(tok.stop_token_ids)
     if draft_vocab > target.config.vocab_size:
         fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
@@ -269,14 +278,15 @@ def train_drafter(
         typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
 
 
-def _load_target(model: str) -> tuple[Transformer, TextTokenizer]:
-    """(bf16 target model, tokenizer); a model that cannot be loaded exits 2 with one line."""
+def _load_target(model: str, device) -> tuple[Transformer, TextTokenizer]:
+    """(bf16 target model on ``device``, tokenizer); a model that cannot be loaded exits 2
+    with one line."""
     import torch
 
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
 
     try:
-        return load_model(model, dtype=torch.bfloat16), load_tokenizer(model)
+        return load_model(model, dtype=torch.bfloat16, device=device), load_tokenizer(model)
     except CheckpointError as e:
         fail(str(e))
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from specrl.drafters.data import Example
 from specrl.drafters.train import STATE_FILE, TrainConfig, fit
 from specrl.models.config import ModelConfig
+from specrl.models.device import model_device, on
 from specrl.models.linear import Linear
 from specrl.models.transformer import Transformer, layer_prefix_model
 
@@ -87,7 +88,7 @@ def distill_loss(
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """Mean KL(target || draft) over the masked positions of ``batch`` (``collate_tokens``)."""
-    tokens, final, mask = batch
+    tokens, final, mask = on(model_device(draft), *batch)  # examples may sit elsewhere
     b, t = tokens.shape
     positions = torch.arange(t, device=tokens.device).expand(b, t)
     h, _ = draft.hidden_states(tokens, positions)  # [B, T, H]

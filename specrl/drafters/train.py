@@ -52,7 +52,7 @@ from tqdm import tqdm
 from specrl.drafters.data import Example
 from specrl.errors import one_line
 from specrl.fsutil import atomic_writer
-from specrl.models.device import autocast, model_device
+from specrl.models.device import autocast, model_device, on
 from specrl.models.heads import DraftHead, save_head
 from specrl.models.transformer import Transformer
 
@@ -108,7 +108,7 @@ def collate(examples: list[Example], max_len: int):
 
 def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce") -> torch.Tensor:
     """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see the module docstring)."""
-    feats, tokens, final, mask = batch
+    feats, tokens, final, mask = on(model_device(head), *batch)  # examples may sit elsewhere
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
     outs = head.unroll(feats.to(head.dtype), tokens, unroll)
     total = torch.zeros((), dtype=torch.float32, device=feats.device)

@@ -160,3 +160,33 @@ def test_a_smaller_budget_makes_the_cache_anew(monkeypatch):
     again = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
     assert engine._cache.slots == 3 and engine._batch_cap == 2
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "Hi", "--device", "gpu"],
+        ["train", "--device", "cuda:x"],
+        ["train-drafter", "--device", "tpu", "--out", "{out}"],
+        *(
+            [
+                ["generate", "Hi", "--device", "cuda"],
+                ["train", "--device", "cuda", "--run-dir", "{out}"],
+                ["train-drafter", "--device", "cuda:0", "--out", "{out}"],
+            ]
+            if NO_CUDA
+            else []
+        ),
+    ],
+)
+def test_device_options_refuse_in_one_line_before_any_work(args, tmp_path):
+    from typer.testing import CliRunner
+
+    from specrl.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [a.replace("{out}", str(out)) for a in args])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "device" in lines[0], lines
+    assert not out.exists()  # nothing written
