@@ -549,6 +549,19 @@ def read_checkpoint(ckpt: Path) -> CheckpointData:
     return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters)
 
 
+# How an optimizer runs, not what it learned: kept from this run's optimizer on resume (a
+# checkpoint written on a GPU, with fused AdamW, resumes on the CPU with foreach, and back).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, keeping the optimizer's implementation flags."""
+    keep = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, keep, strict=True):
+        group.update(flags)
+
+
 def apply_checkpoint(
     data: CheckpointData, policy: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -556,7 +569,7 @@ def apply_checkpoint(
     backend state). A checkpoint that does not fit this model or optimizer is a ``RunDirError``."""
     try:
         load_state(policy, data.policy)
-        optimizer.load_state_dict(data.optimizer)
+        load_optimizer(optimizer, data.optimizer)
         restore_masters(policy, optimizer, data.masters)
         torch.set_rng_state(data.rng)
     except (ValueError, KeyError, RuntimeError) as e:

@@ -234,3 +234,20 @@ def test_bf16_head_function_backward_is_the_product_of_rounded_inputs():
     torch.testing.assert_close(hidden.grad, h_ref.grad)
     assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
     torch.testing.assert_close(weight.grad, w_ref.grad.bfloat16())
+
+
+def test_resume_keeps_this_runs_optimizer_implementation(tmp_path):
+    """A checkpoint written with fused AdamW (as on a GPU) resumes with this run's foreach
+    AdamW on the CPU, and the same state."""
+    first = Learner(make_tiny(), dtype="fp32", lr=1e-3)
+    first.train_step(_samples())
+    for group in first.optimizer.param_groups:  # as a CUDA run would have saved it
+        group.update(fused=True, foreach=None)
+    ckpt = tmp_path / "step_000001"
+    save_checkpoint(ckpt, first.model, first.optimizer, {"step": 1, "policy_version": 1})
+    second = Learner(make_tiny(seed=1), dtype="fp32", lr=1e-3)
+    load_checkpoint(ckpt, second.model, second.optimizer)
+    group = second.optimizer.param_groups[0]
+    assert (group["fused"], group["foreach"]) == (None, True)
+    a, b = first.train_step(_samples(1)), second.train_step(_samples(1))
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
