@@ -8,7 +8,9 @@ The earlier commit is checked out into a temporary git worktree; both trees run 
 this CPU, plain decoding and each ``--spec`` drafter, the in-run roofline) with the same
 virtual environment, the tree's own ``specrl`` first on ``PYTHONPATH``. Rounds alternate the
 order (base, head; head, base; ...) so drift on the machine falls on both. Per batch size and
-engine: the best tokens/s of each tree over the rounds and head / base. Writes one JSON with
+engine: the best and the median tokens/s of each tree over the rounds and head / base, and the
+median share of each run's own measured roofline (the machine's bandwidth drifts between runs,
+by up to 1.6x here: the share takes that out). Writes one JSON with
 both trees' raw results, the ratios, and the machine's metadata (CPU flags included).
 """
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,14 +45,23 @@ def bench(tree: Path, args: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def best_rates(runs: list[dict]) -> dict[str, float]:
-    """'engine@batch' -> the best tokens/s over ``runs`` (``bench generate`` JSONs)."""
-    best: dict[str, float] = {}
+def rates(
+    runs: list[dict], pick: Callable[[list[float]], float], field: str = "tokens_per_s"
+) -> dict[str, float]:
+    """'engine@batch' -> ``pick`` of its ``field`` over ``runs`` (``bench generate`` JSONs)."""
+    seen: dict[str, list[float]] = {}
     for run in runs:
         for row in run["results"]:
             key = f"{row['spec'] or row['engine']}@{row['batch_size']}"
-            best[key] = max(best.get(key, 0.0), row["tokens_per_s"])
-    return best
+            seen.setdefault(key, []).append(row[field])
+    return {k: pick(v) for k, v in seen.items()}
+
+
+VIEWS = {  # name -> (pick over rounds, field of each row)
+    "max": (max, "tokens_per_s"),
+    "median": (statistics.median, "tokens_per_s"),
+    "median_of_roofline": (statistics.median, "fraction_of_measured_roofline"),
+}
 
 
 def main() -> None:
@@ -76,12 +89,15 @@ def main() -> None:
                     runs[name].append(bench(tree, args, Path(tmp) / f"{name}{r}.json"))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO)
-    head, old = best_rates(runs["head"]), best_rates(runs["base"])
-    ratios = {k: head[k] / old[k] for k in sorted(head) if old.get(k)}
-    for k, v in ratios.items():
-        print(f"{k:>20}: head {head[k]:8.1f} tok/s, base {old[k]:8.1f} tok/s, {v:.3f}x")
+    summary = {}
+    for view, (pick, field) in VIEWS.items():
+        head, old = rates(runs["head"], pick, field), rates(runs["base"], pick, field)
+        ratios = {k: head[k] / old[k] for k in sorted(head) if old.get(k)}
+        summary[view] = {"head": head, "base": old, "ratios": ratios}
+        for k, v in ratios.items():
+            print(f"{view:>18} {k:>12}: head {head[k]:8.3f}, base {old[k]:8.3f}, {v:.3f}x")
     meta = run_metadata(" ".join(sys.argv))
-    result = meta | {"base": args.base, "ratios": ratios, "best": {"head": head, "base": old}}
+    result = meta | {"base": args.base, "summary": summary}
     write_result(result | {"runs": runs}, args.out)
 
 
