@@ -315,8 +315,7 @@ def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:
     check_drafter(cfg)
     device = model_device(policy)  # colocated: the engine's copy lives where the policy does
     dtype = torch_dtype(cfg.model.dtype, device)
-    draft = load_drafter(cfg, dtype, policy)
-    draft = None if draft is None else draft.to(device)
+    draft = load_drafter(cfg, dtype, policy)  # the engine moves it to its device
     fraction = cfg.model.gpu_memory_utilization if device.type == "cuda" else None
     try:
         return Engine(engine_copy(policy, dtype), max_batch=cfg.rollout.max_batch,

@@ -94,15 +94,12 @@ class RowTensors:
 
     @classmethod
     def of(cls, rows: list[Seq], device: torch.device) -> RowTensors:
-        def on(values: list, dtype: torch.dtype) -> torch.Tensor:  # [B] on ``device``
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            temperature=on([s.params.temperature for s in rows], torch.float32),
-            top_k=on([s.params.top_k for s in rows], torch.int64),
-            top_p=on([s.params.top_p for s in rows], torch.float32),
-            seeds=on([s.comp.seed for s in rows], torch.int64),
-        )
+        return cls(*on(device,  # built on the host, one copy each
+            torch.tensor([s.params.temperature for s in rows], dtype=torch.float32),
+            torch.tensor([s.params.top_k for s in rows], dtype=torch.int64),
+            torch.tensor([s.params.top_p for s in rows], dtype=torch.float32),
+            torch.tensor([s.comp.seed for s in rows], dtype=torch.int64),
+        ))  # fmt: skip
 
     def select(self, idx: torch.Tensor) -> RowTensors:
         return RowTensors(*(t[idx] for t in (self.temperature, self.top_k, self.top_p, self.seeds)))
@@ -186,6 +183,8 @@ class Engine(InflightUpdates):
                 prepack(m)
         self.max_batch = max_batch
         self.memory_fraction = memory_fraction  # device memory share bounding the KV cache
+        # bytes of one cache slot per position (the budget's unit), measured once
+        self._position_bytes = model.new_cache(1, 1).nbytes if memory_fraction else 0
         self._batch_cap = max_batch  # concurrent rows of the running call (memory permitting)
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
@@ -321,7 +320,7 @@ class Engine(InflightUpdates):
         budget = memory_budget(self.device, self.memory_fraction, held)
         if budget is None:
             return self.max_batch
-        per_row = self.model.new_cache(1, 1).nbytes * limit  # bytes of one row at full length
+        per_row = self._position_bytes * limit  # bytes of one row at full length
         fit = budget // per_row - 1
         if fit < 1:
             raise MemoryError(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specrl.models.device import on
+
 TENSORS = ("ids", "positions", "segments", "parents", "rows", "cols", "targets")
 
 
@@ -60,8 +62,8 @@ class PackedBatch:
         """The same batch with its tensors on ``device`` (itself when they are there)."""
         if self.ids.device == device:
             return self
-        moved = {k: getattr(self, k).to(device, non_blocking=True) for k in TENSORS}
-        return dataclasses.replace(self, **moved)
+        moved = on(device, *(getattr(self, k) for k in TENSORS))
+        return dataclasses.replace(self, **dict(zip(TENSORS, moved, strict=True)))
 
 
 @dataclass
