@@ -180,7 +180,7 @@ def test_bf16_head_on_cuda_accumulates_bf16_inputs_in_float32():
     """On CUDA in bf16 the LM head multiplies bf16 inputs into float32 logits: the logprobs
     equal a float64 product of the bf16-rounded inputs (float32 accumulation, not bf16 output
     rounding), 'fp32' keeps the float32 product, and gradients flow through both."""
-    from specrl.rl.learner import bf16_head, head_logprobs
+    from specrl.rl.head import bf16_head, head_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(300, 64, generator=g) * 2).cuda().requires_grad_(True)  # [M, H]
@@ -217,7 +217,7 @@ def test_bf16_head_function_backward_is_the_product_of_rounded_inputs():
     """``Bf16Head`` (the CUDA LM head: bf16 inputs, float32 accumulation, its own backward) on
     the CPU, where its products are float32 products of the same bf16 values: forward and
     gradients equal autograd's through the float32 product of the rounded inputs."""
-    from specrl.rl.learner import Bf16Head
+    from specrl.rl.head import Bf16Head
 
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(7, 16, generator=g, requires_grad=True)  # [m, H] float32
