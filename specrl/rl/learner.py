@@ -10,8 +10,8 @@ Contract:
   default) consecutive sequences with the same prompt (a GRPO group) share one copy of it, so
   the prompt's tokens run once per micro-batch instead of once per sample (same values, fewer
   FLOPs). The LM head and the float32 log-softmax run only at completion positions, in chunks
-  of ``chunk`` positions; with autograd on, each chunk is recomputed in backward (activation
-  checkpointing), so the [positions, vocab] float32 logits never exist for more than one chunk.
+  of ``chunk`` positions (``rl.head``; with autograd on, each chunk is recomputed in backward,
+  so the [positions, vocab] float32 logits never exist for more than one chunk).
 - ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
   reports as raw logprobs, for the engine-vs-learner mismatch metric (``Learner.raw_logprobs``
   does it in the learner's precision).
