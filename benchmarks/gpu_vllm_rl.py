@@ -204,13 +204,15 @@ def run_config(args: argparse.Namespace, preset: Preset, drafter: Path):
 
 def vllm_backend(cfg, policy: torch.nn.Module, engine_kwargs: dict[str, Any]):
     """``specrl.backends.vllm.build_vllm`` with vLLM engine arguments (two engines share a GPU)."""
-    from specrl.backends.native import drafter_dir, spec_config
+    from specrl.backends import REGISTRY
     from specrl.backends.vllm import VllmBackend
     from specrl.models.checkpoints import resolve_model
     from specrl.models.precision import torch_dtype
+    from specrl.rollout_plan import drafter_dir, spec_config
 
+    spec = spec_config(cfg, REGISTRY["vllm"].traits)
     backend = VllmBackend(resolve_model(cfg.model.name), dtype=torch_dtype(cfg.model.dtype),
-                          spec=spec_config(cfg, native=False), drafter_dir=drafter_dir(cfg),
+                          spec=spec, drafter_dir=drafter_dir(cfg),
                           max_batch=cfg.rollout.max_batch, seed=cfg.run.seed,
                           engine_kwargs=engine_kwargs)  # fmt: skip
     backend.update_weights(dict(policy.named_parameters()), 0)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specrl.backends import plan_rollout
 from specrl.backends.native import build_native
 from specrl.bench import run_metadata, write_result
 from specrl.config import load_config
@@ -56,7 +57,7 @@ def main() -> None:
     dtype = torch_dtype(cfg.model.dtype)
     policy = load_model(cfg.model.name, dtype=torch.float32)
     named = dict(policy.named_parameters())
-    backend = build_native(cfg, policy)
+    backend = build_native(plan_rollout(cfg), policy)
     guard = WeightGuard(dtype)
     version = iter(range(1, 10_000))
     result = {
@@ -74,7 +75,8 @@ def main() -> None:
         from specrl.backends.process import build_process
 
         sets = [f"model.dtype={args.dtype}", "rollout.spec=none", "rollout.placement=process"]
-        with build_process(load_config(None, [*sets, "rollout.threads=1"]), policy) as worker:
+        plan = plan_rollout(load_config(None, [*sets, "rollout.threads=1"]))
+        with build_process(plan, policy) as worker:
             result |= timed("process_served", worker.served, args.repeats)
     for key, value in result.items():
         print(f"{key}: {value * 1e3:.1f} ms" if key.endswith("_s") else f"{key}: {value}")

@@ -1,22 +1,24 @@
-"""Rollout backends: generation behind one protocol (``base.RolloutBackend``).
+"""Rollout backends: generation behind one protocol (``base.RolloutBackend``), one registry.
 
-``build_backend(cfg, policy)`` picks the backend of a run:
-- ``cluster.rollout_workers > 0``: ``ray_`` (that many rollout backends as Ray actors, each one
-  built as below);
-- ``rollout.backend='vllm'``: ``vllm`` (vLLM's engine in the trainer's process);
-- ``rollout.backend='native'``: specrl's engine, ``native`` in the trainer's process or
-  ``process`` in a worker process, by ``rollout.placement`` ('auto': a worker process for the
-  async pipeline, so rollouts and learning run on different cores; inline for sync).
-On a CUDA device (``model.device``) the native engine runs inline beside the learner, on a
-copy of the policy on the same device (colocated); ``check_device`` refuses what cannot.
-``ConfigError`` (one line) for a combination that cannot run, before anything is built.
+``plan_rollout(cfg)`` is the run's ``rollout_plan.RolloutPlan`` under the rules of the
+backends in ``REGISTRY``; ``build_backend(plan, policy)`` builds it: Ray workers (``ray_``,
+each building ``build_local``) for ``cluster.rollout_workers > 0``, else the entry's builder
+for the plan's placement (``native`` inline, ``process`` in a worker process, ``vllm``).
+A fifth backend touches only ``backends/``: its module(s) and one ``REGISTRY`` entry here
+(builders and ``BackendTraits``); its name also goes in ``config.py``'s ``rollout.backend``
+choices, which the leaf config lists itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from specrl.backends.base import IN_FLIGHT, Rollout, RolloutBackend, Served, Versions
+from specrl.rollout_plan import BackendTraits, RolloutPlan, make_plan
 
 if TYPE_CHECKING:
     import torch
@@ -25,86 +27,78 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IN_FLIGHT",
+    "REGISTRY",
     "Rollout",
     "RolloutBackend",
     "Served",
     "Versions",
     "build_backend",
     "build_local",
-    "check_device",
-    "placement",
-    "run_device",
+    "plan_rollout",
 ]
 
 
-def placement(cfg: Config) -> str:
-    """'inline' or 'process': ``rollout.placement`` with 'auto' resolved (process when async with
-    the native engine on the CPU; vLLM, and everything on a GPU, runs inline: colocated)."""
-    if cfg.rollout.placement != "auto":
-        return cfg.rollout.placement
-    native_async = cfg.pipeline.mode == "async" and cfg.rollout.backend == "native"
-    return "process" if native_async and run_device(cfg).type == "cpu" else "inline"
+def _attr(target: str) -> Any:
+    """The object named by ``"module:name"`` (the module imported now)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def run_device(cfg: Config) -> torch.device:
-    """``model.device`` resolved (``ConfigError`` naming it when it cannot be had here)."""
-    from specrl.config import ConfigError
-    from specrl.models.device import DeviceError, resolve_device
-
-    try:
-        return resolve_device(cfg.model.device)
-    except DeviceError as e:
-        raise ConfigError(f"bad value for model.device: {e}") from None
+def _call(target: str) -> Callable[..., Any]:
+    """A function that calls ``target`` (``_attr``), imported when called."""
+    return lambda *args: _attr(target)(*args)
 
 
-def check_device(cfg: Config) -> None:
-    """A GPU run is colocated in one process: the worker-process engine (shared memory on the
-    host) and the installed vLLM build (CPU) cannot serve it."""
-    from specrl.config import ConfigError
+@dataclass(frozen=True)
+class Entry:
+    """A registered backend: its builders (``"module:function"`` taking ``(plan, policy)``,
+    imported when used; ``process`` set exactly when ``traits.inline_only`` is None) and the
+    rules its plans follow."""
 
-    device = run_device(cfg)
-    if device.type == "cpu":
-        return
-
-    if cfg.rollout.backend == "vllm":
-        raise ConfigError(
-            f"rollout.backend='vllm' with model.device={cfg.model.device!r}: the vLLM backend "
-            "runs the installed vLLM build (CPU); use rollout.backend='native' on a GPU"
-        )
-    if cfg.rollout.placement == "process":
-        raise ConfigError(
-            f"rollout.placement='process' with model.device={cfg.model.device!r}: on a GPU the "
-            "engine and the learner share one process (placement 'inline' or 'auto')"
-        )
+    inline: str
+    process: str | None = None
+    traits: BackendTraits = BackendTraits()
 
 
-def build_local(cfg: Config, policy: torch.nn.Module) -> RolloutBackend:
-    """The configured backend in this process (or its worker process), ignoring ``cluster``."""
-    if cfg.rollout.backend == "vllm":
-        if placement(cfg) == "process":
-            from specrl.config import ConfigError
+REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
+    "native": Entry(
+        "specrl.backends.native:build_native",
+        "specrl.backends.process:build_process",
+        BackendTraits(controller=True, exact_sample=True,
+                      check_in_flight=_call("specrl.backends.native:check_in_flight")),
+    ),
+    "vllm": Entry(
+        "specrl.backends.vllm:build_vllm",
+        traits=BackendTraits(
+            inline_only="the vLLM backend runs in the trainer's process; use "
+            "cluster.rollout_workers for separate workers",
+            cpu_only="the vLLM backend runs the installed vLLM build (CPU); use "
+            "rollout.backend='native' on a GPU",
+            frozen_drafter="vLLM serves an exported head that specrl does not train during RL",
+            missing=_call("specrl.backends.vllm:missing_extra"),
+            check_spec=_call("specrl.backends.vllm_spec:check_spec"),
+        ),
+    ),
+})  # fmt: skip
 
-            raise ConfigError(
-                "rollout.placement='process' needs rollout.backend='native' (the vLLM backend "
-                "runs in the trainer's process; use cluster.rollout_workers for separate workers)"
-            )
-        from specrl.backends.vllm import build_vllm
 
-        return build_vllm(cfg, policy)
-    if placement(cfg) == "process":
-        from specrl.backends.process import build_process
-
-        return build_process(cfg, policy)
-    from specrl.backends.native import build_native
-
-    return build_native(cfg, policy)
+def plan_rollout(cfg: Config) -> RolloutPlan:
+    """``cfg``'s rollout plan (``ConfigError``, one line, for a setting that cannot run)."""
+    return make_plan(cfg, {name: entry.traits for name, entry in REGISTRY.items()})
 
 
-def build_backend(cfg: Config, policy: torch.nn.Module) -> RolloutBackend:
-    """The configured backend over its own copy of ``policy`` (``ConfigError`` on bad input)."""
-    check_device(cfg)
-    if cfg.cluster.rollout_workers > 0:
+def build_local(plan: RolloutPlan, policy: torch.nn.Module) -> RolloutBackend:
+    """The planned backend in this process (or its worker process), ignoring Ray workers."""
+    entry = REGISTRY[plan.backend]
+    target = entry.process if plan.placement == "process" else entry.inline
+    assert target is not None, "the plan refuses a worker process for an inline-only backend"
+    return _attr(target)(plan, policy)
+
+
+def build_backend(plan: RolloutPlan, policy: torch.nn.Module) -> RolloutBackend:
+    """The planned backend over its own copy of ``policy``."""
+    if plan.workers is not None:
         from specrl.backends.ray_ import build_ray
 
-        return build_ray(cfg, policy)
-    return build_local(cfg, policy)
+        return build_ray(plan, policy)
+    return build_local(plan, policy)

@@ -44,9 +44,10 @@ import torch
 
 from specrl.engine.stats import EngineStats
 from specrl.engine.types import Completion, Request
+from specrl.rollout_plan import IN_FLIGHT
 from specrl.spec.config import SpecConfig
 
-IN_FLIGHT = "in_flight"  # weights can change between decode steps of a running generate
+__all__ = ["IN_FLIGHT", "Rollout", "RolloutBackend", "Served", "Versions"]
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ Contract:
   history); during a generate call it waits for the call to end.
   Thread-safe for one generating thread plus one updating thread (the async pipeline's producer
   and learner).
-- ``build_native(cfg, policy)`` resolves everything from a run ``Config``: the drafter (a
-  ``draft`` model or a head directory: ``rollout.drafter_path`` or the one ``specrl
-  train-drafter`` cached; missing -> ``ConfigError`` naming that command), the ``auto`` token
-  cap, the engine's own copy of ``policy`` in ``model.dtype`` ('auto' resolved for this CPU).
+- ``build_native(plan, policy)``: the engine of a ``RolloutPlan`` (its speculation, the draft
+  model in ``plan.drafter_dir`` or the untrained start of a run that trains one) over its own
+  copy of ``policy`` in ``plan.dtype`` ('auto' resolved for the policy's device), with the
+  plan's in-flight policy.
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ import copy
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from specrl.backends.base import IN_FLIGHT, Rollout, Served, Versions
-from specrl.config import Config, ConfigError
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.engine.types import Request
@@ -44,14 +42,9 @@ from specrl.models.fingerprint import fingerprint
 from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
-from specrl.paths import cached_drafter
-from specrl.spec.config import SpecConfig, auto_tokens_per_forward
-from specrl.spec.proposers import (
-    available_proposers,
-    get_proposer_class,
-    head_kind,
-    proposer_takes,
-)
+from specrl.rollout_plan import RolloutPlan, refusing
+from specrl.spec.config import SpecConfig
+from specrl.spec.proposers import proposer_takes
 
 
 class NativeBackend:
@@ -69,7 +62,7 @@ class NativeBackend:
         self._newest = engine.policy_version  # the newest version received
         self._drafter_version = 0
         if in_flight:
-            check_mode(in_flight, [engine.spec.method])
+            check_in_flight(in_flight, engine.spec.method)
         self._record = self._fingerprints()  # what ``served`` answers during a generate call
 
     @property
@@ -200,72 +193,24 @@ def drafter_tensors(proposer: object) -> tuple[dict[str, torch.Tensor], torch.dt
 # --------------------------------------------------------------------------- building
 
 
-def drafter_dir(cfg: Config) -> str | None:
-    """The drafter directory a ``draft`` model or learned-head drafter (eagle3, mtp, hybrid) reads:
-    ``rollout.drafter_path``, else the one ``specrl train-drafter --drafter SPEC`` cached for
-    the model, if it exists."""
-    if cfg.rollout.drafter_path is not None:
-        return str(Path(cfg.rollout.drafter_path).expanduser())
-    cached = cached_drafter(cfg.model.name, head_kind(cfg.rollout.spec))
-    return None if cached is None else str(cached)
-
-
-def learned_drafter(spec: str) -> bool:
-    """Whether ``spec`` drafts with weights specrl can train: a head (eagle3, mtp: it takes a
-    ``drafter_path``) or a ``draft`` model (it takes a ``draft_model``)."""
-    known = spec in available_proposers()
-    return known and (proposer_takes(spec, "drafter_path") or proposer_takes(spec, "draft_model"))
-
-
-def training_mode(cfg: Config) -> str | None:
-    """``drafter.mode`` resolved: 'online' or 'refresh' when the run trains its drafter during
-    RL, else None. 'auto' is 'refresh' for a learned drafter (eagle3, mtp, draft) on the native
-    engine; an explicit mode for a drafter with nothing to train is refused (it would be
-    ignored)."""
-    mode, spec = cfg.drafter.mode, cfg.rollout.spec
-    learned = learned_drafter(spec)
-    if mode == "auto":
-        return "refresh" if learned and cfg.rollout.backend == "native" else None
-    if not learned:
-        raise ConfigError(
-            f"drafter.mode={mode!r} needs a learned drafter (rollout.spec='eagle3', 'mtp' or "
-            f"'draft'), got rollout.spec={spec!r}: it would be ignored"
-        )
-    if mode != "frozen" and cfg.rollout.backend != "native":
-        raise ConfigError(
-            f"drafter.mode={mode!r} needs rollout.backend='native' (vLLM serves an exported "
-            "head that specrl does not train during RL)"
-        )
-    return None if mode == "frozen" else mode
-
-
-def check_drafter(cfg: Config) -> None:
-    """A drafter that takes a draft model or a trained head needs one (checked up front),
-    unless the run trains its head from scratch (``training_mode``)."""
-    spec = cfg.rollout.spec
-    if training_mode(cfg) is not None:
-        return
-    for takes, what in (("draft_model", "a model directory"), ("drafter_path", "a head directory")):
-        if proposer_takes(spec, takes) and drafter_dir(cfg) is None:
-            raise ConfigError(
-                f"rollout.spec={spec!r} needs rollout.drafter_path ({what}; make one with "
-                f"`specrl train-drafter --drafter {head_kind(spec)}`)"
-            )
+def check_in_flight(policy: str, drafter: str) -> None:
+    """``ValueError`` unless the engine can update weights in flight with ``policy`` while
+    ``drafter`` drafts (the registry's rule for this backend's plans)."""
+    check_mode(policy, [drafter])
 
 
 def load_drafter(
-    cfg: Config, dtype: torch.dtype, policy: torch.nn.Module | None = None
+    plan: RolloutPlan, dtype: torch.dtype, policy: torch.nn.Module | None = None
 ) -> torch.nn.Module | None:
     """The draft model of a ``draft``-style drafter (heads are loaded by their proposer): the
     saved one, or, for a run that trains it from scratch (none saved), ``untrained_draft``."""
-    if not proposer_takes(cfg.rollout.spec, "draft_model"):
+    if not proposer_takes(plan.spec.method, "draft_model"):
         return None
-    path = drafter_dir(cfg)
-    if path is None and policy is not None:
+    if plan.drafter_dir is None and policy is not None:
         return untrained_draft(policy, dtype).requires_grad_(False)
     from specrl.models.checkpoints import load_model
 
-    return load_model(path, dtype=dtype)
+    return load_model(plan.drafter_dir, dtype=dtype)
 
 
 def untrained_draft(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -278,64 +223,17 @@ def untrained_draft(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return init_draft(policy, layers).to(dtype)
 
 
-def spec_config(cfg: Config, native: bool = True) -> SpecConfig:
-    """The speculation settings from ``rollout.*`` for the native engine, or (``native`` False)
-    for vLLM. ``max_tokens_per_forward='auto'`` is the native engine's cost-model controller
-    (``SpecConfig.adaptive``); for vLLM, which takes a per-batch-size schedule, the fixed cap
-    ``auto_tokens_per_forward`` gives. ``spec_exact='auto'``: ``exact_rule``."""
-    cap = cfg.rollout.max_tokens_per_forward
-    adaptive = cap == "auto" and native
-    if cap == "auto":
-        cap = None if adaptive else auto_tokens_per_forward(torch_dtype(cfg.model.dtype))
-    heads = proposer_takes(cfg.rollout.spec, "drafter_path")
-    return SpecConfig(
-        cfg.rollout.spec,
-        cfg.rollout.num_spec_tokens,
-        options={"drafter_path": drafter_dir(cfg)} if heads else {},
-        max_tokens_per_forward=cap,
-        siblings=cfg.rollout.spec_siblings,
-        exact=exact_rule(cfg, native),
-        adaptive=adaptive,
-    )
-
-
-def exact_rule(cfg: Config, native: bool = True) -> str:
-    """``rollout.spec_exact`` with 'auto' resolved: 'sample' for a deterministic drafter on the
-    native engine without siblings (no acceptance lost), else 'distribution'."""
-    exact, method = cfg.rollout.spec_exact, cfg.rollout.spec
-    if exact != "auto":
-        return exact
-    known = method in available_proposers()
-    plain_draft = known and get_proposer_class(method).deterministic
-    return "sample" if native and plain_draft and not cfg.rollout.spec_siblings else "distribution"
-
-
-def make_engine(cfg: Config, policy: torch.nn.Module) -> Engine:
-    """An engine over its own copy of ``policy`` with the configured drafter."""
-    check_drafter(cfg)
+def make_engine(plan: RolloutPlan, policy: torch.nn.Module) -> Engine:
+    """An engine over its own copy of ``policy`` with the planned drafter."""
     device = model_device(policy)  # colocated: the engine's copy lives where the policy does
-    dtype = torch_dtype(cfg.model.dtype, device)
-    draft = load_drafter(cfg, dtype, policy)  # the engine moves it to its device
-    fraction = cfg.model.gpu_memory_utilization if device.type == "cuda" else None
-    try:
-        return Engine(engine_copy(policy, dtype), max_batch=cfg.rollout.max_batch,
-                      seed=cfg.run.seed, spec=spec_config(cfg), draft_model=draft,
-                      memory_fraction=fraction)  # fmt: skip
-    except ValueError as e:
-        raise ConfigError(f"bad value for rollout.spec: {e}") from None
+    dtype = torch_dtype(plan.dtype, device)
+    draft = load_drafter(plan, dtype, policy)  # the engine moves it to its device
+    fraction = plan.gpu_memory_utilization if device.type == "cuda" else None
+    with refusing("rollout.spec"):  # a drafter that cannot be built from what the plan names
+        return Engine(engine_copy(policy, dtype), max_batch=plan.max_batch, seed=plan.seed,
+                      spec=plan.spec, draft_model=draft, memory_fraction=fraction)  # fmt: skip
 
 
-def in_flight_mode(cfg: Config) -> str | None:
-    """The in-flight token policy when the async pipeline updates weights between decode steps."""
-    p = cfg.pipeline
-    return p.in_flight_tokens if p.mode == "async" and p.update == "in_flight" else None
-
-
-def build_native(cfg: Config, policy: torch.nn.Module) -> NativeBackend:
+def build_native(plan: RolloutPlan, policy: torch.nn.Module) -> NativeBackend:
     """The inline native backend of a run (see the module docstring)."""
-    try:
-        return NativeBackend(make_engine(cfg, policy), in_flight=in_flight_mode(cfg))
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"bad value for pipeline.in_flight_tokens: {e}") from None
+    return NativeBackend(make_engine(plan, policy), in_flight=plan.in_flight)

@@ -1,10 +1,10 @@
 """The process backend: the native engine in its own worker process, behind ``RolloutBackend``.
 
 Contract:
-- ``ProcessBackend(cfg, policy)`` (or ``build_process``) starts one worker process (the
+- ``ProcessBackend(plan, policy)`` (or ``build_process``) starts one worker process (the
   ``spawn`` start method: forking a process that has run torch is unsafe) that builds
-  ``build_native(cfg, model)`` (a ``NativeBackend``) with its own
-  ``torch.set_num_threads(rollout.threads)`` (0 = half the cores, at least 1). ``model`` is
+  ``build_native(plan, model)`` (a ``NativeBackend``) with its own
+  ``torch.set_num_threads(plan.threads)`` (0 = half the cores, at least 1). ``model`` is
   ``engine_copy(policy, dtype)`` with its tensors in shared memory, so any ``Transformer`` works
   (nothing is reloaded by name); the worker's engine keeps its own private copy, and the shared
   copy stays behind as the staging area of weight updates (one tensor per distinct parameter,
@@ -52,10 +52,11 @@ from tqdm import tqdm
 
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.native import NativeBackend, build_native
-from specrl.config import Config, ConfigError
+from specrl.config import ConfigError
 from specrl.engine.types import Request
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy
+from specrl.rollout_plan import RolloutPlan
 from specrl.spec.config import SpecConfig
 
 POLL_S = 0.1  # how often a waiting call checks that the worker is alive
@@ -89,13 +90,13 @@ class _Worker:
     """The worker process and its two channels (holds no reference to the backend, so a
     finalizer can stop it)."""
 
-    def __init__(self, cfg: Config, model: nn.Module, threads: int) -> None:
+    def __init__(self, plan: RolloutPlan, model: nn.Module, threads: int) -> None:
         ctx = mp.get_context("spawn")
         req_here, req_there = ctx.Pipe()
         ctl_here, ctl_there = ctx.Pipe()
         self.process = ctx.Process(
             target=_worker_main,
-            args=(cfg, model, threads, req_there, ctl_there),
+            args=(plan, model, threads, req_there, ctl_there),
             name="specrl-rollout",
             daemon=True,  # multiprocessing's own exit hook terminates it, as a last resort
         )
@@ -195,9 +196,9 @@ class ProcessBackend:
     spec: SpecConfig
     features: frozenset[str]
 
-    def __init__(self, cfg: Config, policy: nn.Module) -> None:
-        self._staging = engine_copy(policy, torch_dtype(cfg.model.dtype)).share_memory()
-        self._worker = _Worker(cfg, self._staging, worker_threads(cfg.rollout.threads))
+    def __init__(self, plan: RolloutPlan, policy: nn.Module) -> None:
+        self._staging = engine_copy(policy, torch_dtype(plan.dtype)).share_memory()
+        self._worker = _Worker(plan, self._staging, worker_threads(plan.threads))
         self._finalizer = weakref.finalize(self, self._worker.stop)
         try:
             self.spec, self.features = _unwrap(self._worker.wait(self._worker.request, "start"))
@@ -247,9 +248,9 @@ class ProcessBackend:
         self.close()
 
 
-def build_process(cfg: Config, policy: nn.Module) -> ProcessBackend:
+def build_process(plan: RolloutPlan, policy: nn.Module) -> ProcessBackend:
     """The process backend of a run (see the module docstring)."""
-    return ProcessBackend(cfg, policy)
+    return ProcessBackend(plan, policy)
 
 
 def _pack(state: Mapping[str, torch.Tensor]) -> bytes:
@@ -266,7 +267,7 @@ def _unpack(blob: bytes) -> dict[str, torch.Tensor]:
 
 
 def _worker_main(
-    cfg: Config, model: nn.Module, threads: int, request: Connection, control: Connection
+    plan: RolloutPlan, model: nn.Module, threads: int, request: Connection, control: Connection
 ) -> None:
     """The worker process: build the backend, serve control on a thread, requests here."""
     # Ctrl-C and SIGTERM (often sent to the whole process group) are the trainer's to handle:
@@ -278,7 +279,7 @@ def _worker_main(
     tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads)
     try:
-        backend = build_native(cfg, model)
+        backend = build_native(plan, model)
     except Exception as e:
         request.send(_error(e))
         return

@@ -1,15 +1,16 @@
 """The Ray backend: ``cluster.rollout_workers`` rollout backends as Ray actors, one protocol.
 
-Contract (``RayBackend(cfg, policy)``, or ``build_ray``):
+Contract (``RayBackend(plan, policy)``, or ``build_ray``; ``plan.workers`` is ``cluster.*``):
 - Start: joins Ray (``ray_session.RaySession``: a running connection, ``cluster.address``, or
   a local Ray on 127.0.0.1 that ``close`` shuts down), puts the policy (engine dtype) into the
   object store once and starts N actors, each building ``backends.build_local`` (the native
-  engine or vLLM) inline in its own process (``rollout.placement`` 'auto' is inline there;
-  'process' is refused: an actor is a process already) with ``cluster.threads`` torch threads,
-  reserving ``cluster.worker_cpus``/``worker_gpus`` (``ConfigError`` if the cluster lacks
-  them). A worker's start-up error is raised here (its type and one line). ``spec`` and
-  ``features`` are the local backend's (``IN_FLIGHT`` included: each actor serves updates on a
-  control thread of its own while it generates, like the process backend's two channels).
+  engine or vLLM) from ``rollout_plan.worker_plan(plan)``, inline in its own process (the plan
+  refuses ``rollout.placement='process'``: an actor is a process already) with
+  ``cluster.threads`` torch threads, reserving ``cluster.worker_cpus``/``worker_gpus``
+  (``ConfigError`` if the cluster lacks them). A worker's start-up error is raised here (its
+  type and one line). ``spec`` and ``features`` are the local backend's (``IN_FLIGHT``
+  included: each actor serves updates on a control thread of its own while it generates, like
+  the process backend's two channels).
 - ``generate``: the requests, whole (a request carries its n samples and their seeds,
   ``engine.types.sample_seed``, so a GRPO group never straddles workers and its tokens do not
   depend on which worker runs it; a request without a seed gets one from its worker's own
@@ -71,11 +72,11 @@ import torch
 from specrl.backends import build_local
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.ray_session import RaySession, actor_threads, check_fits, import_ray
-from specrl.config import Config, ConfigError
 from specrl.engine.stats import EngineStats
 from specrl.engine.types import Request
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import check_weights, engine_copy
+from specrl.rollout_plan import RolloutPlan, Workers, worker_plan
 from specrl.spec.config import SpecConfig
 
 CONTROL = "control"  # the actors' concurrency group for updates and queries
@@ -88,7 +89,7 @@ class RolloutWorker:
     """The body of one rollout-worker actor: a local backend. Object refs arrive boxed in a
     list, so the actor fetches the object itself (and records which one it got)."""
 
-    def __init__(self, cfg: Config, policy: list[Any], updates: list[tuple[str, list[Any]]],
+    def __init__(self, plan: RolloutPlan, policy: list[Any], updates: list[tuple[str, list[Any]]],
                  threads: int) -> None:  # fmt: skip
         import ray
 
@@ -96,7 +97,7 @@ class RolloutWorker:
         self.fetched: list[str] = []  # object ids of the updates it loaded, in order
         self.problem: Exception | None = None
         try:
-            self.backend = build_local(cfg, ray.get(policy[0]))
+            self.backend = build_local(plan, ray.get(policy[0]))
             for method, box in updates:  # the newest policy and drafter updates
                 getattr(self, method)(box)
         except Exception as e:  # raised by ``ready``, with its own type and message
@@ -161,20 +162,6 @@ class _Slot:
     index: int
     actor: Any
     restarts: int = 0
-
-
-def worker_config(cfg: Config) -> Config:
-    """The config an actor builds its local backend from: inline placement."""
-    if cfg.cluster.rollout_workers < 1:
-        raise ConfigError("the Ray backend needs cluster.rollout_workers >= 1, got 0")
-    if cfg.rollout.placement == "process":
-        raise ConfigError(
-            f"rollout.placement='process' with cluster.rollout_workers="
-            f"{cfg.cluster.rollout_workers}: each Ray worker is its own process already "
-            "(use 'auto' or 'inline')"
-        )
-    rollout = cfg.rollout.model_copy(update={"placement": "inline"})
-    return cfg.model_copy(update={"rollout": rollout})
 
 
 def split(n: int, parts: int) -> list[range]:
@@ -272,35 +259,35 @@ class RayBackend:
     spec: SpecConfig
     features: frozenset[str]
 
-    def __init__(self, cfg: Config, policy: torch.nn.Module) -> None:
-        self._cfg = worker_config(cfg)
-        cluster = cfg.cluster
+    def __init__(self, plan: RolloutPlan, policy: torch.nn.Module) -> None:
+        self._plan, cluster = worker_plan(plan), plan.workers  # what each actor builds
+        assert cluster is not None  # worker_plan refuses a plan without workers
+        self._workers: Workers = cluster
         self._ray = import_ray()
         self._session = RaySession.open(cluster.address)
         self._slots: list[_Slot] = []
         self._finalizer = weakref.finalize(self, _release, self._ray, self._slots, self._session)
         try:
-            check_fits(self._ray, cluster.rollout_workers, cluster.worker_cpus,
-                       cluster.worker_gpus)  # fmt: skip
-            self._setup(cfg, policy)
+            check_fits(self._ray, cluster.count, cluster.cpus, cluster.gpus)
+            self._setup(plan, policy)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, cfg: Config, policy: torch.nn.Module) -> None:
-        ray, cluster = self._ray, cfg.cluster
-        self._dtype = torch_dtype(cfg.model.dtype)
+    def _setup(self, plan: RolloutPlan, policy: torch.nn.Module) -> None:
+        ray, cluster = self._ray, self._workers
+        self._dtype = torch_dtype(plan.dtype)
         model = engine_copy(policy, self._dtype)
         self._shapes = _Shapes(model)
         self._policy = ray.put(model)
-        self._threads = actor_threads(cluster.threads, cluster.rollout_workers)
+        self._threads = actor_threads(cluster.threads, cluster.count)
         self._actor_class = ray.remote(concurrency_groups={CONTROL: 1})(RolloutWorker)
         self._max_restarts = cluster.max_restarts
         self._lock = threading.Lock()  # slots, refs and counters
         self._sync = threading.Lock()  # an update's broadcast vs a ``served`` read
         self._updates: dict[str, Any] = {}  # method -> ref of the newest update
         self._faults = 0  # deaths not yet reported in a Rollout
-        self._slots.extend(_Slot(i, self._spawn()) for i in range(cluster.rollout_workers))
+        self._slots.extend(_Slot(i, self._spawn()) for i in range(cluster.count))
         starts = [self._get(slot.actor.ready.remote(), slot) for slot in self._slots]
         self.spec, self.features = starts[0]
 
@@ -308,12 +295,11 @@ class RayBackend:
 
     def _spawn(self) -> Any:
         """A new actor, loading the newest updates after the policy."""
-        cluster = self._cfg.cluster
+        cluster = self._workers
         updates = [(method, [ref]) for method, ref in self._updates.items()]
-        options = {"num_cpus": cluster.worker_cpus, "num_gpus": cluster.worker_gpus,
-                   "max_restarts": 0}  # fmt: skip
+        options = {"num_cpus": cluster.cpus, "num_gpus": cluster.gpus, "max_restarts": 0}
         return self._actor_class.options(**options).remote(
-            self._cfg, [self._policy], updates, self._threads
+            self._plan, [self._policy], updates, self._threads
         )
 
     def _get(self, ref: Any, slot: _Slot) -> Any:
@@ -491,6 +477,6 @@ def _worker_error(e: Exception, index: int) -> Exception:
     return RuntimeError(f"{name} in rollout worker {index}: {line}")
 
 
-def build_ray(cfg: Config, policy: torch.nn.Module) -> RayBackend:
+def build_ray(plan: RolloutPlan, policy: torch.nn.Module) -> RayBackend:
     """The Ray backend of a run (see the module docstring)."""
-    return RayBackend(cfg, policy)
+    return RayBackend(plan, policy)

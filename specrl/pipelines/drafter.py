@@ -1,9 +1,9 @@
 """The learned drafter's side of a run: training it during RL and watching its context length.
 
 Contract:
-- ``build_drafter_side(cfg, policy, backend, guard)`` returns ``None`` for a run whose drafter
-  learns nothing (none, ngram, suffix, self), else a ``DrafterSide``: with
-  ``backends.native.training_mode`` on, an ``OnlineDrafter`` over the drafter the backend
+- ``build_drafter_side(cfg, plan, policy, backend, guard)`` returns ``None`` for a run whose
+  drafter learns nothing (none, ngram, suffix, self), else a ``DrafterSide``: with the plan's
+  ``training_mode`` on, an ``OnlineDrafter`` over the drafter the backend
   loaded (the same directory: an EAGLE-3 / MTP head or a ``draft`` model), or, when none
   exists, over a fresh random head (seeded by ``run.seed``) or the untrained draft model the
   engine starts from (``backends.native.untrained_draft``); its tensors are pushed at once as
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specrl.backends import RolloutBackend
-from specrl.backends.native import drafter_dir, learned_drafter, training_mode, untrained_draft
+from specrl.backends.native import untrained_draft
 from specrl.config import Config
 from specrl.drafters.distill import SPEC_FILE
 from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
@@ -41,6 +41,7 @@ from specrl.engine.types import Completion
 from specrl.models.heads import DraftHead, load_head, read_head_config
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured, FeatureSink
+from specrl.rollout_plan import RolloutPlan
 from specrl.spec.proposers import head_kind, proposer_takes
 
 if TYPE_CHECKING:
@@ -60,28 +61,32 @@ class DrafterSide:
 
 
 def build_drafter_side(
-    cfg: Config, policy: torch.nn.Module, backend: RolloutBackend, guard: WeightGuard
+    cfg: Config,
+    plan: RolloutPlan,
+    policy: torch.nn.Module,
+    backend: RolloutBackend,
+    guard: WeightGuard,
 ) -> DrafterSide | None:
-    """See the module docstring."""
-    spec = cfg.rollout.spec
-    if not learned_drafter(spec):
+    """See the module docstring (``cfg``: the drafter's training settings and the seed)."""
+    if not plan.learned_drafter:
         return None
-    mode, path = training_mode(cfg), drafter_dir(cfg)
+    mode, path = plan.training_mode, plan.drafter_dir
     known = _trained_len(path) if path else 0
     if mode is None:
         return DrafterSide(None, known)
-    student = student_for(_initial_drafter(cfg, policy, path), policy)
+    student = student_for(_initial_drafter(plan.spec.method, cfg.run.seed, policy, path), policy)
     trainer = OnlineDrafter(student, cfg.drafter, mode, fresh=path is None, seed=cfg.run.seed)
     trainer.ledger.trained_len = known
     guard.push_drafter(backend, trainer.state(), 0)
     return DrafterSide(trainer, known)
 
 
-def _initial_drafter(cfg: Config, policy: torch.nn.Module, path: str | None) -> torch.nn.Module:
+def _initial_drafter(
+    spec: str, seed: int, policy: torch.nn.Module, path: str | None
+) -> torch.nn.Module:
     """The float32 drafter the trainer starts from: the saved one at ``path``, else a draft
     model's untrained start (``backends.native.untrained_draft``, as the engine builds it) or a
-    random head seeded by ``run.seed``."""
-    spec = cfg.rollout.spec
+    random head seeded by ``seed`` (``run.seed``)."""
     if proposer_takes(spec, "draft_model"):
         if path is None:
             return untrained_draft(policy, torch.float32)
@@ -91,7 +96,7 @@ def _initial_drafter(cfg: Config, policy: torch.nn.Module, path: str | None) -> 
     if path is not None:
         return load_head(path, policy, kind=head_kind(spec))
     with torch.random.fork_rng():
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(seed)
         return DraftHead(policy, head_kind(spec))
 
 

@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specrl.backends.ray_ import worker_config
+from specrl.backends import plan_rollout
 from specrl.backends.ray_session import RaySession, actor_threads, import_ray
 from specrl.config import Config
 from specrl.malloc import keep_freed_memory
-from specrl.pipelines.build import RunParts, build_run, check_pipeline, check_sampling
+from specrl.pipelines.build import RunParts, build_run
 from specrl.pipelines.loop import Echo
 from specrl.pipelines.signals import Stopped, StopRequest, stop_on_signals
 from specrl.pipelines.train import run_training, train
@@ -225,13 +225,10 @@ def _drive(
 
 
 def precheck(cfg: Config) -> None:
-    """What can be checked before Ray starts (``ConfigError``, one line): the names, sampling
-    and pipeline options (as ``build.build_run`` checks them), the rollout placement, and that
-    the ray package is installed."""
+    """What can be checked before Ray starts (``ConfigError``, one line): the names and the
+    rollout plan (as ``build.build_run`` checks them), and that the ray package is installed."""
     check_names(cfg)
-    check_sampling(cfg)
-    check_pipeline(cfg)
-    worker_config(cfg)
+    plan_rollout(cfg)
     import_ray()
 
 

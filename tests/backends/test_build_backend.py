@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from specrl.backends import build_backend, placement
+from specrl.backends import REGISTRY, build_backend, plan_rollout
 from specrl.backends.vllm_worker import BenignWarnings, quiet_benign_warnings
 from specrl.config import ConfigError, load_config
 
@@ -32,7 +32,7 @@ def test_vllm_backend_defaults_to_ngram_and_keeps_an_explicit_drafter():
     ],
 )
 def test_auto_placement(overrides, expected):
-    assert placement(load_config(None, overrides)) == expected
+    assert plan_rollout(load_config(None, overrides)).placement == expected
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def built(monkeypatch):
 
     for module, name in ((native, "build_native"), (process, "build_process"),
                          (vllm, "build_vllm")):  # fmt: skip
-        monkeypatch.setattr(module, name, lambda cfg, policy, n=name: calls.append(n) or n)
+        monkeypatch.setattr(module, name, lambda plan, policy, n=name: calls.append(n) or n)
     return calls
 
 
@@ -57,22 +57,22 @@ def built(monkeypatch):
     ],
 )
 def test_build_backend_dispatch(built, overrides, builder):
-    assert build_backend(load_config(None, overrides), None) == builder
+    assert build_backend(plan_rollout(load_config(None, overrides)), None) == builder
     assert built == [builder]
 
 
 def test_ray_workers_go_to_the_ray_backend(monkeypatch, built):
     ray_ = pytest.importorskip("specrl.backends.ray_")
 
-    monkeypatch.setattr(ray_, "build_ray", lambda cfg, policy: "ray")
+    monkeypatch.setattr(ray_, "build_ray", lambda plan, policy: "ray")
     cfg = load_config(None, ["cluster.rollout_workers=2"])
-    assert build_backend(cfg, None) == "ray" and built == []
+    assert build_backend(plan_rollout(cfg), None) == "ray" and built == []
 
 
 def test_vllm_in_a_worker_process_is_refused_in_one_line(built):
     cfg = load_config(None, ["rollout.backend=vllm", "rollout.placement=process"])
     with pytest.raises(ConfigError, match="rollout.placement='process' needs rollout.backend="):
-        build_backend(cfg, None)
+        build_backend(plan_rollout(cfg), None)
     assert built == []
 
 
@@ -81,7 +81,7 @@ def test_vllm_without_the_extra_is_refused_in_one_line(monkeypatch):
 
     monkeypatch.setattr(vllm, "vllm_available", lambda: False)
     with pytest.raises(ConfigError, match=r"needs the vllm extra: pip install -e '\.\[vllm\]'"):
-        vllm.build_vllm(load_config(None, ["rollout.backend=vllm"]), None)
+        plan_rollout(load_config(None, ["rollout.backend=vllm"]))
 
 
 def record(name: str, msg: str, *args: object) -> logging.LogRecord:
@@ -112,7 +112,7 @@ def test_a_drafter_vllm_cannot_run_is_refused_before_the_engine_starts(monkeypat
     monkeypatch.setattr(vllm, "patch_vllm", lambda: pytest.fail("the engine was started"))
     cfg = load_config(None, ["rollout.backend=vllm", "rollout.spec=suffix"])
     with pytest.raises(ConfigError, match="'suffix' is not supported by the vllm backend") as e:
-        vllm.build_vllm(cfg, None)
+        plan_rollout(cfg)
     assert "\n" not in str(e.value)
 
 
@@ -127,20 +127,21 @@ def test_a_drafter_vllm_cannot_run_is_refused_before_the_engine_starts(monkeypat
     ],
 )
 def test_auto_exactness_is_sample_only_where_it_costs_nothing(sets, want):
-    from specrl.backends.native import spec_config
+    from specrl.rollout_plan import spec_config
 
-    assert spec_config(load_config(None, sets)).exact == want
-    assert spec_config(load_config(None, sets), native=False).exact == "distribution"
+    native, vllm = REGISTRY["native"].traits, REGISTRY["vllm"].traits
+    assert spec_config(load_config(None, sets), native).exact == want
+    assert spec_config(load_config(None, sets), vllm).exact == "distribution"
 
 
 def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
-    from specrl.backends.native import make_engine, spec_config
+    from specrl.backends.native import make_engine
     from tests.conftest import make_tiny
 
     cfg = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample"])
-    assert spec_config(cfg).exact == "sample"
-    assert make_engine(cfg, make_tiny()).spec.exact == "sample"
-    assert spec_config(load_config(None, ["rollout.spec_exact=distribution"])).exact == (
+    assert plan_rollout(cfg).spec.exact == "sample"
+    assert make_engine(plan_rollout(cfg), make_tiny()).spec.exact == "sample"
+    assert plan_rollout(load_config(None, ["rollout.spec_exact=distribution"])).spec.exact == (
         "distribution"
     )
     with pytest.raises(ConfigError, match="spec_exact"):
@@ -148,4 +149,4 @@ def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
     both = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample",
                               "rollout.spec_siblings=2"])  # fmt: skip
     with pytest.raises(ConfigError, match="takes no siblings"):
-        make_engine(both, make_tiny())
+        make_engine(plan_rollout(both), make_tiny())

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specrl.backends import build_backend
+from specrl.backends import build_backend, plan_rollout
 from specrl.backends.base import Rollout
 from specrl.backends.native import NativeBackend, build_native
 from specrl.backends.process import ProcessBackend, build_process
@@ -71,16 +71,16 @@ def pair(one_thread) -> tuple[ProcessBackend, NativeBackend]:
     every test leaves the two in step (same weights, same suffix history)."""
     cfg = tiny_config(*PROCESS, "rollout.spec=suffix")
     model = make_tiny()
-    process = build_backend(cfg, model)
+    process = build_backend(plan_rollout(cfg), model)
     assert isinstance(process, ProcessBackend)
-    yield process, build_native(cfg, model)
+    yield process, build_native(plan_rollout(cfg), model)
     process.close()
 
 
 @pytest.fixture
 def worker(one_thread) -> ProcessBackend:
     """A worker of its own (for tests that kill or close it)."""
-    backend = build_process(tiny_config(*PROCESS), make_tiny())
+    backend = build_process(plan_rollout(tiny_config(*PROCESS)), make_tiny())
     yield backend
     backend.close()
 
@@ -200,9 +200,12 @@ def test_close_is_idempotent_and_final(worker):
         worker.generate(REQUESTS[:1])
 
 
-def test_startup_error_is_the_workers_message(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path))  # no cached drafter head to find
-    cfg = tiny_config(*PROCESS, "rollout.spec=eagle3", "drafter.mode=frozen")
-    err = call_within(60, lambda: build_process(cfg, make_tiny()))
+def test_startup_error_is_the_workers_message(tmp_path):
+    damaged = tmp_path / "head"  # the plan finds a head; only the worker's loading fails
+    damaged.mkdir()
+    (damaged / "head.json").write_text("[]")
+    cfg = tiny_config(*PROCESS, "rollout.spec=eagle3", f"rollout.drafter_path={damaged}",
+                      "drafter.mode=frozen")  # fmt: skip
+    err = call_within(60, lambda: build_process(plan_rollout(cfg), make_tiny()))
     assert isinstance(err, ConfigError), err
-    assert "needs rollout.drafter_path" in str(err)
+    assert str(err).startswith(f"bad value for rollout.spec: {damaged}")

@@ -19,7 +19,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from specrl.backends import build_backend  # noqa: E402
+from specrl.backends import build_backend, plan_rollout  # noqa: E402
 from specrl.backends.base import Served, Versions  # noqa: E402
 from specrl.backends.native import build_native  # noqa: E402
 from specrl.backends.ray_ import CONTROL, RayBackend, agreed  # noqa: E402
@@ -66,9 +66,9 @@ def session(one_thread):
 def pair(session) -> tuple[RayBackend, object]:
     """Two Ray workers and an inline native backend over the same tiny model and config."""
     cfg = tiny_config(*RAY)
-    backend = build_backend(cfg, make_tiny())
+    backend = build_backend(plan_rollout(cfg), make_tiny())
     assert isinstance(backend, RayBackend)
-    yield backend, build_native(cfg, make_tiny())
+    yield backend, build_native(plan_rollout(cfg), make_tiny())
     backend.close()
 
 
@@ -239,7 +239,7 @@ def test_killed_worker_is_replaced_and_nothing_changes(pair):
 def test_worker_that_keeps_dying_ends_the_call(session):
     cfg = tiny_config("cluster.rollout_workers=2", "cluster.threads=1", "rollout.spec=suffix",
                       "cluster.max_restarts=1")  # fmt: skip
-    with RayBackend(cfg, make_tiny()) as backend:
+    with RayBackend(plan_rollout(cfg), make_tiny()) as backend:
         backend.generate(REQUESTS)
         state = backend.state_dict()  # one suffix-drafter history per worker
         assert len(state["workers"]) == 2
@@ -259,7 +259,7 @@ def test_worker_that_keeps_dying_ends_the_call(session):
 
 
 def test_close_kills_the_workers(session):
-    backend = RayBackend(tiny_config(*RAY), make_tiny())
+    backend = RayBackend(plan_rollout(tiny_config(*RAY)), make_tiny())
     pids = set(backend.pids())
     backend.close()
     backend.close()  # idempotent
@@ -267,13 +267,18 @@ def test_close_kills_the_workers(session):
     assert ray.is_initialized()  # the module's session is not this backend's to end
 
 
-def test_start_up_errors_are_one_line(session):
+def test_start_up_errors_are_one_line(session, tmp_path):
     with pytest.raises(ConfigError, match="rollout.placement='process'"):
-        RayBackend(tiny_config(*RAY, "rollout.placement=process"), make_tiny())
+        RayBackend(plan_rollout(tiny_config(*RAY, "rollout.placement=process")), make_tiny())
     with pytest.raises(ConfigError, match="cluster.worker_cpus"):
-        RayBackend(tiny_config(*RAY, "cluster.worker_cpus=1000"), make_tiny())
+        RayBackend(plan_rollout(tiny_config(*RAY, "cluster.worker_cpus=1000")), make_tiny())
+    damaged = tmp_path / "head"  # the plan finds a head; only the workers' loading fails
+    damaged.mkdir()
+    (damaged / "head.json").write_text("[]")
+    cfg = tiny_config(*RAY[:2], "rollout.spec=eagle3", f"rollout.drafter_path={damaged}",
+                      "drafter.mode=frozen")  # fmt: skip
     with pytest.raises(ConfigError, match="bad value for rollout.spec"):  # a worker's error
-        RayBackend(tiny_config(*RAY[:2], "rollout.spec=bogus"), make_tiny())
+        RayBackend(plan_rollout(cfg), make_tiny())
 
 
 def test_missing_ray_is_a_config_error(monkeypatch):

@@ -14,14 +14,9 @@ import weakref
 import pytest
 import torch
 
-from specrl.backends.vllm import (
-    VllmBackend,
-    _schedule,
-    to_hf,
-    vllm_available,
-    vllm_speculative_config,
-    vllm_to_ours,
-)
+from specrl.backends.vllm import VllmBackend, vllm_available
+from specrl.backends.vllm_spec import _schedule, vllm_speculative_config
+from specrl.backends.vllm_weights import to_hf, vllm_to_ours
 from specrl.backends.vllm_worker import parameters_by_name
 from specrl.engine.engine import Engine
 from specrl.engine.types import Request
@@ -94,13 +89,15 @@ def backend(smollm2):
     """One ngram engine (plain calls through the per-call override), built from a run config."""
     if not vllm_available():
         pytest.skip("vllm is not installed (specrl[vllm])")
+    from specrl.backends import plan_rollout
     from specrl.backends.vllm import build_vllm
     from specrl.config import load_config
 
-    cfg = load_config(None, ["rollout.spec=ngram", "rollout.num_spec_tokens=3",
-                             "rollout.max_batch=16", "model.dtype=fp32"])  # fmt: skip
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.spec=ngram",
+                             "rollout.num_spec_tokens=3", "rollout.max_batch=16",
+                             "model.dtype=fp32"])  # fmt: skip
     t0 = time.perf_counter()
-    b = build_vllm(cfg, smollm2)
+    b = build_vllm(plan_rollout(cfg), smollm2)
     print(f"vllm engine built in {time.perf_counter() - t0:.1f}s")
     yield b
     b.close()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from specrl.backends import Served
+from specrl.backends import Served, plan_rollout
 from specrl.backends.native import NativeBackend, build_native
 from specrl.backends.process import build_process
 from specrl.engine.engine import Engine
@@ -143,7 +143,7 @@ def test_a_sabotaged_policy_update_fails_the_sync_run(tmp_path, how, words):
 
 def test_a_backend_serving_other_initial_weights_fails_at_the_first_step(tmp_path):
     parts = tiny_parts(tiny_config("run.steps=2", "run.eval_every=0"))
-    parts.backend = build_native(parts.cfg, make_tiny(1))  # not the learner's weights
+    parts.backend = build_native(plan_rollout(parts.cfg), make_tiny(1))  # not the learner's weights
     _fails(parts, str(tmp_path), 0, "serves policy fingerprint")
     assert _rows(str(tmp_path)) == []
 
@@ -233,7 +233,7 @@ def eagle_worker(tmp_path):
     head = save_head(DraftHead(make_tiny(0), "eagle3"), tmp_path / "head")
     cfg = tiny_config(*PROCESS, "rollout.spec=eagle3", f"rollout.drafter_path={head}",
                       "model.dtype=bf16")  # fmt: skip
-    return build_process(cfg, make_tiny(0))
+    return build_process(plan_rollout(cfg), make_tiny(0))
 
 
 @pytest.mark.parametrize("where", ["inline", "worker"])
@@ -264,7 +264,7 @@ def test_drafter_updates_are_checked(tmp_path, where, one_thread):
 
 
 def test_model_free_drafters_report_no_drafter_fingerprint():
-    backend = build_native(tiny_config("rollout.spec=suffix"), make_tiny())
+    backend = build_native(plan_rollout(tiny_config("rollout.spec=suffix")), make_tiny())
     WeightGuard().push_drafter(backend, {"unused": torch.ones(3)}, 4)  # nothing to compare
     assert backend.served() == Served(0, backend.served().policy, 4, None)
 
@@ -275,7 +275,7 @@ def test_model_free_drafters_report_no_drafter_fingerprint():
 def test_served_reads_the_engine_itself(one_thread):
     """A tensor damaged inside the engine after a correct update is seen at the next check."""
     model = make_tiny()
-    backend = build_native(tiny_config(), model)
+    backend = build_native(plan_rollout(tiny_config()), model)
     guard = WeightGuard()
     guard.remember(0, dict(model.named_parameters()))
     guard.push(backend, dict(make_tiny(1).named_parameters()), 1)
@@ -287,7 +287,7 @@ def test_served_reads_the_engine_itself(one_thread):
 def test_served_during_a_generate_call_answers_at_once(monkeypatch, one_thread):
     """While a call runs, ``served`` gives the last idle record (an update received meanwhile is
     pending); after the call it is applied and fingerprinted."""
-    backend = build_native(tiny_config(), make_tiny())
+    backend = build_native(plan_rollout(tiny_config()), make_tiny())
     before = backend.served()
     entered, release = threading.Event(), threading.Event()
     generate = backend.engine.generate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.backends import check_device, placement, run_device
+from specrl.backends import plan_rollout
 from specrl.config import ConfigError, load_config
 from specrl.engine import Engine, Request
 from specrl.models import device as device_module
@@ -89,7 +89,7 @@ def test_config_device_field():
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 def test_run_device_refuses_cuda_here_in_one_line():
     with pytest.raises(ConfigError, match="model.device: device 'cuda'"):
-        run_device(load_config(None, ["model.device=cuda"]))
+        plan_rollout(load_config(None, ["model.device=cuda"]))
 
 
 def fake_cuda(monkeypatch):
@@ -101,15 +101,15 @@ def fake_cuda(monkeypatch):
 def test_gpu_runs_are_colocated(monkeypatch):
     fake_cuda(monkeypatch)
     cfg = load_config(None, ["model.device=cuda", "pipeline.mode=async"])
-    assert placement(cfg) == "inline"  # the CPU's 'auto' is a worker process
+    assert plan_rollout(cfg).placement == "inline"  # the CPU's 'auto' is a worker process
     with pytest.raises(ConfigError, match="placement='process' with model.device='cuda'"):
-        check_device(load_config(None, ["model.device=cuda", "rollout.placement=process"]))
+        plan_rollout(load_config(None, ["model.device=cuda", "rollout.placement=process"]))
     with pytest.raises(ConfigError, match="rollout.backend='vllm' with model.device='cuda:1'"):
-        check_device(load_config(None, ["model.device=cuda:1", "rollout.backend=vllm"]))
+        plan_rollout(load_config(None, ["model.device=cuda:1", "rollout.backend=vllm"]))
     with pytest.raises(ConfigError, match="only 2 CUDA device"):
-        run_device(load_config(None, ["model.device=cuda:2"]))
+        plan_rollout(load_config(None, ["model.device=cuda:2"]))
     cpu = load_config(None, ["model.device=cpu", "pipeline.mode=async"])
-    assert placement(cpu) == "process"  # CPU behaviour unchanged
+    assert plan_rollout(cpu).placement == "process"  # CPU behaviour unchanged
 
 
 def rows_for(budget_rows: int, model, limit: int) -> int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.backends.native import drafter_tensors, training_mode
+from specrl.backends import plan_rollout
+from specrl.backends.native import drafter_tensors
 from specrl.config import ConfigError
 from specrl.drafters.online import OnlineDrafter, StepSignals, Trigger, context_note
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
@@ -87,7 +88,7 @@ def test_training_data_are_each_steps_own_rollouts(no_cache):
 
 def test_a_fresh_machine_trains_the_head_from_its_first_step(no_cache, tmp_path):
     cfg = tiny_config(*EAGLE, "run.steps=3", "drafter.vocab=16")
-    assert cfg.drafter.mode == "auto" and training_mode(cfg) == "refresh"
+    assert cfg.drafter.mode == "auto" and plan_rollout(cfg).training_mode == "refresh"
     parts = tiny_parts(cfg)
     assert parts.drafter.trainer.fresh
     rows = train(parts, str(tmp_path / "run"), progress=False)
@@ -99,7 +100,7 @@ def test_a_fresh_machine_trains_the_head_from_its_first_step(no_cache, tmp_path)
 
 def test_a_fresh_machine_trains_a_draft_model_from_the_policys_first_layers(no_cache, tmp_path):
     cfg = tiny_config("rollout.spec=draft", "rollout.max_new_tokens=12", "run.steps=2")
-    assert training_mode(cfg) == "refresh"
+    assert plan_rollout(cfg).training_mode == "refresh"
     parts = tiny_parts(cfg)
     trainer, engine = parts.drafter.trainer, parts.backend.engine
     assert trainer.fresh and trainer.sink().layers == ()  # learns from the final hidden only
@@ -123,9 +124,9 @@ def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(n
         tiny_parts(tiny_config(*EAGLE, "drafter.mode=frozen"))
     with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned drafter"):
         tiny_parts(tiny_config("rollout.spec=suffix", "drafter.mode=online"))
-    assert training_mode(tiny_config("rollout.spec=suffix")) is None
+    assert plan_rollout(tiny_config("rollout.spec=suffix")).training_mode is None
     with pytest.raises(ConfigError, match="rollout.backend='native'"):
-        training_mode(tiny_config(*EAGLE, "rollout.backend=vllm", "drafter.mode=online"))
+        plan_rollout(tiny_config(*EAGLE, "rollout.backend=vllm", "drafter.mode=online"))
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])
@@ -263,4 +264,4 @@ def test_the_hybrid_drafter_serves_and_finds_an_eagle3_head(tmp_path, monkeypatc
     save_head(DraftHead(make_tiny(0), "eagle3"), drafter_cache_dir(cfg.model.name, "eagle3"))
     parts = tiny_parts(cfg)  # the head `train-drafter --drafter eagle3` cached
     assert parts.drafter.trainer is None and parts.backend.engine.proposer.name == "hybrid"
-    assert training_mode(tiny_config(*EAGLE, "rollout.spec=hybrid")) == "refresh"
+    assert plan_rollout(tiny_config(*EAGLE, "rollout.spec=hybrid")).training_mode == "refresh"

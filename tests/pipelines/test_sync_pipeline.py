@@ -174,12 +174,13 @@ def test_auto_without_the_controller_follows_the_engine_dtype(dtype):
     """Where the controller does not run (vLLM), 'auto' caps a step at the native kernel's rows
     for bf16 where the kernel runs (the GEMV path: one pass over the weights) and at 16 tokens
     otherwise."""
-    from specrl.backends.native import spec_config
+    from specrl.backends import REGISTRY
     from specrl.kernels.gemv import MAX_ROWS, gemv_kernel
+    from specrl.rollout_plan import spec_config
 
     cfg = tiny_config(f"model.dtype={dtype}", "rollout.max_tokens_per_forward=auto",
                       "rollout.spec=ngram")  # fmt: skip
-    spec = spec_config(cfg, native=False)
+    spec = spec_config(cfg, REGISTRY["vllm"].traits)
     native = dtype == "bf16" and gemv_kernel() is not None
     assert not spec.adaptive
     assert spec.max_tokens_per_forward == (MAX_ROWS if native else 16)

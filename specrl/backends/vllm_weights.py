@@ -1,0 +1,121 @@
+"""Weights between specrl and vLLM: names, staged copies and what vLLM's model holds.
+
+Contract: ``to_hf`` turns our parameter names (``models.checkpoints.name_map``) into Hugging Face
+checkpoint names (q/k/v and gate/up split), what vLLM's layerwise reload takes; ``staged`` is
+those tensors copied in the engine dtype (the caller may mutate its own at once);
+``eagle3_staged`` turns an EAGLE-3 head's state under specrl's names (``d2t`` included with a
+reduced vocabulary) into vLLM's EAGLE-3 tensors (``drafters.export.eagle3_tensors``), the draft
+LM head rebuilt from the policy vLLM serves (a head of another shape: one-line ``ValueError``).
+Back the other way, ``as_ours`` maps vLLM's parameters (fused qkv_proj / gate_up_proj, as
+specrl fuses them: ``vllm_to_ours``) to our names and ``eagle3_ours`` maps its EAGLE-3 drafter
+to the head's names, so ``models.fingerprint`` reads what vLLM serves under our names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from specrl.models.config import ModelConfig
+
+_OPTIONAL = (".bias", "q_norm.weight", "k_norm.weight")  # parameters some models lack
+Staged = list[tuple[str, torch.Tensor]]  # (checkpoint name, engine-dtype copy) for vLLM's reload
+
+
+def to_hf(named: Mapping[str, torch.Tensor], config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """Our parameter names -> Hugging Face checkpoint names (fused q/k/v, gate/up split)."""
+    from specrl.models.checkpoints import name_map
+
+    for ours, theirs in name_map(config):
+        if ours not in named:
+            if ours == "lm_head.weight" or ours.endswith(_OPTIONAL):
+                continue  # absent in this model (tied head, no bias / qk-norm)
+            raise ValueError(f"weight update: no tensor for parameter {ours!r}")
+        t = named[ours].detach()
+        if len(theirs) == 1:
+            yield theirs[0], t
+            continue
+        if len(theirs) == 3:
+            kv = config.num_kv_heads * config.head_dim
+            sizes = [config.num_heads * config.head_dim, kv, kv]
+        else:
+            sizes = [config.intermediate_size, config.intermediate_size]
+        if t.shape[0] != sum(sizes):
+            raise ValueError(f"weight update: tensor {ours!r} has shape {tuple(t.shape)}")
+        yield from zip(theirs, t.split(sizes), strict=True)
+
+
+def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
+    """vLLM's parameter names (fused qkv_proj, gate_up_proj) -> ours."""
+    from specrl.models.checkpoints import name_map
+
+    out = {}
+    for ours, theirs in name_map(config):
+        name = theirs[0]
+        if len(theirs) == 3:
+            name = name.replace("q_proj", "qkv_proj")
+        elif len(theirs) == 2:
+            name = name.replace("gate_proj", "gate_up_proj")
+        out[name] = ours
+    return out
+
+
+def eagle3_ours(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's EAGLE-3 drafter parameters (``model.layers.0.*``, fused qkv_proj/gate_up_proj,
+    ``draft_id_to_target_id`` offsets) -> an EAGLE-3 head's state under specrl's names (``d2t``
+    as target ids); the draft LM head (rows of the policy's) is not the head's own."""
+    from specrl.drafters.export import EAGLE3_NAMES
+
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in EAGLE3_NAMES:
+        name = "model." + theirs[0].replace("midlayer.", "layers.0.")
+        name = name.replace("q_proj", "qkv_proj") if len(theirs) == 3 else name
+        name = name.replace("gate_proj", "gate_up_proj") if len(theirs) == 2 else name
+        if name in named:
+            out[ours] = named[name].cpu()
+    offsets = named.get("draft_id_to_target_id")  # [Vd]: target id = i + offsets[i]
+    if offsets is not None:
+        out["d2t"] = offsets.cpu() + torch.arange(len(offsets), dtype=offsets.dtype)
+    return out
+
+
+def staged(named: Mapping[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype) -> Staged:
+    """Checkpoint-named copies in the engine dtype (the caller may mutate its tensors)."""
+    with torch.no_grad():
+        return [(n, t.to(dtype, copy=True).contiguous()) for n, t in to_hf(named, config)]
+
+
+def eagle3_staged(
+    state: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    served: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> Staged:
+    """An EAGLE-3 head's state (our names, ``d2t`` included when the vocabulary is reduced)
+    as vLLM's EAGLE-3 tensors in the engine dtype, the draft LM head rebuilt from ``served``
+    (the policy's parameters vLLM serves now, by vLLM's names)."""
+    from specrl.drafters.export import ExportError, eagle3_tensors
+
+    head = {n: t.detach() for n, t in state.items()}
+    d2t = head.pop("d2t", None)  # [Vd] target ids, or None
+    lm_head = served.get("lm_head.weight", served["model.embed_tokens.weight"]).cpu()  # [V, H]
+    try:
+        tensors = eagle3_tensors(head, config, lm_head, d2t)
+    except ExportError as e:
+        raise ValueError(f"update_drafter: {e}") from None
+    with torch.no_grad():
+        return [(n, t.to(dtype, copy=True) if t.is_floating_point() else t.clone())
+                for n, t in tensors.items()]  # fmt: skip
+
+
+def as_ours(named: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """vLLM's parameters of a model under our names (``RuntimeError`` for one vLLM dropped)."""
+    names = vllm_to_ours(config)
+    out = {names[n]: t for n, t in named.items() if n in names}
+    empty = [n for n, t in out.items() if t.numel() == 0]
+    if empty:
+        raise RuntimeError(f"vLLM dropped the parameter {empty[0]!r}: cannot fingerprint it")
+    return out
