@@ -103,11 +103,13 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
         raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} needs {missing}")
     path, mode = drafter_dir(cfg), _training_mode(cfg, traits, backends)
     spec = _checked_spec(cfg, traits, path, mode)
-    r = cfg.rollout
+    m, r = cfg.model, cfg.rollout
     return RolloutPlan(
-        r.backend, placement, device, cfg.model.name, cfg.model.dtype,
-        cfg.model.gpu_memory_utilization, spec, path, learned_drafter(r.spec), mode,
-        _in_flight(cfg, traits), r.threads, r.max_batch, cfg.run.seed, _workers(cfg),
+        backend=r.backend, placement=placement, device=device, model=m.name, dtype=m.dtype,
+        gpu_memory_utilization=m.gpu_memory_utilization, spec=spec, drafter_dir=path,
+        learned_drafter=learned_drafter(r.spec), training_mode=mode,
+        in_flight=_in_flight(cfg, traits), threads=r.threads, max_batch=r.max_batch,
+        seed=cfg.run.seed, workers=_workers(cfg),
     )  # fmt: skip
 
 
