@@ -43,12 +43,18 @@ import torch
 from tqdm import tqdm
 
 from specrl.engine.inflight import InflightUpdates, WeightStage
-from specrl.engine.stats import EngineStats, StepRecord, bump
-from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.cache import KVCache
 from specrl.models.device import memory_budget, model_device, on
 from specrl.models.linear import prepack
 from specrl.models.transformer import Transformer
+from specrl.rollout_types import (
+    Completion,
+    EngineStats,
+    Request,
+    StepRecord,
+    request_problem,
+    sample_seed,
+)
 from specrl.sampling import (
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -61,6 +67,12 @@ from specrl.spec.controller import SpecController, StepOutcome, start_controller
 from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
 from specrl.spec.verify import Verified, verify
+
+
+def bump(counts: list[int], i: int) -> None:
+    while len(counts) <= i:
+        counts.append(0)
+    counts[i] += 1
 
 
 @dataclass

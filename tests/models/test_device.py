@@ -7,7 +7,7 @@ import torch
 
 from specrl.backends import check_device, placement, run_device
 from specrl.config import ConfigError, load_config
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models import device as device_module
 from specrl.models.device import (
     DeviceError,
@@ -17,6 +17,7 @@ from specrl.models.device import (
     resolve_device,
 )
 from specrl.models.precision import resolve_precision
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 
