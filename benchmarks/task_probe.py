@@ -74,9 +74,9 @@ def grpo_probe(steps: int, lr: float) -> None:
 
     from specrl.config import Config
     from specrl.engine.engine import Engine
-    from specrl.engine.types import Request
     from specrl.models.checkpoints import load_model
     from specrl.rl import Learner, TrainSample, compute_advantages
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     cfg, tok = Config(), load_tokenizer("smollm2")

@@ -214,7 +214,8 @@ def time_call(fn: Callable[[], tuple[int, float]], repeats: int) -> tuple[float,
 
 def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callable:
     """A timed closure; the untimed warm-up is a full run (for ``suffix``: one earlier epoch)."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     group = b.group_size

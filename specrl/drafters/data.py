@@ -81,7 +81,8 @@ def rollouts(
     progress: bool = False,
 ) -> list[Sequence]:
     """The target's own completions (plain decoding through the Engine)."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     params = SamplingParams(

@@ -319,7 +319,8 @@ def acceptance(
     max_batch: int = 16,
 ) -> float:
     """Engine acceptance length (emitted tokens per verify step per row) with ``drafter``."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
     from specrl.spec.config import SpecConfig
 
