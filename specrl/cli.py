@@ -273,8 +273,9 @@ def generate(
     A bad prompt does not stop the others: it gets one "error: prompt N: ..." line on stderr
     and the exit code is 2 (0 when every prompt was answered).
     """
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
     from specrl.spec.config import drafter_spec
 

@@ -42,9 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request
 from specrl.rollout_plan import IN_FLIGHT
+from specrl.rollout_types import Completion, EngineStats, Request
 from specrl.spec.config import SpecConfig
 
 __all__ = ["IN_FLIGHT", "Rollout", "RolloutBackend", "Served", "Versions"]

@@ -36,13 +36,13 @@ import torch
 from specrl.backends.base import IN_FLIGHT, Rollout, Served, Versions
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
-from specrl.engine.types import Request
 from specrl.models.device import model_device
 from specrl.models.fingerprint import fingerprint
 from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.rollout_plan import RolloutPlan, refusing
+from specrl.rollout_types import Request
 from specrl.spec.config import SpecConfig
 from specrl.spec.proposers import proposer_takes
 

@@ -80,10 +80,9 @@ from specrl.backends.vllm_worker import (
     patch_vllm,
     process_state_kept,
 )
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request, sample_seed
 from specrl.models.fingerprint import fingerprint
 from specrl.rollout_plan import RolloutPlan, refusing
+from specrl.rollout_types import Completion, EngineStats, Request, sample_seed
 from specrl.spec.config import SpecConfig
 
 T = TypeVar("T")

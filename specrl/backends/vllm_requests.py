@@ -30,8 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request, request_problem
+from specrl.rollout_types import Completion, EngineStats, Request, request_problem
 
 METRIC_PREFIX = "vllm:spec_decode_"
 Live = list[tuple[Completion, Request]]  # the completions vLLM runs, with their requests

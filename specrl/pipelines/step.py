@@ -44,13 +44,13 @@ import torch
 
 from specrl.backends import Rollout, Served, Versions
 from specrl.config import Config
-from specrl.engine.types import Completion, Request
 from specrl.envs.reasoning_gym_env import Prompt
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import alarm_fields
 from specrl.rl import Learner, TrainSample, compute_advantages
 from specrl.rollout_plan import truncated
+from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 

@@ -1,54 +1,13 @@
 """The learner: recompute token logprobs of packed sequences, and take policy-gradient steps.
 
-Contract:
-- ``token_logprobs(model, sequences, ...)`` returns, for each ``(prompt_ids, completion_ids)``,
-  the log-probabilities ``[len(completion)]`` the model assigns to the completion tokens given
-  everything before them (raw logits / temperature, log-softmax, no top-k/top-p). Sequences are
-  packed into rows (``pack_sequences``, ``rl.packing``): a prompt segment then a completion
-  segment that sees it, positions from 0, attention never crossing into other sequences, so a
-  packed sequence sees exactly what it would see alone; with ``share_prompts`` (the learner's
-  default) consecutive sequences with the same prompt (a GRPO group) share one copy of it, so
-  the prompt's tokens run once per micro-batch instead of once per sample (same values, fewer
-  FLOPs). The LM head and the float32 log-softmax run only at completion positions, in chunks
-  of ``chunk`` positions (``rl.head``; with autograd on, each chunk is recomputed in backward,
-  so the [positions, vocab] float32 logits never exist for more than one chunk).
-- ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
-  reports as raw logprobs, for the engine-vs-learner mismatch metric (``Learner.raw_logprobs``
-  does it in the learner's precision).
-- ``Learner.train_step(samples)`` takes one optimizer step on a batch of ``TrainSample`` (prompt,
-  completion, advantage, optional behaviour logprobs): micro-batches of at most
-  ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
-  gradient equals the whole-batch gradient; then gradient-norm clipping and AdamW. Returns float
-  metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s) and
-  the throughput: ``forward_tokens`` (non-padding packed tokens through forward and backward),
-  ``tokens_per_s`` (those per second of the step), ``model_tflops`` (``models.flops``: 6 x
-  trunk parameters x forward tokens + 6 x LM-head parameters x completion positions, per
-  second, in 1e12) and, where the device's bf16 peak is known (``peak_flops``; not on the CPU),
-  ``mfu`` = achieved / peak. On CUDA the clock is read after ``synchronize``.
-  With ``capture=FeatureSink(layers)`` the same training forward also records, per sample, the
-  outputs of those layers and the final hidden state over prompt + completion (``Captured``,
-  bfloat16, detached): a learned drafter's training data at no extra forward.
-- Device: the learner works where its model's parameters are (``model_device``): batches are
-  packed on the host and each tensor moved once; AdamW is fused on CUDA, ``foreach`` on the CPU.
-- Precision: ``dtype="fp32"`` runs everything in float32. ``dtype="bf16"`` keeps float32 master
-  weights, gradients and AdamW state, in one of two ways (``bf16_mode``): 'autocast' (default)
-  holds float32 parameters and runs the trunk under the device's bf16 autocast (AMX matmuls on
-  the CPU: the same speed as bf16 parameters there, with no copies to keep in sync); 'params'
-  holds the model's parameters in bf16 for forward and backward, each with a float32 master
-  (``masters``) that AdamW updates: every micro-batch's bf16 gradients are added in float32 to
-  the masters' ``.grad``, and the bf16 parameters are refreshed from the masters after each
-  step ('params' with fp32 is refused). Either way the logits and the log-softmax are float32
-  (bf16 logits would shift log-probabilities by several hundredths); the LM head's product is
-  float32 on the CPU, and on CUDA in bf16 (``head='auto'``) takes bf16 inputs with float32
-  accumulation and output, the rounding of the bf16 engine's own head (``head='fp32'`` keeps
-  float32 there too, at several times the head's cost).
-- ``activation_checkpointing``: the model recomputes each decoder block in backward
-  (``Transformer.checkpoint_layers``, forwards under autograd only): less memory, more compute.
-- Behaviour logprobs reach the loss through the registered off-policy correction
-  (``rl.corrections``, ``correction=``): 'ppo' clips against them, 'tis' weights each token by
-  the truncated importance ratio. Without behaviour logprobs a sample is on-policy: the current
-  logprobs detached (ratio 1, one step per batch), which costs no extra forward pass.
-The learner knows nothing about how rollouts were produced.
+``token_logprobs(model, sequences, ...)`` returns each completion's token log-probabilities,
+the sequences packed into rows (a group's prompt shared; the LM head in chunks); ``raw_logprobs``
+is the same at temperature 1 without autograd. ``Learner.train_step(samples)`` takes one
+optimizer step over micro-batches whose accumulated gradient equals the whole batch's, through
+the registered loss and off-policy correction, and returns float metrics (loss, grad norm,
+throughput, MFU); with ``capture`` it also records a drafter's training features. fp32, or bf16
+with float32 masters, on the model's device. It knows nothing of how rollouts were produced.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

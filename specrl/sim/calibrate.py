@@ -1,38 +1,11 @@
 """Calibration: fit the cost model's efficiency terms to measured engine step times.
 
-Trace JSON format (written by benchmarks/sim_machine.py and benchmarks/gpu_calibrate.py from the
-engine's ``record_steps`` records, read here)::
-
-    {"machine": str,                  # free text, e.g. "cpu-2core" or "1xH100"
-     "model": str,                    # a model spec name, e.g. "smollm2-135m"
-     "dtype": str,                    # e.g. "bf16" (informational; priced at 2 B/param)
-     "hardware": str,                 # optional: base hardware profile (default: the CLI's --base)
-     "drafter": str,                  # optional: drafter spec of the draft records, e.g. "ngram"
-     "records": [{"batch_size": int,        # sequences in the forward (prompts for a prefill)
-                  "tokens_per_seq": int,    # 1 decode, k+1 verify, k draft, prompt for prefill
-                  "context_len": float,     # mean tokens already in the KV cache per sequence
-                  "step_time_s": float,     # measured seconds (verify: the step minus the draft)
-                  "kind": "decode" | "verify" | "prefill" | "draft",
-                  "config": str}]}          # optional label of the run, to hold out whole runs
-
-Contract: every non-draft record is priced by the cost model's own features, bytes moved, FLOPs
-(cost.weight_bytes_read, kv_bytes_read, forward_flops on one device) and, for verify records, the
-logits the rejection sampler processes (tokens x vocab) and a constant, for prefill records their
-FLOPs once more (a prefill's own rate on top of the decode rate), and the fit solves
-``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit + verify * c_v
-+ prefill_flops * s_prefill`` by non-negative least squares on relative errors (numpy; a
-feature whose coefficient goes negative is dropped and the rest refitted). The result is
-written as a hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff /
-peak_flops, step_overhead_s = c0, verify_s_per_logit = s_logit, verify_overhead_s = c_v (the
-fixed part of a verify step), prefill_s_per_flop =
-s_prefill, keeping every other field of the base profile. Draft records of a model-free
-drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (least squares
-through the origin in the batch size); other draft records set forward_overhead_s to their median
-time. Records are split into fit and held-out sets by a seeded permutation, or by run when
-``heldout_configs`` names ``config`` labels; the report gives the mean absolute percentage error
-on both. Draft records of held-out runs are not fitted either. A missing, unreadable or malformed
-trace, a record with a missing or mistyped field, unknown held-out labels and too few records
-raise SimInputError (one line).
+``fit_trace`` / ``fit_records`` price each measured record with the cost model's own features
+(bytes, FLOPs, verify logits, prefill FLOPs) and solve for the efficiency terms by non-negative
+least squares on relative errors, giving a hardware profile (the base profile with eta_mem,
+eta_compute, the step and verify overheads, the prefill rate and a model-free drafter's CPU cost
+refitted) and its fit and held-out errors. A bad trace raises ``SimInputError`` (one line).
+The trace format and details: docs/internals.md.
 """
 
 from __future__ import annotations

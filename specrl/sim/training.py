@@ -1,25 +1,10 @@
 """Training-side phases of an RL step: policy update and logprob passes from FLOPs and MFU.
 
-Contract: ``train_seconds`` and ``logprob_seconds`` price one RL step's trainer work on
-``gpus`` GPUs of ``hw`` for ``tokens`` tokens (prompt + response) in sequences of mean length
-``seq_len``:
-
-    T_train    = 3 * F_fwd / (gpus * peak_bf16 * train_mfu[class])  + T_parallel(3 passes)
-    T_logprobs = passes * (F_fwd / (gpus * peak_bf16 * logprob_mfu[class]) + T_parallel(1))
-    F_fwd      = 2 * N_active * tokens + attention (2 * layers * heads * head_dim * seq_len per
-                 token: causal attention over half the sequence on average, QK and PV)
-
-The MFU is per model class (``dense``, ``moe``), read from ``data/training.toml`` where every
-value names the published measurement it was fitted on (published.py refits it). It is the
-compute efficiency of the framework's RL training (small micro-batches, sequence packing,
-recomputation), not a pre-training MFU. The parallelism adds what the class's layout moves between
-GPUs, priced by cost.py's collectives: the data-parallel gradient all-reduce of the bf16
-gradients once per step, and for MoE the expert-parallel dispatch and combine of every MoE
-layer (EP = the class's ``expert_parallel`` GPUs), once per forward and twice per backward. The
-gradient all-reduce spans all GPUs (NVLink within a node, else the scale-out link), each GPU
-holding the gradients of its model-parallel shard (``model_parallel_shards``: enough GPUs for 16
-bytes of training state per parameter, and the EP group).
-A scenario may override either MFU (``training.mfu``, ``training.logprob_mfu``).
+``train_seconds`` and ``logprob_seconds`` price one RL step's trainer work on ``gpus`` GPUs of
+``hw`` for ``tokens`` tokens in sequences of mean length ``seq_len``: forward FLOPs (x3 for
+training) over GPUs x bf16 peak x the model class's MFU (``data/training.toml``, each value
+naming its published source; a scenario may override it), plus the layout's collectives.
+The formulas: docs/internals.md.
 """
 
 from __future__ import annotations

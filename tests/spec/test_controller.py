@@ -7,7 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.sim.calibrate import Record, features
 from specrl.sim.cost import StepCostModel
