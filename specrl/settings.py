@@ -11,8 +11,8 @@ Contract (a leaf: imports nothing from specrl; ``specrl.config`` and the simulat
   is a copy of ``data`` with every ``--set`` item applied.
 - ``validate(model, data, what, ...)`` is the model or one line naming each problem, joined by
   "; ": ``bad value for KEY: EXPECTED (got VALUE)``, ``unknown WHAT key 'KEY'`` (plus a caller's
-  hint), ``missing WHAT key 'KEY'``, or a rule's own message; each is prefixed with where its
-  value came from (the ``--set`` item, else ``source``) when the caller names them.
+  hint), ``missing WHAT key 'KEY'``, or a rule's own message; those with values that did not
+  come from an override follow the others after ``SOURCE: `` when a caller names its file.
 - Every problem raises ``SettingsError`` (a ``ValueError``); ``errors_as(kind)`` re-raises it as
   the caller's own error type, with the same message.
 - ``AppliesOnly`` rules name a field that applies only while another holds: ``inapplicable``
@@ -143,29 +143,34 @@ def validate(
     """``model`` from ``data``, or ``SettingsError`` naming every problem in one line.
 
     ``what`` names the input in ``unknown WHAT key``; ``hint(key)`` adds to that message (a
-    did-you-mean, the valid keys); a problem is prefixed with the ``--set`` item of
-    ``overrides`` that gave its key, else with ``source`` when given."""
+    did-you-mean, the valid keys). With a ``source`` (its file), the problems with values that
+    did not come from ``overrides`` (applied to ``data`` already) follow those that did, after
+    one ``SOURCE: ``."""
     try:
         return model.model_validate(data, context=context)
     except ValidationError as e:
-        items = list(overrides)
-        parts = [_located(err, what, hint, items, source) for err in e.errors()]
-        raise SettingsError("; ".join(parts)) from None
+        raise SettingsError(_message(e.errors(), what, hint, source, list(overrides))) from None
 
 
-def _located(
-    err: Any, what: str, hint: Callable[[str], str] | None, overrides: list[str], source: str
+def _message(
+    errs: list[Any], what: str, hint: Callable[[str], str] | None, source: str, items: list[str]
 ) -> str:
-    text = describe(err, what, hint)
-    key = dotted(err["loc"])
-    origin = next((f"--set {item}" for item in overrides if _sets(item, key)), source)
-    return f"{origin}: {text}" if origin else text
+    """The problems with values from override ``items`` first, then those from ``source``."""
+
+    def from_source(err: Any) -> bool:
+        return bool(source) and not any(_sets(item, dotted(err["loc"])) for item in items)
+
+    given = [describe(err, what, hint) for err in errs if not from_source(err)]
+    filed = "; ".join(describe(err, what, hint) for err in errs if from_source(err))
+    return "; ".join([*given, *([f"{source}: {filed}"] if filed else [])])
 
 
 def _sets(item: str, key: str) -> bool:
-    """Whether override ``item`` gave the value at ``key`` (or a table holding it)."""
+    """Whether override ``item`` gave the value at ``key``: the key itself, a table holding it,
+    or a key below it (which made it a table)."""
     given = ".".join(p.strip() for p in item.partition("=")[0].split("."))
-    return bool(key) and (key == given or key.startswith((f"{given}.", f"{given}[")))
+    above = key.startswith((f"{given}.", f"{given}["))
+    return bool(key) and (key == given or above or given.startswith(f"{key}."))
 
 
 def describe(err: Any, what: str, hint: Callable[[str], str] | None = None) -> str:
