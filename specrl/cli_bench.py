@@ -15,16 +15,7 @@ from typing import Annotated
 
 import typer
 
-from specrl.cli_options import (
-    MAX_BATCH,
-    MAX_NEW_TOKENS,
-    DrafterOpt,
-    DtypeOpt,
-    ExactOpt,
-    KOpt,
-    ModelOpt,
-    parse_dtype,
-)
+from specrl import cli_options as opts
 from specrl.cli_util import fail, refuse_unless_applies
 from specrl.fsutil import atomic_write
 
@@ -42,7 +33,7 @@ def bench_generate(
     ctx: typer.Context,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="comma list")] = "1,8,32,64",
     new_tokens: Annotated[
-        int, typer.Option("--new-tokens", help="tokens per sequence", max=MAX_NEW_TOKENS)
+        int, typer.Option("--new-tokens", help="tokens per sequence", max=opts.MAX_NEW_TOKENS)
     ] = 128,
     compare: Annotated[
         str,
@@ -52,23 +43,25 @@ def bench_generate(
         ),
     ] = "",
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
-    model: ModelOpt = "smollm2-135m-instruct",
-    dtype: DtypeOpt = "auto",
+    model: opts.ModelOpt = "smollm2-135m-instruct",
+    dtype: opts.DtypeOpt = "auto",
     repeats: Annotated[
         int, typer.Option(help="timed runs per point, >= 1 (best kept)", max=MAX_REPEATS)
     ] = 1,
     spec: Annotated[
         str, typer.Option("--spec", help="comma list of drafters to compare with no speculation")
     ] = "",
-    num_spec_tokens: KOpt = 3,
+    num_spec_tokens: opts.KOpt = 3,
     group_size: Annotated[
         int,
         typer.Option(
-            "--group-size", help="samples per prompt (GRPO group); divides batch", max=MAX_BATCH
+            "--group-size",
+            help="samples per prompt (GRPO group); divides batch",
+            max=opts.MAX_BATCH,
         ),
     ] = 1,
-    drafter: DrafterOpt = None,
-    spec_exact: ExactOpt = "distribution",
+    drafter: opts.DrafterOpt = None,
+    spec_exact: opts.ExactOpt = "distribution",
 ) -> None:
     """Tokens/s of the engine at several batch sizes: no speculation vs each --spec drafter,
     and optionally transformers (--compare hf) and vLLM (--compare vllm), all in one run, with
@@ -93,7 +86,7 @@ def bench_generate(
     methods = parse_methods(spec, num_spec_tokens)
     if group_size < 1 or any(b % min(b, group_size) for b in sizes):
         fail(f"--group-size {group_size} must be >= 1 and divide every batch size >= it {sizes}")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = opts.parse_dtype(dtype)
     if json_path is not None and (problem := check_writable(json_path)):
         fail(f"cannot write --json: {problem}")
     if spec_exact not in RULES:
@@ -124,8 +117,8 @@ def parse_batch_sizes(text: str) -> list[int]:
         fail(f"--batch-sizes must be integers, comma-separated, no empty entry: got {text!r}")
     if not sizes or min(sizes) < 1:
         fail(f"batch sizes must be >= 1, got {text!r}")
-    if max(sizes) > MAX_BATCH:
-        fail(f"batch sizes must be <= {MAX_BATCH}, got {max(sizes)}")
+    if max(sizes) > opts.MAX_BATCH:
+        fail(f"batch sizes must be <= {opts.MAX_BATCH}, got {max(sizes)}")
     return sizes
 
 

@@ -209,18 +209,18 @@ def list_specs(kind: str) -> list[str]:
     return sorted(p.stem for p in (data_root() / kind).glob("*.toml"))
 
 
-def _build(cls: type[S], data: dict[str, Any], what: str, source: str = "") -> S:
+def build_spec(cls: type[S], data: dict[str, Any], what: str, source: str = "") -> S:
     """A spec from a dict, its keys and types checked (``SimInputError`` in one line)."""
     with errors_as(SimInputError):
         return validate(cls, data, what, hint=key_hint(cls), source=source)
 
 
 def model_from_dict(data: dict[str, Any]) -> ModelSpec:
-    return _build(ModelSpec, data, "model spec")
+    return build_spec(ModelSpec, data, "model spec")
 
 
 def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
-    return _build(HardwareSpec, data, "hardware spec")
+    return build_spec(HardwareSpec, data, "hardware spec")
 
 
 def load_toml(kind: str, name: str) -> tuple[dict[str, Any], str]:
@@ -232,7 +232,7 @@ def load_toml(kind: str, name: str) -> tuple[dict[str, Any], str]:
 
 def _load(kind: str, cls: type[S], name: str) -> S:
     data, path = load_toml(kind, name)
-    return _build(cls, data, f"{SPEC_KINDS[kind]} spec", path)
+    return build_spec(cls, data, f"{SPEC_KINDS[kind]} spec", path)
 
 
 def load_model(name: str) -> ModelSpec:
