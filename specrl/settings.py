@@ -1,25 +1,11 @@
-"""The settings machinery every specrl input shares: strict pydantic sections read from TOML,
-``key.sub=value`` overrides, one-line errors and commented TOML.
+"""The settings machinery every specrl input shares: strict pydantic ``Section``s read from TOML,
+``key.sub=value`` overrides, one-line errors, applies-only rules and commented TOML.
 
-Contract (a leaf: imports nothing from specrl; ``specrl.config`` and the simulator build on it):
-- ``Section``: the base of every settings model. Unknown keys are refused; types are TOML's (a
-  bool is not an integer, a string not a number, an integer is a number); numbers are finite;
-  defaults and assignments are validated.
-- ``read_toml(path, what)`` is a file's table; ``merge(base, top)`` merges tables (``top`` wins).
-- ``parse_override("a.b=v")`` is (["a", "b"], v), ``v`` parsed as a TOML value when it parses,
-  else the bare string; ``set_path`` puts a value at a dotted key; ``with_overrides(data, items)``
-  is a copy of ``data`` with every ``--set`` item applied.
-- ``validate(model, data, what, ...)`` is the model or one line naming each problem, joined by
-  "; ": ``bad value for KEY: EXPECTED (got VALUE)``, ``unknown WHAT key 'KEY'`` (plus a caller's
-  hint), ``missing WHAT key 'KEY'``, or a rule's own message; those with values that did not
-  come from an override follow the others after ``SOURCE: `` when a caller names its file.
-- Every problem raises ``SettingsError`` (a ``ValueError``); ``errors_as(kind)`` re-raises it as
-  the caller's own error type, with the same message.
-- ``AppliesOnly`` rules name a field that applies only while another holds: ``inapplicable``
-  lists those that cannot apply in a model, ``misapplied`` one phrase for each of them that is
-  set (``KEY=VALUE needs OTHER... (it is set, and OTHER is VALUE)``).
-- ``toml_document(model, skipped)``: a model of sections as TOML, each field's description a
-  comment above it, the fields in ``skipped`` only comments.
+``specrl.config`` (the run) and the simulator (scenarios, specs) build on it, so both read,
+override and report alike: ``validate`` gives one line, ``bad value for KEY: EXPECTED (got
+VALUE)``, ``unknown WHAT key 'KEY'``, ``missing WHAT key 'KEY'``, joined by "; "; every problem
+is a ``SettingsError`` (``errors_as`` re-raises it as the caller's type). A leaf: imports nothing
+from specrl. Details: docs/internals.md.
 """
 
 from __future__ import annotations
