@@ -25,8 +25,9 @@ from jinja2 import TemplateError
 from specrl.errors import one_line
 from specrl.fsutil import fsync_path
 from specrl.models.config import ModelConfig
+from specrl.models.rope import rope_inv_freq
 from specrl.models.tokenizer import TextTokenizer, from_gguf_vocab
-from specrl.models.transformer import Transformer, layer_prefix_model, rope_inv_freq
+from specrl.models.transformer import Transformer, layer_prefix_model
 from specrl.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -5,8 +5,10 @@ the sequences packed into rows (a group's prompt shared; the LM head in chunks);
 is the same at temperature 1 without autograd. ``Learner.train_step(samples)`` takes one
 optimizer step over micro-batches whose accumulated gradient equals the whole batch's, through
 the registered loss and off-policy correction, and returns float metrics (loss, grad norm,
-throughput, MFU); with ``capture`` it also records a drafter's training features. fp32, or bf16
-with float32 masters, on the model's device. It knows nothing of how rollouts were produced.
+throughput, MFU); with ``capture`` it also records a drafter's training features;
+``accumulate_share`` takes a share of a batch under the whole batch's normalisers (one rank's, in
+``specrl.rl.sharded``). fp32, or bf16 with float32 masters, on the model's device. It knows
+nothing of how rollouts were produced.
 Details: docs/internals.md.
 """
 
@@ -178,15 +180,20 @@ def _masters(params: list[torch.Tensor]) -> list[nn.Parameter]:
     return [nn.Parameter(p.detach().float().clone()) for p in params]
 
 
+def check_bf16_mode(dtype: str, bf16_mode: str) -> None:
+    """Raise ``ValueError`` unless ``bf16_mode`` is known and fits ``dtype``."""
+    if bf16_mode not in BF16_MODES:
+        raise ValueError(f"bf16_mode must be one of {BF16_MODES}, got {bf16_mode!r}")
+    if bf16_mode == "params" and dtype != "bf16":
+        raise ValueError(f"bf16_mode='params' needs dtype='bf16', got dtype={dtype!r}")
+
+
 def _model_for_training(
     model: nn.Module, dtype: str, bf16_mode: str
 ) -> tuple[list[torch.Tensor], list[nn.Parameter] | None]:
     """Convert ``model`` in place for training: (its trained parameters, their float32 masters
     in 'params' mode, else None)."""
-    if bf16_mode not in BF16_MODES:
-        raise ValueError(f"bf16_mode must be one of {BF16_MODES}, got {bf16_mode!r}")
-    if bf16_mode == "params" and dtype != "bf16":
-        raise ValueError(f"bf16_mode='params' needs dtype='bf16', got dtype={dtype!r}")
+    check_bf16_mode(dtype, bf16_mode)
     params = [p for p in model.float().requires_grad_(True).parameters()]
     if bf16_mode != "params" or dtype != "bf16":
         return params, None
@@ -232,7 +239,7 @@ class Learner:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
-        self.params, self.masters = _model_for_training(model, dtype, bf16_mode)
+        self.params, self.masters = self._for_training(model, dtype, bf16_mode)
         if head not in HEAD_PRECISIONS:
             raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {head!r}")
         self.model, self.bf16_mode, self.head = model, bf16_mode, head
@@ -275,12 +282,19 @@ class Learner:
             head=cfg.head_precision,
         )  # fmt: skip
 
+    @staticmethod
+    def _for_training(
+        model: nn.Module, dtype: str, bf16_mode: str
+    ) -> tuple[list[torch.Tensor], list[nn.Parameter] | None]:
+        """Convert ``model`` for training (a subclass may also shard it here)."""
+        return _model_for_training(model, dtype, bf16_mode)
+
     @property
     def device(self) -> torch.device:
         return model_device(self.model)
 
     def _autocast(self):
-        bf16_autocast = self.dtype == "bf16" and self.masters is None
+        bf16_autocast = self.dtype == "bf16" and self.bf16_mode == "autocast"
         return autocast(self.device, bf16_autocast, torch.bfloat16)
 
     @torch.no_grad()
@@ -418,11 +432,18 @@ class Learner:
     ) -> dict[str, float]:
         """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch; the
         masters' in 'params' mode); no step (``keep``, ``capture``: see ``train_step``)."""
-        samples = [s for s in samples if len(s.completion_ids) > 0]
-        if not samples:
-            raise ValueError("a training batch needs at least one non-empty completion")
-        tokens = sum(len(s.completion_ids) for s in samples)
-        norm = LossNorm(len(samples), tokens)
+        samples = nonempty(samples)
+        return self.accumulate_share(samples, batch_norm(samples), keep, capture)
+
+    def accumulate_share(
+        self,
+        samples: Sequence[TrainSample],
+        norm: LossNorm,
+        keep: list[torch.Tensor] | None = None,
+        capture: FeatureSink | None = None,
+    ) -> dict[str, float]:
+        """``accumulate_gradients`` over non-empty ``samples``, a share of a batch whose
+        normalisers are ``norm`` (no samples: no gradient, zero metrics)."""
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
         parts = [self._micro_step([samples[i] for i in g], norm, keep, capture) for g in groups]
         metrics = _combine(parts)
@@ -430,11 +451,27 @@ class Learner:
         return metrics
 
 
+def nonempty(samples: Sequence[TrainSample]) -> list[TrainSample]:
+    """The samples with a non-empty completion (at least one, else ``ValueError``)."""
+    samples = [s for s in samples if len(s.completion_ids) > 0]
+    if not samples:
+        raise ValueError("a training batch needs at least one non-empty completion")
+    return samples
+
+
+def batch_norm(samples: Sequence[TrainSample]) -> LossNorm:
+    """The batch-wide loss normalisers of (non-empty) ``samples``."""
+    return LossNorm(len(samples), sum(len(s.completion_ids) for s in samples))
+
+
+TOKEN_MEANS = ("clip_frac", "ratio_mean", "kl", "is_weight_mean")  # token-weighted metrics
+
+
 def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum losses and token counts; token-weighted means of the per-token metrics."""
     tokens = sum(p["tokens"] for p in parts)
     out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
     out["forward_tokens"] = sum(p["forward_tokens"] for p in parts)
-    for key in ("clip_frac", "ratio_mean", "kl", "is_weight_mean"):
+    for key in TOKEN_MEANS:
         out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from specrl.sim.specs import (
     load_drafter,
     load_model,
     spec_to_toml,
+    with_overrides,
 )
 
 KINDS = ("decode", "verify", "prefill", "draft")
@@ -201,7 +202,9 @@ def fit_drafter(drafter: DrafterSpec, drafts: list[Record]) -> DrafterSpec:
     """A model-free drafter's CPU seconds per sequence: least squares t = c * batch_size."""
     n = np.array([r.batch_size for r in drafts], dtype=float)
     t = np.array([r.step_time_s for r in drafts])
-    return replace(drafter, name=f"{drafter.name}-calibrated", cpu_s_per_seq=float(n @ t / (n @ n)))
+    return with_overrides(
+        drafter, name=f"{drafter.name}-calibrated", cpu_s_per_seq=float(n @ t / (n @ n))
+    )
 
 
 def apply_drafts(
@@ -215,7 +218,7 @@ def apply_drafts(
         if draft_forward(spec, model) is None:
             return profile, fit_drafter(spec, drafts)
     median = float(np.median([r.step_time_s for r in drafts]))
-    return replace(profile, forward_overhead_s=median), None
+    return with_overrides(profile, forward_overhead_s=median), None
 
 
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
@@ -224,7 +227,7 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
     c0, per_byte, per_flop, per_logit, verify_s, prefill_flop = (float(c) for c in coef)
     eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
     eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
-    return replace(
+    return with_overrides(
         base,
         name=name,
         eta_mem=eta_mem,

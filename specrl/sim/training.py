@@ -10,27 +10,27 @@ The formulas: docs/internals.md.
 from __future__ import annotations
 
 import math
-import tomllib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from pydantic import Field
+
+from specrl.settings import errors_as, read_toml
 from specrl.sim.cost import all_reduce_time, all_to_all_time
-from specrl.sim.errors import SimInputError, read_text
-from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec
+from specrl.sim.errors import SimInputError
+from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec, Spec, build_spec
 
 MODEL_CLASSES = ("dense", "moe")
 
 
-@dataclass(frozen=True)
-class TrainingEfficiency:
+class TrainingEfficiency(Spec):
     """Measured RL-training efficiency of one model class, with where it comes from."""
 
     model_class: str
     train_mfu: float
     logprob_mfu: float
-    expert_parallel: int  # EP degree of the class's training layout (1 for dense)
-    sources: tuple[str, ...]
+    expert_parallel: int = 1  # EP degree of the class's training layout (1 for dense)
+    sources: tuple[str, ...] = Field((), strict=False)  # a TOML list; each item a strict string
 
 
 def model_class(model: ModelSpec) -> str:
@@ -44,18 +44,13 @@ def _table_path() -> Path:
 def load_efficiency(model: ModelSpec, path: Path | None = None) -> TrainingEfficiency:
     """The efficiency row of ``model``'s class from the training table."""
     path = path or _table_path()
-    try:
-        table = tomllib.loads(read_text(path, "a .toml file"))
-        row = table[model_class(model)]
-        return TrainingEfficiency(
-            model_class(model),
-            float(row["train_mfu"]),
-            float(row["logprob_mfu"]),
-            int(row.get("expert_parallel", 1)),
-            tuple(row.get("sources", ())),
-        )
-    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as e:
-        raise SimInputError(f"{path}: bad training table ({e!r})") from None
+    with errors_as(SimInputError):
+        table = read_toml(path, "training table")
+    cls = model_class(model)
+    if not isinstance(row := table.get(cls), dict):
+        raise SimInputError(f"{path}: bad training table (no [{cls}] table)")
+    data = {**row, "model_class": cls}
+    return build_spec(TrainingEfficiency, data, "training table", f"{path} [{cls}]")
 
 
 def forward_flops(model: ModelSpec, tokens: float, seq_len: float) -> float:
