@@ -149,9 +149,11 @@ class RolloutCfg(Section):
         "directory for 'eagle3'/'mtp' (default: the one `specrl train-drafter` cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
-    backend: Literal["native", "vllm"] = Field(
+    backend: str = Field(
         "native",
-        description="Rollout engine: 'native' (specrl's engine: every drafter, in-flight "
+        min_length=1,
+        description="Rollout engine, a name in specrl.backends.REGISTRY: 'native' (specrl's "
+        "engine: every drafter, in-flight "
         "updates) or 'vllm' (vLLM's engine in the trainer's process; the vllm extra; "
         "speculation 'none', 'ngram', 'draft' or 'eagle3' with a head exported by `specrl "
         "export-drafter`).",

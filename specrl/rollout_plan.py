@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from specrl.config import Config, ConfigError
+from specrl.errors import unknown
 from specrl.models.device import DeviceError, resolve_device
 from specrl.models.precision import torch_dtype
 from specrl.paths import cached_drafter
@@ -92,6 +93,9 @@ class _Featured(Protocol):
 def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan:
     """``cfg``'s rollout plan (``ConfigError`` for a setting that cannot run; see the module
     docstring). The rollout names (``rollout.spec``) are ``pipelines.validate``'s to check."""
+    if cfg.rollout.backend not in backends:
+        known = unknown("rollout backend", cfg.rollout.backend, backends)
+        raise ConfigError(f"bad value for rollout.backend: {known}")
     traits = backends[cfg.rollout.backend]
     _check_sampling(cfg)
     _check_pipeline(cfg, _placement(cfg, traits))

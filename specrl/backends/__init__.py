@@ -5,8 +5,7 @@ backends in ``REGISTRY``; ``build_backend(plan, policy)`` builds it: Ray workers
 each building ``build_local``) for ``cluster.rollout_workers > 0``, else the entry's builder
 for the plan's placement (``native`` inline, ``process`` in a worker process, ``vllm``).
 A fifth backend touches only ``backends/``: its module(s) and one ``REGISTRY`` entry here
-(builders and ``BackendTraits``); its name also goes in ``config.py``'s ``rollout.backend``
-choices, which the leaf config lists itself.
+(builders and ``BackendTraits``); ``rollout.backend`` is checked against ``REGISTRY`` by the plan.
 """
 
 from __future__ import annotations

@@ -150,3 +150,10 @@ def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
                               "rollout.spec_siblings=2"])  # fmt: skip
     with pytest.raises(ConfigError, match="takes no siblings"):
         make_engine(plan_rollout(both), make_tiny())
+
+
+def test_backend_names_come_from_the_registry():
+    cfg = load_config(None, ["rollout.backend=vlm"])  # any name loads; the plan checks it
+    with pytest.raises(ConfigError, match=r"unknown rollout backend 'vlm' \(did you mean vllm\?\)"):
+        plan_rollout(cfg)
+    assert plan_rollout(load_config(None, ["rollout.backend=native"])).backend == "native"
