@@ -5,17 +5,27 @@ A leaf (imports nothing from specrl). ``atomic_write(path, data)`` and ``atomic_
 fsync, rename and directory fsync: ``path`` holds its old content or the new, never a part.
 ``fsync_path`` flushes a file or directory; ``writable_problem(path, kind)`` is ``None`` or one
 line saying why ``path`` cannot be written as a file or dir (it creates nothing).
+``write_manifest(folder, names)`` records the size and sha256 of files in ``folder`` in
+``manifest.json`` (written last); ``manifest_problem(folder)`` is ``None`` or one line naming
+the first file that does not match it. ``replace_dir(tmp, dest)`` renames a finished directory
+into place (an old ``dest`` is moved aside first and removed after).
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -71,3 +81,66 @@ def writable_problem(path: str | os.PathLike, kind: Literal["file", "dir"]) -> s
     if kind == "file" and path.exists() and not os.access(path, os.W_OK):
         return f"{path}: no permission to write it"
     return None
+
+
+def file_digest(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex}`` of a file."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def write_manifest(folder: str | os.PathLike, names: list[str]) -> None:
+    """fsync each file ``names`` in ``folder``, then write and fsync ``manifest.json``
+    (``{"format": 1, "files": {name: file_digest}}``): a folder with a manifest is complete."""
+    folder = Path(folder)
+    files = {}
+    for name in names:
+        fsync_path(folder / name)
+        files[name] = file_digest(folder / name)
+    with (folder / MANIFEST).open("w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def manifest_problem(folder: str | os.PathLike, exact: bool = False) -> str | None:
+    """``None`` when ``folder/manifest.json`` is readable and every file it lists has its size
+    and sha256, else one line naming the file and what is wrong (``x: sha256 mismatch``);
+    ``exact``: a file the manifest does not list is a problem too."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return f"{MANIFEST}: missing"
+    try:
+        files = json.loads((folder / MANIFEST).read_bytes())["files"]
+        listed = {name: (int(d["bytes"]), str(d["sha256"])) for name, d in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST}: unreadable"
+    if any(Path(name).name != name or name.startswith(".") for name in listed):
+        return f"{MANIFEST}: lists a path outside {folder.name}"
+    for name, (size, sha) in listed.items():
+        if not (folder / name).is_file():
+            return f"{name}: missing"
+        found = (folder / name).stat().st_size
+        if found != size:
+            return f"{name}: {found} bytes, the manifest says {size}"
+        if file_digest(folder / name)["sha256"] != sha:
+            return f"{name}: sha256 mismatch"
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in listed and p.name != MANIFEST)
+    return f"{extra[0]}: not in the manifest" if exact and extra else None
+
+
+def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Rename the finished directory ``tmp`` to ``dest`` and fsync their parent; a ``dest``
+    already there is renamed to ``<dest>.old`` first and removed after."""
+    tmp, dest = Path(tmp), Path(dest)
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    fsync_path(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)

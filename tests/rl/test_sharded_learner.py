@@ -8,19 +8,14 @@ tests compare with the same scenarios run by a plain ``Learner`` in this process
 from __future__ import annotations
 
 import copy
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
 
 from specrl.models.config import tiny_config
-from specrl.models.transformer import Transformer
 from specrl.rl import sharded
 from specrl.rl.learner import Learner, TrainSample, batch_norm, nonempty
 from specrl.rl.sharded import (
@@ -30,10 +25,10 @@ from specrl.rl.sharded import (
     learner_bytes,
     split_by_tokens,
 )
+from tests.rl.gloo_ranks import WORLD, full, run_ranks, tiny_batch, tiny_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WORLD = 2
 TIMEOUT_S = 180  # the whole spawned run; a hang fails the tests instead of blocking them
 TIMINGS = ("time_s", "tokens_per_s", "model_tflops")  # metrics that differ run to run
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -73,44 +68,13 @@ SCENARIOS = {
 FP32 = [name for name, sc in SCENARIOS.items() if "dtype" not in sc.learner]
 
 
-def _model() -> Transformer:
-    """A tiny random decoder whose next-token distribution is near uniform (logprobs ~ -3.5)."""
-    torch.manual_seed(0)
-    model = Transformer(tiny_config()).float()
-    with torch.no_grad():
-        model.embed.weight.mul_(0.1)  # tied: the LM head too
-    return model
-
-
-def _batch(seed: int, groups: int, size: int, behaviour: bool = False) -> list[TrainSample]:
-    """``groups`` prompts with ``size`` completions each (lengths 1..7, random advantages);
-    with ``behaviour``, behaviour logprobs near the policy's and an empty completion second."""
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda lo, hi, n=1: torch.randint(lo, hi, (n,), generator=g).tolist()  # noqa: E731
-    out = []
-    for _ in range(groups):
-        prompt = rand(0, 32, rand(2, 9)[0])
-        for _ in range(size):
-            completion = rand(0, 32, rand(1, 8)[0])
-            old = [-3.5 + x / 20 for x in rand(-8, 8, len(completion))] if behaviour else None
-            adv = float(torch.randn(1, generator=g))
-            out.append(TrainSample(prompt, completion, adv, old))
-    if behaviour:  # skipped by the learner, as in one process
-        out.insert(1, TrainSample(out[0].prompt_ids, [], 1.0, []))
-    return out
-
-
 def _learner(name: str, mesh) -> Learner:
     kwargs = dict(dtype="fp32", lr=1e-2) | SCENARIOS[name].learner
     if SCENARIOS[name].ref:
-        kwargs["ref_model"] = _model()  # the initial policy, as in a run
+        kwargs["ref_model"] = tiny_policy()  # the initial policy, as in a run
     if mesh is None:
-        return Learner(_model(), **kwargs)
-    return ShardedLearner(_model(), mesh=mesh, **kwargs)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        return Learner(tiny_policy(), **kwargs)
+    return ShardedLearner(tiny_policy(), mesh=mesh, **kwargs)
 
 
 def _run(name: str, mesh=None) -> dict:
@@ -119,22 +83,22 @@ def _run(name: str, mesh=None) -> dict:
     metrics, kept = [], []
     for seed in SCENARIOS[name].seeds:
         keep: list[torch.Tensor] = []
-        m = learner.train_step(_batch(seed, **SCENARIOS[name].batch), keep=keep)
+        m = learner.train_step(tiny_batch(seed, **SCENARIOS[name].batch), keep=keep)
         metrics.append({k: v for k, v in m.items() if k not in TIMINGS})
         kept.append([t.clone() for t in keep])
     names = [n for n, _ in learner.model.named_parameters()]
     state = learner.optimizer.state
     stepped = learner.optimizer.param_groups[0]["params"]  # the masters in bf16 "params" mode
     pairs = [(n, p, k) for n, p in zip(names, stepped, strict=True) for k in MOMENTS]
-    adam = {f"{n}.{k}": _full(state[p][k]) for n, p, k in pairs}
-    groups = [{k: _full(v) for k, v in g.items()} for g in iter_full_state(learner.model)]
+    adam = {f"{n}.{k}": full(state[p][k]) for n, p, k in pairs}
+    groups = [{k: full(v) for k, v in g.items()} for g in iter_full_state(learner.model)]
     return dict(metrics=metrics, kept=kept, adam=adam, groups=groups, bytes=learner_bytes(learner))
 
 
 def _gradients(mesh=None, per_rank_norm: bool = False) -> dict[str, torch.Tensor]:
     """The accumulated gradient of one uneven batch (full tensors)."""
     learner = _learner("uneven", mesh)
-    samples = _batch(41, groups=9, size=1, behaviour=True)
+    samples = tiny_batch(41, groups=9, size=1, behaviour=True)
     if per_rank_norm:  # the bug this guards against: each rank normalises by its own share
         rank = dist.get_rank()
         share = lambda s: [s[i] for i in split_by_tokens(s, WORLD)[rank]]  # noqa: E731
@@ -143,7 +107,7 @@ def _gradients(mesh=None, per_rank_norm: bool = False) -> dict[str, torch.Tensor
         learner.accumulate_gradients(samples)
     finally:
         sharded.batch_norm = batch_norm
-    return {n: _full(p.grad) for n, p in learner.model.named_parameters()}
+    return {n: full(p.grad) for n, p in learner.model.named_parameters()}
 
 
 def _rank_main(rank: int, port: int, out: str) -> None:
@@ -156,23 +120,11 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Each rank's results (2 spawned processes, killed past ``TIMEOUT_S``)."""
     out = tmp_path_factory.mktemp("sharded")
-    ctx = mp.spawn(_rank_main, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s")
+    run_ranks(_rank_main, (str(out),), TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -227,10 +179,10 @@ def test_the_scenarios_exercise_what_they_claim(single):
     assert any(m["micro_batches"] > 2 for m in steps)
     uneven = single["uneven"]["metrics"]
     assert all(m["kl"] > 0 for m in uneven[1:]) and any(m["clip_frac"] > 0 for m in uneven)
-    batch = _batch(21, groups=7, size=1, behaviour=True)
+    batch = tiny_batch(21, groups=7, size=1, behaviour=True)
     assert len(nonempty(batch)) == 7 and not batch[1].completion_ids
     assert sorted(len(r) for r in split_by_tokens(nonempty(batch), WORLD)) == [3, 4]
-    shares = split_by_tokens(_batch(31, groups=1, size=1), WORLD)
+    shares = split_by_tokens(tiny_batch(31, groups=1, size=1), WORLD)
     assert [len(r) for r in shares] == [0, 1]  # the 'idle' scenario leaves rank 0 empty
 
 
@@ -269,7 +221,7 @@ def test_split_by_tokens_is_balanced_contiguous_and_deterministic():
 
 
 def test_iter_full_state_of_an_unsharded_model_is_its_state_dict():
-    model = _model()
+    model = tiny_policy()
     groups = list(iter_full_state(copy.deepcopy(model), dtype=torch.bfloat16))
     assert [next(iter(g)) for g in groups] == ["embed.weight", "layers.0.attn_norm.weight",
                                                "layers.1.attn_norm.weight"]  # fmt: skip
