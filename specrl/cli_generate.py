@@ -1,14 +1,10 @@
 """``specrl generate``: completions of prompts with the native engine (optionally speculative).
 
-Contract: ``register(app)`` adds the command. It answers every good prompt even when others are
-bad: each bad prompt (a JSONL line that is not a prompt of ``specrl.jsonl_prompts``' format, not
-valid Unicode, empty, too long for the context, a chat template that fails on it) gets one
-``error: prompt N: <why>`` line on stderr and the exit code is then 2 (0 when every prompt was
-answered). Prompt numbers N (and ``prompt_index`` in ``--json``) count every prompt given, good
-or bad, arguments first. The prompts file's lines are a string, {"prompt": string} or, with the
-chat template (the default), {"messages": [{"role", "content"}, ...]}. A prompts file that cannot
-be read (missing, a directory, unreadable, not UTF-8) or holds a line that is not JSON fails the
-whole command before the model is loaded.
+``register(app)`` adds the command. Every good prompt is answered even when others are bad:
+each bad prompt gets one ``error: prompt N: <why>`` line on stderr and the exit code is 2 (0
+when every prompt was answered); N counts every prompt given, arguments first. A prompts file
+that cannot be read, or a line that is not JSON, fails the whole command before the model loads.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

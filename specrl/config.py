@@ -1,15 +1,12 @@
 """Typed configuration of a training run: the sections of ``Config``, presets and run files.
 
-Contract: ``Config()`` is the complete default run (sections ``model``, ``env``, ``rollout``,
-``learner``, ``pipeline``, ``drafter``, ``run`` and ``cluster``; every field is described and
-bounded). ``load_config(path, overrides, preset)`` layers a shipped preset, a TOML file and
-``section.key=value`` overrides, validated by ``specrl.settings`` (TOML's types, strictly; one
-line naming the key and the value); every problem is a ``ConfigError``. A field set where it
-cannot apply (``APPLIES_ONLY``) is refused, naming both fields. ``Config.to_toml()`` reads back
-to an equal config; ``load_run_config`` reads a run directory's config.toml. Only types and
-bounds are checked here; names (task, template, drafter, loss...) are checked against their
-registries by ``specrl.pipelines.validate.check_names``. A leaf: it imports only the leaves
-``specrl.settings`` and ``specrl.config_training`` (the learner's and the drafter's sections).
+``Config()`` is the complete default run (sections model, env, rollout, learner, pipeline,
+drafter, run, cluster). ``load_config(path, overrides, preset)`` layers a preset, a TOML file
+and ``section.key=value`` overrides, validated by ``specrl.settings``; every problem is a
+one-line ``ConfigError`` (a field set where it cannot apply too: ``APPLIES_ONLY``).
+``Config.to_toml()`` reads back equal; ``load_run_config`` reads a run's config.toml. Types and
+bounds only (names: ``pipelines.validate.check_names``). A leaf: imports ``settings`` and
+``config_training`` only. Details: docs/internals.md.
 """
 
 from __future__ import annotations

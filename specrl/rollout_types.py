@@ -1,21 +1,12 @@
 """What a rollout backend takes and returns: requests, completions, statistics.
 
-Contract: a ``Request`` is a prompt (token ids) plus ``SamplingParams``; a backend returns ``n``
-``Completion`` objects per request, in request order, each carrying the sampled token ids, their
-log-probabilities under the processed (sampled-from) and raw (T=1) distributions, the finish
-reason ("stop", "length", or "error" with a message), the policy version that produced each
-token, timings and speculation counts. ``request_problem(req, context, vocab)`` is why a request
-cannot run (one line) or ``None``; ``sample_seed(seed, index)`` is the seed of sample ``index``
-of a request seeded ``seed``. Every rollout backend uses both, so a request is refused and seeded
-the same way by all of them.
-
-``EngineStats`` holds a call's plain counters; ``add`` accumulates another call's counters;
-derived rates (acceptance length, per-position acceptance) are properties, never stored. With
-``Engine(record_steps=True)`` it also keeps one ``StepRecord`` per engine forward (prefill, plain
-decode, draft, verify) in ``step_records``, in the trace format ``specrl.sim.calibrate`` reads;
-``add`` concatenates those records (per-position counters are summed element-wise). The
-in-flight update counters (``weight_updates`` .. ``reverify_s``) are defined in
-``specrl.engine.inflight``.
+A ``Request`` is a prompt (token ids) plus ``SamplingParams``; a backend returns ``n``
+``Completion`` objects per request, in request order (token ids, processed and raw logprobs,
+finish reason, the policy version of each token, timings, speculation counts).
+``request_problem`` and ``sample_seed`` make every backend refuse and seed a request alike.
+``EngineStats`` holds a call's counters (``add`` accumulates; rates are properties) and, with
+``record_steps``, one ``StepRecord`` per forward in the trace format ``sim.calibrate`` reads.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

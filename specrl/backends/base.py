@@ -1,37 +1,13 @@
 """The rollout-backend seam: the only thing a pipeline knows about generation.
 
-Contract (``RolloutBackend``):
-- ``generate(requests, spec=None) -> Rollout``: ``n`` completions per request in request order
-  (``specrl.engine.types.Completion``: token ids, processed and raw logprobs, finish reason, the
-  policy version of every token), with the call's own counters (``Rollout.stats``; no shared
-  mutable statistics), wall seconds and ``faults`` (rollout workers of a multi-worker backend
-  that died since the previous call: their requests ran again elsewhere; 0 otherwise).
-  ``spec`` overrides the configured speculation for the call (e.g. a plain rollout for a speed
-  comparison). A bad request comes back as a completion with ``finish_reason == "error"``; the
-  others run.
-- ``update_weights(named_tensors, version)``: the policy's tensors under our parameter names;
-  the backend copies what it needs before returning (the caller may mutate them at once) and
-  serves ``version`` from its next safe point on: at once when idle, else between generate calls,
-  or between decode steps where the backend was built for in-flight updates. Returns seconds.
-- ``update_drafter(state, version)``: a learned drafter's tensors (EAGLE-3/MTP head, draft model).
-- ``versions() -> Versions``: the policy and drafter versions the backend serves from its next
-  generate call on (an update received during a call counts, even if that call finishes on
-  the older weights; ``Completion.token_versions`` say what produced each token).
-- ``served() -> Served``: what the engine serves now, read on the backend's side from the
-  engine's own tensors (never from a staging copy): the policy version and its content
-  fingerprint (``specrl.models.fingerprint``, in the engine's dtype), the drafter's likewise.
-  When no generate call runs, an update still pending is applied first; during a call it
-  answers at once (never waits for the call) with the newest record it took while idle: an
-  older version, but its fingerprint is that version's. So a pipeline can ask from either
-  thread, and asked right after a generate call it sees at least every update received before
-  that call started. ``None`` for a fingerprint means there is nothing to fingerprint (a
-  model-free drafter, a test fake without weights). The weight-sync guard
-  (``specrl.pipelines.guard``) compares these with the learner's side.
-- ``state_dict()`` / ``load_state_dict(state)``: JSON-able state that must survive a resume
-  (e.g. the suffix drafter's history); ``{}`` when there is none.
-- ``close()``: release workers and memory; idempotent.
-- ``spec``: the configured speculation; ``features``: optional abilities (``IN_FLIGHT``), so a
-  pipeline refuses an option a backend cannot honour instead of dropping it.
+``RolloutBackend``: ``generate(requests, spec=None) -> Rollout`` (``n`` completions per request
+in request order, ``specrl.rollout_types.Completion``; the call's own stats, wall seconds,
+``faults``; a bad request comes back as an ``"error"`` completion), ``update_weights`` /
+``update_drafter`` (copied before returning, served from the next safe point), ``versions()``,
+``served()`` (the engine's own tensors fingerprinted, for ``pipelines.guard``), ``state_dict`` /
+``load_state_dict`` (JSON-able resume state) and ``close()`` (idempotent); ``spec`` and
+``features`` (``IN_FLIGHT``), so a pipeline refuses what a backend cannot honour.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The native rollout backend: specrl's own engine behind the ``RolloutBackend`` seam.
 
-Contract:
-- ``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``. ``generate`` returns the call's
-  completions with a copy of the engine's per-call statistics. ``update_weights`` copies the
-  tensors into the engine's own model at once when no generate call is running and packs them
-  for inference there (``linear.prepack``: the update, not the next rollout's first
-  forward, pays for packing); during one it snapshots them (engine dtype) and applies them the
-  same way before the next call, or, with ``in_flight``
-  ("reverify" | "keep" | "discard", the fate of unfinished sequences' older tokens), between two
-  decode steps of the running call (``Engine.stage_weights``). ``update_drafter`` loads a learned
-  drafter's tensors into the engine's proposer at once, or during a generate call (the async
-  learner trains the drafter while the producer generates) before the next call. ``served``
-  fingerprints the engine's own model and drafter tensors (``drafter_tensors``) when no call
-  runs (after applying pending updates), and during a call returns the newest record taken
-  while idle. ``state_dict`` holds the drafter's cross-call state (the suffix drafter's
-  history); during a generate call it waits for the call to end.
-  Thread-safe for one generating thread plus one updating thread (the async pipeline's producer
-  and learner).
-- ``build_native(plan, policy)``: the engine of a ``RolloutPlan`` (its speculation, the draft
-  model in ``plan.drafter_dir`` or the untrained start of a run that trains one) over its own
-  copy of ``policy`` in ``plan.dtype`` ('auto' resolved for the policy's device), with the
-  plan's in-flight policy.
+``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``: ``generate`` returns the call's
+completions with a copy of its statistics; ``update_weights`` / ``update_drafter`` apply at once
+when idle, else before the next call or, with ``in_flight`` ("reverify" | "keep" | "discard"),
+between two decode steps (``Engine.stage_weights``); ``served`` fingerprints the engine's own
+tensors. Thread-safe for one generating plus one updating thread. ``build_native(plan, policy)``
+is the engine of a ``RolloutPlan`` over its own copy of ``policy`` in ``plan.dtype``.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """The process backend: the native engine in its own worker process, behind ``RolloutBackend``.
 
-Contract:
-- ``ProcessBackend(plan, policy)`` (or ``build_process``) starts one worker process (the
-  ``spawn`` start method: forking a process that has run torch is unsafe) that builds
-  ``build_native(plan, model)`` (a ``NativeBackend``) with its own
-  ``torch.set_num_threads(plan.threads)`` (0 = half the cores, at least 1). ``model`` is
-  ``engine_copy(policy, dtype)`` with its tensors in shared memory, so any ``Transformer`` works
-  (nothing is reloaded by name); the worker's engine keeps its own private copy, and the shared
-  copy stays behind as the staging area of weight updates (one tensor per distinct parameter,
-  engine dtype, tied weights once).
-- Two channels, so an update can arrive while a generate runs: a request pipe served by the
-  worker's main thread (``generate``, ``state_dict``, ``load_state_dict``, ``close``) and a control
-  pipe served by a worker thread (``update_weights``, ``update_drafter``, ``versions``,
-  ``served``). Each has its own lock on this side: one generating thread plus one updating
-  thread is safe. ``served`` is the worker's ``NativeBackend.served``: fingerprints of the
-  worker engine's own tensors, never of the staging area.
-- ``update_weights`` casts the learner's tensors into the staging area, then waits for the
-  worker's ack (the worker applies them at once when idle, else snapshots them, exactly like
-  ``NativeBackend``), so the caller may mutate its tensors and the staging area is free again
-  when it returns. ``update_drafter`` sends the (small) drafter tensors as bytes over the pipe.
-- An exception in the worker is re-raised here with the worker's message: the same type for
-  ``ValueError`` (``ConfigError`` included) and ``RuntimeError``, else a ``RuntimeError`` naming
-  the type. A dead worker (killed, segfault, out of memory) raises ``RuntimeError("rollout
-  worker process died (exit code N) ...")`` from the call that waits on it and every later call,
-  never a hang. A start-up failure raises the worker's error from the constructor.
-- ``close()`` asks the worker to exit, then joins, terminates, kills; idempotent, and also run
-  when the backend is garbage collected or the interpreter exits. Calls after it raise
-  ``RuntimeError``. Usable as a context manager.
+``ProcessBackend(plan, policy)`` (or ``build_process``) spawns one worker that builds
+``build_native`` over a shared-memory copy of the policy (the staging area of weight updates),
+with ``plan.threads`` torch threads. A request pipe (generate, state) and a control pipe
+(updates, versions, ``served``) let an update arrive while a generate runs: one generating plus
+one updating thread is safe. A worker's error is re-raised here in one line; a dead worker
+raises ``RuntimeError`` from every call, never a hang. ``close()`` is idempotent (also at exit).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

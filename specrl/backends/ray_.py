@@ -1,57 +1,13 @@
 """The Ray backend: ``cluster.rollout_workers`` rollout backends as Ray actors, one protocol.
 
-Contract (``RayBackend(plan, policy)``, or ``build_ray``; ``plan.workers`` is ``cluster.*``):
-- Start: joins Ray (``ray_session.RaySession``: a running connection, ``cluster.address``, or
-  a local Ray on 127.0.0.1 that ``close`` shuts down), puts the policy (engine dtype) into the
-  object store once and starts N actors, each building ``backends.build_local`` (the native
-  engine or vLLM) from ``rollout_plan.worker_plan(plan)``, inline in its own process (the plan
-  refuses ``rollout.placement='process'``: an actor is a process already) with
-  ``cluster.threads`` torch threads, reserving ``cluster.worker_cpus``/``worker_gpus``
-  (``ConfigError`` if the cluster lacks them). A worker's start-up error is raised here (its
-  type and one line). ``spec`` and ``features`` are the local backend's (``IN_FLIGHT``
-  included: each actor serves updates on a control thread of its own while it generates, like
-  the process backend's two channels).
-- ``generate``: the requests, whole (a request carries its n samples and their seeds,
-  ``engine.types.sample_seed``, so a GRPO group never straddles workers and its tokens do not
-  depend on which worker runs it; a request without a seed gets one from its worker's own
-  generator), in N contiguous chunks, one per worker; completions in request order
-  (``request_index`` in the caller's numbering), statistics added in chunk order, wall seconds
-  of the whole call. So the tokens equal a single backend's; logprobs agree to fp32 rounding
-  (a worker batches fewer rows together). Drafters with cross-request state (the suffix
-  drafter's history) keep one state per worker, so their drafts, and so the random streams,
-  can differ from a single backend's (the distribution is the same: speculation is lossless).
-- Faults: a worker whose process dies (killed, crashed) is replaced by a new actor that first
-  loads the newest policy and drafter updates from the object store; its unfinished chunk runs
-  again, whole, on the first free worker (usually the replacement), so no group is lost or
-  counted twice and the result is identical to a fault-free call's. ``Rollout.faults`` counts
-  the deaths seen since the previous ``generate`` (a death found by an update or a ``served``
-  call counts in the next rollout). A replacement starts with an empty drafter state. Each
-  worker may be replaced ``cluster.max_restarts`` times; one more death raises
-  ``RuntimeError`` (one line) from the call that finds it. A worker that hangs without dying
-  is not detected.
-- ``update_weights(named, version)``: shapes checked first (``ValueError``), then ONE
-  ``ray.put`` of ``(version, tensors)`` (CPU, engine dtype) and each worker fetches that object
-  itself (N gets); returns when every worker has it (applied, or pending until its running
-  generate call ends, as ``NativeBackend`` does). ``update_drafter(state, version)`` likewise.
-  The newest refs stay alive for replacements.
-- ``served()``: every worker's ``Served`` with the newest versions it received (never in the
-  middle of an update's broadcast). All identical: that one. Workers may legitimately serve
-  different versions: an update that reached a busy worker is pending (until its call ends, or
-  in-flight until its next call starts) while an idle one applied it at once; then every
-  worker has received the same newest version, each served version has one fingerprint, and
-  the oldest record is returned (as a single backend answers with its older version). Else (a
-  worker did not receive an update the others got, or two serve one version with different
-  contents) the record carries, as its fingerprint, one line naming each worker that differs
-  (``disagreement``: ``"<dtype>:[rollout workers disagree: worker 1 serves policy version 3
-  (...; newest received 3); worker 0 serves version 4 (...)]"``) under the newest version
-  received, so ``pipelines.guard.WeightGuard`` fails naming it. ``versions()``: the oldest
-  policy and drafter versions the workers received.
-- ``state_dict()``: ``{}`` when no worker keeps state, else ``{"workers": [state_0, ...]}``.
-  ``load_state_dict`` gives worker i its saved state i (a worker beyond the saved ones starts
-  empty); a single backend's state (no "workers" key) is given to every worker.
-- ``pids()``, ``actors``: the workers' process ids and actor handles (for tests and tools).
-- ``close()``: kills the actors and closes the session; idempotent, also at garbage collection
-  and interpreter exit. Thread-safe for one generating thread plus one updating thread.
+``RayBackend(plan, policy)`` (or ``build_ray``) joins Ray (``ray_session``) and starts N actors,
+each a ``build_local`` backend of ``rollout_plan.worker_plan(plan)``. ``generate`` splits the
+requests, whole, into N contiguous chunks (a single backend's tokens; logprobs to fp32
+rounding); a worker that dies is replaced (up to ``cluster.max_restarts``) and its chunk run
+again, counted in ``Rollout.faults``. An update is one ``ray.put``; ``served()`` names workers
+that disagree, so the weight guard fails on it. ``state_dict`` keeps one state per worker;
+``close()`` is idempotent. Thread-safe for one generating plus one updating thread.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """This process's connection to Ray (the ``ray`` extra), for the Ray backend and the Ray run.
 
-Contract:
-- ``import_ray()``: the ``ray`` module, or ``ConfigError`` (one line naming
-  ``cluster.rollout_workers`` and ``pip install -e '.[ray]'``) when it is not installed.
-- ``RaySession.open(address)``: a process already connected to Ray (a test's fixture, a Ray
-  actor such as the learner) keeps that connection and ``close`` leaves it alone. Else, with
-  ``address`` (``cluster.address``) it joins that cluster (``ray.init(address=...)``) and
-  ``close`` only disconnects: a joined cluster is never shut down. Without one it starts a local
-  Ray: every Ray process bound to 127.0.0.1 (no port on another interface), dashboard off, its
-  logs and sockets under a fresh temporary directory, ``num_cpus`` = this machine's cores; it
-  checks the node came up on 127.0.0.1 (else shuts it down and raises ``RuntimeError``).
-  ``close`` shuts that Ray down and removes the directory; idempotent, and also run at
-  interpreter exit. If this process dies of a signal, the Ray processes it started die with it
-  (Ray's kernel fate-sharing), the temporary directory stays.
-  Binding to 127.0.0.1: ``ray.init`` turns ``_node_ip_address='127.0.0.1'`` into the machine's
-  routable address unless ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` is false (its
-  single-machine mode, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``); that flag is set false for
-  the duration of ``ray.init`` only, then restored. Ray's servers bind to the loopback address
-  when the node address is 127.0.0.1.
-- ``actor_threads(threads, rollout_workers)``: torch threads of one Ray actor: ``threads``, or
-  this node's cores // (rollout_workers + 1), at least 1 (the learner and the workers share a
-  node).
-- ``check_fits(ray, workers, cpus, gpus)``: ``ConfigError`` when the cluster cannot place that
-  many workers with that many CPUs/GPUs each (they would wait forever; the nodes an
-  autoscaler could add later are not counted).
+``import_ray()`` is the module or a one-line ``ConfigError``. ``RaySession.open(address)`` keeps
+an existing connection, joins ``cluster.address`` (never shut down) or starts a local Ray bound
+to 127.0.0.1 in a fresh temporary directory, which ``close`` (idempotent, also at exit) shuts
+down and removes. ``actor_threads`` is one actor's torch threads; ``check_fits`` raises
+``ConfigError`` when the cluster cannot place the workers.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

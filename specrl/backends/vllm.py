@@ -1,48 +1,13 @@
 """The vLLM rollout backend: vLLM's engine behind the ``RolloutBackend`` seam (``specrl[vllm]``).
 
-Contract:
-- ``VllmBackend(model_dir, dtype=..., spec=..., drafter_dir=..., max_batch=..., seed=...)`` builds
-  one ``vllm.LLM`` *in this process* (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and
-  its one worker run here, so weights move by reference, never through a pipe, and no
-  ``if __name__ == "__main__"`` guard is needed), ``enforce_eager``. Environment defaults for
-  the CPU build are set only where unset: ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_gib``),
-  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_LOGGING_LEVEL=WARNING`` (read when vllm is first
-  imported). Building restores what vLLM's worker changes process-wide (it replaces
-  ``torch.set_num_threads`` with a no-op and reseeds the global RNGs); ``vllm_worker.patch_vllm``
-  lists the process-wide patches of vllm 0.32's CPU build this backend applies.
-- ``generate(requests, spec=None)``: the requests as vLLM requests and the results back
-  (``vllm_requests``: seeds, stop tokens, processed and raw logprobs, ``"error"`` completions,
-  statistics from vLLM's own counters). The same seeds give the same tokens on the same engine
-  (not the native engine's tokens: the random streams differ; nor, in general, those of an
-  engine with other speculative settings). Every token carries the version served when the call
-  started (updates that arrive during a call apply after it: no in-flight updates, ``features``
-  is empty). Speculation: ``vllm_spec`` (what vLLM runs for a ``SpecConfig``; a per-call
-  ``spec`` override of the same method swaps its per-batch-size schedule for the call). vLLM
-  keeps its counters for the newest engine of a process: building a second ``VllmBackend`` in
-  the same process leaves the first one's counts at 0 (build the one whose acceptance you read
-  last).
-- ``update_weights(named, version)``: our names -> Hugging Face names (``vllm_weights``) ->
-  vLLM's in-place layerwise reload (what ``Worker.reload_weights`` runs: every layer reloaded
-  and its weight post-processing re-run), then the tied ``lm_head``'s CPU GEMM handle is rebuilt
-  (vLLM 0.32 leaves it packed from the old embedding: a silent stale output layer) and the
-  prefix cache is reset (its KV was computed with the old weights). At once when idle; during a
-  generate call the tensors are snapshotted (engine dtype) and applied when the call ends.
-  ``update_drafter(state, version)``: the same for the draft model (our names of the draft
-  ``Transformer``) or an EAGLE-3 head (``vllm_weights.eagle3_staged``, its draft LM head rebuilt
-  again after every policy update, as the native head shares the target's); any other drafter
-  is a one-line ``ValueError``.
-- ``served()``: fingerprints (``models.fingerprint``) of the tensors in vLLM's model (and its
-  draft model or EAGLE-3 head) under our names. vLLM's CPU build packs each linear weight into
-  a oneDNN handle and drops the parameter; this backend keeps the parameter (the tensor the
-  handle is packed from, re-packed on every reload) so it can be read.
-- ``versions()``, ``state_dict()`` (``{}``), ``load_state_dict``, ``close()`` (idempotent) as in
-  ``base``. Thread-safe for one generating thread plus one updating thread: vLLM itself is
-  built and called on one engine thread of the backend's own (its CPU attention kernels check
-  that the OpenMP thread count is the one their metadata was made with, and a caller's thread
-  may have another), so any thread may call the backend.
-- ``build_vllm(plan, policy)``: from a ``RolloutPlan`` (model, dtype, speculation, drafter
-  directory, batch, seed), then the policy's current weights are pushed (version 0), so the
-  engine serves exactly ``policy`` even when it differs from the checkpoint on disk.
+``VllmBackend(model_dir, ...)`` runs one ``vllm.LLM`` in this process (eager; CPU environment
+defaults set only where unset; ``vllm_worker``'s patches). ``generate`` goes through
+``vllm_requests`` (same seeds, same tokens on the same engine) with ``vllm_spec``'s speculation;
+no in-flight updates. ``update_weights`` / ``update_drafter`` reload vLLM's weights in place
+(``vllm_weights``) at once when idle, else after the running call; ``served`` fingerprints
+vLLM's own tensors under our names. Thread-safe for one generating plus one updating thread.
+``build_vllm(plan, policy)`` builds it from a ``RolloutPlan`` and pushes the policy's weights.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """specrl's requests as vLLM requests, and vLLM's outputs and counters as specrl's results.
 
-Contract:
-- ``completions``: each request's ``n`` samples, as ``n`` one-sample vLLM requests with the
-  native engine's per-sample seeds (``seed * 1_000_003 + j``; drawn by the caller's ``seed``
-  when unset); a request the native engine would reject (bad sampling values, empty prompt,
-  out-of-vocabulary id, prompt filling the context) comes back as an ``"error"`` completion.
-  ``sampling_params``: ``stop_token_ids`` (the stop token is emitted), ``ignore_eos`` (like the
-  native engine, only the given stop tokens end a completion), a completion stopping one token
-  short of the context (room for the raw-logprob prefill).
-- ``finish`` fills the completions: ``logprobs`` are vLLM's processed logprobs
-  (``logprobs_mode="processed_logprobs"``: temperature, top-k, top-p applied), 0.0 for greedy
-  tokens (the processed distribution is one-hot, as in the native engine); ``raw_logprobs``
-  (temperature 1, untruncated) are vLLM's own numbers where they coincide (temperature 0 or 1
-  without truncation), else one extra prefill over prompt + completion that reads vLLM's prompt
-  logprobs (raw). Every token carries the version served when the call started.
-- ``read_counters`` / ``fill_stats``: ``EngineStats`` from vLLM's own speculative-decoding
-  counters (``LLM.get_metrics()``: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
-  ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``; a call's difference, filtered
-  by the engine's ``served_model_name``), so ``draft_acceptance_length`` is vLLM's ``1 + accepted
-  / drafts``; per completion, ``drafted``/``accepted`` come from vLLM's per-request metrics and
-  ``verify_steps`` = tokens - 1 - accepted. Per-position drafted counts are exact when every draft
-  had k tokens (ngram, draft model at fixed k), else filled longest first (vLLM exports no
-  per-position drafted counter). Phase times (prefill/draft/verify) are not exported and stay 0.
+``completions`` turns each request into ``n`` one-sample vLLM requests with the native engine's
+per-sample seeds (a request the native engine would reject: an ``"error"`` completion);
+``sampling_params`` sets stop tokens and the context limit. ``finish`` fills the completions'
+processed and raw logprobs (one extra prefill where vLLM's own differ) and versions.
+``read_counters`` / ``fill_stats`` make ``EngineStats`` from vLLM's speculative-decoding
+counters (phase times stay 0).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What vLLM speculates with for specrl's ``SpecConfig`` (the vLLM backend's speculation).
 
-Contract: ``vllm_speculative_config(spec, max_batch, drafter_dir)`` is vLLM's
-``speculative_config`` (``None``: plain decoding): specrl's ``ngram`` -> vLLM's ``ngram``
-(``prompt_lookup_max/min`` from the drafter's ``max_n``/``min_n`` options, default 4/2), ``draft``
--> ``draft_model`` (a Hugging Face model directory: ``drafter_dir``), ``eagle3`` only with a head
-already in vLLM's EAGLE-3 layout (a directory whose config.json names an Eagle3 architecture).
-Everything else raises a one-line ``ValueError`` naming what is unsupported: ``suffix``,
-``hybrid`` and ``self`` (native-only drafters), ``mtp`` (vLLM's MTP needs the model's own MTP
-layers), a specrl ``eagle3`` head directory (head.json), ``spec_siblings``, ``spec_exact`` other
-than 'distribution'. The adaptive-k cap (``max_tokens_per_forward``; 'auto' is
-``auto_tokens_per_forward``'s fixed cap here, the native engine's controller does not drive
-vLLM) becomes vLLM's per-batch-size schedule (``num_speculative_tokens_per_batch_size``:
-``SpecConfig.k_for_batch``). ``check_spec`` is the registry's rule for the vLLM backend's plans.
-``lookup_for`` is the batch-size -> k table of a per-call ``spec`` override: the same method at
-a lower k, or ``none`` (the end-of-run speed check's plain rollout); another raises ``ValueError``.
+``vllm_speculative_config(spec, max_batch, drafter_dir)`` is vLLM's ``speculative_config``
+(``None``: plain decoding) for ``ngram``, ``draft`` and ``eagle3`` (a head in vLLM's layout),
+with the k cap as vLLM's per-batch-size schedule; anything else is a one-line ``ValueError``
+naming what is unsupported. ``check_spec`` is the registry's rule for the vLLM backend's plans;
+``lookup_for`` is the batch-size -> k table of a per-call ``spec`` override.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Weights between specrl and vLLM: names, staged copies and what vLLM's model holds.
 
-Contract: ``to_hf`` turns our parameter names (``models.checkpoints.name_map``) into Hugging Face
-checkpoint names (q/k/v and gate/up split), what vLLM's layerwise reload takes; ``staged`` is
-those tensors copied in the engine dtype (the caller may mutate its own at once);
-``eagle3_staged`` turns an EAGLE-3 head's state under specrl's names (``d2t`` included with a
-reduced vocabulary) into vLLM's EAGLE-3 tensors (``drafters.export.eagle3_tensors``), the draft
-LM head rebuilt from the policy vLLM serves (a head of another shape: one-line ``ValueError``).
-Back the other way, ``as_ours`` maps vLLM's parameters (fused qkv_proj / gate_up_proj, as
-specrl fuses them: ``vllm_to_ours``) to our names and ``eagle3_ours`` maps its EAGLE-3 drafter
-to the head's names, so ``models.fingerprint`` reads what vLLM serves under our names.
+``to_hf`` maps our parameter names to Hugging Face checkpoint names (what vLLM's layerwise
+reload takes); ``staged`` copies them in the engine dtype; ``eagle3_staged`` turns an EAGLE-3
+head into vLLM's tensors. Back the other way, ``as_ours`` and ``eagle3_ours`` (through
+``vllm_to_ours``) name vLLM's parameters as ours, so ``models.fingerprint`` reads what it serves.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """One decode step over a call's live rows: plain (one token per row) or speculative.
 
-Contract: ``Decoder.step(call, rows, start)`` advances every live row and returns the indices of
-the rows that finished. A step's k is ``spec.k_for_batch`` or, for an adaptive spec, the choice
-of the engine's controller (``specrl.spec.controller``). A speculative step drafts k tokens,
-verifies k+1 positions in one target forward and advances each row by its own count; cache
-positions past a row's length are stale and masked. With ``SpecConfig.siblings`` a stochastic
-draft also gets first-token siblings, read as leaves of a draft tree in the same forward; an
-accepted sibling's cache entries and features move to the first draft position. The step's
-drafts, acceptances and times go to the call's stats (a ``StepRecord`` per plain decode, or a
-draft and a verify record, with ``record_steps``).
+``Decoder.step(call, rows, start)`` advances every live row and returns the indices of the rows
+that finished. k is ``spec.k_for_batch`` or, for an adaptive spec, the controller's choice; a
+speculative step drafts k tokens (plus first-token siblings with ``SpecConfig.siblings``),
+verifies them in one target forward and advances each row by its own count. Drafts,
+acceptances and times go to the call's stats (a ``StepRecord`` per forward with ``record_steps``).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

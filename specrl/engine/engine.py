@@ -1,20 +1,13 @@
 """Continuous-batching generation over a preallocated KV cache.
 
-Contract: ``Engine(model).generate(requests)`` returns ``n`` completions per request, in request
-order; bad requests come back as completions with ``finish_reason == "error"`` and a one-line
-message while the others still run; a request whose prompt + ``max_new_tokens`` exceeds the
-context (``max_position_embeddings``, or ``max_context`` if smaller) stops at the context with
-``finish_reason == "length"``. Randomness is counter-based per request seed, so a request samples
-the same tokens alone or batched. Each iteration of a call admits queued rows into free cache
-slots (``admission``: prefill once per prompt, first tokens), grows the cache if a row outgrew it
-(``kv``), applies a weight update staged from any thread by ``stage_weights`` (``inflight``:
-unfinished rows keep, discard or re-verify their older tokens), runs one plain or speculative
-decode step (``decode``) and retires the finished rows (``call``). ``stats`` are the last call's
-counters, ``total_stats`` every call's; with ``record_steps=True`` every prefill, plain decode,
-draft and verify is also timed into ``stats.step_records``. The engine runs where its model's
-weights are: cache, forwards, sampling and verification on that device, per-row bookkeeping on
-the host; ``memory_fraction`` (a GPU) bounds the rows a call runs at once by the KV cache that
-fits (``kv``).
+``Engine(model).generate(requests)`` returns ``n`` completions per request, in request order;
+a bad request comes back as an ``"error"`` completion while the others run; a row stops at the
+context (``"length"``). Sampling is counter-based per request seed, so a request samples the
+same tokens alone or batched. Each iteration admits rows (``admission``), grows the cache
+(``kv``), applies a staged weight update (``stage_weights``: ``inflight``), runs one decode step
+(``decode``) and retires finished rows (``call``). ``stats`` / ``total_stats`` are the last
+call's and every call's counters. The engine runs on its model's device.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

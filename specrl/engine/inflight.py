@@ -1,58 +1,13 @@
 """In-flight weight updates: new weights between two decode steps of a running ``generate``.
 
-Contract:
-- ``Engine.stage_weights(named, version, mode)`` may be called from any thread (e.g. a learner's)
-  while another thread is inside ``Engine.generate``. ``named`` maps our parameter names to
-  snapshots in the engine's dtype (the engine keeps the mapping, not a copy); the shapes are
-  checked at once (``ValueError``). Only the latest update is kept: a newer one replaces an older
-  one not yet applied, mode included.
-- The generating thread applies it between forwards: in each iteration of the decode loop, after
-  admission and before the decode step; one staged while no ``generate`` runs is applied at the
-  start of the next call (before any prefill); one older than the engine's ``policy_version``
-  by then (newer weights were written directly meanwhile) is dropped. Applying =
-  ``copy_weights`` into the engine's
-  model, ``policy_version = version``, dropping the stashed prompt prefill (old weights), then
-  the live (unfinished) rows' tokens, all sampled under older versions, meet their ``mode``:
-  - ``keep``: nothing changes: old tokens keep their versions and the row's KV cache (computed
-    with the old weights) stays. Cheap and stale: later tokens are tagged with the new version
-    but read an old cache; the learner corrects them (importance sampling) or not.
-  - ``discard``: the row restarts from its prompt (tokens, logprobs, versions cleared): each
-    distinct prompt is prefilled once under the new weights into its first row's slot and copied
-    to its siblings' slots, and a new first token is sampled.
-  - ``reverify``: the row's completion so far becomes a deterministic (one-hot q) draft for the
-    new weights. The prompts are re-prefilled as for ``discard`` (their keys/values and the
-    logits at position prompt_len-1), then ONE padded forward over all live rows' completions
-    (right-padded, reading the new prompt cache, writing the completion's keys/values) gives the
-    logits at prompt_len .. len(history)-1; ``spec.verify.verify`` keeps the accepted prefix
-    plus one recovered/bonus token, with the token ids and processed/raw logprobs of those
-    forwards; every kept token is tagged with the new version. With ``reverify_max_tokens`` set
-    (an engine attribute; None = all) only a row's first that many old tokens are the draft and
-    the rest are discarded: still exact (a shorter fixed draft), and a smaller forward. Each old
-    token is accepted with probability p_new(token) (one-hot q), however close the weights.
-- Randomness: ``reverify`` and ``discard`` rows switch to ``fresh_seed(seed, version)`` (also
-  written to ``Completion.seed``) from counter 0, for the verification and all later sampling,
-  so the new randomness is independent of what produced the old tokens (and of which rows were
-  still live). Then a ``reverify`` row's final sequence is distributed exactly as the new
-  policy's sequence distribution: the old tokens are a fixed draft (no stop token, shorter than
-  the limit) and one-hot verification is exact for any fixed draft. The same holds for
-  ``discard``. ``keep`` rows keep their seed.
-- Drafters: ``keep`` works with every drafter. The modes that rewrite history work with plain
-  decoding and the ``ngram`` (its index re-indexes a history that is not an extension), ``suffix``
-  (stateless per row), ``eagle3`` and ``mtp`` drafters (the rewrite forwards' captured
-  features of every kept history position are handed over, so the head's cache is refilled
-  from position 0); ``stage_weights`` refuses them for ``draft``/``self`` (per-row draft-model
-  caches that assume histories only grow) with ``ValueError``.
-- Statistics (``EngineStats``): ``weight_updates`` (applied with live rows), ``reverified_tokens``
-  (old tokens checked), ``reused_tokens`` (kept by reverify or keep), ``discarded_tokens``
-  (thrown away by discard, or rejected / past the rejection in reverify), ``reverify_s``.
-  ``tokens`` counts generated tokens, so ``tokens == sum(completion lengths) + discarded_tokens``.
-  A rewritten completion's ``verify_steps``/``drafted``/``accepted`` keep counting the engine's
-  work on the row (old steps included).
-
-``InflightUpdates`` is the engine's collaborator: ``stage`` and ``take`` hold the latest update
-(thread-safe); the engine applies the weights and the version, then ``rewrite`` makes the live rows
-meet the mode through the running ``Call`` (its prefill, forward, sampling tensors, emission and
-statistics); the rest are plain functions.
+``Engine.stage_weights(named, version, mode)`` may be called from any thread while another is
+inside ``generate`` (shapes checked at once; only the latest update is kept). The generating
+thread applies it between forwards; the live rows' older tokens then meet ``mode``: ``keep``
+(unchanged, on a stale cache), ``discard`` (restart from the prompt) or ``reverify`` (the old
+tokens as a one-hot draft for the new weights: exact). Rewriting modes reseed their rows
+(``fresh_seed``) and refuse ``draft``/``self`` drafters. ``InflightUpdates`` is the engine's
+collaborator (``stage``, ``take``, ``rewrite`` through the running ``Call``).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Llama/Qwen-family decoder in plain PyTorch.
 
-Contract: ``Transformer(config)`` maps token ids at explicit positions to logits, optionally
-reading and writing a ``KVCache`` (row b of the batch uses cache slot b) and optionally returning
-the hidden states of chosen layers (for EAGLE-3 / MTP drafters); a draft tree (``tree``) is read
-in one forward with RoPE by depth and an ancestor mask. Weights use Hugging Face
-semantics (rotate-half RoPE, q/k/v and gate/up projections), stored fused (qkv, gate_up) for fewer
-GEMMs. Packed rows (``segments``, no cache) attend through a dense [B, 1, T, T] mask or, on CUDA,
-FlexAttention block masks (``packed_attention``, see ``specrl.models.packed_attention``); with
-``checkpoint_layers`` a forward under autograd recomputes each decoder block in backward.
-No sampling, no RL.
+``Transformer(config)`` maps token ids at explicit positions to logits, optionally through a
+``KVCache`` (row b uses slot b), returning chosen layers' hidden states (EAGLE-3 / MTP), reading
+a draft tree in one forward, or over packed rows (``segments``: ``packed_attention``). Hugging
+Face weight semantics, stored fused (qkv, gate_up); ``checkpoint_layers`` recomputes decoder
+blocks in backward. No sampling, no RL.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The learner: recompute token logprobs of packed sequences, and take policy-gradient steps.
 
-``token_logprobs(model, sequences, ...)`` returns each completion's token log-probabilities,
-the sequences packed into rows (a group's prompt shared; the LM head in chunks); ``raw_logprobs``
-is the same at temperature 1 without autograd. ``Learner.train_step(samples)`` takes one
-optimizer step over micro-batches whose accumulated gradient equals the whole batch's, through
-the registered loss and off-policy correction, and returns float metrics (loss, grad norm,
-throughput, MFU); with ``capture`` it also records a drafter's training features;
-``accumulate_share`` takes a share of a batch under the whole batch's normalisers (one rank's, in
-``specrl.rl.sharded``). fp32, or bf16 with float32 masters, on the model's device. It knows
-nothing of how rollouts were produced.
+``token_logprobs(model, sequences, ...)`` returns each completion's token log-probabilities
+(sequences packed into rows, a group's prompt shared); ``raw_logprobs`` is the same at T=1
+without autograd. ``Learner.train_step(samples)`` takes one optimizer step whose accumulated
+gradient equals the whole batch's, through the registered loss and correction, and returns float
+metrics (loss, grad norm, throughput, MFU); ``capture`` records a drafter's features;
+``accumulate_share`` takes one rank's share under the whole batch's normalisers (``rl.sharded``).
+fp32, or bf16 with float32 masters. It knows nothing of how rollouts were produced.
 Details: docs/internals.md.
 """
 

@@ -1,17 +1,12 @@
 """The learner sharded over the ranks of a torch.distributed process group with FSDP2.
 
-Contract: every rank builds ``ShardedLearner(model, mesh=..., ...)`` with the same arguments and
-calls the same methods with the same samples (each call is a collective). ``shard_model`` runs
-``fully_shard`` on each decoder block and on the root (embedding, final norm, LM head): a rank
-holds ~1/N of the parameters, gradients and AdamW state (DTensors; 'params' mode: float32
-shards gathered as bf16). ``train_step`` gives each rank a contiguous share of the samples by
-token count (``split_by_tokens``, the same on every rank) under the whole batch's loss
-normalisers, and sums the gradients over ranks, so the step is the single-process one; the
-gradient norm is global and the metrics are reduced over ranks. ``keep`` receives every
-sample's logprobs (gathered, in order), ``capture`` only this rank's share.
-``iter_full_state`` yields the full weights one block at a time; ``learner_bytes`` measures
-what a rank holds; ``init_distributed`` joins a group (gloo on the CPU, NCCL on CUDA).
-Details: docs/training.md.
+Every rank builds ``ShardedLearner(model, mesh=..., ...)`` with the same arguments and calls the
+same methods with the same samples (collectives). ``shard_model`` shards each decoder block and
+the root (~1/N of parameters, gradients and AdamW state per rank); ``train_step`` splits the
+samples by tokens (``split_by_tokens``) under whole-batch normalisers and sums the gradients, so
+the step is the single-process one. ``iter_full_state`` yields full weights block by block;
+``learner_bytes`` measures a rank; ``init_distributed`` joins a group (gloo CPU, NCCL CUDA).
+Details: docs/internals.md, docs/training.md.
 """
 
 from __future__ import annotations

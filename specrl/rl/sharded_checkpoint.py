@@ -1,18 +1,12 @@
 """A learner's weights and AdamW state saved and loaded with torch.distributed.checkpoint (DCP).
 
-Contract: ``save_learner(learner, path)`` and ``load_learner(learner, path)`` are collectives
-over a ``ShardedLearner``'s group (every rank calls them with the same ``path``, on a filesystem
-that every rank sees) and plain calls for a one-process ``Learner`` (no process group).
-A save writes ``<path>.tmp``: each rank its own shards (DCP's safetensors storage, one
-``shard-<rank+1, 5 digits>-model-00001-of-00001.safetensors`` per rank: ``model.<name>`` and
-``optim.state.<name>.<exp_avg|exp_avg_sq|step>``, a tied weight once), rank 0 ``optimizer.json``
-(AdamW's hyperparameters, per parameter) and, once every rank has written, ``manifest.json``
-(size and sha256 of each file, last); then rank 0 renames it to ``path``. A load checks the
-manifest first (rank 0: ``ShardedCheckpointError`` on every rank, one line naming the file; a
-file it does not list is damage too), then every rank reads what it holds through DCP's reader,
-so a checkpoint of N ranks loads into M ranks or one process. Hyperparameters are the saved
-ones, implementation flags (fused, foreach) this optimizer's. No file is pickled; the
-reference model is not saved. Details: docs/training.md.
+``save_learner(learner, path)`` / ``load_learner(learner, path)``: collectives over a
+``ShardedLearner``'s group (the same ``path``, on a filesystem every rank sees), plain calls for
+a one-process ``Learner``. A save writes ``<path>.tmp`` (per-rank safetensors shards,
+``optimizer.json``, ``manifest.json`` last) and renames it; a load checks the manifest
+(``ShardedCheckpointError`` on every rank, one line) and reshards: N ranks -> M ranks or one
+process. Nothing is pickled; the reference model is not saved.
+Details: docs/internals.md, docs/training.md.
 """
 
 from __future__ import annotations

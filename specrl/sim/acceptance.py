@@ -1,17 +1,11 @@
 """Acceptance models and speculation policies: tokens a verify step emits, and which k to use.
 
-Contract: an acceptance model maps (draft position i = 1..k, response position, RL step) to the
-probability that draft i is accepted given drafts 1..i-1 were. Expected tokens emitted per verify
-step for one sequence is then 1 + sum_i prod_{j<=i} a_j (the bonus/recovered token plus the
-accepted prefix); with a constant a this is the closed form (1 - a^(k+1)) / (1 - a).
-Every kind but ``positional`` shapes the draft positions by the drafter's ``position_ratio`` r:
-a_i = a_1 * r^(i-1) (capped at 1). ``drift`` lowers a_1 linearly with the response position past
-``decay_after_tokens`` (a drafter trained on shorter contexts) and with RL steps of staleness.
-``rollout_acceptance`` is what engines report as the acceptance length (vLLM's mean acceptance
-length): tokens emitted over sequence-steps of a whole rollout, so long sequences weigh by their
-steps; ``alpha_for_rollout_length`` finds the starting rate a_1 that makes a rollout report a
-measured value. Acceptance models and speculation policies are registered by name
-(``ACCEPTANCE_KINDS``, ``POLICIES``) and selected from a scenario's data.
+An acceptance model gives the probability that draft i is accepted after drafts 1..i-1, by
+draft position, response position and RL step; a verify step then emits
+1 + sum_i prod_{j<=i} a_j tokens in expectation. ``rollout_acceptance`` is the acceptance
+length an engine reports for a whole rollout; ``alpha_for_rollout_length`` inverts it. Models
+and policies are registered by name (``ACCEPTANCE_KINDS``, ``POLICIES``) for scenarios.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

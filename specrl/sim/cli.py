@@ -1,17 +1,11 @@
 """CLI of the simulator: ``specrl simulate SCENARIO | run | calibrate | list``.
 
-Contract: ``register(app)`` adds a ``simulate`` command group to the main Typer app. A first
-argument that is not a subcommand is taken as a scenario for ``run``, so ``specrl simulate
-paper-8b-sync --set speculation.k=5 --json`` works. ``run`` prints a summary (or JSON with
-``rollout_speedup``, ``end_to_end_speedup`` and per-phase seconds) and, with ``--out DIR``, writes
-result.json, gantt.png and tornado.png there. ``calibrate TRACE.json`` fits a hardware profile from
-an engine trace (format in calibrate.py and docs/simulator.md; written by benchmarks/sim_machine.py
-and benchmarks/gpu_calibrate.py), and a drafter spec when the trace's drafter is model-free.
-``list`` names the bundled specs. Every bad input (see errors.py) prints one ``error: ...`` line on
-stderr (``specrl.cli_util.fail``) and exits with code 2 before any simulation or fit; paths to
-write are checked first too (``specrl.fsutil.writable_problem``: nothing is created before the
-work; missing parent directories are created when writing). With ``--json``, convergence
-warnings go to stderr as ``warning: ...`` lines.
+``register(app)`` adds the ``simulate`` group; a first argument that is not a subcommand is a
+scenario for ``run``. ``run`` prints a summary (or ``--json``) and, with ``--out DIR``, writes
+result.json, gantt.png and tornado.png; ``calibrate TRACE.json`` fits a hardware profile (and a
+model-free drafter's spec) to an engine trace; ``list`` names the bundled specs. Every bad
+input, unwritable paths included, prints one ``error: ...`` line and exits 2 before any work.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The simulator's one error type for bad inputs.
 
-Contract: every input the simulator cannot use (an unknown scenario, spec or key, a value of the
-wrong type or out of range, inconsistent GPU counts, a model that does not fit its GPUs, an
-unreadable file) raises ``SimInputError`` with a message of ONE line (whitespace, newlines
-included, collapsed) that names the input, what is wrong and what is valid. It is a
-``ValueError``; ``specrl simulate`` prints it as ``error: ...`` and exits with code 2. Errors that
-are not the user's input (bugs) are never turned into this type. ``unknown(what, name, choices)``
-is the ``SimInputError`` of ``specrl.errors.unknown`` (the did-you-mean hint every specrl
-message uses); ``key_hint(model)`` is the same hint for an unknown key of a settings model
-(``specrl.settings.validate``), with the valid keys of its table. ``read_text(path, kind)`` is a
-file's text, or the ``SimInputError`` that says why it cannot be read (a directory, missing,
-unreadable, not UTF-8); ``kind`` names what was expected.
+Every input the simulator cannot use raises ``SimInputError`` (a ``ValueError``) with ONE line
+naming the input, what is wrong and what is valid; ``specrl simulate`` prints it and exits 2.
+Bugs are never turned into it. ``unknown`` and ``key_hint`` add specrl's did-you-mean hint;
+``read_text(path, kind)`` is a file's text, or the error that says why it cannot be read.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The table of arXiv 2604.26779 (the system specrl follows) as simulator checks, and the fits of
-the scenario inputs that table leaves unpublished.
+"""The table of arXiv 2604.26779 as simulator checks, and fits of the inputs it leaves unstated.
 
-Contract: ``PAPER_ROWS`` pairs every published number with a bundled scenario and a quantity of
-its result (``QUANTITIES``); ``role`` "fit" rows set one named scenario input (``sets``), all
-others are checks. ``PAPER_ACCEPTANCE`` holds the measured acceptance lengths, which are scenario
-inputs, never fitted to. ``refit_paper_inputs()`` re-derives every fitted input in dependency
-order (it runs simulations for minutes; ``benchmarks/sim_validate.py --refit`` calls it) and
-returns the values the scenario and drafter TOMLs carry; ``paper_value(row)`` evaluates one row.
-The acceptance profile is fitted to the measured acceptance lengths at k = 3, 5, 7 alone
-(``fit_profile``), never to a speedup: a per-position ratio reproduces all three within 0.1%.
-``drift_alternative`` checks the one unidentified alternative (acceptance decaying along the
-response) against the k sweep.
+``PAPER_ROWS`` pairs every published number with a bundled scenario and a quantity of its result
+(``QUANTITIES``): "fit" rows set one scenario input, the others are checks; ``paper_value(row)``
+evaluates one. ``PAPER_ACCEPTANCE`` holds the measured acceptance lengths (inputs, never fitted
+to), to which ``fit_profile`` fits the acceptance profile. ``refit_paper_inputs()`` re-derives
+every fitted input (minutes); ``drift_alternative`` checks the one unidentified alternative.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Published measurements the engine and trainer constants are fitted on, with their sources, and
-the fits that derive those constants from them.
+"""Published measurements the engine and trainer constants are fitted on, and those fits.
 
-Contract: data (frozen dataclasses in tuples) and pure functions, no simulation state. The paper's
-own table lives in paper.py, the held-out serving measurements in serving.py.
-
-- ``DEEPEP_LOW_LATENCY`` (DeepEP V1 table, H800): dispatch/combine kernel times by EP degree.
-  ``fit_all_to_all()`` returns the ``a2a_latency_s`` and ``a2a_efficiency`` of cost.py's
-  all-to-all model by least squares on them (the hardware profiles carry the result).
-- ``NEMO_RL_V03_PHASES`` (NeMo-RL v0.3 Megatron-Core blog): per-phase seconds of a GRPO step;
-  ``fit_training()`` derives the RL-training and logprob MFU of each model class
-  (``data/training.toml`` carries the result).
-- The vLLM Llama-3.1-8B H100 step and EAGLE draft fits (../shared/REFERENCE.md) set the GPU
-  profiles' eta_mem, eta_compute, step_overhead_s and forward_overhead_s directly (the arithmetic
-  is in the hardware TOMLs' comments).
-
-Each source string names the publication and the table its numbers come from; DeepEP's table
-(and serving.py's EAGLE-3 table) were first written from memory and have since been checked
-against the publications' text.
+Data (frozen dataclasses in tuples) and pure functions: ``DEEPEP_LOW_LATENCY`` (DeepEP's
+all-to-all kernel times) and ``fit_all_to_all()`` (cost.py's all-to-all constants);
+``NEMO_RL_V03_PHASES`` (a GRPO step's phases) and ``fit_training()`` (the MFUs of
+``data/training.toml``). Each source names its publication and table. The paper's table lives
+in paper.py, the held-out serving measurements in serving.py.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Event-driven simulation of one rollout phase: continuous batching on each engine replica.
 
-Contract: ``simulate_rollout(prompts, responses, engine, replicas)`` returns the wall time for all
+``simulate_rollout(prompts, responses, engine, replicas)`` returns the wall time for all
 sequences to finish (the slowest replica) with a per-replica timeline. Sequences are dealt round
-robin to replicas. On a replica, sequences are admitted while fewer than ``max_num_seqs`` run and
-their context fits the KV cache (admission pays a prefill); when growing contexts overflow the cache
-the newest sequences are preempted and later re-admitted with a recompute prefill (vLLM's policy).
-Between events (a sequence finishes, a preemption, or every ``replan_tokens`` tokens so that k and
-acceptance can follow the context) the batch is fixed, so the simulator advances many steps at once:
-every sequence emits its expected tokens per step from the acceptance model, and a segment of n
-steps is priced at its mid-point context (exact for a cost linear in context). Per-sequence
-acceptance is used in expectation; the variance of accepted lengths is not simulated.
+robin; a replica admits them within ``max_num_seqs`` and its KV cache and preempts the newest on
+overflow (vLLM's policy). Between events the batch is fixed and many steps are priced at once,
+with acceptance in expectation.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Scenarios: the typed input of one simulation, from TOML with ``--set key=value`` overrides.
 
-Contract: a Scenario names a model, a hardware profile and a drafter (spec files), and gives the
-workload, generation layout, speculation settings, training efficiency and pipeline mode. Every
-field carries a description; ``field_help()`` renders them for ``specrl simulate --help``. A
-scenario file may start from another (``extends = "name"``: that scenario's values, then this
-file's), so a variant states only what differs. Sections, overrides (``speculation.k=5``, TOML
-literals or bare strings) and errors are ``specrl.settings``' (the run config's): every bad input,
-an unknown scenario or key (with a did-you-mean and the valid keys), a wrong type or range, a
-malformed or unreadable file, raises ``SimInputError`` in one line, each problem prefixed with
-where it came from (the ``--set`` item or the file). Integers are bounded (GPU counts by
-``MAX_GPUS``: the simulation's cost grows with them). An async-only pipeline input given by
-``--set`` for a sync run is refused (``ASYNC_ONLY``). Checks across fields and specs live in
-validate.py. Nothing here simulates; runner.py does.
+A Scenario names a model, a hardware profile and a drafter (spec files) and gives the workload,
+generation layout, speculation, training efficiency and pipeline mode; a file may ``extends``
+another. ``load_scenario(name, overrides)`` validates with ``specrl.settings`` (the run config's
+sections, overrides and errors): every bad input raises a one-line ``SimInputError``, and
+``ASYNC_ONLY`` inputs are refused for a sync run. ``field_help()`` renders the fields for
+``--help``. Checks across fields: validate.py; the simulation: runner.py.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

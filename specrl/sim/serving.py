@@ -1,19 +1,11 @@
-"""Published serving measurements (plain and speculative decoding, dense and MoE, batch 1-64,
-TP 1-8, H100/H200, and one RTX 3090 series), each with its source, and how the simulator
-evaluates them.
+"""Published serving measurements, each with its source, and how the simulator evaluates them.
 
-Contract: ``SERVING`` lists ``ServingPoint`` rows. A point is either a steady batch (``batch``
-sequences of ``prompt_len`` + ``output_len`` tokens on one replica, all admitted at once, so the
-batch holds until they finish: a closed-loop benchmark at that concurrency) or a phase of a
-bundled scenario (``scenario``, ``phase``). Its ``quantity`` is ``tok_per_s`` (output tokens per
-second of the replica), ``speedup`` (plain time over speculative time at the same batch) or
-``seconds`` (the scenario phase). A speculative point takes its acceptance length from a
-publication when one states it (``acceptance_length``, ``acceptance_source``); otherwise its
-``group``'s "fit" row sets it (the acceptance of that drafter on that benchmark, found by
-bisection in ``fit_group_acceptance``) and the group's "heldout" rows use it. Held-out rows are
-never used to fit anything. ``serving_value(point)`` returns the simulated value. Inputs the
-source does not state (prompt and output lengths, k, the verify layout) are ASSUMED in
-``assumed``.
+``SERVING`` lists ``ServingPoint`` rows (plain and speculative decoding, dense and MoE, H100/H200
+and an RTX 3090 series): a steady batch on one replica or a phase of a bundled scenario, with a
+``quantity`` (``tok_per_s``, ``speedup`` or ``seconds``). A speculative point's acceptance is
+published or set by its group's "fit" row (``fit_group_acceptance``); "heldout" rows never fit
+anything. ``serving_value(point)`` returns the simulated value.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The asynchronous pipeline on one shared machine: generator and learner slow each other down.
 
-Contract: ``simulate_shared(gen, learn, staleness, overlap)`` returns the completion time of each
-step's learning (seconds from 0) when step ``t``'s generation (``gen[t]`` seconds if it ran
-alone) and learning (``learn[t]`` alone: the policy update, refit, scoring and bookkeeping) run
-as specrl's in-process async loop runs them (pipelines/async_.py) on a machine both share:
-
-- generation of step ``t`` starts when generation of ``t - 1`` is done and policy version
-  ``t - staleness`` exists (version ``v`` exists once learning of step ``v - 1`` is done);
-- learning of step ``t`` starts when its batch is generated and learning of ``t - 1`` is done;
-- while both run, generation progresses at ``1 / overlap.generation`` of its solo speed and
-  learning at ``1 / overlap.learning`` (processor sharing with the machine's own slowdowns:
-  2.0 each is an even split of the cores with no loss; a CPU's measured values differ, since
-  the generator leaves cores idle that the learner can use and both contend for memory
-  bandwidth); alone, each runs at its solo speed.
-
-With ``staleness = 0`` the two never overlap and the result is the synchronous one (the running
-sum of gen + learn); with both slowdowns 1 it is the disaggregated ``pipeline.simulate_async``
-(separate machines). ``Overlap`` values are per machine: ``specrl.sim.machine`` fits them on
-measured async runs.
+``simulate_shared(gen, learn, staleness, overlap)`` returns when each step's learning completes,
+generation and learning scheduled as specrl's in-process async loop runs them (``staleness``
+bounds how far generation runs ahead) and, while both run, each slowed by its ``Overlap``
+factor (per machine, fitted by ``specrl.sim.machine``). ``staleness = 0`` gives the synchronous
+result; slowdowns of 1 give the disaggregated ``pipeline.simulate_async``.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

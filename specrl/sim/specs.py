@@ -1,14 +1,11 @@
 """Specs as data: models, hardware and drafters loaded from the TOML files under ``sim/data``.
 
-Contract: every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes
-from one of these frozen ``specrl.settings`` sections (``Spec``), built only from a TOML file (or
-an equivalent dict). Nothing here computes times; derived sizes (KV bytes per token, expert
-sizes, weight bytes at a precision) live here because they are facts about the spec, not about
-cost. ``PRECISIONS`` names the weight formats a replica may serve (bf16, fp8: bytes per parameter
-and which peak the GEMMs run at). Files are looked up by name in
-``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too. An unknown
-name, a missing, unreadable, non-UTF-8 or malformed file, and unknown, missing or mistyped fields
-raise ``SimInputError`` (one line in the ``specrl.settings`` format, naming the valid choices).
+Every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes from a
+frozen ``Spec`` section built from a TOML file (``specrl/sim/data/<kind>/<name>.toml``, or a
+path) or an equivalent dict; derived sizes live here, times do not. ``PRECISIONS`` names the
+weight formats a replica may serve. A bad name, file or field raises a one-line
+``SimInputError``.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Checks across a scenario's fields and specs, run before any simulation work.
 
-Contract: ``check_scenario(sc)`` returns None for a scenario the simulator can run and otherwise
-raises ``SimInputError`` with one line naming the input, what is wrong and what would fix it:
-
-- the model, hardware and drafter specs exist and load; the drafter's kind, the acceptance kind
-  and how it was measured, the speculation policy, the pipeline mode, the async generation model
-  and the generators' precision are registered names (the message lists the valid ones, with a
-  did-you-mean); FP8 needs a hardware profile with an FP8 peak;
-- expert parallelism: ``generation.ep`` > 1 needs an MoE model whose experts it divides, and
-  divides ``gpus_per_replica``;
-- acceptance: ``acceptance_length`` at most ``at_k + 1`` (k drafts accept at most k tokens plus
-  the bonus token); per-position rates and draft coverage are probabilities;
-- GPU counts: ``generation.gpus`` is a whole number of replicas of ``gpus_per_replica``; async
-  needs ``training.gpus > 0`` and its sync baseline (generation + training GPUs) is a whole number
-  of replicas too; sync trains on the generation GPUs, so ``training.gpus`` must be 0 there;
-- memory: one generation replica holds the target's weights (at the generators' precision; the
-  drafter's in bf16) plus the KV cache of one full-length sequence (``prompt_len +
-  max_response_len``) within ``mem_fraction`` of its HBM (``replica_memory``). Training memory is
-  not modelled (nor checked).
+``check_scenario(sc)`` returns None for a scenario the simulator can run, else raises a one-line
+``SimInputError`` naming the input, what is wrong and what would fix it: specs and registered
+names, expert parallelism, acceptance values, GPU counts and a replica's memory
+(``replica_memory``: weights plus one full-length sequence's KV cache).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
