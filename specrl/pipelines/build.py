@@ -7,11 +7,11 @@ and the pipeline options against what the backend supports, all before any work,
 -> token ids, ids -> text), learner (owns the float32 policy) and the rollout backend (its own
 copy of the policy; ``specrl.backends.build_backend`` per ``rollout.placement``), the weight-sync
 guard (``pipelines.guard.WeightGuard`` in the engine's dtype, expecting the learner's weights
-as version 0), the acceptance alarm (``rollout.alarm_action``) and, for a learned head, its
-trainer (``pipelines.drafter``). ``RunParts.push_weights``
-sends the learner's weights through the guard, so a backend that skips or corrupts an update
-fails the run with a ``WeightSyncError``. Tests pass a tiny model, codec and env, or a fake
-backend.
+as version 0), the acceptance alarm (``pipelines.alarm``, ``rollout.alarm_action``) and, for a
+learned head, its trainer (``pipelines.drafter``); frozen (``pipelines.state`` holds what
+changes per step). ``RunParts.push_weights(version)`` sends the learner's weights through the
+guard, so a backend that skips or corrupts an update fails the run with a ``WeightSyncError``.
+Tests pass a tiny model, codec and env, or a fake backend.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from specrl.backends import (
 from specrl.config import Config, ConfigError
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
+from specrl.pipelines.alarm import AcceptanceAlarm
 from specrl.pipelines.drafter import DrafterSide, build_drafter_side
-from specrl.pipelines.guard import AcceptanceAlarm, WeightGuard
+from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
 
@@ -63,27 +64,25 @@ class ChatCodec:
         return self.tokenizer.decode(list(ids))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunParts:
-    """Everything a run needs, built and checked before any work. ``version`` counts the
-    learner's updates (the policy version it pushes to the backend)."""
+    """Everything a run needs, built and checked before any work; frozen: what changes as the
+    run steps is ``state.StepState`` (and the parts' own state, behind their methods)."""
 
     cfg: Config
     env: Env
     codec: Codec
     learner: Learner
     backend: RolloutBackend
-    version: int = 0
-    orders: dict[int, list[Prompt]] = field(default_factory=dict)  # epoch -> train order
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
     drafter: DrafterSide | None = None  # a learned head: its trainer / training length
 
-    def push_weights(self) -> float:
-        """Send the learner's weights to the backend as version ``self.version`` and check what
-        it serves (``WeightGuard.push``); seconds, the check included."""
+    def push_weights(self, version: int) -> float:
+        """Send the learner's weights to the backend as ``version`` and check what it serves
+        (``WeightGuard.push``); seconds, the check included."""
         named = dict(self.learner.model.named_parameters())
-        return self.guard.push(self.backend, named, self.version)
+        return self.guard.push(self.backend, named, version)
 
 
 def check_sampling(cfg: Config) -> None:

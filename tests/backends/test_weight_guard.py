@@ -20,8 +20,8 @@ from specrl.engine.engine import Engine
 from specrl.engine.types import Request
 from specrl.models.fingerprint import SAMPLES, fingerprint, fingerprint_dtype, positions
 from specrl.models.weights import engine_copy
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.guard import WeightGuard, WeightSyncError
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.train import train
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig

@@ -10,7 +10,7 @@ import pytest
 
 from specrl.config import ConfigError
 from specrl.engine.stats import EngineStats
-from specrl.pipelines.guard import MIN_DRAFTS, WARMUP, AcceptanceAlarm, alarm_line
+from specrl.pipelines.alarm import MIN_DRAFTS, WARMUP, AcceptanceAlarm, alarm_line
 from specrl.pipelines.train import train
 from tests.pipelines.pipeline_fakes import FakeBackend, fake_parts, tiny_config
 
