@@ -1,16 +1,17 @@
 """Building a run: check everything that can fail, then make its parts.
 
 Contract: ``build_run(cfg, model=None, codec=None, env=None, backend=None)`` checks the config's
-names (task, template, loss, advantage, correction, drafter), the sampling settings GRPO needs
-and the pipeline options against what the backend supports, all before any work, raising
-``ConfigError`` with one line naming the bad value. It returns ``RunParts``: env, codec (prompt
--> token ids, ids -> text), learner (owns the float32 policy) and the rollout backend (its own
-copy of the policy; ``specrl.backends.build_backend`` per ``rollout.placement``), the weight-sync
-guard (``pipelines.guard.WeightGuard`` in the engine's dtype, expecting the learner's weights
-as version 0), the acceptance alarm (``pipelines.alarm``, ``rollout.alarm_action``) and, for a
-learned head, its trainer (``pipelines.drafter``); frozen (``pipelines.state`` holds what
-changes per step). ``RunParts.push_weights(version)`` sends the learner's weights through the
-guard, so a backend that skips or corrupts an update fails the run with a ``WeightSyncError``.
+names (task, template, loss, advantage, correction, drafter), the sampling settings GRPO needs,
+the pipeline options against what the backend supports and the tracking extras, all before any
+work, raising ``ConfigError`` with one line naming the bad value. It returns ``RunParts``: env,
+codec (prompt -> token ids, ids -> text), learner (owns the float32 policy) and the rollout
+backend (its own copy of the policy; ``specrl.backends.build_backend`` per
+``rollout.placement``), the weight-sync guard (``pipelines.guard.WeightGuard`` in the engine's
+dtype, expecting the learner's weights as version 0), the acceptance alarm (``pipelines.alarm``,
+``rollout.alarm_action``) and, for a learned head, its trainer (``pipelines.drafter``); frozen
+(``pipelines.state`` holds what changes per step). ``RunParts.push_weights(version)`` sends the
+learner's weights through the guard, so a backend that skips or corrupts an update fails the
+run with a ``WeightSyncError``.
 Tests pass a tiny model, codec and env, or a fake backend.
 """
 
@@ -36,6 +37,7 @@ from specrl.models.precision import torch_dtype
 from specrl.pipelines.alarm import AcceptanceAlarm
 from specrl.pipelines.drafter import DrafterSide, build_drafter_side
 from specrl.pipelines.guard import WeightGuard
+from specrl.pipelines.tracking import check_tracking
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
 
@@ -156,6 +158,7 @@ def build_run(
     check_names(cfg, env_given=env is not None)
     check_sampling(cfg)
     check_pipeline(cfg)
+    check_tracking(cfg)
     if model is None or codec is None:
         from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 

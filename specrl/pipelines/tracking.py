@@ -67,7 +67,7 @@ class TensorBoardSink:
     def __init__(self, run: RunDir, start: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run.tensorboard), purge_step=start or None)
+        self.writer = SummaryWriter(str(run.tensorboard), purge_step=start)
 
     def write(self, kind: Kind, row: Mapping[str, Any]) -> None:
         for key, value in numbers(row).items():
