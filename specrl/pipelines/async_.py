@@ -1,6 +1,6 @@
 """The asynchronous GRPO loop: a producer thread generates while the learner trains.
 
-Contract: ``train_async(parts, state, run, end, log, stop=None)`` runs steps ``state.step ..
+Contract: ``train_async(parts, state, run, end, log, stop)`` runs steps ``state.step ..
 end-1`` with staleness bound ``s = pipeline.max_staleness``. Ownership: the learner (the calling
 thread) owns ``state``; the producer owns its train stream (``pipelines.state.TrainStream``)
 and never reads ``state``. What crosses between them is handed over explicitly: each version
@@ -140,12 +140,7 @@ def admit(version: int, bound: int, batch: Batch) -> None:
 
 
 def train_async(
-    parts: RunParts,
-    state: StepState,
-    run: RunDir,
-    end: int,
-    log: Log,
-    stop: StopRequest | None = None,
+    parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
     stream = TrainStream.of(parts.cfg, parts.env)

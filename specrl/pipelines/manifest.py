@@ -138,13 +138,7 @@ def verify_manifest(ckpt: Path) -> None:
 def is_complete(ckpt: Path) -> bool:
     """Whether ``ckpt`` is what a finished ``write_atomically`` leaves: a manifest, and every
     file it lists matching it (files are hashed, not parsed)."""
-    if not (ckpt / MANIFEST).is_file():
-        return False
-    try:
-        verify_manifest(ckpt)
-    except CheckpointDamaged:
-        return False
-    return True
+    return (ckpt / MANIFEST).is_file() and _verifies(ckpt)
 
 
 def recoverable(leftover: Path) -> bool:
@@ -153,10 +147,13 @@ def recoverable(leftover: Path) -> bool:
     maybe from before manifests) needs ``verify_manifest``."""
     if not leftover.is_dir() or not leftover.stem[len(CKPT_PREFIX) :].isdigit():
         return False
-    if leftover.suffix == TMP_SUFFIX:
-        return is_complete(leftover)
+    return is_complete(leftover) if leftover.suffix == TMP_SUFFIX else _verifies(leftover)
+
+
+def _verifies(ckpt: Path) -> bool:
+    """Whether ``verify_manifest`` passes."""
     try:
-        verify_manifest(leftover)
+        verify_manifest(ckpt)
     except CheckpointDamaged:
         return False
     return True

@@ -1,6 +1,6 @@
 """The synchronous GRPO loop: collect -> learn, one step at a time.
 
-Contract: ``train_sync(parts, state, run, end, log, stop=None)`` runs steps ``state.step ..
+Contract: ``train_sync(parts, state, run, end, log, stop)`` runs steps ``state.step ..
 end-1`` in one thread, which owns ``state`` and the train stream; before step ``s`` it evaluates
 when ``eval_due(cfg, s)``; each step is ``collect`` of its prompts (rollouts under the policy of
 ``s`` updates: staleness 0) then ``learn`` (which advances ``state`` and pushes the new
@@ -28,12 +28,7 @@ from specrl.pipelines.step import collect, learn
 
 
 def train_sync(
-    parts: RunParts,
-    state: StepState,
-    run: RunDir,
-    end: int,
-    log: Log,
-    stop: StopRequest | None = None,
+    parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
     rows, stream = [], TrainStream.of(parts.cfg, parts.env)
