@@ -7,12 +7,12 @@ Contract:
 - ``SINKS``, the registered sinks, each with the setting that turns it on: ``jsonl`` (always:
   ``RunDir.append`` to metrics.jsonl / eval.jsonl), ``tensorboard`` (``run.tensorboard``:
   ``torch.utils.tensorboard.SummaryWriter`` into ``<run_dir>/tensorboard``), ``wandb``
-  (``run.wandb``, the wandb extra: an offline run in ``<run_dir>/wandb``; nothing leaves the
-  machine, ``wandb sync`` uploads it later). Both copy every number of a row (bools as 0/1;
-  lists, dicts and text are left to the record) as ``<kind>/<key>``: TensorBoard at the row's
-  step, W&B against ``<kind>/step``.
-- ``check_tracking(cfg)``: ``ConfigError`` naming the extra when ``run.wandb`` is on and the
-  wandb package is missing (``build_run`` calls it before any work).
+  (``run.wandb``, the wandb extra: an offline run in ``<run_dir>/wandb``, one per call, a resume
+  too; nothing leaves the machine, ``wandb sync`` uploads it later). Both copy every number of a
+  row (bools as 0/1; lists, dicts and text are left to the record) as ``<kind>/<key>``:
+  TensorBoard at the row's step, W&B against ``<kind>/step``.
+- ``check_tracking(cfg)``: ``ConfigError`` naming the extra when a sink that is on needs a
+  package that is missing (the wandb extra); ``build_run`` calls it before any work.
 - ``open_tracker(cfg, run, start)``: a ``Tracker`` (itself a sink) writing each row to every
   sink that is on, the record first, one row at a time (the async producer writes eval rows
   while the learner writes step rows). Resumed at step ``start``, TensorBoard drops what it
@@ -115,25 +115,29 @@ def import_wandb() -> Any:
 
 @dataclass(frozen=True)
 class SinkKind:
-    """A registered sink: its name, the setting that turns it on, how it is opened."""
+    """A registered sink: its name, the setting that turns it on, how it is opened, and the
+    check that what it needs is installed (``ConfigError``)."""
 
     name: str
     on: Callable[[Config], bool]
     open: Callable[[RunDir, Config, int], MetricsSink]
+    check: Callable[[], object] = lambda: None
 
 
 SINKS: tuple[SinkKind, ...] = (
     SinkKind("jsonl", lambda cfg: True, lambda run, cfg, start: JsonlSink(run)),
     SinkKind("tensorboard", lambda cfg: cfg.run.tensorboard,
              lambda run, cfg, start: TensorBoardSink(run, start)),
-    SinkKind("wandb", lambda cfg: cfg.run.wandb, lambda run, cfg, start: WandbSink(run, cfg)),
+    SinkKind("wandb", lambda cfg: cfg.run.wandb, lambda run, cfg, start: WandbSink(run, cfg),
+             import_wandb),
 )  # fmt: skip
 
 
 def check_tracking(cfg: Config) -> None:
-    """``ConfigError`` when a tracking setting needs a package that is not installed."""
-    if cfg.run.wandb:
-        import_wandb()
+    """``ConfigError`` when a sink ``cfg`` turns on needs a package that is not installed."""
+    for kind in SINKS:
+        if kind.on(cfg):
+            kind.check()
 
 
 class Tracker:
