@@ -2,7 +2,9 @@
 
 Contract:
 - ``RunParts`` (``pipelines.build``) is frozen: nothing rebinds its parts; the stateful ones
-  (backend, learner, guard, alarm, drafter side) change only through their own methods.
+  (backend, learner, guard, alarm, drafter side) change only through their own methods. In the
+  async loop the producer only generates and evaluates through the backend and reads the
+  guard's ``floor()`` and the alarm's ``spec_override()``; the rest is the learner thread's.
 - ``StepState(step, version)``: the steps learned (the next step to learn) and the policy
   version the learner pushed last. ``step.learn`` advances both; a checkpoint saves them and a
   resume restores them (``loop.open_run``). It belongs to the learner: in the sync loop to its
