@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from specrl.bench import bench_prompts, hf_runner, measure_machine, run_metadata, write_result
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 from specrl.models.linear import Linear
 from specrl.models.transformer import set_native_kernels
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"

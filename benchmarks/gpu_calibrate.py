@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from specrl.models.config import ModelConfig
-from specrl.models.transformer import Transformer, rope_inv_freq
+from specrl.models.rope import rope_inv_freq
+from specrl.models.transformer import Transformer
 
 OUT = Path(__file__).parent / "results" / "gpu_calibrate_trace.json"
 LLAMA_8B = ModelConfig(

@@ -32,8 +32,9 @@ import torch
 
 from specrl.bench import measure_machine, run_metadata, write_result
 from specrl.drafters.data import task_prompt_ids
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 

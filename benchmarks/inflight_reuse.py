@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from specrl.bench import bench_prompts, run_metadata, write_result
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
 from specrl.models.linear import onednn_packs
 from specrl.models.weights import copy_weights, snapshot
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 
 OUT = Path(__file__).parent / "results" / "inflight_reuse.json"

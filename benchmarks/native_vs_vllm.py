@@ -36,7 +36,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def requests(tok, batch: int, new_tokens: int, seed: int):
     from specrl.bench import BENCH_QUESTIONS
-    from specrl.engine.types import Request
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     group = min(8, batch)

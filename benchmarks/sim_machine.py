@@ -97,7 +97,8 @@ class Run:
 
 def make_runner(model, tok, cfg: Config, args: argparse.Namespace):
     """A closure running one rollout of ``cfg`` with seeds from ``seed``; returns a Run."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
     from specrl.spec.config import SpecConfig
 

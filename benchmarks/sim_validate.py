@@ -23,14 +23,13 @@ Usage: .venv/bin/python benchmarks/sim_validate.py [--refit] [--no-tornado]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from specrl.bench import run_metadata
 from specrl.sim.paper import (
     PAPER_ROWS,
     RATIO_GRID,
@@ -235,14 +234,8 @@ def main() -> None:
     parser.add_argument("--no-tornado", action="store_true", help="skip the sensitivity sweep")
     args = parser.parse_args()
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-        },
-        "versions": {"numpy": np.__version__},
+        **run_metadata(" ".join([Path(sys.executable).name, *sys.argv])),
+        "numpy": np.__version__,
         "fits": fits_section(args.refit),
         "paper": paper_section(),
         "heldout": heldout_section(),

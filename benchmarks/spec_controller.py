@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from specrl.bench import bench_prompts, measure_machine, run_metadata, write_result
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig, drafter_spec
 from specrl.spec.proposers import proposer_takes

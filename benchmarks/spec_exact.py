@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from specrl.bench import BENCH_QUESTIONS, default_drafter_path, run_metadata, write_result
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import load_model, load_tokenizer
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig, drafter_spec
 from specrl.spec.proposers import proposer_takes

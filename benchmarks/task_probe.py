@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from specrl.bench import run_metadata
 from specrl.envs import ReasoningGymEnv
 from specrl.models.checkpoints import load_tokenizer, resolve_model
 
@@ -73,9 +74,9 @@ def grpo_probe(steps: int, lr: float) -> None:
 
     from specrl.config import Config
     from specrl.engine.engine import Engine
-    from specrl.engine.types import Request
     from specrl.models.checkpoints import load_model
     from specrl.rl import Learner, TrainSample, compute_advantages
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     cfg, tok = Config(), load_tokenizer("smollm2")
@@ -155,7 +156,7 @@ def main() -> None:
         for t in texts[: args.show]:
             print("   sample:", repr(t[:300]), flush=True)
     with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({**run_metadata(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

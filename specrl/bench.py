@@ -1,15 +1,10 @@
 """Generation benchmarks: the native engine against other engines, side by side in one process.
 
-Contract: ``run_generate_bench`` times every engine on the same prompts, batch sizes and number of
-new tokens (every sequence generates exactly ``new_tokens``: stop tokens are ignored), prints a
-table with ratios and this machine's roofline, and returns a JSON-ready dict
-``{"meta": ..., "results": [{"engine", "batch_size", "new_tokens", "tokens_per_s", ...}]}``.
-Engines: specrl (plain and each drafter of ``methods``) and, in ``compare``, ``hf``
-(transformers ``generate``) and ``vllm`` (vLLM's ``LLM.generate``, ``min_tokens = max_tokens``);
-each runs in this process, one after the other (vLLM last: its engine processes use CPU even
-between calls). ``check_writable`` tells why a results path
-cannot be written (or ``None``), before a benchmark runs; ``write_result`` writes one atomically.
-Timing thresholds never live in tests; numbers live in benchmarks/results/.
+``run_generate_bench`` times every engine (specrl plain and per drafter; with ``compare``, hf and
+vllm) on the same prompts, batch sizes and exactly ``new_tokens`` per sequence, prints a table
+with ratios and this machine's roofline, and returns ``{"meta": ..., "results": [...]}``.
+``check_writable`` says why a results path cannot be written (or ``None``) before a benchmark
+runs; ``write_result`` writes one atomically. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -219,7 +214,8 @@ def time_call(fn: Callable[[], tuple[int, float]], repeats: int) -> tuple[float,
 
 def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callable:
     """A timed closure; the untimed warm-up is a full run (for ``suffix``: one earlier epoch)."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     group = b.group_size

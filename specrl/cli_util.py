@@ -1,16 +1,10 @@
 """What every ``specrl`` command shares: the one-line error exit.
 
-Contract: ``fail(message, code=2)`` prints ``error: <message>`` to stderr and exits with
-``code`` (never a traceback). ``refuse_unless_applies(ctx, names, applies, needs)`` is the one
-rule for options that apply only with others: one given on the command line (``given``,
-whatever its value) where it cannot apply fails naming both. ``OneLineErrors`` is the root
-command group's class: a usage error anywhere below it (an unknown command or option, a value
-of the wrong type or out of range, a missing argument) is printed the same way, as one
-``error: ... (see specrl CMD --help)`` line with exit code 2, instead of click's usage block;
-asking for help (no arguments to a group) is left as it is. ``parse_device(name)`` resolves
-a ``--device`` value (``specrl.models.device``, imported when called) or fails in one line.
-Only CLI modules (``specrl/cli.py``, ``specrl/*/cli.py``) import this; at import time it imports
-nothing from specrl, so each CLI module can use it without importing another.
+``fail(message, code=2)`` prints ``error: <message>`` to stderr and exits (never a traceback);
+``refuse_unless_applies`` fails on an option given where it cannot apply; ``OneLineErrors`` (the
+root group's class) prints every usage error as one ``error: ... (see specrl CMD --help)`` line,
+exit 2; ``parse_device`` resolves ``--device`` or fails in one line. Only CLI modules import
+this; at import time it imports nothing from specrl. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,28 @@
-"""Typed configuration of a training run: pydantic models, TOML files and ``--set`` overrides.
+"""Typed configuration of a training run: the sections of ``Config``, presets and run files.
 
-Contract:
-- ``Config()`` is the complete embedded default run (every field has a default); sections are
-  ``model``, ``env``, ``rollout``, ``learner``, ``pipeline``, ``run`` and ``cluster``. Every
-  field carries a description and its bounds; unknown keys are rejected.
-- ``load_config(path | None, overrides)`` reads a TOML file (optional), applies overrides of the
-  form ``section.key=value`` (``value`` is parsed as a TOML value when it parses, else taken as a
-  string, so ``env.task=leg_counting`` and ``learner.betas=[0.9, 0.95]`` both work), and
-  validates. Any problem raises ``ConfigError`` (a ``ValueError``) with one line naming the bad
-  key and value.
-- Types are strict: an integer field takes only an integer, a boolean field only ``true`` or
-  ``false``, a number field an integer or a float but never a boolean or a string
-  (``run.steps=true``, ``run.steps=2.0`` and ``learner.lr="1e-5"`` are refused, naming the key
-  and the expected type); numbers are finite (no ``inf``/``nan``).
-- ``load_config(..., preset=NAME)`` starts from a preset shipped in ``specrl/presets`` (the
-  file and the overrides apply over it); an unknown name raises ``ConfigError`` listing them.
-- A field that applies only with another (``APPLIES_ONLY``: ``pipeline.max_staleness`` and
-  ``pipeline.update`` only in async mode, ``pipeline.in_flight_tokens`` only with in-flight
-  updates, ``cluster.*`` only with Ray rollout workers, ``rollout.num_spec_tokens`` /
-  ``spec_siblings`` / ``drafter_path`` only with speculation) is refused when it is set (by a
-  file or an override, whatever its value; pydantic's ``model_fields_set``) where it cannot
-  apply: one line naming both fields.
-- ``Config.to_toml()`` writes a TOML document that ``load_config`` reads back to an equal config
-  (fields that cannot apply are comments). ``load_run_config`` reads a run directory's
-  config.toml, dropping such fields that an older specrl wrote, then applies overrides.
-Only types and bounds are checked here: this module is a leaf (it imports nothing from specrl).
-Names (task, template, drafter, loss, advantage estimator) are checked against their registries
-by ``specrl.pipelines.validate.check_names``, before any work starts.
+Contract: ``Config()`` is the complete default run (sections ``model``, ``env``, ``rollout``,
+``learner``, ``pipeline``, ``drafter``, ``run`` and ``cluster``; every field is described and
+bounded). ``load_config(path, overrides, preset)`` layers a shipped preset, a TOML file and
+``section.key=value`` overrides, validated by ``specrl.settings`` (TOML's types, strictly; one
+line naming the key and the value); every problem is a ``ConfigError``. A field set where it
+cannot apply (``APPLIES_ONLY``) is refused, naming both fields. ``Config.to_toml()`` reads back
+to an equal config; ``load_run_config`` reads a run directory's config.toml. Only types and
+bounds are checked here; names (task, template, drafter, loss...) are checked against their
+registries by ``specrl.pipelines.validate.check_names``. A leaf: it imports only the leaves
+``specrl.settings`` and ``specrl.config_training`` (the learner's and the drafter's sections).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import tomlkit
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictFloat,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from specrl import settings
+from specrl.config_training import DrafterCfg, LearnerCfg
+from specrl.settings import AppliesOnly, Section, errors_as, read_toml
 
 PRESETS_DIR = Path(__file__).parent / "presets"  # shipped run configs (``--preset NAME``)
 
@@ -64,17 +38,7 @@ MAX_TOP_K = 10_000_000  # rollout.top_k: more than any vocabulary (the same as 0
 MAX_TOKENS_PER_FORWARD = 1_000_000  # rollout.max_tokens_per_forward
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        allow_inf_nan=False,
-        validate_assignment=True,
-        validate_default=True,
-    )
-
-
-class ModelCfg(_Section):
+class ModelCfg(Section):
     """The policy model."""
 
     name: str = Field(
@@ -104,7 +68,7 @@ class ModelCfg(_Section):
     )
 
 
-class EnvCfg(_Section):
+class EnvCfg(Section):
     """The reasoning-gym task, its splits and prompt format."""
 
     task: str = Field("basic_arithmetic", description="reasoning-gym dataset name.")
@@ -129,7 +93,7 @@ class EnvCfg(_Section):
     )
 
 
-class RolloutCfg(_Section):
+class RolloutCfg(Section):
     """Generation of the G completions per prompt."""
 
     group_size: int = Field(8, ge=1, le=1024, description="Completions per prompt (GRPO G).")
@@ -239,85 +203,7 @@ class RolloutCfg(_Section):
         return v
 
 
-class LearnerCfg(_Section):
-    """Policy loss, advantages and optimizer."""
-
-    loss: str = Field("grpo", description="Registered policy loss (grpo, dr_grpo, dapo).")
-    advantage: str = Field(
-        "grpo", description="Registered advantage estimator (grpo, dr_grpo, rloo)."
-    )
-    normalize_std: bool = Field(True, description="grpo advantages: divide by the group std.")
-    lr: float = Field(2e-5, gt=0.0, le=1.0, description="AdamW learning rate.")
-    betas: tuple[StrictFloat, StrictFloat] = Field(
-        (0.9, 0.99), strict=False, description="AdamW betas, each in [0, 1)."
-    )  # strict=False: TOML gives a list; each element stays a strict number
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clipping threshold.")
-    micro_batch_tokens: int = Field(
-        2048,
-        ge=16,
-        le=10_000_000,
-        description="Token budget per micro-batch (gradient accumulation).",
-    )
-    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL-to-reference coefficient (0 = off).")
-    share_prompts: bool = Field(
-        True,
-        description="Pack a GRPO group's completions after one copy of their prompt (the "
-        "prompt runs once per micro-batch, not once per sample; same logprobs and gradients).",
-    )
-    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower ratio clip epsilon.")
-    clip_eps_high: float | None = Field(
-        None, gt=0.0, description="Upper clip epsilon; None = the loss's default."
-    )
-    dtype: Literal["fp32", "bf16", "auto"] = Field(
-        "auto",
-        description="Trainer precision: bf16 autocast with fp32 master weights, or fp32; "
-        "'auto': bf16 where the CPU multiplies bf16 natively, else fp32.",
-    )
-    logprob_chunk: int = Field(
-        256, ge=1, le=1_000_000, description="Positions per LM-head/log-softmax chunk."
-    )
-    correction: str = Field(
-        "ppo",
-        description="Off-policy correction (registered): 'ppo' clips the ratio to the "
-        "behaviour logprobs the engine returned; 'tis' (decoupled PPO) clips against the "
-        "learner's own pre-update logprobs and weights each token by the truncated importance "
-        "ratio min(pi_learner / pi_behaviour, is_cap).",
-    )
-    is_cap: float = Field(
-        2.0, gt=0.0, le=1000.0, description="'tis': cap of the per-token importance weight."
-    )
-    bf16_mode: Literal["autocast", "params"] = Field(
-        "autocast",
-        description="How dtype='bf16' trains (refused as 'params' when the precision is fp32): "
-        "'autocast' keeps float32 parameters and runs the trunk under bf16 autocast; 'params' "
-        "holds the model's parameters in bf16 for forward and backward plus a float32 master "
-        "copy of each that AdamW updates (the bf16 weights are refreshed from it after every "
-        "step and are what the rollout engine receives; checkpoints keep the masters).",
-    )
-    head_precision: Literal["auto", "fp32"] = Field(
-        "auto",
-        description="LM head product of the learner's logprobs (always float32 logits and "
-        "log-softmax): 'auto' takes bf16 inputs with float32 accumulation on a CUDA device in "
-        "bf16 (a float32 product over a large vocabulary costs more than the bf16 trunk), "
-        "float32 elsewhere; 'fp32' always multiplies in float32.",
-    )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute each decoder block in backward instead of keeping its "
-        "activations: less activation memory (longer rows, bigger micro-batches) for about "
-        "one more forward pass of compute per step.",
-    )
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
-        return v
-
-
-class PipelineCfg(_Section):
+class PipelineCfg(Section):
     """How rollouts and learning are scheduled."""
 
     mode: Literal["sync", "async"] = Field(
@@ -345,59 +231,7 @@ class PipelineCfg(_Section):
     )
 
 
-class DrafterCfg(_Section):
-    """Training a learned drafter (rollout.spec = eagle3, mtp or draft) during RL."""
-
-    mode: Literal["auto", "frozen", "online", "refresh"] = Field(
-        "auto",
-        description="'frozen': the drafter is never trained during RL; 'online': trained on every "
-        "step's rollouts (the learner's training forward provides the target's features), "
-        "within drafter.time_share of the step time; 'refresh': trained only when measured "
-        "drift asks for it (the drafter's KL to the policy on the step's fresh tokens above its "
-        "best level, draft acceptance below its running level, or drafter.max_lag policy "
-        "versions since the last training), with the same time budget. 'auto': 'refresh' for a "
-        "learned drafter (eagle3, mtp, draft), nothing for the others. Without trained weights "
-        "(none cached, no rollout.drafter_path) 'online' and 'refresh' start from a random head "
-        "(a draft model: the policy's first layers) and train it from the first step; 'frozen' "
-        "then refuses to run.",
-    )
-    time_share: float = Field(
-        0.1,
-        gt=0.0,
-        le=1.0,
-        description="Most drafter training time as a share of the step time, on average "
-        "(unused time carries over for refresh bursts, up to 4 steps' worth).",
-    )
-    lr: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate of the drafter.")
-    batch_tokens: int = Field(
-        1024, ge=16, le=1_000_000, description="Tokens per drafter training mini-batch."
-    )
-    buffer_steps: int = Field(
-        4, ge=1, le=1024, description="Rollouts of the last N RL steps are the training data."
-    )
-    max_updates: int = Field(
-        16, ge=1, le=10_000, description="Most head optimizer steps per RL step."
-    )
-    drift_tolerance: float = Field(
-        0.1,
-        gt=0.0,
-        le=10.0,
-        description="refresh: train when the head's KL on fresh tokens exceeds (1 + this) x "
-        "its best level, or draft acceptance falls below (1 - this) x its running level.",
-    )
-    max_lag: int = Field(
-        8, ge=1, le=1_000_000, description="refresh: train at least every N policy versions."
-    )
-    vocab: int = Field(
-        4096,
-        ge=0,
-        le=1_000_000,
-        description="Draft vocabulary of a head started from scratch: the N most frequent "
-        "tokens of the first step's rollouts (0 = the full vocabulary).",
-    )
-
-
-class RunCfg(_Section):
+class RunCfg(Section):
     """Length, cadence and place of the run."""
 
     steps: int = Field(16, ge=1, le=1_000_000, description="RL steps (learner updates).")
@@ -434,7 +268,7 @@ class RunCfg(_Section):
     )
 
 
-class ClusterCfg(_Section):
+class ClusterCfg(Section):
     """Where the run's parts live: one process, or Ray actors."""
 
     rollout_workers: int = Field(
@@ -485,31 +319,27 @@ def _is(value: Any) -> Callable[[Any], bool]:
     return lambda v: v == value
 
 
-# Fields that apply only while another field holds: (field, other field, test of the other's
-# value, what that test asks). Setting one where it cannot apply is refused (``Config``), and
-# ``Config.to_toml`` writes it only as a comment there.
-APPLIES_ONLY: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
-    ("pipeline.max_staleness", "pipeline.mode", _is("async"), "='async'"),
-    ("pipeline.update", "pipeline.mode", _is("async"), "='async'"),
-    ("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "='in_flight'"),
+# Fields that apply only while another field holds. Setting one where it cannot apply is refused
+# (``Config``), and ``Config.to_toml`` writes it only as a comment there.
+APPLIES_ONLY: tuple[AppliesOnly, ...] = (
+    AppliesOnly("pipeline.max_staleness", "pipeline.mode", _is("async"), "='async'"),
+    AppliesOnly("pipeline.update", "pipeline.mode", _is("async"), "='async'"),
+    AppliesOnly("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "='in_flight'"),
     *(
-        (f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, " > 0")
+        AppliesOnly(f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, " > 0")
         for key in ("address", "threads", "worker_cpus", "worker_gpus", "max_restarts")
     ),
     *(
-        (f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
+        AppliesOnly(f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
         for key in ("num_spec_tokens", "spec_siblings", "drafter_path")
     ),
-    ("model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"),
+    AppliesOnly(
+        "model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"
+    ),
 )
 
 
-def _value(cfg: BaseModel, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
-class Config(_Section):
+class Config(Section):
     """A whole training run."""
 
     model: ModelCfg = Field(default_factory=ModelCfg, description="The policy model.")
@@ -529,31 +359,21 @@ class Config(_Section):
         is refused, naming both fields (see ``APPLIES_ONLY``)."""
         if info.context and info.context.get("check_applies") is False:
             return self
-        problems = [
-            f"{key}={_value(self, key)!r} needs {other}{needs} (it is set, and {other} is "
-            f"{_value(self, other)!r})"
-            for key, other, _, needs in self.inapplicable()
-            if key.split(".")[1] in getattr(self, key.split(".")[0]).model_fields_set
-        ]
-        if problems:
+        if problems := settings.misapplied(self, APPLIES_ONLY):
             raise ValueError("; ".join(problems))
         return self
 
-    def inapplicable(self) -> list[tuple[str, str, Callable[[Any], bool], str]]:
+    def inapplicable(self) -> list[AppliesOnly]:
         """The ``APPLIES_ONLY`` rules whose field cannot apply in this config."""
-        return [rule for rule in APPLIES_ONLY if not rule[2](_value(self, rule[1]))]
+        return settings.inapplicable(self, APPLIES_ONLY)
 
     def to_toml(self) -> str:
         """A TOML document (each field's description as a comment above it) that
         ``load_config`` reads back to an equal config; a field that cannot apply here
         (``APPLIES_ONLY``) is only a comment."""
-        doc = tomlkit.document()
-        doc.add(tomlkit.comment(type(self).__doc__ or ""))
-        skipped = {key: f"{other}{needs}" for key, other, _, needs in self.inapplicable()}
-        for name in type(self).model_fields:
-            doc.add(tomlkit.nl())
-            doc.add(name, _section_toml(getattr(self, name), name, skipped))
-        return tomlkit.dumps(doc)
+        return settings.toml_document(
+            self, {key: f"{other}{needs}" for key, other, _, needs in self.inapplicable()}
+        )
 
 
 # --------------------------------------------------------------------------- loading
@@ -566,13 +386,11 @@ def load_config(
 ) -> Config:
     """Defaults <- preset (if named) <- TOML file (if given) <- ``key.sub=value`` overrides,
     validated."""
-    data = _read_toml(preset_path(preset)) if preset is not None else {}
-    if path is not None:
-        _merge(data, _read_toml(Path(path)))
-    for item in overrides:
-        key, value = parse_override(item)
-        _set_path(data, key, value)
-    return validate_config(data)
+    with errors_as(ConfigError):
+        data = read_toml(preset_path(preset)) if preset is not None else {}
+        if path is not None:
+            data = settings.merge(data, read_toml(Path(path)))
+        return validate_config(settings.with_overrides(data, overrides))
 
 
 def preset_names() -> list[str]:
@@ -588,132 +406,29 @@ def preset_path(name: str) -> Path:
     return path
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"invalid TOML in {path}: {e}") from None
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> None:
-    """Merge ``top`` into ``base`` in place, table by table (``top``'s values win)."""
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
-
-
 def load_run_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """A run directory's config.toml (``Config.to_toml``) <- overrides, validated. The file
     was written whole: fields of it that cannot apply (``APPLIES_ONLY``; an older specrl wrote
     them) are dropped, having had no effect; an override is checked like any other."""
-    data = _read_toml(path)
-    for key, *_ in validate_config(data, check_applies=False).inapplicable():
-        section, name = key.split(".")
-        if isinstance(data.get(section), dict):
-            data[section].pop(name, None)
-    for item in overrides:
-        key, value = parse_override(item)
-        _set_path(data, key, value)
-    return validate_config(data)
+    with errors_as(ConfigError):
+        data = read_toml(path)
+        for key, *_ in validate_config(data, check_applies=False).inapplicable():
+            section, name = key.split(".")
+            if isinstance(data.get(section), dict):
+                data[section].pop(name, None)
+        return validate_config(settings.with_overrides(data, overrides))
 
 
 def validate_config(data: dict[str, Any], check_applies: bool = True) -> Config:
     """``Config`` from TOML data (``ConfigError`` in one line); ``check_applies=False`` skips
     the refusal of fields set where they cannot apply."""
-    try:
-        return Config.model_validate(data, context={"check_applies": check_applies})
-    except ValidationError as e:
-        raise ConfigError("; ".join(_describe(err) for err in e.errors())) from None
-
-
-def _describe(err: dict[str, Any]) -> str:
-    key = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if not key:  # a rule between fields: the message names them
-        return msg
-    if err["type"] == "extra_forbidden":
-        return f"unknown config key {key!r}"
-    msg = _EXPECTED.get(err["type"], msg)
-    return f"bad value for {key}: {msg} (got {_shown(err.get('input'))})"
-
-
-def _shown(value: Any) -> str:
-    """A bad value as the user wrote it (JSON, but ``inf``/``nan`` as in TOML)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return tomlkit.item(value).as_string()
-    return json.dumps(value, default=str)
-
-
-# Pydantic's type errors, said as the expected TOML type.
-_EXPECTED = {
-    "int_type": "expected an integer",
-    "float_type": "expected a number",
-    "finite_number": "expected a finite number",
-    "bool_type": "expected true or false",
-    "string_type": "expected a string",
-    "tuple_type": "expected a list",
-    "dict_type": "expected a table",
-    "model_type": "expected a table",
-}
+    with errors_as(ConfigError):
+        context = {"check_applies": check_applies}
+        return settings.validate(Config, data, "config", context=context)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"learner.lr=1e-5"`` -> (["learner", "lr"], 1e-5); the value is parsed as TOML if it can."""
-    key, sep, raw = item.partition("=")
-    parts = [p.strip() for p in key.strip().split(".")]
-    if not sep or not all(parts):
-        raise ConfigError(f"bad override {item!r}: expected section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return parts, value
-
-
-def _set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
-    node = data
-    for i, part in enumerate(key[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(
-                f"cannot set {'.'.join(key)}: {'.'.join(key[: i + 1])} is not a table"
-            )
-        node = child
-    node[key[-1]] = value
-
-
-# --------------------------------------------------------------------------- writing TOML
-
-
-def _section_toml(
-    section: BaseModel, name: str = "", skipped: dict[str, str] | None = None
-) -> tomlkit.items.Table:
-    """One section as a TOML table: each field's description as a comment above it, unset
-    fields and those in ``skipped`` (``"section.key"``: what they apply with) as comments,
-    dict-valued fields as sub-tables after the scalars."""
-    table = tomlkit.table()
-    table.comment(type(section).__doc__ or "")
-    dumped = section.model_dump(mode="json")
-    fields_ = type(section).model_fields
-    nested = [k for k in fields_ if isinstance(dumped[k], dict)]
-    for key in (k for k in fields_ if k not in nested):
-        if (needs := (skipped or {}).get(f"{name}.{key}")) is not None:
-            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (applies only "
-                                      f"with {needs})"))  # fmt: skip
-        elif dumped[key] is None:
-            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (unset)"))
-        else:
-            table.add(tomlkit.comment(fields_[key].description or key))
-            table.add(key, dumped[key])
-    for key in nested:
-        sub = tomlkit.table()
-        sub.comment(fields_[key].description or key)
-        sub.update(dumped[key])
-        table.add(key, sub)
-    return table
+    """``"learner.lr=1e-5"`` -> (["learner", "lr"], 1e-5) (``specrl.settings.parse_override``,
+    raising ``ConfigError``)."""
+    with errors_as(ConfigError):
+        return settings.parse_override(item)

@@ -1,16 +1,11 @@
 """Files written so that nothing is ever half-written, and paths checked before any work.
 
-Contract (a leaf: imports nothing from specrl; the simulator may use it too):
-- ``atomic_write(path, data)`` replaces ``path`` with ``data`` (``str`` as UTF-8, or ``bytes``):
-  written to a uniquely named temporary file in the same directory, flushed and fsynced, renamed
-  over ``path``, then the directory is fsynced. On any failure the temporary file is removed and
-  the ``OSError`` raised; ``path`` is then either its old content or absent, never partial.
-- ``atomic_writer(path)`` is the same as a context manager yielding the temporary path, for
-  writers that take a file name (safetensors' ``save_file``); ``mode`` sets the file's mode.
-- ``fsync_path(path)`` flushes a file's or a directory's data and metadata to disk.
-- ``writable_problem(path, kind)`` is ``None`` when ``path`` can be written as a ``"file"`` or
-  created/used as a ``"dir"``, else one line saying why (a parent is a file, the path is a
-  directory/file of the wrong kind, no permission). It creates nothing.
+A leaf (imports nothing from specrl). ``atomic_write(path, data)`` and ``atomic_writer(path)``
+(a context manager yielding the temporary path) replace ``path`` through a temporary file,
+fsync, rename and directory fsync: ``path`` holds its old content or the new, never a part.
+``fsync_path`` flushes a file or directory; ``writable_problem(path, kind)`` is ``None`` or one
+line saying why ``path`` cannot be written as a file or dir (it creates nothing).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ def atomic_writer(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` atomically (see the module docstring)."""
+    """Replace ``path`` with ``data`` atomically (see docs/internals.md)."""
     raw = data.encode() if isinstance(data, str) else data
     with atomic_writer(path, mode) as tmp:
         tmp.write_bytes(raw)

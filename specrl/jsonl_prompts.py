@@ -1,17 +1,10 @@
-"""Prompts in a JSONL file: the one format of ``specrl generate --prompts-file`` and ``specrl
-train-drafter --prompts``.
+"""Prompt files in JSONL: the format of ``generate --prompts-file`` and ``train-drafter --prompts``.
 
-Contract (a leaf: imports nothing from specrl, so library code and CLI modules can share it):
-- ``numbered_lines(data, path)`` is the (line number, line) of every non-blank line of the UTF-8
-  bytes ``data`` (a leading BOM dropped; split on "\\n" only, since JSON strings may hold U+2028
-  and the like); ``ValueError`` ``"PATH: not UTF-8 text (bad byte at offset N)"`` otherwise.
-- ``parse_line(line, where)`` is the JSON value of one line; ``ValueError`` ``"WHERE: not JSON
-  (why)"`` when it is not JSON (a number too long to convert and nesting too deep included).
-- ``prompt_of(item, where, chat)`` is the prompt a JSON value holds: the string of a JSON string
-  or of ``{"prompt": string}``; with ``chat``, also the messages of ``{"messages": [{"role":
-  string, "content": string}, ...]}`` (a non-empty list; other keys are ignored everywhere).
-  Anything else (an object with both "prompt" and "messages" included) raises ``ValueError``
-  with one line ``"WHERE: why"`` naming what was found.
+A leaf (imports nothing from specrl). ``numbered_lines(data, path)`` splits UTF-8 bytes into
+numbered non-blank lines; ``parse_line`` reads one as JSON; ``prompt_of(item, where, chat)`` is
+the prompt it holds: a string, ``{"prompt": string}`` or (with ``chat``) ``{"messages": [...]}``.
+Each failure raises ``ValueError`` with one line naming the place and why.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ def parse_line(line: str, where: str) -> Any:
 
 
 def prompt_of(item: Any, where: str, chat: bool) -> str | Messages:
-    """The prompt in one JSONL value (see the module docstring)."""
+    """The prompt in one JSONL value (see docs/internals.md)."""
     if isinstance(item, str):
         return item
     if not isinstance(item, dict):

@@ -1,19 +1,10 @@
 """Keep freed memory in the process for reuse: glibc malloc settings for a training process.
 
-Contract: ``keep_freed_memory()`` sets, through glibc's ``mallopt``, no trimming of the heap below
-TRIM_THRESHOLD_BYTES of free memory at its top, TOP_PAD_BYTES of padding on every heap growth,
-and the largest mmap threshold glibc takes (32 MiB): allocations below it come from the heap and
-are reused, not mapped fresh and unmapped each time. It returns True when glibc took all three,
-False where the C library is not glibc or refused one (nothing else happens). Values are never
-affected, only where freed memory goes; the process keeps its peak heap instead of returning it
-to the OS. ``specrl train`` calls it at start, the Ray learner actor in its own process (the
-training processes; importing specrl never does). ``return_freed_memory()`` does the opposite
-once: the free memory at the heap's top and in its free pages goes back to the OS
-(``malloc_trim(0)``; False where the C library is not glibc).
-Why: a learner step allocates and frees the same large activations and gradients at every
-micro-batch; glibc's defaults hand them back to the OS and take them again as zero-filled page
-faults, most at a step whose packed shapes the process has not run before
-(``benchmarks/malloc_settings.py``, ``benchmarks/results/malloc_settings.json``).
+``keep_freed_memory()`` sets glibc's trim threshold, top pad and mmap threshold (``mallopt``) so
+that freed heap memory is reused instead of returned to the OS; True when glibc took all three,
+False elsewhere (nothing else happens). ``return_freed_memory()`` hands free memory back once
+(``malloc_trim(0)``). Values are never affected. ``specrl train`` and the Ray learner actor call
+it; importing specrl never does. Details and measurements: docs/internals.md.
 """
 
 from __future__ import annotations

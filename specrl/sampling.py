@@ -1,25 +1,11 @@
 """Logits -> processed distribution -> sampled tokens, with counter-based per-request randomness.
 
-Contract:
-- ``SamplingParams`` holds one request's sampling settings and validates them (``ValueError``
-  naming the bad field and value): temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
-  max_new_tokens >= 1, n >= 1, seed unset or in [0, ``MAX_SEED``] (the engine derives each
-  sample's seed modulo 2**63, so a larger or negative seed would silently alias another one).
-- ``processed_logprobs`` turns raw logits into the log-probabilities of the distribution that is
-  actually sampled from: temperature, then top-k, then top-p (smallest prefix of the sorted
-  distribution whose mass reaches top_p), then log-softmax. Temperature 0 means greedy: a one-hot
-  distribution on the argmax. The same function is used by plain sampling and by the speculative
-  verifier, so "p" means exactly one thing in the whole library.
-- Randomness is counter-based: ``uniforms(seeds, counters, stream)`` is a pure function of a
-  request's seed, a counter (e.g. the token position) and a stream id. A request therefore samples
-  the same tokens whether it runs alone or batched, and no ``torch.Generator`` objects or host
-  syncs are needed.
-- ``sample`` draws tokens by inverse-CDF from processed log-probs and a uniform per row.
-  ``sample_logits`` (plain decoding and sample-exact verification) draws rows at temperature 1
-  without truncation through the native kernel where it runs (``GemvKernel.sample_t1``: the
-  same inverse CDF in one pass over the logits, bf16 or float32 alike), else PyTorch's ops.
-
-This module imports neither the engine nor the speculation code.
+``SamplingParams`` validates one request's settings (``ValueError`` naming the field);
+``processed_logprobs`` is the distribution actually sampled from (temperature, top-k, top-p;
+temperature 0 = greedy), the one "p" of plain sampling and the verifier alike;
+``uniforms(seeds, counters, stream)`` is a pure function, so a request samples the same tokens
+alone or batched; ``sample`` and ``sample_logits`` draw by inverse CDF. Imports neither the
+engine nor the speculation code. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from typer.testing import CliRunner
 
-from specrl import cli
+from specrl import cli, cli_bench, cli_generate
 from specrl.bench import BENCH_QUESTIONS
 from specrl.cli import app
 from specrl.config import Config, ConfigError, load_config
@@ -304,9 +304,11 @@ def test_spec_exact_sample_prints_what_plain_sampling_prints(tiny_dir):
 
 @pytest.fixture
 def no_vllm(monkeypatch):
-    real = cli.importlib.util.find_spec
+    real = cli_bench.importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name)
+        cli_bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real(name),
     )
 
 
@@ -434,9 +436,9 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeVllm.LLM, FakeVllm.SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", module)
-    real = cli.importlib.util.find_spec
+    real = cli_bench.importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        cli_bench.importlib.util,
         "find_spec",
         lambda name, *a: types.SimpleNamespace() if name == "vllm" else real(name),
     )
@@ -574,7 +576,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "read_prompts", interrupted)
+    monkeypatch.setattr(cli_generate, "read_prompts", interrupted)
     monkeypatch.setattr(sys, "argv", ["specrl", "generate", "hi"])
     with pytest.raises(SystemExit) as e:
         cli.main()

@@ -1,9 +1,12 @@
 """Import layering: dependencies between specrl's parts point one way (../shared/DESIGN.md).
 
+``LAYERS`` orders specrl's units top to bottom; a module may import its own unit and units of
+lower layers only (never a unit of its own layer or above), and every unit has a layer.
+
 Every module's imports are read with ``ast`` (including imports inside functions and under
 ``TYPE_CHECKING``: a deferred import is still an arrow). A *unit* is a top-level module or
-package of specrl (``specrl/<unit>``); a *CLI module* is ``specrl/cli.py`` or
-``specrl/<unit>/cli.py``.
+package of specrl (``specrl/<unit>``); a *CLI module* is ``specrl/cli.py``, ``specrl/cli_*.py``
+(its command groups and shared helpers) or ``specrl/<unit>/cli.py``.
 """
 
 from __future__ import annotations
@@ -55,20 +58,92 @@ def _unit(module: str) -> str | None:
 
 def _is_cli(module: str) -> bool:
     parts = module.split(".")
-    return parts[-1] == "cli" and len(parts) in (2, 3)
+    top_level = len(parts) == 2 and parts[1].startswith("cli_")  # specrl/cli_<group>.py
+    return (parts[-1] == "cli" and len(parts) in (2, 3)) or top_level
 
 
-def test_leaf_modules_import_nothing_from_specrl():
+# Top to bottom: cli -> pipelines -> backends -> engine -> spec -> models/sampling -> config, with
+# every other unit placed where its imports put it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("cli",),
+    ("cli_generate", "cli_bench"),
+    ("cli_options",),
+    ("pipelines", "bench"),
+    ("backends",),
+    ("rollout_plan",),
+    ("drafters",),
+    ("engine", "rl", "envs"),
+    ("spec",),
+    ("sim",),
+    ("cli_util", "rollout_types"),
+    ("models", "sampling"),
+    ("kernels",),
+    ("config",),
+    ("config_training",),
+    ("settings", "paths", "fsutil", "errors", "jsonl_prompts", "malloc"),
+)
+
+
+def _layer_of(layers: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {unit: depth for depth, units in enumerate(layers) for unit in units}
+
+
+def _against_the_order(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]
+) -> list[str]:
+    """Imports of a unit in the importer's own layer or above it, one line each."""
+    depth = _layer_of(layers)
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = _unit(module), _unit(target)
+            if a and b and a != b and depth[b] <= depth[a]:
+                bad.append(f"{module} -> {target} ({a} is layer {depth[a]}, {b} is {depth[b]})")
+    return bad
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in _modules()} - {None}
+    placed = _layer_of(LAYERS)
+    assert len(placed) == sum(map(len, LAYERS)), "a unit is in two layers"
+    assert units <= set(placed), f"units without a layer in LAYERS: {sorted(units - set(placed))}"
+
+
+def test_imports_point_down_the_layers():
+    bad = _against_the_order(_graph(), LAYERS)
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_the_order_check_flags_upward_and_sideways_imports():
+    graph = {
+        "specrl.engine.a": {"specrl.backends.b", "specrl.spec.c"},  # up, down
+        "specrl.rl.d": {"specrl.envs.e"},  # sideways: the same layer
+        "specrl.spec.c": {"specrl.spec.f"},  # its own unit
+    }
+    layers = (("backends",), ("engine", "rl", "envs"), ("spec",))
+    assert _against_the_order(graph, layers) == [
+        "specrl.engine.a -> specrl.backends.b (engine is layer 1, backends is 0)",
+        "specrl.rl.d -> specrl.envs.e (rl is layer 1, envs is 1)",
+    ]
+
+
+# The bottom layer: each leaf and the only specrl modules it may import (other leaves below it).
+LEAVES = {
+    "specrl.settings": set(),
+    "specrl.config_training": {"specrl.settings"},
+    "specrl.config": {"specrl.settings", "specrl.config_training"},
+    "specrl.paths": set(),
+    "specrl.fsutil": set(),
+    "specrl.errors": set(),
+    "specrl.jsonl_prompts": set(),
+}
+
+
+def test_leaf_modules_import_nothing_from_specrl_but_leaves():
     graph = _graph()
-    leaves = (
-        "specrl.config",
-        "specrl.paths",
-        "specrl.fsutil",
-        "specrl.errors",
-        "specrl.jsonl_prompts",
-    )
-    for leaf in leaves:
-        assert graph[leaf] == set(), f"{leaf} must be a leaf, imports {sorted(graph[leaf])}"
+    for leaf, allowed in LEAVES.items():
+        extra = graph[leaf] - allowed
+        assert not extra, f"{leaf} must be a leaf, imports {sorted(extra)}"
 
 
 def test_no_cycles_between_units():
@@ -125,3 +200,4 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
     known = {"specrl.cli", "specrl.pkg.sibling", "specrl.other", "specrl.sim.cli"}
     assert _imports("specrl.pkg.mod", src, known) == known
     assert _is_cli("specrl.cli") and _is_cli("specrl.sim.cli") and not _is_cli("specrl.clix")
+    assert _is_cli("specrl.cli_bench") and not _is_cli("specrl.sim.cli_x")

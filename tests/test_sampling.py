@@ -137,13 +137,13 @@ def test_bad_sampling_params(field, value, match):
 def test_seed_range_is_exactly_what_the_engine_takes_without_wrapping():
     """Seeds 0 and 2**63 - 1 are accepted; the engine's per-sample seeds of distinct accepted
     seeds differ (its arithmetic is mod 2**63, so a larger seed would alias a smaller one)."""
-    from specrl.engine.engine import Engine
+    from specrl.engine.admission import Admission
     from specrl.sampling import MAX_SEED
 
     assert MAX_SEED == 2**63 - 1
     for seed in (0, 1, MAX_SEED):
         SamplingParams(seed=seed).validate()
-    derive = Engine._seed
+    derive = Admission._seed
     seeds = [derive(None, SamplingParams(seed=s), 0) for s in (0, 1, MAX_SEED - 1, MAX_SEED)]
     assert len(set(seeds)) == 4
     # the wrap that validate() now refuses: 2**63 would give seed 0's tokens

@@ -42,8 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request
+from specrl.rollout_types import Completion, EngineStats, Request
 from specrl.spec.config import SpecConfig
 
 IN_FLIGHT = "in_flight"  # weights can change between decode steps of a running generate

@@ -38,13 +38,13 @@ from specrl.backends.base import IN_FLIGHT, Rollout, Served, Versions
 from specrl.config import Config, ConfigError
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
-from specrl.engine.types import Request
 from specrl.models.device import model_device
 from specrl.models.fingerprint import fingerprint
 from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.paths import cached_drafter
+from specrl.rollout_types import Request
 from specrl.spec.config import SpecConfig, auto_tokens_per_forward
 from specrl.spec.proposers import (
     available_proposers,

@@ -53,9 +53,9 @@ from tqdm import tqdm
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.native import NativeBackend, build_native
 from specrl.config import Config, ConfigError
-from specrl.engine.types import Request
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy
+from specrl.rollout_types import Request
 from specrl.spec.config import SpecConfig
 
 POLL_S = 0.1  # how often a waiting call checks that the worker is alive

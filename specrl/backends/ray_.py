@@ -72,10 +72,9 @@ from specrl.backends import build_local
 from specrl.backends.base import Rollout, Served, Versions
 from specrl.backends.ray_session import RaySession, actor_threads, check_fits, import_ray
 from specrl.config import Config, ConfigError
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Request
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import check_weights, engine_copy
+from specrl.rollout_types import EngineStats, Request
 from specrl.spec.config import SpecConfig
 
 CONTROL = "control"  # the actors' concurrency group for updates and queries

@@ -103,9 +103,8 @@ from specrl.backends.vllm_worker import (
     patch_vllm,
     process_state_kept,
 )
-from specrl.engine.stats import EngineStats
-from specrl.engine.types import Completion, Request, request_problem, sample_seed
 from specrl.models.fingerprint import fingerprint
+from specrl.rollout_types import Completion, EngineStats, Request, request_problem, sample_seed
 from specrl.spec.config import SpecConfig
 
 if TYPE_CHECKING:

@@ -1,31 +1,12 @@
-"""``specrl train-drafter``: build data from the target's rollouts, train a head, report acceptance.
+"""``specrl train-drafter`` and ``specrl export-drafter``: train a drafter, export it for vLLM.
 
-Contract: ``register(app)`` adds the command. It generates the target's own completions on the
-train split of a reasoning-gym task (or ``--prompts F.jsonl``), records the target features
-(``specrl.drafters.data``), trains the head (``specrl.drafters.train``; progress bar, checkpoint
-every ``--ckpt-every`` steps in ``--out``; heads are then fine-tuned ``--tv-steps`` steps on the
-total-variation loss, checkpointed apart; rerunning the same command resumes, and reuses the
-rollouts and examples cached in ``--out/rollouts.json`` and ``--out/examples.safetensors``,
-each written atomically (``specrl.fsutil``); damaged ones are ignored, saying so, and made again;
-nothing is unpickled), saves ``head.safetensors`` + ``head.json`` in ``--out`` (default
-``specrl.paths.drafter_cache_dir``: ``cache_dir()/drafters/<model>-<drafter>``), then prints
-the held-out acceptance length (k, T=0 and T=1) on the task's eval split, untrained vs trained.
-``--drafter draft`` instead distills a small draft model, the target's first ``--draft-layers``
-layers (``specrl.drafters.distill``), saved in ``--out`` as a model directory for ``--spec draft
---drafter DIR``; untrained = the undistilled layer prefix. The defaults are the recipe of the
-cached default drafters (docs/drafters.md). ``--prompts`` lines are a string, {"prompt": str}
-or {"messages": [...]} (``specrl.jsonl_prompts``). Every integer option is bounded (``BOUNDS``),
-learning rates are finite and in (0, 1], ``--task`` is a reasoning-gym task (did-you-mean); a
-training step that makes the drafter non-finite ends the command with one line naming the step,
-nothing of that phase saved (``drafters.train.NonFiniteWeights``). Bad values (options, a
-``--out`` that cannot be a writable directory, a ``--prompts`` file, a model that cannot be
-loaded) exit 2 with one ``error:`` line before any work (``--out`` is checked before anything is
-created; it is created before the model loads); so does an OSError during the work (a full disk).
-``--head-arch eagle3`` trains an eagle3 head in the EAGLE-3 paper's (and vLLM's) layer layout.
-
-``specrl export-drafter --drafter eagle3|draft [--from DIR] [--model M] --out DIR`` writes a
-trained drafter in the layout vLLM loads (``specrl.drafters.export``); what cannot be exported
-(an MTP head, a ``proj``-layout head) and bad options exit 2 with one ``error:`` line.
+``register(app)`` adds both commands. ``train-drafter`` generates the target's own completions
+on a reasoning-gym task's train split (or ``--prompts F.jsonl``), trains a head (or, with
+``--drafter draft``, distills a layer-prefix draft model), resumably with checkpoints and cached
+data in ``--out``, saves it, and prints held-out acceptance untrained vs trained.
+``export-drafter`` writes a trained drafter in the layout vLLM loads. Bad values, unusable
+paths and OSErrors exit 2 with one ``error:`` line (before any work where they can).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

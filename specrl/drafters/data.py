@@ -1,28 +1,12 @@
 """Drafter training data: the target's own rollouts on RL task prompts, with its features.
 
-Contract:
-- ``task_prompt_ids(tokenizer, task, split, n, seed)`` renders prompts of a reasoning-gym task
-  (``specrl.envs.ReasoningGymEnv``, its disjoint train/eval splits) with the chat template;
-  ``jsonl_prompt_ids(tokenizer, path)`` reads a JSONL of prompts (``specrl.jsonl_prompts``: a
-  string, {"prompt": str} or {"messages": [...]} per line), rendered with the chat template.
-- ``rollouts(target, prompt_ids, ...)`` samples completions with the ``Engine`` (plain decoding:
-  exactly the target's distribution) and returns ``Sequence``s (prompt + completion token ids).
-- ``build_examples(target, sequences, layers)`` runs the target teacher-forced over every
-  sequence (a prompt shared by several sequences runs once, into a KV cache) and records, per
-  position i: the captured layer outputs ``feats[i]`` (concatenated, [T, F], what the engine
-  hands a drafter for that position; F = 0 when ``layers`` is empty, as for a draft model, which
-  needs only the tokens and targets) and the final normed hidden
-  ``final[i]`` ([T, H]; the target's distribution for token i+1 is softmax(lm_head(final[i])),
-  recomputed during training instead of storing [T, V] probabilities).
-- ``save_examples``/``load_examples`` keep them in one safetensors file (resume without
-  regenerating), written atomically (``specrl.fsutil.atomic_writer``: temporary file, fsync,
-  rename, directory fsync; no temporary left on failure): the tensors concatenated over
-  examples (``tokens`` [sum T] int64, ``feats`` [sum T, F], ``final`` [sum T, H]) with
-  ``lengths`` and ``prompt_lens`` [N] int64, metadata {"format": "specrl-drafter-examples",
-  "version": "1"}. Nothing is unpickled; a missing, truncated, foreign or inconsistent file
-  raises ``ValueError`` naming it.
-- ``build_examples`` never calls the target's LM head (features need no logits; the native GEMV
-  kernel refuses an empty batch).
+``task_prompt_ids`` / ``jsonl_prompt_ids`` render prompts (a reasoning-gym split or a JSONL file)
+with the chat template; ``rollouts`` samples completions with the ``Engine`` (plain decoding:
+the target's distribution); ``build_examples`` runs the target teacher-forced and records per
+position the captured layer outputs ``feats`` [T, F] and the final normed hidden ``final``
+[T, H] (never logits); ``save_examples`` / ``load_examples`` keep them in one safetensors file
+written atomically (nothing unpickled; a bad file raises ``ValueError``).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -97,7 +81,8 @@ def rollouts(
     progress: bool = False,
 ) -> list[Sequence]:
     """The target's own completions (plain decoding through the Engine)."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
 
     params = SamplingParams(
@@ -177,7 +162,7 @@ def _forward(target: Transformer, ids: torch.Tensor, positions: torch.Tensor, la
 
 
 def save_examples(examples: list[Example], path: str | Path) -> None:
-    """Write ``examples`` to one safetensors file (see the module docstring), atomically."""
+    """Write ``examples`` to one safetensors file (see docs/internals.md), atomically."""
     from safetensors.torch import save_file
 
     if not examples:

@@ -1,25 +1,11 @@
 """Distilling a small draft model (a layer prefix of the target) on the target's distributions.
 
-Contract:
-- ``init_draft(target, num_layers)`` is an fp32 copy of the target's embedding, first
-  ``num_layers`` layers, final norm and LM head (``layer_prefix_model``): same tokenizer and
-  vocabulary, so the ``draft`` proposer can use it unchanged. ``ValueError`` (naming the value)
-  unless 1 <= num_layers <= the target's layer count.
-- ``distill(draft, target, examples, cfg, out=None)`` minimises, over random mini-batches of
-  examples, the mean forward KL(target || draft) between next-token distributions on the
-  completion positions (position i with prompt_len - 1 <= i < len - 1 predicts completion token
-  i+1; the target's distribution is softmax(lm_head(final[i])) of the frozen target). Only the
-  draft's layers and final norm train; its (tied) embedding and LM head stay the target's. The
-  loop is ``specrl.drafters.train.fit`` (AdamW, warmup + cosine, bf16 autocast over fp32 master
-  weights, ``out/train_state.safetensors`` every ``cfg.ckpt_every`` steps, resume to the same
-  losses; see ``specrl.drafters.train`` for the file).
-  With ``out`` it ends with ``save_draft_model``. Returns the per-step losses.
-- ``save_draft_model(draft, out, target_config, tokenizer_dir, extra)`` writes a Hugging Face
-  style model directory that ``specrl.models.checkpoints.load_model`` reads as is:
-  ``config.json`` (num_hidden_layers = the draft's), ``model.safetensors`` (fp32, HF tensor
-  names), the tokenizer files copied from ``tokenizer_dir`` (the target's model directory), and
-  ``distill.json`` = {"format": "specrl-distilled-draft", "version": 1, "num_layers",
-  "init", "trained", "target": target config as an HF dict, "extra"}.
+``init_draft(target, num_layers)`` copies the target's embedding, first layers, final norm and
+LM head in fp32; ``distill(draft, target, examples, cfg, out=None)`` minimises the forward
+KL(target || draft) on completion positions, training only the draft's layers and final norm
+(the loop is ``drafters.train.fit``: resumable, same losses), and returns the per-step losses;
+``save_draft_model`` writes a Hugging Face style directory that ``load_model`` reads as is,
+plus ``distill.json``. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -108,7 +94,7 @@ def distill(
     tokenizer_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Distill ``target`` into ``draft`` in place (see the module docstring)."""
+    """Distill ``target`` into ``draft`` in place (see docs/internals.md)."""
     set_trainable(draft)
     state_path = Path(out) / STATE_FILE if out is not None else None
 
@@ -129,7 +115,7 @@ def save_draft_model(
     tokenizer_dir: str | Path | None = None,
     extra: dict | None = None,
 ) -> Path:
-    """Write the model directory described in the module docstring; returns it."""
+    """Write the model directory described in docs/internals.md; returns it."""
     from safetensors.torch import save_file
 
     from specrl.models.checkpoints import hf_state_dict

@@ -1,42 +1,12 @@
 """Exporting specrl's drafters to the layouts vLLM loads.
 
-Contract:
-- ``export_eagle3(head_dir, target, out_dir, dtype=None)`` writes an EAGLE-3 drafter directory
-  that vLLM's ``Eagle3LlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle3.py``; for a
-  Qwen3 target ``Eagle3Qwen3ForCausalLM``, ``qwen3_eagle3.py``) loads with
-  ``speculative_config={"method": "eagle3", "model": out_dir, ...}``, from a head saved by
-  ``specrl train-drafter --drafter eagle3 --head-arch eagle3`` (``specrl.models.heads``).
-  ``target`` is the target model (a name or directory ``resolve_model`` accepts, or a loaded
-  ``Transformer``); only its config and LM head are read. Files:
-  ``config.json``: the target's config with one layer and ``architectures``
-  ["LlamaForCausalLMEagle3"] (model_type llama; qwen3 targets: ["Eagle3Qwen3ForCausalLM"],
-  model_type qwen3), ``draft_vocab_size`` (Vd), ``target_hidden_size``, ``tie_word_embeddings``
-  false, ``norm_before_residual`` false, ``eagle_aux_hidden_state_layer_ids`` = [l + 1 for l in
-  the head's feature layers] (vLLM's id j is the output of target layer j - 1, collected in
-  increasing order; specrl's feature layer l is the output of layer l) at the top level and in
-  ``eagle_config`` (whose length sizes ``fc``) with ``use_aux_hidden_state`` true, and
-  ``specrl_export`` (what it was made from).
-  ``model.safetensors`` (``EAGLE3_NAMES``): ``fc.weight`` [H, n*H], ``midlayer.*`` (hidden_norm
-  = hnorm, input_layernorm = enorm, q/k/v_proj split from qkv, o_proj, q_norm/k_norm (qwen3),
-  post_attention_layernorm = mlp_norm, gate/up_proj split from gate_up, down_proj),
-  ``norm.weight``, ``lm_head.weight`` [Vd, H] (the target's LM head rows ``d2t``: vLLM's draft
-  head owns its LM head), and with a reduced vocabulary ``d2t`` [Vd] int64 as vLLM reads it
-  (draft index i -> target id i + d2t[i], so specrl's ids minus arange(Vd)) and ``t2d`` [V]
-  bool (ignored by vLLM; as the public checkpoints have it). With the full vocabulary neither:
-  vLLM then keeps no mapping. With a qkv bias (qwen2) the Llama class also builds an o_proj
-  bias, written as zeros. No ``embed_tokens``: vLLM shares the target's embedding.
-  Floats are written in ``dtype`` (default: the head's saved dtype). Each file is written
-  atomically (``specrl.fsutil``).
-- ``export_draft_model(draft_dir, out_dir, tokenizer_dir=None)`` checks that a draft model (a
-  ``specrl train-drafter --drafter draft`` directory, or any model directory) is a Hugging Face
-  checkpoint vLLM's ``draft_model`` method loads (config.json with the architecture of its
-  model_type, model.safetensors with HF tensor names) and copies it to ``out_dir`` with the
-  tokenizer files (from ``tokenizer_dir`` when the draft has none); ``out_dir == draft_dir``
-  only checks. A GGUF file or a name is converted (``resolve_model``).
-- What vLLM cannot load raises ``ExportError`` (a ``ValueError``) with one line: an MTP head
-  (vLLM runs MTP only from layers built into specific models' own checkpoints), a head of
-  specrl's ``proj`` layout (not expressible in vLLM's EAGLE-3 layer: see
-  ``specrl.models.heads``), a head whose target differs from ``target``, damaged files.
+``export_eagle3(head_dir, target, out_dir, dtype=None)`` writes an EAGLE-3 drafter directory
+(``config.json`` + ``model.safetensors``) that vLLM's ``Eagle3LlamaForCausalLM`` /
+``Eagle3Qwen3ForCausalLM`` loads, from an ``--head-arch eagle3`` head; ``export_draft_model``
+checks that a draft model is a Hugging Face checkpoint vLLM's ``draft_model`` method loads and
+copies it with its tokenizer. What vLLM cannot load (an MTP head, a ``proj``-layout head, a head
+of another target, damaged files) raises ``ExportError`` (a ``ValueError``) in one line. Files
+are written atomically. Details (the exact layout): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -104,7 +74,7 @@ def export_eagle3(
     out_dir: str | os.PathLike,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (module docstring)."""
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (docs/internals.md)."""
     from safetensors.torch import save_file
 
     head_dir, out = Path(head_dir), Path(out_dir)
@@ -269,7 +239,7 @@ def _check_complete(out: dict[str, torch.Tensor], target: ModelConfig) -> None:
 
 
 def eagle3_config(target: ModelConfig, feature_layers: list[int], draft_vocab: int) -> dict:
-    """config.json of the exported drafter (module docstring)."""
+    """config.json of the exported drafter (docs/internals.md)."""
     qwen3 = target.model_type == "qwen3"
     ids = [int(x) + 1 for x in feature_layers]  # vLLM id j = output of target layer j - 1
     config = target.replace(num_layers=1).to_hf_dict()
@@ -339,7 +309,7 @@ def export_draft_model(
     tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Check ``draft_dir`` is an HF checkpoint vLLM loads; copy it (and tokenizer files) to
-    ``out_dir`` unless that is the same directory (module docstring)."""
+    ``out_dir`` unless that is the same directory (docs/internals.md)."""
     try:
         src = resolve_model(draft_dir)
         model = load_model(src)  # every tensor present, named and shaped as HF's

@@ -1,42 +1,13 @@
-"""Training a learned drafter (EAGLE-3 / MTP head, draft model) during RL, on the steps' own
-rollouts.
+"""Training a learned drafter (head or draft model) during RL, on the steps' own rollouts.
 
-Contract:
-- ``OnlineDrafter(student, cfg, mode, fresh, seed)`` trains ``student`` (``drafters.students``:
-  a ``DraftHead`` over the learner's float32 policy with the training-time-test loss, or a draft
-  model distilled on the policy's distributions; float32 master weights, bf16 autocast, AdamW
-  at ``cfg.lr``). ``mode`` is "online" (train every step) or "refresh" (train when a drift
-  signal fires: ``Trigger``). ``sink()`` is the ``FeatureSink`` the learner fills during its
-  training forward (the layers a head reads, the final hidden state): the training data are
-  the step's own rollouts and the policy's features of them, with no extra forward.
-- ``step(captured, signals)`` (once per RL step, after the policy update): ``Student.follow``
-  (a draft model's copies of the policy's embedding and LM head), turns the captured features
-  into examples; measures the drafter's KL to the policy on those fresh tokens before
-  training on them (``drafter_kl``: a held-out measurement, the drift signal); keeps the last
-  ``cfg.buffer_steps`` steps' examples; accrues a time budget of ``cfg.time_share`` x the
-  step's time (``StepSignals.step_s``, carried over up to 4 steps' worth) and, when the mode
-  says so, takes as many optimizer steps as the budget pays in full at their measured cost
-  (at most ``cfg.max_updates``; the first one, whose cost is unknown, is taken anyway), each
-  on a mini-batch of about ``cfg.batch_tokens`` tokens drawn from the buffer with a seed of
-  (seed, update count). The KL measurement is paid from the budget too: with the budget
-  spent it is skipped (``drafter_kl`` None, no refresh decision that step). A head started
-  from scratch (``fresh``) first takes its draft vocabulary from the step's tokens
-  (``cfg.vocab`` most frequent; 0 = full) and keeps training while its KL improves. Returns
-  ``DrafterUpdate``: the row's metrics (``drafter_kl``, ``drafter_loss``, ``drafter_updates``,
-  ``drafter_train_s``, ``drafter_version``, ``drafter_trigger``, ``drafter_trained_len``) and,
-  when it trained, the drafter's tensors to push with their new version.
-- ``Trigger`` decides refresh from measured signals: never trained yet (cold start); KL on
-  fresh tokens above (1 + tolerance) x its level (the best recent KL, drifting up 2% per step
-  so a policy that settled elsewhere stops triggering); draft acceptance rate below (1 -
-  tolerance) x its running level (with >= 32 drafting rows as evidence); or ``max_lag`` policy
-  versions since the last training; or the KL fell by more than the tolerance since the last
-  training (training still pays: a cold head trains as the budget allows while it learns).
-- ``context_note(trained_len, lengths)``: a one-line warning when rollouts run past the longest
-  sequence the drafter has trained on (acceptance collapses past a drafter's training length).
-- ``save(path)`` / ``load(path)``: the drafter's trainable parameters and optimizer
-  (``drafters.train.save_state``: safetensors, never unpickled) plus ``<path>.json`` with the
-  student's ``meta`` (a head's draft vocabulary), version, trigger and budget; the example
-  buffer is not saved (a resumed run refills it from its next step).
+``OnlineDrafter(student, cfg, mode, fresh, seed)`` trains ``student`` (``drafters.students``)
+on features the learner's training forward captures (``sink()``: no extra forward).
+``step(captured, signals)`` (once per RL step) measures the drafter's KL to the policy on the
+fresh tokens, buffers them, and in mode "online" (every step) or "refresh" (when ``Trigger``
+fires) spends a time budget of ``cfg.time_share`` x the step's time on optimizer steps; it
+returns ``DrafterUpdate`` (metrics, and the tensors to push when it trained). ``context_note``
+warns when rollouts outrun the drafter's training length; ``save`` / ``load`` checkpoint it.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -79,7 +50,7 @@ class StepSignals:
 
 @dataclass
 class Trigger:
-    """Refresh decisions from measured drift (see the module docstring)."""
+    """Refresh decisions from measured drift (see docs/internals.md)."""
 
     tolerance: float
     max_lag: int
@@ -141,7 +112,7 @@ class _Ledger:
 
 
 class OnlineDrafter:
-    """See the module docstring."""
+    """See docs/internals.md."""
 
     def __init__(
         self, student: Student, cfg: DrafterCfg, mode: str, fresh: bool, seed: int = 0
@@ -171,7 +142,7 @@ class OnlineDrafter:
     # ------------------------------------------------------------------ one RL step
 
     def step(self, captured: list[Captured], signals: StepSignals) -> DrafterUpdate:
-        """See the module docstring."""
+        """See docs/internals.md."""
         t0 = time.perf_counter()
         self.student.follow()  # what the drafter shares with the policy, as it moved
         examples = [Example(c.tokens, c.prompt_len, c.feats, c.final) for c in captured]

@@ -1,29 +1,12 @@
 """What ``OnlineDrafter`` trains: a learned head (EAGLE-3 / MTP) or a draft model, one interface.
 
-Contract: a ``Student`` wraps the drafter's trainable float32 module (``module``) and says
-
-- ``layers``: the policy layers the learner's training forward must capture for it (a head
-  reads some; a draft model none: it learns from the policy's final hidden states only);
-- ``loss(batch)``: the training loss over a list of ``Example`` (differentiable in the
-  module's trainable parameters, never in the policy's); ``kl(batch)``: KL(policy || drafter)
-  at the first draft position over the batch's completion positions, without gradients (the
-  drift signal, the same quantity the loss minimises at depth 0);
-- ``frozen()``: the policy parameters that share the graph and must not get gradients while it
-  trains (a head runs the policy's embedding and LM head);
-- ``follow()``: at every step (and after a restore), take over what the drafter shares with
-  the policy as it moves (a draft model: its copies of the policy's embedding and LM head; a
-  head reads the policy's own: no-op);
-- ``pick_vocab(examples, size)``: a head trained from scratch drafts from the ``size`` most
-  frequent tokens of ``examples`` (a draft model keeps the full vocabulary: no-op);
-- ``state()``: the tensors ``update_drafter`` takes, named as the native engine serves them
-  (``backends.native.drafter_tensors``: a head's state dict, a draft model's parameters), the
-  trainable ones cloned; ``meta()`` / ``load_meta(meta)``: the JSON-able state a checkpoint
-  keeps besides the parameters and optimizer (a head's draft vocabulary).
-
-``HeadStudent(head)``: the training-time-test loss of ``specrl.drafters.train`` (``ttt_loss``,
-depth ``UNROLL``, weight ``DECAY``). ``DraftStudent(model, policy)``: ``distill_loss`` of
-``specrl.drafters.distill`` against the policy's own LM head (the policy as it moves; only the
-draft's layers and final norm train). ``student_for(drafter, policy)`` picks by type.
+A ``Student`` wraps the drafter's trainable float32 ``module`` and gives the policy ``layers`` it
+reads, ``loss(batch)`` and ``kl(batch)`` (KL(policy || drafter) at the first draft position: the
+drift signal), the ``frozen()`` policy parameters, ``follow()`` (take over what it shares with
+the moving policy), ``pick_vocab``, and ``state()`` / ``meta()`` / ``load_meta`` for pushes and
+checkpoints. ``HeadStudent`` trains with the training-time-test loss, ``DraftStudent`` by
+distillation against the policy's LM head; ``student_for(drafter, policy)`` picks by type.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -42,7 +25,7 @@ UNROLL, DECAY = 3, 0.8  # training-time-test depth and weight (train-drafter's d
 
 
 class Student(Protocol):
-    """See the module docstring."""
+    """See docs/internals.md."""
 
     module: torch.nn.Module
     layers: tuple[int, ...]
@@ -62,7 +45,7 @@ def _longest(batch: list[Example]) -> int:
 
 
 class HeadStudent:
-    """An EAGLE-3 / MTP head over the learner's policy (see the module docstring)."""
+    """An EAGLE-3 / MTP head over the learner's policy (see docs/internals.md)."""
 
     def __init__(self, head: DraftHead) -> None:
         self.module = head
@@ -110,7 +93,7 @@ class HeadStudent:
 
 
 class DraftStudent:
-    """A draft model distilled on the moving policy (see the module docstring)."""
+    """A draft model distilled on the moving policy (see docs/internals.md)."""
 
     layers: tuple[int, ...] = ()
 

@@ -1,37 +1,12 @@
 """Training a ``DraftHead`` with the training-time-test unroll, and measuring its acceptance.
 
-Contract:
-- ``train_head(head, examples, cfg, out=None)`` minimises, over random mini-batches of examples,
-  sum_j decay^j * mean loss(target distribution, head depth-j distribution) over the completion
-  positions. The head at position i predicts token i+2; its target is softmax(lm_head(final[i+1]))
-  of the frozen target, restricted to the head's draft vocabulary when it has one (not
-  renormalised: the optimum is then q = p on the draft vocabulary, renormalised, whose acceptance
-  is p's mass there); depth j is valid from position j on. The loss is ``HEAD_LOSSES[cfg.loss]``:
-  soft cross-entropy ("ce"), or total variation ("tv": the probability that speculative sampling
-  rejects a draft, the quantity acceptance depends on; used to fine-tune after "ce"). The
-  target model is never updated (its trunk is detached by construction: only features go in).
-  With ``out``, it writes ``out/<state_name>`` (default ``STATE_FILE``; head + optimizer + step
-  + losses) every ``cfg.ckpt_every`` steps and resumes from it, and saves the final head with
-  ``specrl.models.heads.save_head``. Returns the per-step losses (of this and earlier runs).
-- ``fit(module, examples, cfg, loss_fn, state_path)`` is the loop both drafter trainers share:
-  AdamW on ``module``'s trainable parameters, linear warmup + cosine (``lr_at``), bf16 autocast,
-  gradient clipping, a tqdm bar; the mini-batch of step s is drawn from ``cfg.seed`` and s
-  (``draw_batch``), and ``state_path`` (module + optimizer + step + losses) is written every
-  ``cfg.ckpt_every`` steps and resumed from, so a resumed run sees the same batches and losses.
-  A state file that cannot be read or does not fit the module is ignored with a warning
-  (training starts at step 0), never unpickled. A step after which the loss or a trainable
-  weight is not finite raises ``NonFiniteWeights`` (a ``ValueError`` naming the step) before
-  anything of it is saved: a diverged drafter is never written.
-- Training state file (``save_state``/``load_state``): one safetensors file, written atomically
-  (``specrl.fsutil.atomic_writer``: temporary file, fsync, rename, directory fsync; no temporary
-  left on failure): the module's trainable parameters ``param.<name>`` and the
-  optimizer's tensors ``opt.<index>.<key>``; its metadata "specrl" is JSON {"format":
-  "specrl-train-state", "version": 1, "step", "losses", "params" (names, in optimizer order),
-  "opt_values" (the optimizer's non-tensor state), "param_groups"}. Frozen parameters and
-  buffers are not saved: a resumed run rebuilds them as the first run did.
-- ``acceptance(target, drafter, prompt_ids, k, temperature)`` is the engine's acceptance length
-  (tokens emitted per verify step per row) with ``drafter`` drafting k tokens: a ``DraftHead``
-  (spec method = its kind) or a small ``Transformer`` (spec method ``draft``).
+``train_head(head, examples, cfg, out=None)`` minimises the decayed sum over unroll depths of a
+``HEAD_LOSSES`` loss ("ce" or "tv") between the frozen target's and the head's distributions,
+checkpointing to and resuming from ``out``; ``fit`` is the loop both drafter trainers share
+(AdamW, warmup + cosine, bf16 autocast, seeded batches so that a resumed run has the same
+losses; ``NonFiniteWeights`` before a diverged drafter is saved); ``save_state`` /
+``load_state`` are its safetensors state file (never unpickled); ``acceptance`` is the engine's
+acceptance length with a drafter. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -107,7 +82,7 @@ def collate(examples: list[Example], max_len: int):
 
 
 def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce") -> torch.Tensor:
-    """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see the module docstring)."""
+    """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see docs/internals.md)."""
     feats, tokens, final, mask = on(model_device(head), *batch)  # examples may sit elsewhere
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
     outs = head.unroll(feats.to(head.dtype), tokens, unroll)
@@ -164,9 +139,9 @@ def fit(
     state_path: Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Minimise ``loss_fn(batch)`` over ``module``'s trainable parameters (see the module
-    docstring); returns the loss of every step (of this and earlier runs). Leaves ``module`` in
-    eval mode with gradients off."""
+    """Minimise ``loss_fn(batch)`` over ``module``'s trainable parameters (see
+    docs/internals.md); returns the loss of every step (of this and earlier runs). Leaves
+    ``module`` in eval mode with gradients off."""
     module.train()
     opt = torch.optim.AdamW(
         [p for p in module.parameters() if p.requires_grad],
@@ -219,7 +194,7 @@ def check_finite(module: nn.Module, step: int, loss: float) -> None:
 def save_state(
     path: Path, module: nn.Module, opt: torch.optim.Optimizer, step: int, losses: list[float]
 ) -> None:
-    """Write the training state to ``path`` atomically (the file format: module docstring)."""
+    """Write the training state to ``path`` atomically (the file format: docs/internals.md)."""
     from safetensors.torch import save_file
 
     names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -315,7 +290,7 @@ def train_head(
     progress: bool = True,
     state_name: str = STATE_FILE,
 ) -> list[float]:
-    """Train ``head`` in place (see the module docstring); returns the loss of every step.
+    """Train ``head`` in place (see docs/internals.md); returns the loss of every step.
     ``state_name``: the checkpoint file in ``out`` (one per training phase)."""
     head.requires_grad_(True)
     head.target.requires_grad_(False)
@@ -344,7 +319,8 @@ def acceptance(
     max_batch: int = 16,
 ) -> float:
     """Engine acceptance length (emitted tokens per verify step per row) with ``drafter``."""
-    from specrl.engine import Engine, Request
+    from specrl.engine import Engine
+    from specrl.rollout_types import Request
     from specrl.sampling import SamplingParams
     from specrl.spec.config import SpecConfig
 

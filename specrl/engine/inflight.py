@@ -49,9 +49,10 @@ Contract:
   A rewritten completion's ``verify_steps``/``drafted``/``accepted`` keep counting the engine's
   work on the row (old steps included).
 
-``InflightUpdates`` is a mixin of ``Engine`` (it uses the engine's model, cache, statistics,
-``_forward``, ``_prefill_distinct``, ``_tensors``, ``_record`` and ``_emit_verified``); the rest
-are plain functions.
+``InflightUpdates`` is the engine's collaborator: ``stage`` and ``take`` hold the latest update
+(thread-safe); the engine applies the weights and the version, then ``rewrite`` makes the live rows
+meet the mode through the running ``Call`` (its prefill, forward, sampling tensors, emission and
+statistics); the rest are plain functions.
 """
 
 from __future__ import annotations
@@ -60,15 +61,14 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from specrl.models.weights import check_weights, copy_weights
+from specrl.engine.call import Call
+from specrl.engine.rows import Seq
+from specrl.models.transformer import Transformer
+from specrl.models.weights import check_weights
 from specrl.spec.verify import Verified, verify
-
-if TYPE_CHECKING:
-    from specrl.engine.engine import Seq
 
 MODES = ("reverify", "keep", "discard")
 REWRITE_MODES = frozenset({"reverify", "discard"})
@@ -83,23 +83,6 @@ class StagedWeights:
     named: Mapping[str, torch.Tensor]
     version: int
     mode: str
-
-
-class WeightStage:
-    """The latest staged update (a newer one replaces an older one not yet taken); thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._staged: StagedWeights | None = None
-
-    def put(self, update: StagedWeights) -> None:
-        with self._lock:
-            self._staged = update
-
-    def take(self) -> StagedWeights | None:
-        with self._lock:
-            update, self._staged = self._staged, None
-        return update
 
 
 def check_mode(mode: str, drafters: Iterable[str]) -> None:
@@ -158,32 +141,48 @@ def restart(seq: Seq) -> None:
 
 
 class InflightUpdates:
-    """Mixin of ``Engine``: staging and applying in-flight weight updates (module docstring)."""
+    """Staging in-flight weight updates and rewriting live rows under one (module docstring)."""
 
-    # reverify checks at most this many old tokens per row (None: all); later ones are discarded
-    reverify_max_tokens: int | None = None
+    def __init__(self, model: Transformer) -> None:
+        self._model = model  # the engine's model: staged tensors must fit it
+        self._lock = threading.Lock()
+        self._staged: StagedWeights | None = None
 
-    def stage_weights(
-        self, named_tensors: Mapping[str, torch.Tensor], version: int, mode: str
+    def stage(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        version: int,
+        mode: str,
+        drafters: Iterable[str],
     ) -> None:
-        """Stage new weights for the next safe point (thread-safe; see the module docstring)."""
-        drafters = {s.method if s.enabled else "none" for s in (self.spec, self._active[0])}
+        """Stage new weights for the next safe point (thread-safe); ``ValueError`` for a mode
+        one of ``drafters`` cannot follow or tensors that do not fit the model."""
         check_mode(mode, drafters)
-        check_weights(self.model, named_tensors)
-        self._weight_stage.put(StagedWeights(named_tensors, version, mode))
+        check_weights(self._model, named_tensors)
+        with self._lock:  # a newer update replaces an older one not yet taken
+            self._staged = StagedWeights(named_tensors, version, mode)
 
-    def _apply_staged(self, rows: list[Seq], start: float) -> list[int]:
-        """Apply a staged update, if any, to the model and the live rows; indices of the rows
-        the rewrite finished (a stop or the length limit in their new tokens)."""
-        update = self._weight_stage.take()
-        if update is None or update.version < self.policy_version:  # older than what is served
-            return []
-        copy_weights(self.model, update.named)
-        self.policy_version = update.version
-        self._stash = None  # its prompt cache and logits came from the old weights
-        if not rows:
-            return []
-        st = self.stats
+    def take(self, served: int) -> StagedWeights | None:
+        """The staged update, if any and not older than the ``served`` version (an older one is
+        dropped: newer weights were written directly meanwhile)."""
+        with self._lock:
+            update, self._staged = self._staged, None
+        if update is None or update.version < served:
+            return None
+        return update
+
+    def rewrite(
+        self,
+        call: Call,
+        rows: list[Seq],
+        update: StagedWeights,
+        start: float,
+        max_tokens: int | None = None,
+    ) -> list[int]:
+        """The live rows meet ``update``'s mode, its weights already in the model (``max_tokens``:
+        reverify checks at most that many old tokens per row); indices of the rows the rewrite
+        finished (a stop or the length limit in their new tokens)."""
+        st = call.stats
         st.weight_updates += 1
         old = sum(len(s.comp.token_ids) for s in rows)
         if update.mode == "keep":
@@ -191,85 +190,90 @@ class InflightUpdates:
             return []
         for seq in rows:
             seq.comp.seed = fresh_seed(seq.comp.seed, update.version)
-        self._row_tensors = None
+        call.rows_changed()
         if update.mode == "discard":
             st.discarded_tokens += old
-            return self._restart_rows(rows, start)
-        return self._reverify_rows(rows, start)
+            return _restart_rows(call, rows, start)
+        return _reverify_rows(call, rows, start, max_tokens)
 
-    def _reverify_rows(self, rows: list[Seq], start: float) -> list[int]:
-        """Re-prefill the prompts under the new weights, then one forward over every row's
-        completion (read from the cache) verifies it as a one-hot draft; the accepted prefix and
-        a recovered/bonus token replace the completion."""
-        t0 = time.perf_counter()
-        cap = self.reverify_max_tokens
-        drafts = [list(s.comp.token_ids[:cap]) for s in rows]
-        prompt_lens = [len(s.comp.prompt_ids) for s in rows]
-        old = sum(len(s.comp.token_ids) for s in rows)
-        firsts = [s.comp.first_token_s for s in rows]
-        for seq in rows:
-            restart(seq)
-        prompt_logits, prompt_feats = self._prefill_prompts(rows)  # [R, V], per row [n, F]
-        cb = completion_batch(drafts, prompt_lens, self._cache.max_len)
-        ids, positions, lengths = self._on(cb.ids, cb.positions, cb.lengths)
-        out, feats = self._forward(ids, positions, kv_len=cb.kv_len)
-        logits = torch.cat([prompt_logits[:, None], out.logits.float()], 1)  # [R, M+1, V]
-        t = self._tensors(rows)  # the fresh seeds
-        counters = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-        sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
-        v = verify(ids, lengths, None, logits, *sampling)
-        accepted = v.num_accepted.tolist()
-        if feats is not None:  # kept history positions 0 .. n+a-1 (feats [R, M, F])
-            for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):
-                seq.hidden = [prompt_feats[b], feats[b, :a]]
-        finished = self._emit_verified(rows, v, start, first=True)
-        for seq, a, first in zip(rows, accepted, firsts, strict=True):
-            if a:  # the completion still starts with its old first token
-                seq.comp.first_token_s = first
-        self._count_reverified(int(cb.lengths.sum()), old, sum(accepted))
-        elapsed = time.perf_counter() - t0
-        self.stats.reverify_s += elapsed
-        if self.record_steps:
-            self._record("prefill", elapsed)
-        return finished
 
-    def _count_reverified(self, checked: int, old: int, kept: int) -> None:
-        """Of the rows' ``old`` completion tokens, ``checked`` were verified (the rest lay past
-        ``reverify_max_tokens``) and ``kept`` accepted."""
-        st = self.stats
-        st.reverified_tokens += checked
-        st.reused_tokens += kept
-        st.discarded_tokens += old - kept
-        st.tokens -= kept  # emitted again, but not generated again
+def _reverify_rows(call: Call, rows: list[Seq], start: float, cap: int | None) -> list[int]:
+    """Re-prefill the prompts under the new weights, then one forward over every row's
+    completion (read from the cache) verifies it as a one-hot draft; the accepted prefix and
+    a recovered/bonus token replace the completion (a row's first ``cap`` old tokens are the
+    draft)."""
+    t0 = time.perf_counter()
+    drafts = [list(s.comp.token_ids[:cap]) for s in rows]
+    prompt_lens = [len(s.comp.prompt_ids) for s in rows]
+    old = sum(len(s.comp.token_ids) for s in rows)
+    firsts = [s.comp.first_token_s for s in rows]
+    for seq in rows:
+        restart(seq)
+    prompt_logits, prompt_feats = _prefill_prompts(call, rows)  # [R, V], per row [n, F]
+    cb = completion_batch(drafts, prompt_lens, call.kv.cache.max_len)
+    ids, positions, lengths = call.on(cb.ids, cb.positions, cb.lengths)
+    out, feats = call.forward(ids, positions, kv_len=cb.kv_len)
+    logits = torch.cat([prompt_logits[:, None], out.logits.float()], 1)  # [R, M+1, V]
+    t = call.tensors(rows)  # the fresh seeds
+    counters = torch.zeros(len(rows), dtype=torch.int64, device=call.device)
+    sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
+    v = verify(ids, lengths, None, logits, *sampling)
+    accepted = v.num_accepted.tolist()
+    if feats is not None:  # kept history positions 0 .. n+a-1 (feats [R, M, F])
+        for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):
+            seq.hidden = [prompt_feats[b], feats[b, :a]]
+    finished = call.emit_verified(rows, v, start, first=True)
+    for seq, a, first in zip(rows, accepted, firsts, strict=True):
+        if a:  # the completion still starts with its old first token
+            seq.comp.first_token_s = first
+    _count_reverified(call, int(cb.lengths.sum()), old, sum(accepted))
+    elapsed = time.perf_counter() - t0
+    call.stats.reverify_s += elapsed
+    if call.record_steps:
+        call.record("prefill", elapsed)
+    return finished
 
-    def _restart_rows(self, rows: list[Seq], start: float) -> list[int]:
-        """Re-prefill the prompts under the new weights and sample every row's first token."""
-        t0 = time.perf_counter()
-        for seq in rows:
-            restart(seq)
-        logits, feats = self._prefill_prompts(rows)  # [R, V], per row [n, F]
-        if feats is not None:
-            for seq, f in zip(rows, feats, strict=True):
-                seq.hidden = [f]
-        v = self._first_tokens(rows, logits[:, None])
-        finished = self._emit_verified(rows, v, start, first=True)
-        elapsed = time.perf_counter() - t0
-        self.stats.prefill_s += elapsed
-        if self.record_steps:
-            self._record("prefill", elapsed)
-        return finished
 
-    def _prefill_prompts(self, rows: list[Seq]) -> tuple[torch.Tensor, list | None]:
-        """Prefill each distinct prompt once into its first row's slot and copy it to the
-        other rows' slots: per row the logits [R, V] (float32) at the last prompt position and
-        the drafter's prompt features [n, F] (None without a learned drafter)."""
-        return self._prefill_distinct([s.comp.prompt_ids for s in rows], list(range(len(rows))))
+def _count_reverified(call: Call, checked: int, old: int, kept: int) -> None:
+    """Of the rows' ``old`` completion tokens, ``checked`` were verified (the rest lay past
+    ``reverify_max_tokens``) and ``kept`` accepted."""
+    st = call.stats
+    st.reverified_tokens += checked
+    st.reused_tokens += kept
+    st.discarded_tokens += old - kept
+    st.tokens -= kept  # emitted again, but not generated again
 
-    def _first_tokens(self, rows: list[Seq], logits: torch.Tensor) -> Verified:
-        """Sample each row's first token from logits [R, 1, V] (an empty draft: bit for bit
-        plain sampling at counter 0)."""
-        t = self._tensors(rows)
-        zeros = torch.zeros(len(rows), dtype=torch.int64, device=self.device)  # lengths, counters
-        no_draft = zeros[:, None][:, :0]  # [R, 0]
-        sampling = (t.temperature, t.top_k, t.top_p, t.seeds, zeros)
-        return verify(no_draft, zeros, None, logits, *sampling)
+
+def _restart_rows(call: Call, rows: list[Seq], start: float) -> list[int]:
+    """Re-prefill the prompts under the new weights and sample every row's first token."""
+    t0 = time.perf_counter()
+    for seq in rows:
+        restart(seq)
+    logits, feats = _prefill_prompts(call, rows)  # [R, V], per row [n, F]
+    if feats is not None:
+        for seq, f in zip(rows, feats, strict=True):
+            seq.hidden = [f]
+    v = _first_tokens(call, rows, logits[:, None])
+    finished = call.emit_verified(rows, v, start, first=True)
+    elapsed = time.perf_counter() - t0
+    call.stats.prefill_s += elapsed
+    if call.record_steps:
+        call.record("prefill", elapsed)
+    return finished
+
+
+def _prefill_prompts(call: Call, rows: list[Seq]) -> tuple[torch.Tensor, list | None]:
+    """Prefill each distinct prompt once into its first row's slot and copy it to the other
+    rows' slots: per row the logits [R, V] (float32) at the last prompt position and the
+    drafter's prompt features [n, F] (None without a learned drafter)."""
+    return call.prefill([s.comp.prompt_ids for s in rows], list(range(len(rows))))
+
+
+def _first_tokens(call: Call, rows: list[Seq], logits: torch.Tensor) -> Verified:
+    """Sample each row's first token from logits [R, 1, V] (an empty draft: bit for bit plain
+    sampling at counter 0)."""
+    t = call.tensors(rows)
+    zeros = torch.zeros(len(rows), dtype=torch.int64, device=call.device)  # lengths, counters
+    no_draft = zeros[:, None][:, :0]  # [R, 0]
+    sampling = (t.temperature, t.top_k, t.top_p, t.seeds, zeros)
+    return verify(no_draft, zeros, None, logits, *sampling)

@@ -1,25 +1,12 @@
 """Reasoning-gym tasks as RL environments: prompts with metadata and verifiable rewards.
 
-Contract:
-- ``ReasoningGymEnv(task, task_config, num_train, num_eval, template, seed, format_bonus)`` builds
-  two fixed splits from ``reasoning_gym.create_dataset``. The question space is partitioned by a
-  stable hash of the question text: one in ``EVAL_BUCKETS`` questions may only appear in
-  ``eval``, all others only in ``train``, so the splits are disjoint even for tasks with a few
-  hundred distinct questions. ``train`` holds ``num_train`` entries drawn with dataset seed
-  ``seed * SEED_STRIDE`` (repeats allowed); ``eval`` holds ``num_eval`` distinct questions drawn
-  from half a stride further (``ValueError`` if the task has too few).
-- ``prompts(split, seed=None)`` returns that split's prompts; ``seed=None`` keeps dataset order,
-  an integer gives a deterministic permutation (the same seed always gives the same order).
-- ``reward(completion_text, meta)`` extracts the answer with the template's extractor and scores
-  it with the task's own scorer (``dataset.score_answer``) in [0, 1]; ``format_bonus`` (default 0)
-  is added when an answer could be extracted at all. ``correct(...)`` says whether the score is 1.
-- ``TASK_PRESETS`` holds easy settings per task; ``from_config`` merges the configured task config
-  over the preset (the constructor takes the config as given).
-- Templates (``TEMPLATES``, registered by name) turn a question into chat messages and a
-  completion into an answer string (or None when the model gave none).
-- An unknown task or template raises ``ValueError`` naming the closest known name and every
-  valid one (``specrl.errors.unknown``).
-This module knows text, not tokens: tokenisation is the rollout side's business.
+``ReasoningGymEnv(task, task_config, num_train, num_eval, template, seed, format_bonus)`` builds
+disjoint train/eval splits (questions partitioned by a stable hash); ``prompts(split, seed)``
+returns a split (a seed gives a deterministic permutation); ``reward`` scores a completion with
+the task's own scorer in [0, 1] (plus ``format_bonus`` when an answer was extracted).
+``TASK_PRESETS`` and ``TEMPLATES`` hold per-task settings and prompt templates; an unknown task
+or template raises ``ValueError`` (did-you-mean). Text only: tokenisation is the rollout side's.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

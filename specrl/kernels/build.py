@@ -1,39 +1,12 @@
-"""The native kernel library's build cache: compile ``gemv_bf16.c`` once per source, flags and
-compiler, and load only a library whose checks pass.
+"""The native kernel library's build cache: compile ``gemv_bf16.c`` once, load only if verified.
 
-Contract: ``open_library(compiler, directory=None, source=SOURCE, flags=FLAGS)`` returns the
-loaded ``ctypes.CDLL`` or ``None`` with a warning (``unavailable``); it never raises.
-
-Kernel cache (``open_library``). The library is compiled from ``gemv_bf16.c`` (shipped with the
-package) into ``$SPECRL_CACHE/kernels/`` (~0.3 s) and loaded with ctypes (no torch headers).
-- Key (``build_key``): sha256 of the source, the flags and the compiler's identity (the path
-  ``$CC``/``gcc`` resolves to, its real path and its ``--version`` output), so another compiler
-  builds anew. The compiler named by ``$CC`` is run (``--version``, then the build) on first use.
-- Build (``build_library``): compiled in a private temporary directory, then published as
-  ``gemv_bf16-<key>-<sha16>.so`` (sha16: the start of the library's own sha256, so a library
-  file never changes once written), then the record ``gemv_bf16-<key>.json`` = {"format":
-  "specrl-kernel-build", "version": 1, "key", "source_sha256", "flags", "compiler": {"path",
-  "realpath", "version"}, "library": file name, "sha256"}; each with ``specrl.fsutil.atomic_write``
-  (temporary file, fsync, rename, directory fsync; no temporary left on failure), mode 0755/0644.
-  The directory is created 0700.
-- Load (``verified_library``, then ctypes): nothing is dlopen'ed before these checks pass: the
-  cache directory (and ``$SPECRL_CACHE`` itself) is a real directory (not a symlink) owned by
-  the current user and not writable
-  by group or others, and none of its parents up to ``/`` is writable by others without the
-  sticky bit (``ensure_safe_directory``); the record and the library are regular files (symlinks
-  refused) owned by the current user and not writable by group or others; the record equals the
-  current key field by field and names the library file the key and its digest give; and the
-  library's sha256, read through the descriptor that was checked, equals the record's. That
-  descriptor is what ctypes loads (``/proc/self/fd/N``, kept open afterwards so that the number
-  never names another file), so the file cannot be swapped between the check and the load. A
-  record or library that fails is refused with a warning naming the file and rebuilt into its
-  own content-addressed file (the rebuilt library is checked and loaded the same way); an unsafe
-  directory, an unwritable cache, a full disk or a failed build give a warning and ``None``.
-Residual risk: the digest proves that the library is the one recorded, not who built it. Whoever
-can write the cache directory or its files as the current user (or as root) can plant a library
-with a matching record, or rewrite the checked file in place; the ownership and mode checks only
-keep other users out, and a parent directory writable by a group (not by others) is not refused.
-Such a writer already runs code as this user.
+``open_library(compiler, directory=None, source=SOURCE, flags=FLAGS)`` returns the loaded
+``ctypes.CDLL`` or ``None`` with a warning; it never raises. A library is keyed by source, flags
+and compiler identity, published content-addressed with a JSON record in
+``$SPECRL_CACHE/kernels/``, and loaded only after ownership, mode, record and sha256 checks,
+through the very descriptor that was checked. Residual risk: the checks keep other users out; a
+library planted by the current user with a matching record loads.
+Details (the checks, the record format): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -204,7 +177,7 @@ def _parents(directory: Path) -> list[Path]:
 
 def verified_library(key: BuildKey, directory: Path) -> int | None:
     """An open read-only descriptor of the recorded library of ``key`` in ``directory`` if every
-    check of the module docstring passes (the caller closes it); ``None`` when there is none, or
+    check (docs/internals.md) passes (the caller closes it); ``None`` when there is none, or
     (with a warning naming the file) when one fails."""
     record_path = directory / key.record_name()
     if not os.path.lexists(record_path):
@@ -237,8 +210,8 @@ def verified_library(key: BuildKey, directory: Path) -> int | None:
 
 
 def build_library(key: BuildKey, directory: Path, compiler: str, source: Path = SOURCE) -> Path:
-    """Compile ``source`` and publish it and its record in ``directory`` (see the module
-    docstring); returns the library path."""
+    """Compile ``source`` and publish it and its record in ``directory`` (see
+    docs/internals.md); returns the library path."""
     with tempfile.TemporaryDirectory(prefix=f".{STEM}-build-", dir=directory) as work:
         out = Path(work) / f"{STEM}.so"
         _compile(compiler, key.flags, Path(source), out)

@@ -1,47 +1,12 @@
-"""Native bf16 kernels on AVX512-BF16 CPUs, built on first use: matrix products for any
-number of rows and attention over the KV cache, both batch-invariant.
+"""Native bf16 kernels on AVX512-BF16 (and AMX) CPUs, built on first use, batch-invariant.
 
-Contract. ``gemv_kernel()`` returns a ``GemvKernel`` or ``None`` when it cannot run here: not
-Linux/x86 with the ``avx512f avx512bw avx512vl avx512_bf16`` flags, no C compiler (``$CC`` or
-``gcc``), a failed build, an unusable cache (a warning says why), or ``SPECRL_NATIVE_KERNELS=0``
-in the environment. Callers then use PyTorch's ops; nothing else changes. It never raises. The
-result is cached per process (``functools.cache``).
-
-``GemvKernel.pack(weight [N, K] bf16, out=None) -> [N/16, K/2, 16, 2]`` lays the weight out once
-(into ``out`` when given: a repack in place);
-``GemvKernel.matmul(x [M, K] bf16, packed, n) -> [M, N] bf16`` computes ``x @ weight.T`` with
-float32 accumulation for any M >= 0 (M = 0 returns an empty [0, N] without calling the
-library). Up to ``MAX_ROWS`` rows it reads the weight once per call (the GEMV path: decoding is
-weight streaming); more rows run as a tiled GEMM (4 rows x 32 columns in registers, a weight
-tile reused from cache by every row). ``GemvKernel.attention(q, cache_k, cache_v, slots, lens,
-mask)`` attends each query to its visible cached keys (float32 scores, softmax and sum).
-The per-token elementwise work of a decoder layer has one call each: ``rmsnorm(x, w, eps,
-delta=None)`` (with ``delta``: the residual sum x + delta, rounded to bf16, and its norm),
-``silu_mul(gate_up)`` (SwiGLU's silu(gate) * up), ``rope(qk, cos, sin)`` (rotary embedding
-of q and k heads read from the fused projection's output in place) and ``cache_write`` (new
-keys or values into a KV cache layer at their slots and positions), each with the bf16
-roundings of the PyTorch ops it replaces (results agree with them to a rounding flip).
-``native_bf16(*xs)`` is the one check callers make before any of these: the kernel for
-inference (no autograd) on non-empty bf16 CPU tensors, else None.
-``sample_t1(logits, u)`` samples at temperature 1 without truncation in one pass over the
-logits (``specrl.sampling.sample_logits`` uses it for plain rows on the CPU).
-``layers(table, ...)`` runs a whole stack of decoder layers over the cache in one call (the
-same kernels in the per-module order, so the same bits; ``specrl.models.fused`` builds the
-``LayerPtrs`` table): one call per forward instead of ~10 per layer.
-On CPUs with AMX (``amx_tile amx_bf16``; ``SPECRL_NATIVE_AMX=0`` turns it off) every product
-with K % 32 == 0 runs on AMX tiles instead, for any M (the packed layout is AMX's B tile):
-~8x the AVX512 path's rate at 64 rows, the same at 1 row; other sums than the AVX512 path's,
-so a machine uses one path per weight shape, never one per row count.
-Batch invariance: every output element is computed by one thread in one fixed order that does
-not depend on M, on the other rows, on how many queries share a forward or on the thread
-count, so a position's logits are the same bit for bit whether it is decoded alone, in a batch
-of 64 or verified among k+1 drafted positions (the premise of speculation that changes nothing).
-Why: one core streams small-batch products at ~25-28 GB/s against ~12-16 GB/s for oneDNN's
-prepacked bf16 linear on this project's (non-AMX) CPU, the tiled GEMM keeps up with oneDNN at
-64 rows, and one packed copy of each weight serves every batch size.
-The sum order differs from oneDNN's, so results agree with it to bf16 rounding, not bit for bit.
-
-The library is built, cached and verified by ``specrl.kernels.build`` (``open_library``).
+``gemv_kernel()`` returns a ``GemvKernel`` or ``None`` where it cannot run (no such CPU, no
+compiler, a failed build or cache, ``SPECRL_NATIVE_KERNELS=0``); callers then use PyTorch's ops.
+It never raises and is cached per process. ``GemvKernel`` offers ``pack`` / ``matmul``
+(x @ weight.T, any rows), ``attention`` over the KV cache, the per-token elementwise ops,
+``sample_t1`` and ``layers`` (a whole decoder stack in one call); ``native_bf16(*xs)`` is the
+check before any of them. Every output element is computed in one fixed order, so results do
+not depend on the batch, bit for bit. Details (layouts, AMX, measurements): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -74,7 +39,7 @@ class GemvKernel:
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self.amx = amx_usable(lib)  # products through AMX tiles (see the module docstring)
+        self.amx = amx_usable(lib)  # products through AMX tiles (see docs/internals.md)
         if self.amx:
             args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             self._amx = _bind(lib.specrl_gemm_amx_bf16, args)

@@ -1,17 +1,11 @@
 """Preallocated KV cache written at explicit positions.
 
-Contract: K and V live in two tensors of shape [layers, slots, kv_heads, max_len, head_dim]. A
-forward writes the keys/values of its tokens at the positions it is given; attention reads
-positions ``< kv_len`` and masks every key whose position is greater than the query's. A
-sequence's valid length is therefore owned by the caller: rolling back rejected draft tokens is
-just using a smaller position next time (stale entries are masked, then overwritten). Batch row b
-of a forward uses cache slot b (slots 0..B-1); ``move`` compacts slots, ``copy_slot`` forks a
-prompt's cache to GRPO siblings and ``move_positions`` moves single entries inside slots (an
-accepted branch of a draft tree to where the sequence continues). ``grow`` lengthens every slot
-in place of a reservation up front (the engine grows the cache as its rows get longer).
-bf16 writes outside autograd go through the native kernel where it runs (one copy per token and
-head instead of an index_put; the same values). CPU caches sit on huge pages where the OS grants
-them (``specrl.kernels.hugepages``: attention streams them every step).
+K and V are [layers, slots, kv_heads, max_len, head_dim]; batch row b of a forward uses slot b.
+A forward writes its tokens' keys/values at the positions given; attention reads positions
+``< kv_len`` and masks keys later than the query, so the caller owns each sequence's length
+(rolling back rejected drafts is using a smaller position next time). ``move``, ``copy_slot``,
+``move_positions`` and ``grow`` compact, fork, move within and lengthen slots.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Finding, converting and loading model checkpoints.
 
-Contract:
-- ``resolve_model(name_or_path)`` returns a Hugging Face-style directory (config.json,
-  *.safetensors, tokenizer.json, tokenizer_config.json). The name ``smollm2-135m-instruct`` (the
-  default) and any ``.gguf`` file are dequantised once into the cache directory
-  (``$SPECRL_CACHE``, default ``~/.cache/specrl``), written atomically (into a temporary
-  directory whose files are fsynced before it is renamed into place).
-- ``load_model(dir)`` builds a ``Transformer`` from such a directory; ``load_tokenizer(dir)`` its
-  tokenizer. ``hf_state_dict(model)`` is the inverse name mapping (for saving).
-- ``load_draft_model(spec, target, tokenizer)``: a draft model for ``target``, either
-  ``prefix:N`` (a copy of the target's first N layers) or a model whose tokenizer is the target's.
-- Every failure (unknown name, missing file, truncated or corrupt file, a config.json that is
-  not a JSON object or lacks or mistypes a field, missing or mis-shaped tensor, an unreadable
-  tokenizer, a ``load_draft_model`` path that is no model) raises ``CheckpointError`` with a
-  one-line message naming the file or tensor.
-Only safetensors and GGUF are read; nothing is unpickled.
+``resolve_model(name_or_path)`` returns a Hugging Face-style directory (a bundled name or a
+``.gguf`` file is dequantised once into the cache, atomically); ``load_model`` /
+``load_tokenizer`` read one; ``hf_state_dict`` maps names back; ``load_draft_model(spec, target,
+tokenizer)`` builds a draft model (``prefix:N`` or a model sharing the tokenizer). Every failure
+raises ``CheckpointError`` with one line naming the file or tensor. Only safetensors and GGUF are
+read; nothing is unpickled. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -34,8 +25,9 @@ from jinja2 import TemplateError
 from specrl.errors import one_line
 from specrl.fsutil import fsync_path
 from specrl.models.config import ModelConfig
+from specrl.models.rope import rope_inv_freq
 from specrl.models.tokenizer import TextTokenizer, from_gguf_vocab
-from specrl.models.transformer import Transformer, layer_prefix_model, rope_inv_freq
+from specrl.models.transformer import Transformer, layer_prefix_model
 from specrl.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

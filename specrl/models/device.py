@@ -1,15 +1,9 @@
 """Where tensors live: the ``model.device`` setting resolved, and what differs per device.
 
-Contract: ``resolve_device(name)`` turns ``auto | cpu | cuda | cuda:N`` into a
-``torch.device`` ('auto' = the current CUDA device when one is present, else the CPU) and
-raises ``DeviceError`` (a ``ValueError``) with one line naming the value when it cannot be had
-here. Everything else takes a ``torch.device`` (usually read off a model's weights), never a
-global: ``synchronize`` waits for queued work before a timer is read, ``autocast`` is the
-mixed-precision context of that device type, ``peak_flops`` the datasheet dense bf16 peak of a
-known accelerator (None when unknown: MFU is then not reported), ``mm_out_dtype`` whether bf16
-products can return float32 there, and ``memory_budget`` the bytes
-a rollout engine may still take on a CUDA device under a memory fraction (None on the CPU,
-where the KV cache grows as before). No module-level state.
+``resolve_device(name)`` turns ``auto | cpu | cuda | cuda:N`` into a ``torch.device`` or raises
+``DeviceError`` (one line). Everything else takes a ``torch.device``, never a global:
+``synchronize``, ``autocast``, ``peak_flops``, ``mm_out_dtype`` and ``memory_budget``. No
+module-level state. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -42,7 +36,7 @@ class DeviceError(ValueError):
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto | cpu | cuda | cuda:N`` -> ``torch.device`` (see the module docstring)."""
+    """``auto | cpu | cuda | cuda:N`` -> ``torch.device`` (see docs/internals.md)."""
     if not isinstance(name, str) or not DEVICE_PATTERN.match(name):
         raise DeviceError(f"unknown device {name!r} (choose auto, cpu, cuda or cuda:N)")
     if name == "auto":

@@ -1,22 +1,11 @@
 """Content fingerprints of named tensors: a cheap checksum both sides of a weight sync compute.
 
-Contract:
-- ``fingerprint(named, dtype=None) -> str`` is ``"<dtype>:<16 hex digits>"``, a deterministic
-  function of the names, shapes and a fixed sample of the values of ``named`` once its floating
-  tensors are cast to ``dtype`` (default: the dtype of its first floating tensor in name order);
-  other tensors (index buffers) are hashed as they are. It is the same in any process and at
-  any thread count, and a learner's float32 master weights cast to the engine's dtype give
-  exactly the fingerprint of the engine's copy (the cast rounds as ``Tensor.copy_`` does).
-  Tied weights appear once in ``named_parameters()``, so both sides hash them once.
-- The sample, per tensor (names in sorted order): every element of a tensor of at most
-  ``SAMPLES`` elements; else ``SAMPLES`` positions drawn by a generator seeded with a hash of
-  the name, plus, for a tensor of 2+ dimensions, one element of every row (first dimension) at
-  a column drawn the same way. So a scaled or offset tensor and a zeroed or rewritten row
-  always change it; a skipped update changes it unless no sampled element changed in the
-  engine's dtype; a change confined to a few scattered elements only when the sample hits one.
-- Cost: ``O(SAMPLES + rows)`` per tensor, whatever its size: milliseconds for a 135M-parameter
-  model (measured in docs/pipelines.md, "Weight-sync guardrails").
-- ``fingerprint_dtype(fp)``: the dtype a fingerprint was taken in (``ValueError`` if malformed).
+``fingerprint(named, dtype=None)`` is ``"<dtype>:<16 hex digits>"``, a deterministic function of
+the names, shapes and a fixed sample of the values once cast to ``dtype`` (the same in any
+process and at any thread count; a learner's float32 masters cast to the engine's dtype match
+the engine's copy). It costs O(samples + rows) per tensor and catches a scaled, offset or
+rewritten row, not always a few scattered elements. ``fingerprint_dtype(fp)`` reads the dtype.
+Details (the sample): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -68,7 +57,7 @@ def _default_dtype(named: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def fingerprint(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """See the module docstring."""
+    """See docs/internals.md."""
     dtype = dtype or _default_dtype(named)
     digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     for name in sorted(named):

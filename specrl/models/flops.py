@@ -1,14 +1,9 @@
 """Model FLOPs of a training step, by the MFU convention: what the model needs, not what ran.
 
-Contract: ``train_flops(model, forward_tokens, head_positions)`` =
-6 x trunk parameters x forward tokens + 6 x LM-head parameters x head positions
-(2 FLOPs per parameter and token in the forward, 4 in the backward). Trunk parameters
-(``param_counts``) are every parameter of the model except the token embedding (a lookup) and
-the LM head; LM-head parameters are its weight [V, H], counted even when tied to the
-embedding. Forward tokens are the non-padding tokens of the packed rows; head positions the
-positions whose logits are computed (the completion tokens' predicting positions). Not
-counted: attention scores (the T^2 term), recomputation (activation checkpointing, the chunked
-LM head's backward), elementwise work.
+``train_flops(model, forward_tokens, head_positions)`` = 6 x trunk parameters x forward tokens
++ 6 x LM-head parameters x head positions (``param_counts``: the trunk is every parameter but
+the embedding and the LM head). Attention scores, recomputation and elementwise work are not
+counted. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -24,6 +19,6 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
 
 
 def train_flops(model: nn.Module, forward_tokens: int, head_positions: int) -> float:
-    """Model FLOPs of a forward + backward (see the module docstring)."""
+    """Model FLOPs of a forward + backward (see docs/internals.md)."""
     trunk, head = param_counts(model)
     return 6.0 * trunk * forward_tokens + 6.0 * head * head_positions

@@ -1,18 +1,10 @@
 """A bf16 model's whole decoder stack in one native call, for forwards that read the KV cache.
 
-Contract: ``native_layers(model, x, cos, sin, ctx, capture)`` returns what
-``Transformer.hidden_states`` returns (the final normed hidden state [B, T, H] and the outputs
-of the layers in ``capture``, in layer order) from ONE ``GemvKernel.layers`` call, bit for bit
-what the modules compute (the same kernels in the same order: tested), or None where that path
-does not apply, and the caller runs the modules. ``run_layers(blocks, final_norm, config, x,
-...)`` is the same for any stack of ``Block``s (a draft head's one layer); both leave the last
-layer's output in ``x``. Not applicable: the model's ``native_layers`` switch is off; any
-module's native switch is off (``set_native_kernels`` / ``set_native_elementwise``); no native
-kernel here, autograd on, not bf16, a strided input; no cache read (a prefill, or no cache);
-q/k norms, biases or a head size the kernels do not take; or a product not packed yet for its
-current weight (the module path packs on first use, so the next forward runs here).
-Why: a decode forward is ~10 library calls per layer from Python; at SmolLM2's 30 layers
-their Python overhead was ~4-6 ms of a 15-40 ms forward.
+``native_layers(model, x, cos, sin, ctx, capture)`` returns what ``Transformer.hidden_states``
+returns from ONE ``GemvKernel.layers`` call, bit for bit what the modules compute, or None where
+that path does not apply (a switch off, no kernel, autograd, not bf16, no cache read, layer
+features the kernels do not take, weights not packed yet) and the caller runs the modules.
+``run_layers`` is the same for any stack of ``Block``s. Details, and why: docs/internals.md.
 """
 
 from __future__ import annotations

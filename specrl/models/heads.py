@@ -1,43 +1,12 @@
 """Learned draft heads that read the target's hidden states: EAGLE-3 and MTP.
 
-Contract. A ``DraftHead`` is one decoder layer on top of a frozen target ``Transformer`` whose
-embedding and LM head it shares (they are *not* part of the head's state dict). Head position i
-reads a feature h_i and the embedding of token x_{i+1} and outputs g_i (pre-norm, [H]); the logits
-``lm_head(norm(g_i))`` predict token x_{i+2}:
-
-    u_i = proj(cat(hnorm(h_i), enorm(embed(x_{i+1}))))        # 2H -> H
-    g_i = Block(u_i) at position i (own KV cache, causal)        # one decoder layer
-
-That is ``arch="proj"`` (the default). ``arch="eagle3"`` (eagle3 heads only) is the layer of the
-EAGLE-3 paper and of vLLM's ``Eagle3LlamaForCausalLM`` (``midlayer``; exportable to vLLM by
-``specrl.drafters.export``): no proj and no pre-attention norm; attention reads the 2H concat
-and the residual stream starts from h_i itself:
-
-    z_i = cat(enorm(embed(x_{i+1})), hnorm(h_i))               # [2H], the embedding first
-    a_i = h_i + Attention(z_i)   (q/k/v: 2H -> heads, o: heads -> H)
-    g_i = a_i + MLP(mlp_norm(a_i))
-
-- kind ``eagle3``: h_i = fc(cat(target layer outputs at position i)) for ``feature_layers``
-  (default: layers 1, L//2-1, L-4 of the target, deduplicated), fc: len(layers)*H -> H.
-- kind ``mtp`` (DeepSeek-V3 depth 1): h_i = output of the target's last layer at position i
-  (``feature_layers = (L-1,)``), no fc; hnorm is the RMSNorm of the MTP module.
-
-Drafting feeds the head's own output back: after the features run out, position i+1 reads
-h_{i+1} := g_i (already H wide, no fc) with the embedding of the token just drafted.
-
-Reduced draft vocabulary (optional, as in EAGLE-3): ``draft_vocab`` is a sorted int64 tensor
-[Vd] of target token ids (the buffer ``d2t``, saved with the head). The head then predicts over
-those Vd tokens only, with the target LM head's rows ``lm_head.weight[d2t]`` (shared, frozen, a
-cached copy refreshed whenever the target's weight changes): ``logits`` is [..., Vd], ``to_target``
-maps draft indices to target ids and ``to_full`` scatters a draft distribution into the target
-vocabulary (zero elsewhere), which is what the verifier needs as q.
-
-Checkpoint format (see ``save_head``/``load_head``): a directory with ``head.safetensors`` (the
-head's own parameters, and ``d2t`` when the vocabulary is reduced) and ``head.json``: {"format":
-"specrl-draft-head", "version": 1, "kind", "arch" (absent = "proj"), "feature_layers",
-"draft_vocab_size" (null = the target's), "target": target ModelConfig as an HF dict}.
-``check_compatible`` refuses a head whose hidden size, vocabulary or layer count differs from
-the target's.
+A ``DraftHead`` is one decoder layer over a frozen target ``Transformer`` whose embedding and LM
+head it shares (not in its state dict): position i reads a feature h_i and the embedding of
+x_{i+1}, and its logits predict x_{i+2}; drafting feeds its own output back. Kinds ``eagle3``
+(fc over several target layers) and ``mtp`` (the last layer); layouts ``arch="proj"`` (default)
+and ``"eagle3"`` (vLLM's). An optional reduced draft vocabulary (``d2t``) predicts over Vd
+tokens. ``save_head`` / ``load_head`` keep a head directory; ``check_compatible`` refuses a head
+of another target. Details (the layer's equations, the format): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -61,7 +30,7 @@ from specrl.models.transformer import (
 )
 
 KINDS = ("eagle3", "mtp")
-ARCHS = ("proj", "eagle3")  # the head layer's layout (module docstring)
+ARCHS = ("proj", "eagle3")  # the head layer's layout (docs/internals.md)
 FORMAT = "specrl-draft-head"
 VERSION = 1
 
@@ -78,7 +47,7 @@ def default_layers(kind: str, num_layers: int) -> tuple[int, ...]:
 
 
 class DraftHead(nn.Module):
-    """EAGLE-3 / MTP head (see the module docstring). ``target`` is held, not registered."""
+    """EAGLE-3 / MTP head (see docs/internals.md). ``target`` is held, not registered."""
 
     def __init__(
         self,
@@ -128,7 +97,7 @@ class DraftHead(nn.Module):
 
     def inputs(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """From head inputs h [B, T, H] and the next tokens [B, T]: ``proj``: u [B, T, H];
-        ``eagle3``: z [B, T, 2H] = cat(enorm(e), hnorm(h)) (module docstring)."""
+        ``eagle3``: z [B, T, 2H] = cat(enorm(e), hnorm(h)) (docs/internals.md)."""
         e = self.target.embed(tokens).to(h.dtype)
         if self.proj is None:
             return torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)

@@ -1,21 +1,11 @@
 """Attention over packed rows without a dense [T, T] mask: FlexAttention block masks.
 
-Contract: a packed row holds several sequences as segments (``segments`` [B, T], padding -1);
-a completion segment also sees the prompt segment that ``parents`` [B, T] names (-2 = none).
-``PackedAttention.mask(segments, parents)`` builds, once per forward, a ``PackedMask`` that
-every layer shares; ``PackedMask.attend(q, k, v)`` is ``flex_attention`` under it: query i of
-row b sees key j of the same row iff j <= i, key j is not padding, and key j's segment is
-query i's own or the one ``parents[b, i]`` names. At every non-padding query this is exactly
-the dense mask of ``Transformer.attn_context``; a padding query sees nothing (output 0), and
-only blocks with a visible key are computed. GQA goes through ``enable_gqa``; q and k are cast
-to v's dtype (under autocast RoPE leaves them float32 while v comes out of a bf16 matmul).
-
-On CUDA the block-mask construction and the attention run compiled (``torch.compile``, once
-per ``PackedAttention``, which a model holds; no module-level state), so neither materialises
-a [T, T] mask. Elsewhere both run eagerly: fine for checking equivalence on the CPU, forward
-only (PyTorch has no CPU backward for flex attention), so the CPU keeps the dense mask.
-``use_flex(mode, device, head_dim)`` is the choice: 'flex', 'dense', or 'auto' (flex on CUDA
-where the compiled kernel runs: head_dim >= 16).
+``PackedAttention.mask(segments, parents)`` builds once per forward a ``PackedMask`` that every
+layer shares; ``PackedMask.attend(q, k, v)`` is ``flex_attention`` under it: a query sees the
+earlier non-padding keys of its own segment or of the prompt segment ``parents`` names, exactly
+the dense mask of ``Transformer.attn_context`` (a padding query sees nothing). Compiled on CUDA,
+eager elsewhere (forward only). ``use_flex(mode, device, head_dim)`` chooses flex or dense.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ def use_flex(mode: str, device: torch.device, head_dim: int = MIN_HEAD_DIM) -> b
 
 
 def packed_mask_mod(segments: torch.Tensor, parents: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The ``mask_mod`` of packed rows (segments, parents [B, T]; see the module docstring)."""
+    """The ``mask_mod`` of packed rows (segments, parents [B, T]; see docs/internals.md)."""
 
     def mask_mod(b, h, q, kv):  # noqa: ANN001, ANN202 (flex passes index tensors)
         key = segments[b, kv]

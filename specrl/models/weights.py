@@ -1,16 +1,10 @@
 """Moving weights between a learner's model and a rollout copy of it.
 
-Contract:
-- ``engine_copy(policy, dtype)``: a frozen eval-mode deep copy of ``policy`` in ``dtype``; the
-  rollout side never shares a tensor with the learner.
-- ``check_weights(model, named)``: ``ValueError`` naming the first missing or mis-shaped tensor
-  (nothing is copied when it raises).
-- ``copy_weights(model, named)``: copy ``named`` (our parameter names) into ``model``'s parameters
-  in place under ``no_grad``, casting to their dtype. In-place ``copy_`` moves each weight's
-  version counter, so the packed-weight caches of ``models.linear.Linear`` rebuild on the
-  next forward and never serve stale weights. Tied weights are copied once.
-- ``snapshot(named, dtype)``: detached contiguous copies in ``dtype`` (for an update applied
-  later, while the learner keeps changing its own tensors).
+``engine_copy(policy, dtype)`` is a frozen eval-mode deep copy sharing no tensor;
+``check_weights(model, named)`` raises ``ValueError`` naming the first missing or mis-shaped
+tensor; ``copy_weights(model, named)`` copies in place (moving version counters, so packed-weight
+caches rebuild; tied weights once); ``snapshot(named, dtype)`` makes detached copies for an
+update applied later. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from specrl.config import Config
 from specrl.drafters.distill import SPEC_FILE
 from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
 from specrl.drafters.students import student_for
-from specrl.engine.types import Completion
 from specrl.models.heads import DraftHead, load_head, read_head_config
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured, FeatureSink
+from specrl.rollout_types import Completion
 from specrl.spec.proposers import head_kind, proposer_takes
 
 if TYPE_CHECKING:

@@ -42,7 +42,6 @@ import torch
 
 from specrl.backends import Rollout, Served, Versions
 from specrl.config import Config
-from specrl.engine.types import Completion, Request
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.pipelines.alarm import alarm_fields
 from specrl.pipelines.build import Codec, RunParts, truncated
@@ -50,6 +49,7 @@ from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.state import StepState
 from specrl.rl import FeatureSink, Learner, TrainSample, compute_advantages
+from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 

@@ -1,16 +1,9 @@
 """Group-relative advantage estimators, registered by name.
 
-Contract: an estimator maps rewards ``[num_groups, G]`` (the G completions of one prompt share a
-row) to advantages of the same shape, one scalar per completion; the learner broadcasts it over the
-completion's tokens. Estimators are pure functions looked up by name with ``get_advantage``:
-
-- ``grpo``: ``(r - mean_group) / (std_group + eps)``; ``normalize_std=False`` skips the division.
-  The std is the unbiased sample std (as in TRL/DeepSeekMath); a group of identical rewards gets
-  advantage 0 everywhere.
-- ``dr_grpo``: ``r - mean_group`` (Dr. GRPO: no std normalisation, which biases toward easy or hard
-  prompts).
-- ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_group)``;
-  needs G >= 2.
+An estimator maps rewards ``[num_groups, G]`` (a prompt's G completions per row) to advantages of
+the same shape; the learner broadcasts each over its completion's tokens. Pure functions looked
+up with ``get_advantage``: ``grpo`` ((r - mean) / (std + eps), unbiased std), ``dr_grpo``
+(r - mean) and ``rloo`` (leave-one-out baseline, G >= 2). Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,15 @@
 """The learner: recompute token logprobs of packed sequences, and take policy-gradient steps.
 
-Contract:
-- ``token_logprobs(model, sequences, ...)`` returns, for each ``(prompt_ids, completion_ids)``,
-  the log-probabilities ``[len(completion)]`` the model assigns to the completion tokens given
-  everything before them (raw logits / temperature, log-softmax, no top-k/top-p). Sequences are
-  packed into rows (``pack_sequences``, ``rl.packing``): a prompt segment then a completion
-  segment that sees it, positions from 0, attention never crossing into other sequences, so a
-  packed sequence sees exactly what it would see alone; with ``share_prompts`` (the learner's
-  default) consecutive sequences with the same prompt (a GRPO group) share one copy of it, so
-  the prompt's tokens run once per micro-batch instead of once per sample (same values, fewer
-  FLOPs). The LM head and the float32 log-softmax run only at completion positions, in chunks
-  of ``chunk`` positions (``rl.head``; with autograd on, each chunk is recomputed in backward,
-  so the [positions, vocab] float32 logits never exist for more than one chunk).
-- ``raw_logprobs`` is the same at temperature 1 without autograd: the numbers a rollout engine
-  reports as raw logprobs, for the engine-vs-learner mismatch metric (``Learner.raw_logprobs``
-  does it in the learner's precision).
-- ``Learner.train_step(samples)`` takes one optimizer step on a batch of ``TrainSample`` (prompt,
-  completion, advantage, optional behaviour logprobs): micro-batches of at most
-  ``micro_batch_tokens`` tokens, each normalised with batch-wide counts so that the accumulated
-  gradient equals the whole-batch gradient; then gradient-norm clipping and AdamW. Returns float
-  metrics (loss, grad_norm, clip_frac, kl, ratio_mean, tokens, micro_batches, time_s) and
-  the throughput: ``forward_tokens`` (non-padding packed tokens through forward and backward),
-  ``tokens_per_s`` (those per second of the step), ``model_tflops`` (``models.flops``: 6 x
-  trunk parameters x forward tokens + 6 x LM-head parameters x completion positions, per
-  second, in 1e12) and, where the device's bf16 peak is known (``peak_flops``; not on the CPU),
-  ``mfu`` = achieved / peak. On CUDA the clock is read after ``synchronize``.
-  With ``capture=FeatureSink(layers)`` the same training forward also records, per sample, the
-  outputs of those layers and the final hidden state over prompt + completion (``Captured``,
-  bfloat16, detached): a learned drafter's training data at no extra forward.
-- Device: the learner works where its model's parameters are (``model_device``): batches are
-  packed on the host and each tensor moved once; AdamW is fused on CUDA, ``foreach`` on the CPU.
-- Precision: ``dtype="fp32"`` runs everything in float32. ``dtype="bf16"`` keeps float32 master
-  weights, gradients and AdamW state, in one of two ways (``bf16_mode``): 'autocast' (default)
-  holds float32 parameters and runs the trunk under the device's bf16 autocast (AMX matmuls on
-  the CPU: the same speed as bf16 parameters there, with no copies to keep in sync); 'params'
-  holds the model's parameters in bf16 for forward and backward, each with a float32 master
-  (``masters``) that AdamW updates: every micro-batch's bf16 gradients are added in float32 to
-  the masters' ``.grad``, and the bf16 parameters are refreshed from the masters after each
-  step ('params' with fp32 is refused). Either way the logits and the log-softmax are float32
-  (bf16 logits would shift log-probabilities by several hundredths); the LM head's product is
-  float32 on the CPU, and on CUDA in bf16 (``head='auto'``) takes bf16 inputs with float32
-  accumulation and output, the rounding of the bf16 engine's own head (``head='fp32'`` keeps
-  float32 there too, at several times the head's cost).
-- ``activation_checkpointing``: the model recomputes each decoder block in backward
-  (``Transformer.checkpoint_layers``, forwards under autograd only): less memory, more compute.
-- Behaviour logprobs reach the loss through the registered off-policy correction
-  (``rl.corrections``, ``correction=``): 'ppo' clips against them, 'tis' weights each token by
-  the truncated importance ratio. Without behaviour logprobs a sample is on-policy: the current
-  logprobs detached (ratio 1, one step per batch), which costs no extra forward pass.
-The learner knows nothing about how rollouts were produced.
+``token_logprobs(model, sequences, ...)`` returns each completion's token log-probabilities,
+the sequences packed into rows (a group's prompt shared; the LM head in chunks); ``raw_logprobs``
+is the same at temperature 1 without autograd. ``Learner.train_step(samples)`` takes one
+optimizer step over micro-batches whose accumulated gradient equals the whole batch's, through
+the registered loss and off-policy correction, and returns float metrics (loss, grad norm,
+throughput, MFU); with ``capture`` it also records a drafter's training features;
+``accumulate_share`` takes a share of a batch under the whole batch's normalisers (one rank's, in
+``specrl.rl.sharded``). fp32, or bf16 with float32 masters, on the model's device. It knows
+nothing of how rollouts were produced.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -219,15 +180,20 @@ def _masters(params: list[torch.Tensor]) -> list[nn.Parameter]:
     return [nn.Parameter(p.detach().float().clone()) for p in params]
 
 
+def check_bf16_mode(dtype: str, bf16_mode: str) -> None:
+    """Raise ``ValueError`` unless ``bf16_mode`` is known and fits ``dtype``."""
+    if bf16_mode not in BF16_MODES:
+        raise ValueError(f"bf16_mode must be one of {BF16_MODES}, got {bf16_mode!r}")
+    if bf16_mode == "params" and dtype != "bf16":
+        raise ValueError(f"bf16_mode='params' needs dtype='bf16', got dtype={dtype!r}")
+
+
 def _model_for_training(
     model: nn.Module, dtype: str, bf16_mode: str
 ) -> tuple[list[torch.Tensor], list[nn.Parameter] | None]:
     """Convert ``model`` in place for training: (its trained parameters, their float32 masters
     in 'params' mode, else None)."""
-    if bf16_mode not in BF16_MODES:
-        raise ValueError(f"bf16_mode must be one of {BF16_MODES}, got {bf16_mode!r}")
-    if bf16_mode == "params" and dtype != "bf16":
-        raise ValueError(f"bf16_mode='params' needs dtype='bf16', got dtype={dtype!r}")
+    check_bf16_mode(dtype, bf16_mode)
     params = [p for p in model.float().requires_grad_(True).parameters()]
     if bf16_mode != "params" or dtype != "bf16":
         return params, None
@@ -273,7 +239,7 @@ class Learner:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
-        self.params, self.masters = _model_for_training(model, dtype, bf16_mode)
+        self.params, self.masters = self._for_training(model, dtype, bf16_mode)
         if head not in HEAD_PRECISIONS:
             raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {head!r}")
         self.model, self.bf16_mode, self.head = model, bf16_mode, head
@@ -316,12 +282,19 @@ class Learner:
             head=cfg.head_precision,
         )  # fmt: skip
 
+    @staticmethod
+    def _for_training(
+        model: nn.Module, dtype: str, bf16_mode: str
+    ) -> tuple[list[torch.Tensor], list[nn.Parameter] | None]:
+        """Convert ``model`` for training (a subclass may also shard it here)."""
+        return _model_for_training(model, dtype, bf16_mode)
+
     @property
     def device(self) -> torch.device:
         return model_device(self.model)
 
     def _autocast(self):
-        bf16_autocast = self.dtype == "bf16" and self.masters is None
+        bf16_autocast = self.dtype == "bf16" and self.bf16_mode == "autocast"
         return autocast(self.device, bf16_autocast, torch.bfloat16)
 
     @torch.no_grad()
@@ -459,11 +432,18 @@ class Learner:
     ) -> dict[str, float]:
         """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch; the
         masters' in 'params' mode); no step (``keep``, ``capture``: see ``train_step``)."""
-        samples = [s for s in samples if len(s.completion_ids) > 0]
-        if not samples:
-            raise ValueError("a training batch needs at least one non-empty completion")
-        tokens = sum(len(s.completion_ids) for s in samples)
-        norm = LossNorm(len(samples), tokens)
+        samples = nonempty(samples)
+        return self.accumulate_share(samples, batch_norm(samples), keep, capture)
+
+    def accumulate_share(
+        self,
+        samples: Sequence[TrainSample],
+        norm: LossNorm,
+        keep: list[torch.Tensor] | None = None,
+        capture: FeatureSink | None = None,
+    ) -> dict[str, float]:
+        """``accumulate_gradients`` over non-empty ``samples``, a share of a batch whose
+        normalisers are ``norm`` (no samples: no gradient, zero metrics)."""
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
         parts = [self._micro_step([samples[i] for i in g], norm, keep, capture) for g in groups]
         metrics = _combine(parts)
@@ -471,11 +451,27 @@ class Learner:
         return metrics
 
 
+def nonempty(samples: Sequence[TrainSample]) -> list[TrainSample]:
+    """The samples with a non-empty completion (at least one, else ``ValueError``)."""
+    samples = [s for s in samples if len(s.completion_ids) > 0]
+    if not samples:
+        raise ValueError("a training batch needs at least one non-empty completion")
+    return samples
+
+
+def batch_norm(samples: Sequence[TrainSample]) -> LossNorm:
+    """The batch-wide loss normalisers of (non-empty) ``samples``."""
+    return LossNorm(len(samples), sum(len(s.completion_ids) for s in samples))
+
+
+TOKEN_MEANS = ("clip_frac", "ratio_mean", "kl", "is_weight_mean")  # token-weighted metrics
+
+
 def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum losses and token counts; token-weighted means of the per-token metrics."""
     tokens = sum(p["tokens"] for p in parts)
     out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
     out["forward_tokens"] = sum(p["forward_tokens"] for p in parts)
-    for key in ("clip_frac", "ratio_mean", "kl", "is_weight_mean"):
+    for key in TOKEN_MEANS:
         out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
     return out

@@ -1,28 +1,11 @@
 """Policy-gradient losses of the GRPO family, registered by name, plus the k3 KL penalty.
 
-Contract: every registered loss has the signature
-``fn(logprobs [N, T], old_logprobs [N, T], advantages [N], mask [N, T], *, eps_low, eps_high,
-ref_logprobs=None, kl_coef=0.0, max_len=None, norm=None, is_weight=None) -> LossOutput``
-where N counts completions, T completion positions (right-padded; ``mask`` is 1 on real
-tokens). All share one per-token objective and differ only in how tokens are aggregated:
-
-    ratio_t   = exp(logprobs_t - old_logprobs_t)
-    pg_t      = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
-    kl_t      = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1        (k3, >= 0)
-    term_t    = w_t * pg_t + kl_coef * kl_t      (w_t: ``is_weight``, an off-policy
-                                                 importance weight, 1 by default)
-
-- ``grpo``: mean over each sequence's tokens, then mean over sequences (long completions get a
-  smaller per-token weight); symmetric clip unless ``eps_high`` is given.
-- ``dr_grpo``: sum over tokens / (num_sequences * max_len) with a constant ``max_len`` (the
-  generation budget), so every token weighs the same regardless of its completion's length.
-- ``dapo``: sum over all tokens of the batch / number of tokens in the batch (token-level
-  normalisation); clip-higher by default (``eps_high=0.28``, ``eps_low=0.2``).
-
-``norm`` carries batch-wide counts (sequences, tokens) so that the losses of micro-batches add up to
-exactly the loss of the whole batch under gradient accumulation; by default the counts come from
-the tensors given. ``LossOutput.metrics`` holds floats: ``clip_frac`` (share of tokens whose
-gradient the clip removes), ``ratio_mean``, ``kl`` (mean k3, 0 without a reference), ``tokens``.
+Every loss is ``fn(logprobs [N, T], old_logprobs [N, T], advantages [N], mask [N, T], *,
+eps_low, eps_high, ref_logprobs=None, kl_coef=0.0, max_len=None, norm=None, is_weight=None) ->
+LossOutput``: one clipped per-token objective (plus ``kl_coef`` x the k3 KL), aggregated per
+loss (``grpo``: per sequence, then over sequences; ``dr_grpo``: over ``num_sequences *
+max_len``; ``dapo``: over all tokens). ``norm`` carries batch-wide counts so that micro-batch
+losses add up to the whole batch's. Details (formulas, metrics): docs/internals.md.
 """
 
 from __future__ import annotations

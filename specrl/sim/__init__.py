@@ -1,7 +1,8 @@
 """specrl.sim: a performance simulator for RL post-training with speculative rollouts.
 
 Contract: pure Python + numpy (matplotlib only when a PNG is written); imports no torch and no
-other specrl package but the leaves ``specrl.errors`` and ``specrl.fsutil`` (and, in ``cli``,
+other specrl package but the leaves ``specrl.errors``, ``specrl.fsutil`` and ``specrl.settings``
+(scenarios and specs are settings sections, as the run config is; and, in ``cli``,
 ``specrl.cli_util``), which import nothing from specrl. Specs (models, hardware, drafters,
 scenarios, the training efficiency table) are TOML data under ``data/``; ``cost`` prices engine
 steps (drafting per kind, verify, sampler, MoE and collectives), ``acceptance`` turns acceptance

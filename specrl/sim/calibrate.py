@@ -1,45 +1,18 @@
 """Calibration: fit the cost model's efficiency terms to measured engine step times.
 
-Trace JSON format (written by benchmarks/sim_machine.py and benchmarks/gpu_calibrate.py from the
-engine's ``record_steps`` records, read here)::
-
-    {"machine": str,                  # free text, e.g. "cpu-2core" or "1xH100"
-     "model": str,                    # a model spec name, e.g. "smollm2-135m"
-     "dtype": str,                    # e.g. "bf16" (informational; priced at 2 B/param)
-     "hardware": str,                 # optional: base hardware profile (default: the CLI's --base)
-     "drafter": str,                  # optional: drafter spec of the draft records, e.g. "ngram"
-     "records": [{"batch_size": int,        # sequences in the forward (prompts for a prefill)
-                  "tokens_per_seq": int,    # 1 decode, k+1 verify, k draft, prompt for prefill
-                  "context_len": float,     # mean tokens already in the KV cache per sequence
-                  "step_time_s": float,     # measured seconds (verify: the step minus the draft)
-                  "kind": "decode" | "verify" | "prefill" | "draft",
-                  "config": str}]}          # optional label of the run, to hold out whole runs
-
-Contract: every non-draft record is priced by the cost model's own features, bytes moved, FLOPs
-(cost.weight_bytes_read, kv_bytes_read, forward_flops on one device) and, for verify records, the
-logits the rejection sampler processes (tokens x vocab) and a constant, for prefill records their
-FLOPs once more (a prefill's own rate on top of the decode rate), and the fit solves
-``step_time = c0 + bytes / B_eff + flops / F_eff + verify_logits * s_logit + verify * c_v
-+ prefill_flops * s_prefill`` by non-negative least squares on relative errors (numpy; a
-feature whose coefficient goes negative is dropped and the rest refitted). The result is
-written as a hardware profile: eta_mem = B_eff / hbm_bandwidth, eta_compute = F_eff /
-peak_flops, step_overhead_s = c0, verify_s_per_logit = s_logit, verify_overhead_s = c_v (the
-fixed part of a verify step), prefill_s_per_flop =
-s_prefill, keeping every other field of the base profile. Draft records of a model-free
-drafter (the trace's ``drafter`` is ngram / suffix) fit its ``cpu_s_per_seq`` (least squares
-through the origin in the batch size); other draft records set forward_overhead_s to their median
-time. Records are split into fit and held-out sets by a seeded permutation, or by run when
-``heldout_configs`` names ``config`` labels; the report gives the mean absolute percentage error
-on both. Draft records of held-out runs are not fitted either. A missing, unreadable or malformed
-trace, a record with a missing or mistyped field, unknown held-out labels and too few records
-raise SimInputError (one line).
+``fit_trace`` / ``fit_records`` price each measured record with the cost model's own features
+(bytes, FLOPs, verify logits, prefill FLOPs) and solve for the efficiency terms by non-negative
+least squares on relative errors, giving a hardware profile (the base profile with eta_mem,
+eta_compute, the step and verify overheads, the prefill rate and a model-free drafter's CPU cost
+refitted) and its fit and held-out errors. A bad trace raises ``SimInputError`` (one line).
+The trace format and details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +29,7 @@ from specrl.sim.specs import (
     load_drafter,
     load_model,
     spec_to_toml,
+    with_overrides,
 )
 
 KINDS = ("decode", "verify", "prefill", "draft")
@@ -228,7 +202,9 @@ def fit_drafter(drafter: DrafterSpec, drafts: list[Record]) -> DrafterSpec:
     """A model-free drafter's CPU seconds per sequence: least squares t = c * batch_size."""
     n = np.array([r.batch_size for r in drafts], dtype=float)
     t = np.array([r.step_time_s for r in drafts])
-    return replace(drafter, name=f"{drafter.name}-calibrated", cpu_s_per_seq=float(n @ t / (n @ n)))
+    return with_overrides(
+        drafter, name=f"{drafter.name}-calibrated", cpu_s_per_seq=float(n @ t / (n @ n))
+    )
 
 
 def apply_drafts(
@@ -242,7 +218,7 @@ def apply_drafts(
         if draft_forward(spec, model) is None:
             return profile, fit_drafter(spec, drafts)
     median = float(np.median([r.step_time_s for r in drafts]))
-    return replace(profile, forward_overhead_s=median), None
+    return with_overrides(profile, forward_overhead_s=median), None
 
 
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
@@ -251,7 +227,7 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
     c0, per_byte, per_flop, per_logit, verify_s, prefill_flop = (float(c) for c in coef)
     eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
     eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
-    return replace(
+    return with_overrides(
         base,
         name=name,
         eta_mem=eta_mem,

@@ -1,32 +1,11 @@
 """Continuous asynchronous generation: generators stay full across RL steps (staleness bound).
 
-Contract: ``simulate_continuous(prompts, responses, cfg, replicas, phases, steps, staleness)``
-simulates disaggregated asynchronous RL the way AReaL and NeMo-RL async GRPO run it (a rollout
-buffer fed by always-busy generators, in-flight weight updates / partial rollout), returning a
-``ContinuousResult`` whose ``schedule`` has the same shape as the per-step pipelines'.
-
-- Every RL step s generates the same batch (the workload's one length draw), dealt round robin to
-  the replicas with an offset of s, so replicas do not always get the same long sequences.
-- A sequence of step s may be admitted once policy version s - staleness exists (version 0 at
-  t = 0; version v + 1 when the trainer has finished step v, refit included). Admission never waits
-  for a step boundary: when a sequence finishes, a waiting one (of the same step or a later
-  admissible step) takes its slot at once, so the long tail of step s shares the engine with the
-  bulk of the next steps instead of idling it. This is the difference from ``pipeline.async``
-  (mode ``drain``), where each step's batch must finish before the next may start.
-- The trainer takes steps in order: step s starts when its last sequence has finished and step
-  s - 1 is trained, and runs the trainer phases of ``phases`` (logprobs, train, drafter_train,
-  overhead, refit). The refit's weight transfer pauses every generator for ``phases.refit``
-  seconds (applied at the generator's next segment boundary; a generator idle during the refit
-  loses nothing).
-- With staleness 0 no sequence of step s + 1 may start before step s is trained, every step
-  drains, and the schedule equals the synchronous one with the same phase times (tested).
-
-Replicas run as one discrete-event simulation: the replica with the earliest clock advances by one
-segment (rollout.py's segments: admission + prefill, then a stretch of identical decode steps).
-A policy version only becomes known when its step's last sequence has finished, so a replica that
-has run ahead admits newly allowed sequences at its next segment boundary (a delay of at most one
-segment, ``generation.replan_tokens`` tokens). Segments are cut at known future version times when
-admissible work would otherwise wait.
+``simulate_continuous(prompts, responses, cfg, replicas, phases, steps, staleness)`` simulates
+AReaL / NeMo-RL style async RL (always-busy generators, in-flight weight updates): a sequence of
+step s is admitted once policy version s - staleness exists and takes a free slot at once; the
+trainer takes steps in order and each refit pauses the generators. Returns a
+``ContinuousResult`` whose ``schedule`` has the per-step pipelines' shape; staleness 0 gives
+the synchronous schedule. Details: docs/internals.md.
 """
 
 from __future__ import annotations

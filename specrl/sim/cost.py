@@ -1,52 +1,11 @@
 """Step cost model: seconds for prefill, decode, draft and verify forwards of one engine replica.
 
-Contract (all times in seconds, one replica of ``gpus`` GPUs holding one copy of the model):
-
-    T_forward = (W_read + KV_read) / BW_eff          memory, the busiest GPU's share
-              + FLOPs / P_eff                        compute, the busiest GPU's share
-              + T_comm                               TP all-reduces, EP all-to-alls
-    T_plain   = step_overhead + T_forward(target, 1 token per sequence)
-    T_spec    = step_overhead + T_draft(k) + T_forward(target, k + 1 tokens per sequence)
-              + n_seqs * (k + 1) * vocab * verify_s_per_logit          rejection sampler, logprobs
-              + verify_overhead_s                                     its fixed part (0 on GPUs)
-    T_prefill = step_overhead + T_forward(target, n_seqs / prefill_group prompts, prompt tokens)
-              + FLOPs * prefill_s_per_flop                            its own code path (CPU fits)
-
-Weights: every dense weight, plus for MoE the experts the forward's T routed tokens touch. With
-experts sharded tensor-parallel (``ep`` = 1, vLLM's default) each GPU reads 1/gpus of every touched
-expert, E * (1 - (1 - k_e/E)^T) of them per layer (uniform routing; a sequence's extra verify
-tokens count as (1 - ``routing_locality``) of a token). With expert parallelism (``ep`` > 1) each
-GPU holds E/ep whole experts and the forward waits for the busiest GPU: the expected maximum over
-ranks of the experts touched and of the token-expert pairs computed (binomial counts, the maximum
-of ``ep`` draws by Blom's normal approximation), the pairs times ``routing_skew`` (1: uniform
-routing; a measured hot-expert imbalance above 1). Weights are read at the replica's precision
-(``specs.PRECISIONS``: bf16 2 bytes, fp8 1 byte, GEMMs at the FP8 peak); KV stays bf16.
-KV_read is every sequence's context, read once per forward whatever the query tokens per sequence.
-FLOPs are 2 * N_active per token plus attention (4 * layers * heads * head_dim per context token).
-T_comm: two ring all-reduces per layer of the [tokens, hidden] activations when gpus > 1 (latency
-plus bytes over NVLink, or the scale-out link when the replica spans nodes); with ep > 1 each MoE
-layer's MLP all-reduce becomes a dispatch and a combine all-to-all, each
-``a2a_latency_s + bytes / (link bandwidth * a2a_efficiency)`` (the slower of the NVLink and the
-scale-out share when ep spans nodes; constants fitted on DeepEP's kernel times, published.py).
-
-Drafting (per drafter kind, drafters.py): k sequential forwards of the draft network, each paying
-``forward_overhead_s`` (launch and metadata) plus its own roofline; kinds that catch up on the
-verified positions (EAGLE-3, MTP, a draft model in vLLM) run their first forward over the k + 1
-positions of every sequence. Model-free drafters (n-gram, suffix) cost CPU time per sequence,
-``cpu_s_per_seq + cpu_s_per_ctx_token * context`` (the match scan). Drafters run in bf16.
-
-A forward wider than ``graph_capture_tokens`` query tokens (the largest CUDA graph the engine
-captured; vLLM runs wider batches without one) adds ``eager_s_per_layer`` per decoder layer of
-its network, target or drafter: the kernel launches a graph replay saves. 0 (every profile's
-default) prices every forward alike.
-
-Three engine terms default to no effect: ``prefill_group`` sequences share one prompt, prefilled
-once and its cache forked (GRPO groups in specrl's engine; prefix caching in vLLM);
-``draft_coverage`` gives, per draft position, the chance a sequence drafts there at all (n-gram /
-suffix drafters propose short or empty drafts), and the verify forward is as wide as the batch's
-longest draft, in expectation 1 + sum_i (1 - (1 - c_i)^n) tokens per sequence for n independent
-sequences (k+1 replaces this in the formula above); ``verify_s_per_logit`` is 0 on a profile that
-does not price the sampler.
+``StepCostModel`` prices a forward of one replica of ``gpus`` GPUs as weight and KV bytes over
+effective bandwidth + FLOPs over effective compute + TP/EP communication, for the busiest GPU;
+a speculative step adds the drafter's forwards (or a model-free drafter's CPU time) and the
+rejection sampler's per-logit cost. It covers MoE routing and expert parallelism, precision,
+CUDA-graph limits and the engine terms ``prefill_group`` and ``draft_coverage``. All times in
+seconds. The formulas: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -259,7 +218,7 @@ class StepCostModel:
     tokens per sequence describe tree speculation (SGLang EAGLE topk / num_draft_tokens); the
     defaults (1, 0) are chain speculation verifying k+1 tokens. ``routing_locality`` is the
     chance that a sequence's extra verify tokens reuse its experts (MoE only; 0 = uniform).
-    ``prefill_group`` and ``draft_coverage`` are the engine terms of the module docstring
+    ``prefill_group`` and ``draft_coverage`` are the engine terms of docs/internals.md
     (1 and () = every sequence prefills its own prompt and drafts all k positions). ``ep``,
     ``precision`` and ``routing_skew`` are the layout terms (1, bf16, 1: tensor-parallel experts,
     bf16 weights, uniform routing).

@@ -7,16 +7,21 @@ included, collapsed) that names the input, what is wrong and what is valid. It i
 ``ValueError``; ``specrl simulate`` prints it as ``error: ...`` and exits with code 2. Errors that
 are not the user's input (bugs) are never turned into this type. ``unknown(what, name, choices)``
 is the ``SimInputError`` of ``specrl.errors.unknown`` (the did-you-mean hint every specrl
-message uses). ``read_text(path, kind)`` is a file's text, or the ``SimInputError`` that says why
-it cannot be read (a directory, missing, unreadable, not UTF-8); ``kind`` names what was expected.
+message uses); ``key_hint(model)`` is the same hint for an unknown key of a settings model
+(``specrl.settings.validate``), with the valid keys of its table. ``read_text(path, kind)`` is a
+file's text, or the ``SimInputError`` that says why it cannot be read (a directory, missing,
+unreadable, not UTF-8); ``kind`` names what was expected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from specrl import errors
+from specrl.settings import model_at, schema_keys
 
 
 class SimInputError(ValueError):
@@ -29,6 +34,21 @@ class SimInputError(ValueError):
 def unknown(what: str, name: str, choices: Iterable[str]) -> SimInputError:
     """``unknown WHAT 'NAME' (did you mean ...?); valid: a, b, c`` as a ``SimInputError``."""
     return SimInputError(errors.unknown(what, name, choices))
+
+
+def key_hint(model: type[BaseModel]) -> Callable[[str], str]:
+    """For an unknown dotted key of ``model``: `` (did you mean X?); valid keys in [TABLE]: ...``
+    (the did-you-mean among all its keys, the valid keys of the table the key is in)."""
+
+    def hint(dotted: str) -> str:
+        parent = dotted.rpartition(".")[0]
+        table = model_at(model, parent.split(".")) if parent else model
+        valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
+        where = f" in [{parent}]" if parent else ""
+        close = errors.did_you_mean(dotted, schema_keys(model))
+        return f"{close}; valid keys{where}: {', '.join(valid)}"
+
+    return hint
 
 
 def read_text(path: Path, kind: str) -> str:

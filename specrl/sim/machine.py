@@ -1,24 +1,10 @@
 """One machine's RL steps in the simulator: replay measured rollouts, fit per-machine terms.
 
-Contract: the simulator predicts a step of specrl's RL loop on a machine from the same model
-shape it uses for GPU clusters, with the terms a new machine refits:
-
-- generation: ``replay_seconds`` runs the event-driven rollout (``rollout.simulate_rollout``)
-  over a measured rollout's own prompt and response lengths (the prefill samples the first
-  token, so ``length - 1`` are decoded), its measured per-position acceptance and draft coverage,
-  priced by a hardware profile that ``calibrate.fit_trace`` fits on the engine's step records
-  (c0, eta_mem, eta_compute, the verify terms, the model-free drafter's CPU cost);
-- learning: from FLOPs (forward + backward) as ``training`` prices it on GPUs, split the way
-  specrl's learner runs: the trunk over the padded positions of its packed rows (bf16 autocast)
-  and the LM head + log-softmax at completion positions (float32), each at its own fitted MFU,
-  plus a fixed per-step time (the optimizer step, the weight push to the engine, scoring and
-  bookkeeping): ``fit_learner`` fits the three by non-negative least squares on relative
-  errors;
-- asynchronous steps on one machine: ``shared.simulate_shared`` with the two overlap slowdowns
-  ``fit_overlap`` fits on measured async runs.
-
-``MeasuredRollout`` and ``MeasuredStep`` hold what a measurement gives (benchmarks/sim_machine.py
-for rollouts, benchmarks/sim_rl_steps.py for whole steps). Nothing here measures.
+Generation: ``replay_seconds`` runs the event-driven rollout over a measured rollout's lengths,
+acceptance and draft coverage, priced by a ``calibrate``-fitted profile. Learning:
+``fit_learner`` fits the trunk's and the LM head's MFU and a fixed per-step time. Asynchronous
+steps: ``fit_overlap`` fits the two slowdowns of ``shared.simulate_shared``. ``MeasuredRollout``
+and ``MeasuredStep`` hold measurements; nothing here measures. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -67,7 +53,7 @@ class MeasuredRollout:
 def replay_seconds(
     run: MeasuredRollout, model: ModelSpec, profile: HardwareSpec, drafter: DrafterSpec | None
 ) -> float:
-    """Simulated wall time of a measured rollout under ``profile`` (see the module docstring)."""
+    """Simulated wall time of a measured rollout under ``profile`` (see docs/internals.md)."""
     spec = run.k > 0 and run.spec_rows > 0
     costs = StepCostModel(
         target=model,

@@ -1,31 +1,11 @@
 """RL pipeline simulation: how per-step phases become wall time, synchronous or asynchronous.
 
-Contract: a step has six phases (``PHASES``): generation (the rollout), logprobs (policy and
-reference forwards over every token), train (the policy update), drafter_train (online drafter
-update, 0 when off), overhead (the framework's fixed per-step time: data, rewards, orchestration,
-optimizer bookkeeping) and refit (pushing new weights to the generators).
-``PIPELINES[mode](phases, steps, staleness)`` returns a Schedule of intervals on named resources:
-
-- ``sync`` (colocated): one pool of GPUs runs the phases back to back, so a step takes exactly the
-  sum of its phases.
-- ``async`` (disaggregated, per-step batches that drain): generation GPUs and training GPUs are
-  separate. The batch consumed by train step s must be generated with a policy version
-  >= s - staleness (version v exists once train step v-1 and its refit are done), and each step's
-  batch is generated as a unit: its long tail finishes before the next batch starts. With
-  staleness 0 this is the synchronous schedule; with staleness >= 1 generation of the next batch
-  overlaps training, and the steady-state step time tends to max(generation, trainer phases).
-  Continuous generation across steps (the next steps' prompts fill the slots the tail leaves) is
-  simulated by continuous.py, since it needs the rollout itself, not just per-step phase times.
-Refit is charged to the trainer and gates the next generation that needs the new version; the
-pause it causes on generators is modelled only in continuous.py.
-
-Steady state: ``Schedule.step_time`` is the mean spacing of step completions over a measured
-window after a warm-up. Asynchronous completions often repeat with period staleness + 1 (a burst
-of steps, then a wait for the generators), so ``steady_window`` measures whole periods, after
-``warmup_periods`` periods of filling, and simulates one more period after the window so that the
-generators still have queued work while the measured steps complete (the last steps of any run
-drain faster or slower than the steady state). ``Schedule.half_spread`` compares the two halves
-of the window; the runner lengthens the window while they disagree.
+A step has six phases (``PHASES``: generation, logprobs, train, drafter_train, overhead, refit);
+``PIPELINES[mode](phases, steps, staleness)`` returns a ``Schedule`` of intervals on named
+resources: ``sync`` runs them back to back on one pool, ``async`` generates each step's batch on
+separate GPUs with a policy at most ``staleness`` versions old. ``Schedule.step_time`` is the
+steady-state spacing of step completions over ``steady_window``; ``half_spread`` compares the
+window's halves. Details: docs/internals.md.
 """
 
 from __future__ import annotations

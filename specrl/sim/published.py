@@ -21,7 +21,7 @@ against the publications' text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from specrl.sim.cost import all_to_all_time
 from specrl.sim.runner import rl_phases
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import HardwareSpec, load_hardware, load_model
+from specrl.sim.specs import HardwareSpec, load_hardware, load_model, with_overrides
 from specrl.sim.training import model_class
 
 # --------------------------------------------------------------------------- all-to-all (EP)
@@ -76,7 +76,7 @@ DEEPEP_LOW_LATENCY: tuple[AllToAllPoint, ...] = tuple(
 def h800() -> HardwareSpec:
     """The H800 the DeepEP numbers were measured on: an H100 SXM with NVLink at 400 GB/s
     (200 GB/s per direction) and one 400 Gb/s NIC per GPU."""
-    return replace(
+    return with_overrides(
         load_hardware("h100"),
         name="h800",
         intra_node_bandwidth=200e9,

@@ -1,28 +1,10 @@
 """Run a Scenario: rollouts with and without speculation, RL phases, schedules, speedups.
 
-Contract: ``run_scenario(sc)`` first checks the scenario (``check_inputs``: validate.py, and an
-acceptance measured over the rollout must be reachable on every length draw; a bad input raises
-SimInputError before any simulation), then, for each response-length draw (``workload.seed`` and
-the next ``workload.seeds - 1``; one draw when nothing is random), simulates three pipelines on
-the same sampled lengths: ``speculative`` (the scenario as given), ``no_spec`` (same pipeline,
-speculation off) and ``sync_no_spec`` (colocated synchronous, speculation off, on all the
-scenario's GPUs: the baseline of the combined "speculation + async" claim). ``rollout_speedup``
-and ``end_to_end_speedup`` compare ``speculative`` with ``no_spec``;
-``end_to_end_speedup_vs_sync_no_spec`` compares it with the third. Times are means over the draws
-and speedups the ratios of those means; ``ScenarioResult.spread()`` gives each draw's speedups.
-Step times are steady state: each pipeline runs pipeline.steady_window's steps (warm-up periods,
-measured periods, one period of cool-down); an async run whose measured window's halves differ by
-more than ``CONVERGENCE_TOL`` is simulated again with twice the measured periods, up to
-``MAX_WINDOW_SCALE`` times, and a run still not converged (or with no warm-up, or one measured
-period) carries a warning.
-``overlap_floor_s`` is a lower bound on an async step: the trainer's phases, or the generation
-pool's work at perfect packing (``generation_floor_s``), whichever is longer; for sync it is the
-step itself.
-The scenario's ``engine`` table overrides the hardware profile's and drafter spec's engine terms
-(``hardware``, ``drafter``). The trainer's phases come from training.py (FLOPs over GPUs * peak *
-the model class's measured MFU, plus the layout's collectives); a refit costs a fixed time plus
-the generators' weight bytes over the refit bandwidth; online drafter training is the drafter's
-own training step.
+``run_scenario(sc)`` checks the scenario (``SimInputError`` before any simulation), then per
+response-length draw simulates ``speculative``, ``no_spec`` and ``sync_no_spec`` on the same
+lengths, and returns a ``ScenarioResult``: mean times, rollout and end-to-end speedups (ratios of
+means; ``spread()`` per draw), steady-state step times (the window lengthened until its halves
+agree, else a warning) and ``overlap_floor_s``. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -2,40 +2,34 @@
 
 Contract: a Scenario names a model, a hardware profile and a drafter (spec files), and gives the
 workload, generation layout, speculation settings, training efficiency and pipeline mode. Every
-field carries a description; ``field_help()`` renders them for ``specrl simulate --help``. Overrides
-use dotted paths (``speculation.k=5``) and TOML literals (strings may be bare). A scenario file
-may start from another (``extends = "name"``: that scenario's values, then this file's), so a
-variant states only what differs. Values are
-checked strictly (TOML types: a bool is not an int, no inf/nan) and every bad input, an unknown
-scenario or key (with the valid keys and a did-you-mean), a wrong type or range, a malformed or
-unreadable file, raises ``SimInputError`` with one line saying where it came from (the file or the
-``--set`` item). Integers are bounded (GPU counts by ``MAX_GPUS``: the simulation's cost grows
-with them). An async-only pipeline input given by ``--set`` for a sync run is refused.
-Checks across fields and specs live in validate.py. Nothing here simulates;
-runner.py does.
+field carries a description; ``field_help()`` renders them for ``specrl simulate --help``. A
+scenario file may start from another (``extends = "name"``: that scenario's values, then this
+file's), so a variant states only what differs. Sections, overrides (``speculation.k=5``, TOML
+literals or bare strings) and errors are ``specrl.settings``' (the run config's): every bad input,
+an unknown scenario or key (with a did-you-mean and the valid keys), a wrong type or range, a
+malformed or unreadable file, raises ``SimInputError`` in one line, each problem prefixed with
+where it came from (the ``--set`` item or the file). Integers are bounded (GPU counts by
+``MAX_GPUS``: the simulation's cost grows with them). An async-only pipeline input given by
+``--set`` for a sync run is refused (``ASYNC_ONLY``). Checks across fields and specs live in
+validate.py. Nothing here simulates; runner.py does.
 """
 
 from __future__ import annotations
 
-import tomllib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field
 
-from specrl.errors import did_you_mean
-from specrl.sim.errors import SimInputError
-from specrl.sim.specs import read_toml, spec_path
+from specrl import settings
+from specrl.settings import AppliesOnly, Section, errors_as
+from specrl.sim.errors import SimInputError, key_hint
+from specrl.sim.specs import load_toml
 
 MAX_GPUS = 65_536  # GPU counts: the simulation's cost grows with them (1e6 took 15 s)
 MAX_TOKENS = 10_000_000  # token counts (lengths, caps)
 
 
-class _Strict(BaseModel):
-    # strict: TOML has types, so a bool is not an int and "3" is not a number; no inf/nan
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class Workload(_Strict):
+class Workload(Section):
     samples_per_step: int = Field(
         gt=0, le=10_000_000, description="rollouts per RL step (prompts x group size)"
     )
@@ -73,7 +67,7 @@ class Workload(_Strict):
     )
 
 
-class Generation(_Strict):
+class Generation(Section):
     gpus: int = Field(
         gt=0, le=MAX_GPUS, description="GPUs generating (sync: the whole colocated pool)"
     )
@@ -110,7 +104,7 @@ class Generation(_Strict):
     )
 
 
-class Acceptance(_Strict):
+class Acceptance(Section):
     kind: str = Field("constant", description="constant | positional | drift")
     acceptance_length: float = Field(
         2.26, ge=1, description="mean tokens per verify step at k = at_k (sets per-token rate)"
@@ -138,7 +132,7 @@ class Acceptance(_Strict):
     )
 
 
-class Speculation(_Strict):
+class Speculation(Section):
     enabled: bool = Field(True, description="simulate the speculative run (baseline always runs)")
     drafter: str = Field(
         "eagle3", description="drafter spec: eagle3 | mtp | draft-* | ngram | suffix"
@@ -163,7 +157,7 @@ class Speculation(_Strict):
     acceptance: Acceptance = Field(default_factory=Acceptance)
 
 
-class Training(_Strict):
+class Training(Section):
     gpus: int = Field(
         0, ge=0, le=MAX_GPUS, description="training GPUs (async only; sync uses generation.gpus)"
     )
@@ -179,7 +173,7 @@ class Training(_Strict):
     train_drafter: bool = Field(False, description="train the drafter online every step")
 
 
-class PipelineCfg(_Strict):
+class Pipeline(Section):
     mode: str = Field("sync", description="sync (colocated) | async (disaggregated)")
     staleness: int = Field(1, ge=0, le=64, description="async: max policy versions a batch may lag")
     async_generation: str = Field(
@@ -215,7 +209,7 @@ class PipelineCfg(_Strict):
     )
 
 
-class Engine(_Strict):
+class Engine(Section):
     """Overrides of the engine terms of the hardware profile and drafter spec (sensitivity)."""
 
     step_overhead_s: float | None = Field(
@@ -243,7 +237,7 @@ class Engine(_Strict):
     )
 
 
-class Scenario(_Strict):
+class Scenario(Section):
     name: str = Field(description="scenario name")
     description: str = Field("", description="what the scenario represents")
     sources: list[str] = Field(default_factory=list, description="where the inputs come from")
@@ -253,141 +247,8 @@ class Scenario(_Strict):
     generation: Generation
     speculation: Speculation = Field(default_factory=Speculation)
     training: Training = Field(default_factory=Training)
-    pipeline: PipelineCfg = Field(default_factory=PipelineCfg)
+    pipeline: Pipeline = Field(default_factory=Pipeline)
     engine: Engine = Field(default_factory=Engine)
-
-
-def parse_value(text: str) -> Any:
-    """A TOML literal (number, bool, list, quoted string) or, failing that, the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``a.b.c=value`` applied (keys are not checked here;
-    ``check_override_keys`` does that against the schema)."""
-    out = _deep_copy(data)
-    for item in overrides:
-        parents, leaf, value = _split_override(item)
-        node = out
-        for depth, p in enumerate(parents):
-            if p not in node:
-                node[p] = {}
-            elif not isinstance(node[p], dict):
-                where = ".".join(parents[: depth + 1])
-                raise SimInputError(
-                    f"--set {item}: {where} is {node[p]!r} in the scenario, not a table of keys"
-                )
-            node = node[p]
-        node[leaf] = parse_value(value)
-    return out
-
-
-def _split_override(item: str) -> tuple[list[str], str, str]:
-    key, sep, value = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(p.strip() for p in parts):
-        raise SimInputError(
-            f"--set {item!r} is not KEY=VALUE with a dotted KEY (e.g. speculation.k=5)"
-        )
-    *parents, leaf = (p.strip() for p in parts)
-    return parents, leaf, value.strip()
-
-
-def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
-
-
-def _section(annotation: Any) -> type[BaseModel] | None:
-    ok = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-    return annotation if ok else None
-
-
-def scenario_keys(model: type[BaseModel] = Scenario, prefix: str = "") -> list[str]:
-    """Every dotted key a scenario accepts: tables (``speculation``) and values
-    (``speculation.k``)."""
-    keys: list[str] = []
-    for key, info in model.model_fields.items():
-        keys.append(f"{prefix}{key}")
-        sub = _section(info.annotation)
-        if sub is not None:
-            keys += scenario_keys(sub, f"{prefix}{key}.")
-    return keys
-
-
-def _model_at(path: tuple[str, ...]) -> type[BaseModel] | None:
-    """The schema table at a dotted path (None if the path is not a table)."""
-    model: type[BaseModel] | None = Scenario
-    for part in path:
-        info = model.model_fields.get(part) if model else None
-        model = _section(info.annotation) if info else None
-    return model
-
-
-def _unknown_key(dotted: str) -> SimInputError:
-    parent, _, _ = dotted.rpartition(".")
-    table = _model_at(tuple(parent.split("."))) if parent else Scenario
-    valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
-    where = f" in [{parent}]" if parent else ""
-    hint = did_you_mean(dotted, scenario_keys())
-    return SimInputError(f"unknown key {dotted}{hint}; valid keys{where}: {', '.join(valid)}")
-
-
-def check_override_keys(overrides: list[str]) -> None:
-    """Raise SimInputError for an override whose key the schema does not have."""
-    for item in overrides:
-        parents, leaf, _ = _split_override(item)
-        path = (*parents, leaf)
-        for depth in range(1, len(path)):
-            if _model_at(path[:depth]) is None:
-                key = ".".join(path[:depth])
-                if key not in scenario_keys():
-                    raise SimInputError(f"--set {item}: {_unknown_key(key)}")
-                raise SimInputError(f"--set {item}: {key} is a value, not a table of keys")
-        if ".".join(path) not in scenario_keys():
-            raise SimInputError(f"--set {item}: {_unknown_key('.'.join(path))}")
-
-
-def _loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _describe(err: dict[str, Any]) -> str:
-    dotted = _loc(err["loc"])
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        return str(_unknown_key(dotted))
-    if kind == "missing":
-        return f"{dotted}: required, missing"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"{dotted}: expected a table of keys, got {err['input']!r}"
-    return f"{dotted}: {err['msg'].replace('Input should', 'should')}, got {err['input']!r}"
-
-
-def _origin(err: dict[str, Any], overrides: list[str]) -> str:
-    dotted = _loc(err["loc"])
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        if dotted == key or dotted.startswith(key + ".") or dotted.startswith(key + "["):
-            return f"--set {item}"
-    return ""
-
-
-def validation_message(error: ValidationError, source: str, overrides: list[str]) -> str:
-    """One line for a pydantic error: where the value came from, the key, what is wrong."""
-    errs = error.errors()
-    first = errs[0]
-    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    origin = _origin(first, overrides)
-    text = _describe(first)
-    if origin and text.startswith(f"{_loc(first['loc'])}: "):
-        text = text.partition(": ")[2]  # the --set item already names the key
-    return f"{origin or source}: {text}{more}"
 
 
 MAX_EXTENDS = 8  # depth of `extends` chains (a longer one is a cycle or a mistake)
@@ -396,26 +257,17 @@ MAX_EXTENDS = 8  # depth of `extends` chains (a longer one is a cycle or a mista
 def scenario_data(name: str, depth: int = 0) -> tuple[dict[str, Any], str]:
     """A scenario file's table with its ``extends`` chain merged in (the base scenario's values,
     then this file's), and the path it came from."""
-    path = spec_path("scenarios", name)
-    data = read_toml(path)
+    data, path = load_toml("scenarios", name)
     base = data.pop("extends", None)
     if base is None:
-        return data, str(path)
+        return data, path
     if not isinstance(base, str) or depth >= MAX_EXTENDS:
         raise SimInputError(
             f"scenario {path}: extends must name a scenario, at most {MAX_EXTENDS} deep"
             f" (got {base!r})"
         )
     merged, _ = scenario_data(base, depth + 1)
-    return _merge(merged, data), str(path)
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = _deep_copy(base)
-    for key, value in top.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if both else value
-    return out
+    return settings.merge(merged, data), path
 
 
 def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
@@ -423,37 +275,42 @@ def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
     raises SimInputError with a one-line message."""
     overrides = list(overrides or [])
     data, path = scenario_data(name)
-    check_override_keys(overrides)
-    try:
-        sc = Scenario.model_validate(apply_overrides(data, overrides))
-    except ValidationError as e:
-        raise SimInputError(validation_message(e, f"scenario {path}", overrides)) from None
+    with errors_as(SimInputError):
+        data = settings.with_overrides(data, overrides)
+        hint = key_hint(Scenario)
+        sc = settings.validate(
+            Scenario, data, "scenario", hint=hint, source=path, overrides=overrides
+        )
     check_async_only(sc, overrides)
     return sc
 
 
-ASYNC_ONLY = ("staleness", "async_generation", "warmup_periods", "measure_periods")
+def _is_async(mode: str) -> bool:
+    return mode == "async"
+
+
+# Pipeline inputs that apply only to an async run: given by ``--set`` for a sync one, where they
+# would be ignored, they are refused (a scenario file's own values stay, so ``--set
+# pipeline.mode=sync`` turns an async scenario into its sync baseline).
+ASYNC_ONLY = tuple(
+    AppliesOnly(f"pipeline.{key}", "pipeline.mode", _is_async, "='async'")
+    for key in ("staleness", "async_generation", "warmup_periods", "measure_periods")
+)
 
 
 def check_async_only(sc: Scenario, overrides: list[str]) -> None:
-    """An async-only pipeline input given by ``--set`` (whatever its value) for a sync run,
-    where it would be ignored: ``SimInputError`` naming both keys. (A scenario file's own
-    values stay: ``--set pipeline.mode=sync`` turns an async scenario into its sync baseline.)"""
-    if sc.pipeline.mode == "async":
-        return
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key.removeprefix("pipeline.") in ASYNC_ONLY and key.startswith("pipeline."):
-            raise SimInputError(f"--set {item}: {key} applies only with pipeline.mode = "
-                                f"'async' (the scenario runs {sc.pipeline.mode!r})")  # fmt: skip
+    """``SimInputError`` naming both keys for an ``ASYNC_ONLY`` input given by an override
+    (whatever its value) where it cannot apply."""
+    given = {".".join(settings.parse_override(item)[0]) for item in overrides}
+    if problems := settings.misapplied(sc, ASYNC_ONLY, given.__contains__):
+        raise SimInputError("; ".join(problems))
 
 
 def field_help(model: type[BaseModel] = Scenario, prefix: str = "") -> list[str]:
     """One line per input: dotted key, default and description (for --help)."""
     lines: list[str] = []
     for key, info in model.model_fields.items():
-        sub = _section(info.annotation)
-        if sub is not None:
+        if (sub := settings.submodel(info.annotation)) is not None:
             lines += field_help(sub, f"{prefix}{key}.")
             continue
         default = (

@@ -1,29 +1,29 @@
 """Specs as data: models, hardware and drafters loaded from the TOML files under ``sim/data``.
 
 Contract: every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes
-from one of these frozen dataclasses, built only from a TOML file (or an equivalent dict). Nothing
-here computes times; derived sizes (KV bytes per token, expert sizes, weight bytes at a precision)
-live here because they are facts about the spec, not about cost. ``PRECISIONS`` names the weight
-formats a replica may serve (bf16, fp8: bytes per parameter and which peak the GEMMs run at).
-Files are looked up by name in ``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file
-is accepted too. An unknown
+from one of these frozen ``specrl.settings`` sections (``Spec``), built only from a TOML file (or
+an equivalent dict). Nothing here computes times; derived sizes (KV bytes per token, expert
+sizes, weight bytes at a precision) live here because they are facts about the spec, not about
+cost. ``PRECISIONS`` names the weight formats a replica may serve (bf16, fp8: bytes per parameter
+and which peak the GEMMs run at). Files are looked up by name in
+``specrl/sim/data/<kind>/<name>.toml``; a path to a ``.toml`` file is accepted too. An unknown
 name, a missing, unreadable, non-UTF-8 or malformed file, and unknown, missing or mistyped fields
-raise ``SimInputError`` (one line, naming the valid choices).
+raise ``SimInputError`` (one line in the ``specrl.settings`` format, naming the valid choices).
 """
 
 from __future__ import annotations
 
-import math
-import tomllib
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import tomlkit
+from pydantic import ConfigDict
 
-from specrl.sim.errors import SimInputError, read_text, unknown
+from specrl.settings import Section, errors_as, read_toml, validate
+from specrl.sim.errors import SimInputError, key_hint, unknown
 
 DTYPE_BYTES = 2  # bf16 activations and KV cache everywhere in the simulator
 
@@ -45,8 +45,16 @@ PRECISIONS: MappingProxyType[str, Precision] = MappingProxyType(
 )
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class Spec(Section):
+    """A spec read from a TOML file: strict like every settings section, and frozen."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+S = TypeVar("S", bound=Spec)
+
+
+class ModelSpec(Spec):
     """A decoder-only transformer, dense or mixture-of-experts."""
 
     name: str
@@ -100,8 +108,7 @@ class ModelSpec:
         return self.params_total * PRECISIONS[precision].weight_bytes
 
 
-@dataclass(frozen=True)
-class HardwareSpec:
+class HardwareSpec(Spec):
     """One accelerator (or this CPU) with the efficiency terms the cost model applies."""
 
     name: str
@@ -149,8 +156,7 @@ class HardwareSpec:
         return self.peak_flops_fp8
 
 
-@dataclass(frozen=True)
-class DrafterSpec:
+class DrafterSpec(Spec):
     """A speculation mechanism; ``kind`` selects the registered way to build its forward."""
 
     name: str
@@ -203,64 +209,30 @@ def list_specs(kind: str) -> list[str]:
     return sorted(p.stem for p in (data_root() / kind).glob("*.toml"))
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """Parse a TOML file; an unreadable, non-UTF-8 or malformed file raises SimInputError."""
-    text = read_text(path, "a .toml file")
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise SimInputError(f"{path}: malformed TOML ({e})") from None
-
-
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
-
-
-def _check_type(cls: type, name: str, annotation: str, value: Any) -> None:
-    allowed = _TYPES.get(annotation)
-    if allowed is None:
-        return
-    ok = isinstance(value, allowed) and not isinstance(value, bool)
-    if ok and isinstance(value, float) and not math.isfinite(value):
-        ok = False
-    if not ok:
-        raise SimInputError(
-            f"{cls.__name__} field {name} must be a finite {annotation}, got {value!r}"
-        )
-
-
-def _build(cls: type, data: dict[str, Any], source: str = "") -> Any:
-    """Build a spec dataclass from a dict, checking field names and types (one-line errors)."""
-    where = f"{source}: " if source else ""
-    specs = {f.name: f for f in fields(cls)}
-    for key in data:
-        if key not in specs:
-            raise SimInputError(where + str(unknown(f"{cls.__name__} field", key, specs)))
-    missing = [
-        f.name
-        for f in specs.values()
-        if f.name not in data and f.default is MISSING and f.default_factory is MISSING
-    ]
-    if missing:
-        raise SimInputError(f"{where}{cls.__name__} is missing {', '.join(missing)}")
-    try:
-        for key, value in data.items():
-            _check_type(cls, key, str(specs[key].type), value)
-    except SimInputError as e:
-        raise SimInputError(f"{where}{e}") from None
-    return cls(**data)
+def build_spec(cls: type[S], data: dict[str, Any], what: str, source: str = "") -> S:
+    """A spec from a dict, its keys and types checked (``SimInputError`` in one line)."""
+    with errors_as(SimInputError):
+        return validate(cls, data, what, hint=key_hint(cls), source=source)
 
 
 def model_from_dict(data: dict[str, Any]) -> ModelSpec:
-    return _build(ModelSpec, data)
+    return build_spec(ModelSpec, data, "model spec")
 
 
 def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
-    return _build(HardwareSpec, data)
+    return build_spec(HardwareSpec, data, "hardware spec")
 
 
-def _load(kind: str, cls: type, name: str) -> Any:
+def load_toml(kind: str, name: str) -> tuple[dict[str, Any], str]:
+    """The table of a spec file of ``kind`` (``spec_path``) and its path."""
     path = spec_path(kind, name)
-    return _build(cls, read_toml(path), str(path))
+    with errors_as(SimInputError):
+        return read_toml(path, f"{SPEC_KINDS[kind]} file"), str(path)
+
+
+def _load(kind: str, cls: type[S], name: str) -> S:
+    data, path = load_toml(kind, name)
+    return build_spec(cls, data, f"{SPEC_KINDS[kind]} spec", path)
 
 
 def load_model(name: str) -> ModelSpec:
@@ -275,9 +247,13 @@ def load_drafter(name: str) -> DrafterSpec:
     return _load("drafters", DrafterSpec, name)
 
 
-def with_overrides(spec: Any, **changes: Any) -> Any:
-    """A copy of a frozen spec with some fields replaced (used by sensitivity analysis)."""
-    return replace(spec, **changes)
+def with_overrides(spec: S, **changes: Any) -> S:
+    """A copy of a frozen spec with some fields replaced, unchecked like ``dataclasses.replace``
+    (sensitivity analysis, fitted profiles); an unknown field is a ``TypeError``."""
+    unknown_fields = sorted(set(changes) - set(type(spec).model_fields))
+    if unknown_fields:
+        raise TypeError(f"{type(spec).__name__} has no field {unknown_fields[0]!r}")
+    return spec.model_copy(update=changes)
 
 
 def spec_to_toml(spec: HardwareSpec | DrafterSpec, header: str = "") -> str:
@@ -285,6 +261,6 @@ def spec_to_toml(spec: HardwareSpec | DrafterSpec, header: str = "") -> str:
     doc = tomlkit.document()
     for line in header.splitlines():
         doc.add(tomlkit.comment(line))
-    for f in fields(spec):
-        doc.add(f.name, getattr(spec, f.name))
+    for name in type(spec).model_fields:
+        doc.add(name, getattr(spec, name))
     return tomlkit.dumps(doc)

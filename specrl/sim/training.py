@@ -1,51 +1,36 @@
 """Training-side phases of an RL step: policy update and logprob passes from FLOPs and MFU.
 
-Contract: ``train_seconds`` and ``logprob_seconds`` price one RL step's trainer work on
-``gpus`` GPUs of ``hw`` for ``tokens`` tokens (prompt + response) in sequences of mean length
-``seq_len``:
-
-    T_train    = 3 * F_fwd / (gpus * peak_bf16 * train_mfu[class])  + T_parallel(3 passes)
-    T_logprobs = passes * (F_fwd / (gpus * peak_bf16 * logprob_mfu[class]) + T_parallel(1))
-    F_fwd      = 2 * N_active * tokens + attention (2 * layers * heads * head_dim * seq_len per
-                 token: causal attention over half the sequence on average, QK and PV)
-
-The MFU is per model class (``dense``, ``moe``), read from ``data/training.toml`` where every
-value names the published measurement it was fitted on (published.py refits it). It is the
-compute efficiency of the framework's RL training (small micro-batches, sequence packing,
-recomputation), not a pre-training MFU. The parallelism adds what the class's layout moves between
-GPUs, priced by cost.py's collectives: the data-parallel gradient all-reduce of the bf16
-gradients once per step, and for MoE the expert-parallel dispatch and combine of every MoE
-layer (EP = the class's ``expert_parallel`` GPUs), once per forward and twice per backward. The
-gradient all-reduce spans all GPUs (NVLink within a node, else the scale-out link), each GPU
-holding the gradients of its model-parallel shard (``model_parallel_shards``: enough GPUs for 16
-bytes of training state per parameter, and the EP group).
-A scenario may override either MFU (``training.mfu``, ``training.logprob_mfu``).
+``train_seconds`` and ``logprob_seconds`` price one RL step's trainer work on ``gpus`` GPUs of
+``hw`` for ``tokens`` tokens in sequences of mean length ``seq_len``: forward FLOPs (x3 for
+training) over GPUs x bf16 peak x the model class's MFU (``data/training.toml``, each value
+naming its published source; a scenario may override it), plus the layout's collectives.
+The formulas: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import math
-import tomllib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from pydantic import Field
+
+from specrl.settings import errors_as, read_toml
 from specrl.sim.cost import all_reduce_time, all_to_all_time
-from specrl.sim.errors import SimInputError, read_text
-from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec
+from specrl.sim.errors import SimInputError
+from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec, Spec, build_spec
 
 MODEL_CLASSES = ("dense", "moe")
 
 
-@dataclass(frozen=True)
-class TrainingEfficiency:
+class TrainingEfficiency(Spec):
     """Measured RL-training efficiency of one model class, with where it comes from."""
 
     model_class: str
     train_mfu: float
     logprob_mfu: float
-    expert_parallel: int  # EP degree of the class's training layout (1 for dense)
-    sources: tuple[str, ...]
+    expert_parallel: int = 1  # EP degree of the class's training layout (1 for dense)
+    sources: tuple[str, ...] = Field((), strict=False)  # a TOML list; each item a strict string
 
 
 def model_class(model: ModelSpec) -> str:
@@ -59,18 +44,13 @@ def _table_path() -> Path:
 def load_efficiency(model: ModelSpec, path: Path | None = None) -> TrainingEfficiency:
     """The efficiency row of ``model``'s class from the training table."""
     path = path or _table_path()
-    try:
-        table = tomllib.loads(read_text(path, "a .toml file"))
-        row = table[model_class(model)]
-        return TrainingEfficiency(
-            model_class(model),
-            float(row["train_mfu"]),
-            float(row["logprob_mfu"]),
-            int(row.get("expert_parallel", 1)),
-            tuple(row.get("sources", ())),
-        )
-    except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as e:
-        raise SimInputError(f"{path}: bad training table ({e!r})") from None
+    with errors_as(SimInputError):
+        table = read_toml(path, "training table")
+    cls = model_class(model)
+    if not isinstance(row := table.get(cls), dict):
+        raise SimInputError(f"{path}: bad training table (no [{cls}] table)")
+    data = {**row, "model_class": cls}
+    return build_spec(TrainingEfficiency, data, "training table", f"{path} [{cls}]")
 
 
 def forward_flops(model: ModelSpec, tokens: float, seq_len: float) -> float:

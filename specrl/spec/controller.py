@@ -1,42 +1,13 @@
 """Speculation controller: per decode step, the number of draft tokens that maximises tokens/s.
 
-Contract: ``SpecController(k_max, target_cost)`` answers ``choose(rows, context) -> k`` with
-0 <= k <= k_max (0 = a plain step) for a step of ``rows`` live rows whose caches hold ``context``
-tokens on average, maximising the expected emitted tokens per second
-
-    rate(k) = rows * E[emitted | k] / (T_draft(rows, k) + T_verify(rows, k, context))
-    rate(0) = rows / T_decode(rows, context)
-
-from three estimates, each refreshed by what the engine reports after every step (``observe``):
-
-- the target's step times: ``specrl.sim.cost.StepCostModel`` over a hardware profile fitted
-  as ``specrl.sim.calibrate.fit_records`` fits one (the simulator's own CPU model and fit: one
-  cost model, two users), first from ``measure_forwards`` (timed forwards at a few shapes when
-  the engine starts, about a second) and then from the engine's own recent decode and verify
-  steps;
-- the drafter's time: least squares on its recent steps over [1, k, rows, k * rows, caught up]
-  (a model-free drafter costs per row, a draft network per forward and per row-forward, and a
-  head that reads the target's features first runs over the positions accepted since its last
-  step: "caught up"). Rates are compared as if speculation went on step after step, so a step
-  is priced with the catch-up of steady speculation (the tokens the step emits), not with the
-  long catch-up that follows a stretch of plain steps (paid once, when speculation resumes);
-- acceptance: per draft position i, the decayed share of rows that accepted i drafts among the
-  rows that drafted i, so E[emitted | k] = 1 + sum_{i <= k} P(accepted >= i | drafted >= i), and
-  coverage: how often a row asked for a draft at position i has one.
-
-A deterministic drafter (``cheap_drafts``: ngram, suffix) is asked for k_max drafts whenever
-that can pay at the measured coverage (``capped_rates``), and ``cap`` then limits what the verify
-forward takes, given each row's actual draft length (a step whose rows have no draft verifies
-nothing). Speculation is chosen only where its expected rate beats a plain step's by
-``margin`` (5%): near break-even the prediction error decides, and a loss is what the user
-would see. Speculation that never runs is never measured: while fewer than ``min_tries`` rows
-drafted a position (for a deterministic drafter too: rows asked that had no draft measure its
-coverage, not its acceptance, so an epoch whose suffix index was empty does not end the
-exploring) the controller explores it whenever the predicted extra time fits a budget
-that grows by ``explore_share`` of every step's predicted time, so exploring costs at most that
-share of decoding time. Every decision depends on measured times, so with rejection sampling
-("distribution") the completions of a seed are reproducible in distribution, not token for
-token ("sample" exactness keeps them identical).
+``SpecController(k_max, target_cost)`` answers ``choose(rows, context) -> k`` (0 <= k <= k_max,
+0 = a plain step) by maximising expected emitted tokens per second from three estimates that
+``observe`` refreshes after every step: the target's step times (``sim.cost`` over a profile
+fitted as ``sim.calibrate`` fits one, seeded by ``measure_forwards``), the drafter's time, and
+per-position acceptance and coverage. Speculation must beat a plain step by ``margin``; untried
+depths are explored within an ``explore_share`` budget. Decisions depend on measured times, so
+"distribution" runs reproduce in distribution ("sample" exactness: token for token).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -294,7 +265,7 @@ class Plan(NamedTuple):
 
 @dataclass
 class SpecController:
-    """Chooses k per step (module docstring); ``observe`` feeds back each step's outcome.
+    """Chooses k per step (docs/internals.md); ``observe`` feeds back each step's outcome.
 
     ``cheap_drafts`` (a deterministic drafter: n-gram, suffix): every step drafts ``k_max``
     (``choose``), and ``cap`` then decides, seeing each row's draft length, how many of them

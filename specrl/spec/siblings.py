@@ -1,31 +1,11 @@
 """Sibling drafts: extra candidates for the first draft token, verified losslessly.
 
-Contract:
-- A stochastic drafter drew its first draft token ``x`` from ``q0`` (``Draft.probs[:, 0]``).
-  ``draw_siblings(q0, x, s, seeds, counters)`` draws ``s`` more candidates without replacement:
-  sibling j ~ ``q_j`` = ``q0`` with ``x`` and siblings ``0 .. j-1`` removed, renormalised
-  (``without``), using ``uniforms(seeds, counters, STREAM_SIBLING_DRAFT + j)``. Sibling j is
-  valid iff ``q_j`` had mass left (a greedy row's one-hot ``q0`` has no valid sibling).
-- The target verifies them in the same forward as the chain (a draft tree: each sibling is a
-  leaf under the root). ``resolve_siblings`` changes only rows whose chain drafted ``x`` and
-  rejected it (round 0, done by ``verify``). Round j + 1 tests sibling j against the residual
-  left by the previous round: with ``r_1 = norm(max(0, p - q0))`` accept it iff
-  ``u < min(1, r_{j+1}(y_j) / q_j(y_j))`` with ``u = uniforms(seeds, counters,
-  STREAM_SIBLING_ACCEPT + j)``, else ``r_{j+2} = norm(max(0, r_{j+1} - q_j))``. Each round is a
-  speculative-sampling step whose output is distributed as its own target, so the emitted token
-  is distributed as ``p`` (recursive rejection sampling: SpecInfer, arXiv 2305.09781; Jeon et
-  al. 2024, arXiv 2402.14160).
-- Accepting sibling j emits it and then a bonus token from the target's processed distribution
-  at the sibling's node (``uniforms(seeds, counters + 1, STREAM_SAMPLE)``); if every round
-  rejects, one token from the last residual (``uniforms(seeds, counters, STREAM_RECOVER)``).
-  Log-probabilities are those of the processed/raw target distributions, as in ``verify``.
-
-``SiblingDraft`` is the engine's side of one step: ``draw`` (None when the step has no
-siblings), ``extend`` (the tree's tokens and RoPE positions after the chain), ``adopt`` (move an
-accepted sibling's cache entries and features to the first draft position).
-
-``p`` is the root's processed distribution, never modified in place. No Python loop over the batch
-or the vocabulary; the loop over siblings is short (``s <= MAX_SIBLINGS``).
+``draw_siblings(q0, x, s, seeds, counters)`` draws ``s`` more first-token candidates without
+replacement from a stochastic drafter's ``q0``; the target verifies them in the chain's forward
+(a draft tree), and ``resolve_siblings`` runs recursive rejection sampling on the rows whose
+chain rejected its first draft, so the emitted token is still distributed as ``p``.
+``SiblingDraft`` is the engine's side of one step (``draw``, ``extend``, ``adopt``). No input is
+modified in place. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,44 +1,12 @@
 """The speculative rejection sampler: a pure, batched, ragged verification step.
 
-Contract (Leviathan et al. 2023; Chen et al. 2023):
-
-- ``p_i`` is the target's *processed* distribution at position i (``processed_logprobs``: the
-  same temperature/top-k/top-p that plain sampling applies; temperature 0 = one-hot argmax).
-  Position i of ``target_logits`` is the target's prediction after the context and drafts
-  ``x_0 .. x_{i-1}``; so position 0 predicts the token plain decoding would emit this step.
-- Draft ``x_i`` (i < lengths[b]) is drawn from ``q_i`` (``draft_probs``; ``None`` = deterministic
-  drafter, i.e. one-hot q). It is accepted iff ``u_i < min(1, p_i(x_i) / q_i(x_i))`` with
-  ``u_i = uniforms(seeds, counters + i, STREAM_ACCEPT)``. A draft with ``p_i(x_i) = 0`` (e.g. a
-  token that top-k/top-p masks out, or not the argmax of a greedy row) is always rejected.
-- At the first rejection j a *recovered* token is drawn from ``normalize(max(0, p_j - q_j))``
-  (one-hot q: ``p_j`` with ``x_j`` removed) with ``uniforms(.., counters + j, STREAM_RECOVER)``;
-  if that residual is all zero (only when ``p_j == q_j``, where rejection has probability 0) it
-  falls back to ``p_j``. Nothing after j is emitted.
-- If all ``lengths[b]`` drafts are accepted a *bonus* token is drawn from ``p_{lengths[b]}`` with
-  ``uniforms(.., counters + lengths[b], STREAM_SAMPLE)``. A row with ``lengths = 0`` therefore
-  samples exactly (bit for bit) what plain sampling at counter ``counters[b]`` samples.
-- Greedy rows (temperature 0) accept while the draft equals the argmax and then emit the argmax:
-  this falls out of the one-hot ``p``.
-- Outputs per row: ``num_accepted`` accepted drafts followed by one recovered/bonus token,
-  ``num_emitted = num_accepted + 1`` tokens in ``tokens[:, :num_emitted]``; the processed and the
-  raw (temperature 1, untruncated) log-probabilities of every emitted token. Positions at or after
-  ``num_emitted`` hold ``PAD_TOKEN`` and logprob 0.
-
-- ``rule="sample"`` (sample-exact speculation, ``SpecConfig.exact``): position i's token is what
-  plain sampling draws there, ``sample_logits(target_logits[:, i], .., uniforms(seeds,
-  counters + i, STREAM_SAMPLE))`` (the very function plain decoding calls), and a draft is accepted
-  iff it equals that token; the first mismatch (or the bonus position) emits it. With the same
-  logits the output is therefore token for token plain sampling's, at any temperature and
-  top-k/top-p. A deterministic drafter loses no acceptance against the standard rule's
-  ``p_i(x_i)`` on average only where p is concentrated; a stochastic drafter must draw its token
-  with the same uniform (``ProposerBatch.draft_stream = STREAM_SAMPLE``: an inverse-CDF coupling
-  of q and p) for its drafts to match. ``draft_probs`` is not used by this rule.
-
-Counters: this step consumes counters ``counters .. counters + num_emitted - 1`` of each row;
-the next step of the row starts at ``counters + num_emitted``.
-
-No input is modified; no Python loop runs over the batch or the vocabulary. Stateless: all
-randomness comes from ``(seeds, counters)``.
+Draft ``x_i`` (drawn from ``q_i``; ``None`` = one-hot) is accepted iff ``u_i < min(1, p_i(x_i) /
+q_i(x_i))``, ``p`` the target's processed distribution; the first rejection emits a recovered
+token from ``norm(max(0, p - q))``, full acceptance a bonus token from ``p``: the output follows
+plain sampling's distribution (Leviathan et al. 2023; Chen et al. 2023). ``rule="sample"``
+accepts a draft iff it equals plain sampling's token: the output is plain sampling's, token for
+token. Each row emits ``num_accepted + 1`` tokens with processed and raw logprobs and consumes
+as many counters. Stateless; no input is modified. Details: docs/internals.md.
 """
 
 from __future__ import annotations

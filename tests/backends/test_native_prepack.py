@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from specrl.backends.native import NativeBackend
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.kernels import gemv
 from specrl.models.linear import Linear
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 

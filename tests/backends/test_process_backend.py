@@ -19,7 +19,7 @@ from specrl.backends.base import Rollout
 from specrl.backends.native import NativeBackend, build_native
 from specrl.backends.process import ProcessBackend, build_process
 from specrl.config import ConfigError
-from specrl.engine.types import Request
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 from tests.pipelines.pipeline_fakes import tiny_config

@@ -25,9 +25,9 @@ from specrl.backends.native import build_native  # noqa: E402
 from specrl.backends.ray_ import CONTROL, RayBackend, agreed  # noqa: E402
 from specrl.backends.ray_session import RaySession, import_ray  # noqa: E402
 from specrl.config import ConfigError  # noqa: E402
-from specrl.engine.types import Request  # noqa: E402
 from specrl.models.fingerprint import fingerprint  # noqa: E402
 from specrl.pipelines.guard import WeightGuard, WeightSyncError  # noqa: E402
+from specrl.rollout_types import Request  # noqa: E402
 from specrl.sampling import SamplingParams  # noqa: E402
 from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
 from tests.backends.test_process_backend import call_within, perturbed  # noqa: E402

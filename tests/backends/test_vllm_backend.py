@@ -24,11 +24,11 @@ from specrl.backends.vllm import (
 )
 from specrl.backends.vllm_worker import parameters_by_name
 from specrl.engine.engine import Engine
-from specrl.engine.types import Request
 from specrl.models.checkpoints import hf_state_dict, resolve_model
 from specrl.models.fingerprint import fingerprint
 from specrl.models.weights import copy_weights
 from specrl.pipelines.guard import WeightGuard, WeightSyncError
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import SpecConfig
 from tests.backends.sabotage import Sabotaged

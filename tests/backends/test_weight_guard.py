@@ -18,12 +18,12 @@ from specrl.backends import Served
 from specrl.backends.native import NativeBackend, build_native
 from specrl.backends.process import build_process
 from specrl.engine.engine import Engine
-from specrl.engine.types import Request
 from specrl.models.fingerprint import SAMPLES, fingerprint, fingerprint_dtype, positions
 from specrl.models.weights import engine_copy
 from specrl.pipelines.guard import WeightGuard, WeightSyncError
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.train import train
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 from tests.backends.sabotage import Sabotaged

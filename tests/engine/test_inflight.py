@@ -12,8 +12,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.engine.inflight import fresh_seed
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import SpecConfig
 from tests.conftest import make_tiny

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
+from specrl.rollout_types import Request
 from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
 from specrl.spec.config import SpecConfig
 from specrl.spec.verify import verify

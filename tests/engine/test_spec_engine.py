@@ -11,8 +11,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.transformer import layer_prefix_model
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams, processed_logprobs_for
 from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
 from tests.conftest import DEVICES, assert_teacher_forced, make_tiny

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 from tests.conftest import make_tiny

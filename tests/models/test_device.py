@@ -7,7 +7,7 @@ import torch
 
 from specrl.backends import check_device, placement, run_device
 from specrl.config import ConfigError, load_config
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models import device as device_module
 from specrl.models.device import (
     DeviceError,
@@ -17,6 +17,7 @@ from specrl.models.device import (
     resolve_device,
 )
 from specrl.models.precision import resolve_precision
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 
@@ -126,17 +127,17 @@ def test_memory_fraction_caps_concurrent_rows_not_results(monkeypatch):
     free = Engine(model, max_batch=8).generate(requests)
     limit = 3 + 6 + 1 + 1  # longest prompt + new tokens + the cache's spare positions
     budget = rows_for(4, model, limit)  # 3 rows + the stash slot
-    monkeypatch.setattr("specrl.engine.engine.memory_budget", lambda d, f, held=0: budget)
+    monkeypatch.setattr("specrl.engine.kv.memory_budget", lambda d, f, held=0: budget)
     engine = Engine(model, max_batch=8, memory_fraction=0.5)
     capped = engine.generate(requests)
-    assert engine._batch_cap == 3
+    assert engine._kv.batch_cap == 3
     assert engine._cache.slots <= 4
     assert [c.token_ids for c in capped] == [c.token_ids for c in free]
 
 
 def test_memory_fraction_too_small_is_one_line(monkeypatch):
     model = make_tiny(seed=2)
-    monkeypatch.setattr("specrl.engine.engine.memory_budget", lambda d, f, held=0: 10)
+    monkeypatch.setattr("specrl.engine.kv.memory_budget", lambda d, f, held=0: 10)
     engine = Engine(model, max_batch=8, memory_fraction=0.25)
     params = SamplingParams(max_new_tokens=4, seed=1)
     with pytest.raises(MemoryError, match="memory_fraction=0.25"):
@@ -152,13 +153,13 @@ def test_a_smaller_budget_makes_the_cache_anew(monkeypatch):
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=5, seed=3)
     limit = 3 + 6 + 1 + 1
     budget = [rows_for(9, model, limit)]  # 8 rows + the stash slot
-    monkeypatch.setattr("specrl.engine.engine.memory_budget", lambda d, f, held=0: budget[0])
+    monkeypatch.setattr("specrl.engine.kv.memory_budget", lambda d, f, held=0: budget[0])
     engine = Engine(model, max_batch=8, memory_fraction=0.5)
     first = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
     assert engine._cache.slots == 9
     budget[0] = rows_for(3, model, limit)  # 2 rows + the stash slot
     again = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
-    assert engine._cache.slots == 3 and engine._batch_cap == 2
+    assert engine._cache.slots == 3 and engine._kv.batch_cap == 2
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
 
 

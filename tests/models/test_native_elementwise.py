@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from specrl.kernels import gemv
+from specrl.models.rope import rotate_half
 from specrl.models.transformer import (
     MLP,
     RMSNorm,
-    rotate_half,
     set_native_elementwise,
     set_native_kernels,
 )

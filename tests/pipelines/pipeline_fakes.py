@@ -64,7 +64,7 @@ class FakeBackend:
 
     def generate(self, requests, spec=None):
         from specrl.backends import Rollout
-        from specrl.engine.types import Completion
+        from specrl.rollout_types import Completion
 
         self.calls.append(("generate", self.version))
         kind = "eval" if requests and requests[0].sampling.n == 1 else "train"

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from specrl.config import ConfigError
-from specrl.engine.stats import EngineStats
 from specrl.pipelines.alarm import MIN_DRAFTS, WARMUP, AcceptanceAlarm, alarm_line
 from specrl.pipelines.train import train
+from specrl.rollout_types import EngineStats
 from tests.pipelines.pipeline_fakes import FakeBackend, fake_parts, tiny_config
 
 DRAFTS = 64  # drafting (row, verify step) pairs per fake rollout (>= MIN_DRAFTS)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from specrl.engine.engine import Engine
-from specrl.engine.types import Request
 from specrl.rl.corrections import CORRECTIONS, get_correction
 from specrl.rl.learner import Learner, TrainSample, token_logprobs
 from specrl.rl.losses import get_loss
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import make_tiny
 

@@ -13,7 +13,13 @@ from specrl.sim.calibrate import fit_trace, parse_trace
 from specrl.sim.cost import ForwardShape, StepCostModel, forward_flops
 from specrl.sim.runner import hardware
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import list_specs, load_drafter, load_hardware, load_model
+from specrl.sim.specs import (
+    list_specs,
+    load_drafter,
+    load_hardware,
+    load_model,
+    with_overrides,
+)
 
 SMOL = load_model("smollm2-135m")
 
@@ -60,7 +66,7 @@ def test_draft_coverage_pads_verify_to_the_longest_draft():
 
 def test_verify_sampler_prices_every_verified_logit():
     base = costs()
-    sampler = replace(base, hw=replace(base.hw, verify_s_per_logit=1e-9))
+    sampler = replace(base, hw=with_overrides(base.hw, verify_s_per_logit=1e-9))
     extra = sampler.verify(8, 3, 200) - base.verify(8, 3, 200)
     assert extra == pytest.approx(8 * 4 * SMOL.vocab * 1e-9)
     assert sampler.decode(8, 200) == base.decode(8, 200)
@@ -68,7 +74,7 @@ def test_verify_sampler_prices_every_verified_logit():
 
 def test_prefill_rate_adds_to_prefills_only():
     base = costs()
-    own = replace(base, hw=replace(base.hw, prefill_s_per_flop=1e-12))
+    own = replace(base, hw=with_overrides(base.hw, prefill_s_per_flop=1e-12))
     flops = forward_flops(SMOL, ForwardShape(3, 100, 0.0))
     assert own.prefill(3, 100) - base.prefill(3, 100) == pytest.approx(flops * 1e-12)
     assert own.decode(8, 200) == base.decode(8, 200)
@@ -76,21 +82,23 @@ def test_prefill_rate_adds_to_prefills_only():
 
 def test_forwards_wider_than_the_largest_graph_pay_host_launches_per_layer():
     base = costs()
-    capped = replace(base, hw=replace(base.hw, graph_capture_tokens=32, eager_s_per_layer=1e-4))
+    capped = replace(
+        base, hw=with_overrides(base.hw, graph_capture_tokens=32, eager_s_per_layer=1e-4)
+    )
     eager = SMOL.layers * 1e-4
     assert capped.decode(32, 200) == base.decode(32, 200)  # 32 tokens: graphed
     assert capped.decode(33, 200) - base.decode(33, 200) == pytest.approx(eager)
     assert capped.verify(8, 3, 200) == base.verify(8, 3, 200)  # 8 x 4 = 32 tokens
     assert capped.verify(8, 4, 200) - base.verify(8, 4, 200) == pytest.approx(eager)
     assert capped.prefill(1, 40) - base.prefill(1, 40) == pytest.approx(eager)
-    no_cap = replace(base, hw=replace(base.hw, eager_s_per_layer=1e-4))  # cap 0: no limit
+    no_cap = replace(base, hw=with_overrides(base.hw, eager_s_per_layer=1e-4))  # cap 0: no limit
     assert no_cap.step(64, 3, 200) == base.step(64, 3, 200)
 
 
 def test_a_wide_catch_up_forward_of_the_drafter_pays_for_its_own_layers():
     hw = load_hardware("h100")
     base = StepCostModel(load_model("qwen3-8b"), hw, 1, load_drafter("eagle3"))
-    capped = replace(base, hw=replace(hw, graph_capture_tokens=100, eager_s_per_layer=1e-4))
+    capped = replace(base, hw=with_overrides(hw, graph_capture_tokens=100, eager_s_per_layer=1e-4))
     head = base.draft_model
     assert head is not None and 0 < head.layers < base.target.layers
     # 32 rows at k = 3: the catch-up forward is 128 tokens wide, the next two 32
@@ -130,7 +138,9 @@ def _trace(truth: StepCostModel, cpu_s_per_seq: float) -> dict:
 
 
 def test_calibration_recovers_the_verify_sampler_prefill_and_drafter_cost():
-    hw = replace(load_hardware("cpu-2core"), verify_s_per_logit=3e-9, prefill_s_per_flop=2e-12)
+    hw = with_overrides(
+        load_hardware("cpu-2core"), verify_s_per_logit=3e-9, prefill_s_per_flop=2e-12
+    )
     trace = parse_trace(_trace(StepCostModel(SMOL, hw), cpu_s_per_seq=2e-4))
     report = fit_trace(trace, load_hardware("cpu-2core"), heldout_configs=("big",))
     assert report.profile.verify_s_per_logit == pytest.approx(3e-9, rel=1e-6)
@@ -148,7 +158,7 @@ def test_cli_calibrate_takes_base_from_trace_and_writes_the_drafter(tmp_path):
     app = typer.Typer()
     app.command("other")(lambda: None)  # a group needs a sibling command, as in the main app
     register(app)
-    hw = replace(load_hardware("cpu-2core"), verify_s_per_logit=3e-9)
+    hw = with_overrides(load_hardware("cpu-2core"), verify_s_per_logit=3e-9)
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(_trace(StepCostModel(SMOL, hw), 2e-4)))
     prof = tmp_path / "fit.toml"

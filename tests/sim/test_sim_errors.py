@@ -88,18 +88,18 @@ RUN_CASES = {
         "above at_k + 1 = 2",
     ),
     "k-zero": (_set(SYNC, "speculation.k=0"), "greater than or equal to 1"),
-    "k-not-a-number": (_set(SYNC, "speculation.k=abc"), "valid integer, got 'abc'"),
-    "k-bool": (_set(SYNC, "speculation.k=true"), "valid integer, got True"),
-    "gpus-float": (_set(SYNC, "generation.gpus=2.5"), "valid integer"),
+    "k-not-a-number": (_set(SYNC, "speculation.k=abc"), 'expected an integer (got "abc")'),
+    "k-bool": (_set(SYNC, "speculation.k=true"), "expected an integer (got true)"),
+    "gpus-float": (_set(SYNC, "generation.gpus=2.5"), "expected an integer"),
     "mean-inf": (_set(SYNC, "workload.mean_response_len=inf"), "finite number"),
-    "bool-string": (_set(SYNC, "speculation.enabled=yes"), "valid boolean"),
+    "bool-string": (_set(SYNC, "speculation.enabled=yes"), "expected true or false"),
     "unknown-key": (_set(SYNC, "speculation.kk=3"), "did you mean speculation.k?"),
     "unknown-section": (_set(SYNC, "specualtion.k=3"), "did you mean speculation?"),
     "removed-key-lists-valid": (_set(SYNC, "pipeline.steps=6"), "pipeline.warmup_periods"),
-    "not-key-value": (_set(SYNC, "speculation.k"), "not KEY=VALUE"),
-    "empty-key-part": (_set(SYNC, "speculation..k=3"), "not KEY=VALUE"),
-    "key-below-value": (_set(SYNC, "model.x=1"), "model is a value, not a table"),
-    "value-for-table": (_set(SYNC, "speculation=3"), "expected a table of keys"),
+    "not-key-value": (_set(SYNC, "speculation.k"), "expected section.key=value"),
+    "empty-key-part": (_set(SYNC, "speculation..k=3"), "expected section.key=value"),
+    "key-below-value": (_set(SYNC, "model.x=1"), "model is not a table"),
+    "value-for-table": (_set(SYNC, "speculation=3"), "expected a table"),
     "unknown-model": (_set(SYNC, "model=qwen3-8"), "did you mean qwen3-8b?"),
     "unknown-hardware": (_set(SYNC, "hardware=h10"), "valid: b200, cpu-2core"),
     "unknown-drafter": (_set(SYNC, "speculation.drafter=eagle"), "did you mean eagle3?"),
@@ -145,7 +145,7 @@ RUN_CASES = {
     "negative-seed": (_set(SYNC, "workload.seed=-1"), "workload.seed"),
     "staleness-in-sync": (
         _set(SYNC, "pipeline.staleness=3"),
-        "pipeline.staleness applies only with pipeline.mode = 'async'",
+        "pipeline.staleness=3 needs pipeline.mode='async'",
     ),
     "warmup-in-sync": (_set(SYNC, "pipeline.warmup_periods=0"), "pipeline.warmup_periods"),
 }
@@ -187,7 +187,7 @@ def _file_case(name: str, tmp: Path) -> tuple[list[str], str]:
     """(args, expected text) for a scenario or spec file that is wrong in one way."""
     base = _scenario_text()
     if name == "malformed-toml":
-        return [str(_write(tmp / "s.toml", base + "\n[workload\n"))], "malformed TOML"
+        return [str(_write(tmp / "s.toml", base + "\n[workload\n"))], "invalid TOML"
     if name == "directory":
         (tmp / "d.toml").mkdir()
         return [str(tmp / "d.toml")], "is a directory"
@@ -200,10 +200,12 @@ def _file_case(name: str, tmp: Path) -> tuple[list[str], str]:
         return [str(_write(tmp / "s.toml", text))], "did you mean speculation.k?"
     if name == "wrong-type-in-file":
         text = base.replace("[speculation]\n", '[speculation]\ntree_width = "two"\n')
-        return [str(_write(tmp / "s.toml", text))], "speculation.tree_width: should be a valid"
+        return [
+            str(_write(tmp / "s.toml", text))
+        ], "bad value for speculation.tree_width: expected an integer"
     if name == "missing-name":
         text = "\n".join(line for line in base.splitlines() if not line.startswith("name ="))
-        return [str(_write(tmp / "s.toml", text))], "name: required"
+        return [str(_write(tmp / "s.toml", text))], "missing scenario key 'name'"
     if name == "drafter-kind":
         spec = _write(tmp / "d.toml", 'name = "d"\nkind = "eagle4"\n')
         return _set(SYNC, f"speculation.drafter={spec}"), "did you mean eagle3?"
@@ -213,7 +215,9 @@ def _file_case(name: str, tmp: Path) -> tuple[list[str], str]:
     if name == "model-field-type":
         text = (data_root() / "models" / "qwen3-8b.toml").read_text()
         text = text.replace("layers = 36", 'layers = "many"')
-        return _set(SYNC, f"model={_write(tmp / 'm.toml', text)}"), "layers must be a finite int"
+        return _set(
+            SYNC, f"model={_write(tmp / 'm.toml', text)}"
+        ), "bad value for layers: expected an integer"
     if name == "out-under-a-file":
         blocker = _write(tmp / "file.txt", "x")
         return [SYNC, "--out", str(blocker / "out")], "--out"

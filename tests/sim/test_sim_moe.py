@@ -3,8 +3,6 @@ all-to-all fitted on DeepEP), routing skew, TP all-reduce, FP8 weights, and thei
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from specrl.sim.cost import (
@@ -25,7 +23,13 @@ from specrl.sim.errors import SimInputError
 from specrl.sim.published import DEEPEP_LOW_LATENCY, fit_all_to_all, h800
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import list_specs, load_drafter, load_hardware, load_model
+from specrl.sim.specs import (
+    list_specs,
+    load_drafter,
+    load_hardware,
+    load_model,
+    with_overrides,
+)
 
 Q235, Q30 = load_model("qwen3-235b-a22b"), load_model("qwen3-30b-a3b")
 H100, H200 = load_hardware("h100"), load_hardware("h200")
@@ -90,7 +94,7 @@ def test_all_to_all_constants_are_the_deepep_fit():
         if not name.startswith("cpu"):
             assert hw.a2a_latency_s == pytest.approx(latency, rel=0.01), name
             assert hw.a2a_efficiency == pytest.approx(efficiency, rel=0.01), name
-    fitted = replace(h800(), a2a_latency_s=latency, a2a_efficiency=efficiency)
+    fitted = with_overrides(h800(), a2a_latency_s=latency, a2a_efficiency=efficiency)
     errors = [
         abs(all_to_all_time(fitted, p.ep, p.bytes_per_gpu) / p.seconds - 1)
         for p in DEEPEP_LOW_LATENCY

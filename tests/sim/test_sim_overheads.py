@@ -21,7 +21,7 @@ from specrl.sim.acceptance import (
 from specrl.sim.cost import StepCostModel
 from specrl.sim.drafters import catches_up
 from specrl.sim.rollout import EngineConfig, simulate_rollout
-from specrl.sim.specs import load_drafter, load_hardware, load_model
+from specrl.sim.specs import load_drafter, load_hardware, load_model, with_overrides
 
 QWEN8B, H100 = load_model("qwen3-8b"), load_hardware("h100")
 
@@ -37,7 +37,7 @@ def test_eagle_draft_is_a_catch_up_forward_then_one_token_forwards():
         want = c.draft_forward(16, k + 1, 900) + (k - 1) * c.draft_forward(16, 1, 900)
         assert c.draft(16, k, 900) == pytest.approx(want)
     # every forward pays the per-forward overhead: k of them
-    slower = replace(c, hw=replace(H100, forward_overhead_s=H100.forward_overhead_s + 1e-3))
+    slower = replace(c, hw=with_overrides(H100, forward_overhead_s=H100.forward_overhead_s + 1e-3))
     assert slower.draft(16, 5, 900) - c.draft(16, 5, 900) == pytest.approx(5e-3)
 
 

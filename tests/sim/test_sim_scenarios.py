@@ -7,10 +7,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from specrl.settings import with_overrides
 from specrl.sim.calibrate import fit_trace, parse_trace
 from specrl.sim.cost import StepCostModel
 from specrl.sim.runner import run_scenario
-from specrl.sim.scenario import apply_overrides, load_scenario
+from specrl.sim.scenario import load_scenario
 from specrl.sim.specs import list_specs, load_hardware, load_model
 
 
@@ -82,7 +83,7 @@ def test_every_bundled_scenario_runs(name):
 
 
 def test_overrides_parse_toml_literals_and_reject_unknown_keys():
-    data = apply_overrides({"a": {"b": 1}}, ["a.b=2.5", "a.c=true", "d=eagle3", 'e="x y"'])
+    data = with_overrides({"a": {"b": 1}}, ["a.b=2.5", "a.c=true", "d=eagle3", 'e="x y"'])
     assert data == {"a": {"b": 2.5, "c": True}, "d": "eagle3", "e": "x y"}
     with pytest.raises(ValueError):
         load_scenario("paper-8b-sync", ["workload.no_such_field=1"])
@@ -153,7 +154,7 @@ def test_sim_package_stands_apart():
     import subprocess
     import sys
 
-    leaves = ("specrl.errors", "specrl.fsutil", "specrl.cli_util")  # import nothing from specrl
+    leaves = ("specrl.errors", "specrl.fsutil", "specrl.cli_util", "specrl.settings")  # leaves
     code = (
         "import sys, specrl.sim.cli; bad = [m for m in sys.modules if m == 'torch' or "
         "(m.startswith('specrl.') and not m.startswith('specrl.sim') and m not in "

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.kernels import gemv
 from specrl.models.transformer import layer_prefix_model
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 from tests.conftest import PROMPTS

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
 from specrl.models.checkpoints import bundled_gguf, resolve_model
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from tests.conftest import PROMPTS
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specrl.engine import Engine, Request
+from specrl.engine import Engine
+from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.sim.calibrate import Record, features
 from specrl.sim.cost import StepCostModel
@@ -263,8 +264,6 @@ def test_model_spec_counts_the_models_parameters():
 def test_controller_and_simulator_calibration_agree(smollm2):
     """One cost model, two users: the simulator's trace calibration (``fit_trace``) and the
     controller's fit of the same records give the same hardware profile."""
-    from dataclasses import replace
-
     from specrl.sim.calibrate import Trace, fit_trace
 
     records = true_records(smollm2, calibration_shapes(64, 3))
@@ -272,7 +271,7 @@ def test_controller_and_simulator_calibration_agree(smollm2):
     base = load_hardware("cpu-2core")
     simulator = fit_trace(trace, base, heldout_fraction=0.0).profile
     controller = TargetCost(smollm2, records).cost.hw
-    assert replace(controller, name=simulator.name) == simulator
+    assert with_overrides(controller, name=simulator.name) == simulator
 
 
 def test_a_dropped_rate_costs_nothing_in_the_fitted_profile(smollm2):

@@ -1,16 +1,10 @@
 """Drafters behind one ``Proposer`` protocol (see ``base``), looked up by name.
 
-``register_proposer(name)`` is a class decorator that records a proposer class under ``name``
-(and sets its ``name`` attribute); ``get_proposer_class(name)`` returns it. Modules in this
-package register themselves when imported; a lookup that misses imports every module of the
-package once, so a new drafter only needs a module here with a decorated class. Names are unique:
-registering a second class under a taken name raises ``ValueError``. ``proposer_takes(name, arg)``
-says whether a drafter's constructor takes ``arg`` (``drafter_path``: a trained head directory;
-``draft_model``: a draft model), the one test callers use to decide what a drafter needs.
-``head_kind(name)`` is the kind of head a drafter loads (``eagle3`` for ``hybrid``);
-``takes_siblings(name)`` whether it is stochastic (siblings apply only to those).
-
-The registry dict is the only module-level mutable state.
+``register_proposer(name)`` records a proposer class under a unique name;
+``get_proposer_class(name)`` returns it (a miss imports every module of the package once, so a
+new drafter is just a module here). ``proposer_takes(name, arg)``, ``head_kind(name)`` and
+``takes_siblings(name)`` say what a drafter needs. The registry dict is the only module-level
+mutable state. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The ``Proposer`` protocol: what every drafter offers the engine, and what it is given.
 
-Contract:
-- Each decode step the engine builds a ``ProposerBatch`` (one entry per live sequence, in batch
-  order) and calls ``propose(batch, k)``. The returned ``Draft`` has ``tokens[B, k]`` and
-  ``lengths[B]`` (0 <= lengths <= k; a row may draft nothing) and ``probs[B, k, V]``: the
-  distribution each draft token was actually drawn from, or ``None`` for a deterministic drafter
-  (one-hot q). ``verify`` needs exactly that q; never pass a distribution the tokens were not
-  drawn from.
-- ``histories[b]`` is the full token history of row b: prompt followed by every emitted token;
-  its last token is the one the target reads first this step. ``prompt_lengths[b]`` (optional)
-  says where the prompt ends. ``group_keys[b]`` identifies the prompt (GRPO siblings share it; the
-  same prompt token ids give the same key across calls); ``row_ids[b]`` identifies the sequence
-  while it lives.
-- After verification the engine calls ``observe(row_ids, accepted)`` with the number of tokens
-  each row emitted (lets a stateful drafter advance or roll back its own state), and
-  ``finish(row_id, group_key, completion_tokens)`` once a sequence ends.
-- ``load_weights(state)`` refreshes a learned drafter after a policy update (no-op for model-free
-  drafters); a drafter that is never refreshed stays correct but its acceptance collapses.
-- ``deterministic`` is True iff ``propose`` always returns ``probs=None``.
-- Devices: the batch's tensors (and ``hidden``) are on the engine's device; a learned drafter
-  drafts there, a model-free one may return its ``Draft`` on the host (the engine moves it with
-  one copy per step, ``Draft.to``), never syncing per row.
-
-This module holds only data types and the protocol; drafters live in sibling modules and are
-registered by name in ``specrl.spec.proposers``.
+Each decode step the engine calls ``propose(ProposerBatch, k) -> Draft`` (``tokens[B, k]``,
+``lengths[B]``, ``probs[B, k, V]`` = the distribution each draft was drawn from, ``None`` for a
+deterministic drafter), then ``observe(row_ids, accepted)``, and ``finish`` when a sequence
+ends; ``load_weights`` refreshes a learned drafter. Only data types and the protocol live here;
+drafters live in sibling modules. Details: docs/internals.md.
 """
 
 from __future__ import annotations

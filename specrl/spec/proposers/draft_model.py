@@ -1,15 +1,10 @@
 """Drafting with a (smaller) language model that shares the target's tokenizer.
 
-Contract: ``DraftModelProposer(model)`` keeps its own KV cache with one slot per live sequence
-(looked up by ``row_id``; freed on ``finish``). Each ``propose`` first feeds the tokens of the
-row's history the drafter has not seen (a new row's prompt is prefilled; after verification the
-cache is valid up to the longest common prefix of what it was fed and the history, the rest is
-overwritten), then samples k tokens autoregressively at the row's processed distribution
-(temperature/top-k/top-p, greedy = argmax) with ``ProposerBatch.draft_stream`` uniforms,
-returning q (``probs``) for the verifier. ``bind`` checks vocabulary and context against the
-engine before any generation. ``load_weights(named)`` takes new weights under the model's
-parameter names (a draft model trained during RL). ``self`` is the same class with the target
-model: q == p, acceptance 1.
+``DraftModelProposer(model)`` keeps its own KV cache (a slot per live row), feeds each row the
+history it has not seen, then samples k tokens from the row's processed distribution with
+``draft_stream`` uniforms and returns q. ``bind`` checks vocabulary and context;
+``load_weights`` takes new weights. ``self`` is the same class with the target (q == p).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

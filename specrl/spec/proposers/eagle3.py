@@ -1,22 +1,11 @@
 """EAGLE-3 drafting: a ``DraftHead`` reading the target features the engine hands over.
 
-Contract: ``Eagle3Proposer(target_model, drafter_path=None, drafter=None)`` drafts with a head
-loaded from ``drafter_path`` (``specrl.models.heads`` format), or the given ``DraftHead``, or an
-untrained head (random init; lossless but with low acceptance) when neither is given. The class
-sets ``hidden_layers`` (per instance) so the engine captures those target layers in every target
-forward and hands each row the features of its positions that became history since the last
-propose (``ProposerBatch.hidden``; feature i predicted history[i + 1]).
-
-Each ``propose`` feeds those features through the head at their positions (its own KV cache, one
-slot per live row, plus one scratch slot that padding writes into); positions that held the
-head's own drafts are simply overwritten, since the true features replace them. The output at the
-last fed position gives the first draft; k-1 more steps feed the head's own output back. Tokens are
-sampled from the processed distribution (temperature/top-k/top-p of the row) of the head's logits
-with ``ProposerBatch.draft_stream`` uniforms and that distribution is returned as q
-(``deterministic=False``);
-a head with a reduced draft vocabulary samples over its Vd tokens and returns q scattered into the
-target vocabulary (zero outside it).
-``check`` refuses a head built for a target of another hidden size, vocabulary or depth.
+``Eagle3Proposer(target_model, drafter_path=None, drafter=None)`` drafts with a loaded, given or
+untrained head; its ``hidden_layers`` tell the engine which target layers to capture. Each
+``propose`` feeds the new features through the head (its own KV cache), drafts k tokens from its
+processed distribution with ``draft_stream`` uniforms and returns that q (scattered into the
+target vocabulary for a reduced draft vocabulary). ``check`` refuses a head of another target.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

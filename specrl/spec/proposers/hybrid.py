@@ -1,37 +1,11 @@
-"""``hybrid``: per row, the suffix drafter where earlier rollouts predict it, the EAGLE-3 head
-elsewhere.
+"""``hybrid``: per row, a suffix draft where earlier rollouts predict it, else the EAGLE-3 head.
 
-Contract: ``HybridProposer(target_model, drafter_path=None, drafter=None)`` holds an EAGLE-3 head
-(as ``Eagle3Proposer``: the same head directory, cache and ``load_weights``, so a run trains it
-online exactly as for ``eagle3``; ``kind`` "eagle3") and a ``SuffixProposer`` over the prompt
-groups' earlier completions and live siblings (its index is the drafter's cross-call state,
-``state_dict`` / ``load_state_dict``). Each ``propose(batch, k)``:
-
-- asks the suffix drafter first (free: no model forward) and scores each row's two options by
-  expected accepted tokens, ``sum_j prod_{i<=j} a(i, key_i)`` over the draft's positions, with
-  ``a(i, key)`` the running acceptance rate of draft position i (an EMA, prior ``PRIOR``) for
-  a key: "head" for the head's drafts, and for a suffix draft the evidence of its token i
-  (``support_key``: how many earlier occurrences continued that way, 1 / 2-3 / 4+, from
-  ``SuffixProposer.last_support``), so a row's suffix draft is scored by how well drafts with
-  its evidence were accepted. The head's rates come from the verifier's verdicts on its
-  drafts. The suffix drafter's come from its verdicts too and, for rows that took the head,
-  from comparing the suffix draft with the tokens the row then emitted (emitted tokens follow
-  the target's distribution exactly, so a match has the probability a one-hot draft is
-  accepted): the suffix source keeps being measured while it is not chosen. A verdict is folded
-  in at the row's next propose (a row that finishes first drops it: its last draft may have
-  been cut by the row's token limit, which would read as a rejection);
-- a row takes the suffix draft when it expects at least as many accepted tokens as the head's k
-  (the suffix draft costs no head forward, so it wins ties), else the head's draft. Only the
-  rows that take the head run it: a step where every row drafts from its siblings runs no head
-  forward. A row's target features are kept until the head next reads them; a row that has
-  kept ``FEED_EVERY`` or more is fed to the head's KV cache without drafting (memory and
-  catch-up width stay bounded);
-- returns one ``Draft``: ``probs`` is the head's q for head rows and one-hot at the suffix tokens
-  for suffix rows (a deterministic draft's q), so the verifier's rejection rule stays exact for
-  every row (``deterministic`` False). ``last_sources`` records each row's choice.
-
-A rewritten history (in-flight weight updates with reverify/discard) is not supported: kept
-features would precede the rewritten positions (``engine.inflight`` refuses the combination).
+``HybridProposer(target_model, drafter_path=None, drafter=None)`` holds an EAGLE-3 head (trained
+online as for ``eagle3``) and a ``SuffixProposer`` over the prompt groups' completions. Each
+``propose`` scores a row's suffix draft and the head's by expected accepted tokens from running
+per-position acceptance rates (measured for both sources), gives each row the better (the suffix
+on ties) and runs the head only for its rows; the returned ``Draft`` is exact for every row.
+Rewritten histories (in-flight reverify/discard) are not supported. Details: docs/internals.md.
 """
 
 from __future__ import annotations

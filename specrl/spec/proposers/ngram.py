@@ -1,17 +1,10 @@
 """``ngram``: prompt-lookup drafting over each row's own history (model-free, deterministic).
 
-Contract: for row b with history h (prompt + emitted tokens), for n from ``max_n`` down to
-``min_n``, find the most recent earlier occurrence of the last n tokens, i.e. the largest
-``s <= len(h) - n - 1`` with ``h[s:s+n] == h[-n:]``, and draft the tokens that followed it,
-``h[s+n : s+n+k]`` (at least one, at most k). The first n with a match wins; no match -> an empty
-draft (length 0). Drafts are deterministic (``probs=None``).
-
-Cost: each row keeps an index {n-gram -> most recent start} that is extended with the tokens
-emitted since the previous step, so a step costs O(new tokens x (max_n - min_n + 1)) per row, not
-a scan of the history. Histories of a row id must only grow (they do: they hold emitted tokens);
-a history that is not an extension of the indexed one (row id reused) is re-indexed. The index
-of a row is dropped by ``finish``; at most ``max_rows`` rows are kept (least recently used first
-out), so a caller that never calls ``finish`` still has bounded memory.
+For n from ``max_n`` down to ``min_n``, the most recent earlier occurrence of the row's last n
+tokens gives the draft: the (at most k) tokens that followed it; no match -> an empty draft.
+Drafts are deterministic (``probs=None``). A per-row incremental index keeps a step's cost in
+the new tokens; ``finish`` drops a row, and at most ``max_rows`` rows are kept (LRU).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

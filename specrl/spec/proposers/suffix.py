@@ -1,35 +1,11 @@
 """``suffix``: SRT / suffix-decoding style drafts from a per-prompt history (model-free).
 
-What is indexed, per prompt (``group_key``):
-- earlier completions of the prompt: finished GRPO siblings (``finish``) and completions from
-  earlier calls or RL steps (``add_completion``). When the engine passes ``prompt_lengths`` the
-  group remembers the last ``max_match`` prompt tokens and stores each completion behind them, so
-  a completion's first tokens can be drafted right after the prompt;
-- the live histories of the other rows of the batch with the same ``group_key`` (siblings being
-  generated now; ``use_own_history=True`` adds the row's own history as well).
-
-Proposal for a row with history h: find the longest suffix of h (at most ``max_match`` tokens,
-at least ``min_match``) that occurs in an indexed sequence with at least one token after it. The
-occurrences of that suffix form a node of an (implicit) suffix trie whose count is the number of
-occurrences; draft greedily the most frequent next token (ties: smallest token id), then the most
-frequent token after that among the occurrences that continued so, and so on, while
-``count(child) / count(parent) >= min_confidence``, for at most k tokens. Drafts therefore always
-reproduce a continuation that actually occurred after the matched suffix. Drafts are
-deterministic (``probs=None``). ``last_support`` holds, per row of the last ``propose``, the
-count of each drafted token (how many occurrences continued that way: the draft's evidence).
-
-The trie is implicit: occurrences are found by vectorised comparisons over the group's token
-array (numpy), so memory is just the stored tokens and a step costs a few numpy passes over the
-group's tokens per row, no Python loop over the history.
-
-Memory bound and eviction policy:
-- at most ``max_tokens_per_group`` stored tokens per prompt (prompt tail included); adding a
-  completion past the cap drops that prompt's oldest completions first (FIFO); a single
-  completion longer than the cap keeps its first tokens only;
-- at most ``max_groups`` prompts; the least recently used prompt (used = proposed for, finished,
-  or added to) is dropped whole.
-So stored tokens <= ``max_groups * max_tokens_per_group``. Live sibling histories are read from
-the batch each step and not stored.
+Per prompt (``group_key``) it indexes earlier completions (``finish``, ``add_completion``) and
+reads live siblings' histories from the batch. A row's draft follows the longest matched suffix
+of its history along the most frequent continuation while its share stays ``>= min_confidence``
+(deterministic, ``probs=None``); ``last_support`` holds each drafted token's count (how many
+occurrences continued that way). Memory is bounded by ``max_groups * max_tokens_per_group``
+(FIFO completions per prompt, LRU prompts). Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""A live row of a running ``generate`` call, what is sampled for it and the call's speculation.
+
+Contract: ``Seq`` is one live sequence (its completion record, history, stop set, and the target
+features not yet handed to the drafter); ``RowTensors`` are the rows' sampling settings as device
+tensors [B]; ``sample_rows`` samples one token per row with counter-based randomness
+(``specrl.sampling.uniforms``), so a row samples the same tokens alone or batched; ``ActiveSpec``
+is the running call's speculation, by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from specrl.models.device import on
+from specrl.rollout_types import Completion
+from specrl.sampling import STREAM_SAMPLE, SamplingParams, sample_logits, uniforms
+from specrl.spec.config import SpecConfig
+from specrl.spec.proposers.base import Proposer
+
+
+@dataclass
+class Seq:
+    """One live sequence: its completion record and decoding position."""
+
+    comp: Completion
+    params: SamplingParams
+    history: list[int]  # prompt + emitted tokens
+    max_total: int  # history length at which the sequence must stop
+    group_key: int
+    row_id: int
+    stop: frozenset[int] = frozenset()
+    # target features [n, F] of history positions not yet handed to the drafter (learned drafters)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def pos(self) -> int:
+        """Cache position of the last emitted token (not yet in the cache)."""
+        return len(self.history) - 1
+
+
+@dataclass
+class RowTensors:
+    """Per-row sampling tensors for the current batch composition, all [B]."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[Seq], device: torch.device) -> RowTensors:
+        return cls(*on(device,  # built on the host, one copy each
+            torch.tensor([s.params.temperature for s in rows], dtype=torch.float32),
+            torch.tensor([s.params.top_k for s in rows], dtype=torch.int64),
+            torch.tensor([s.params.top_p for s in rows], dtype=torch.float32),
+            torch.tensor([s.comp.seed for s in rows], dtype=torch.int64),
+        ))  # fmt: skip
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [N]
+    logprobs: torch.Tensor  # [N] processed
+    raw_logprobs: torch.Tensor  # [N]
+
+
+def sample_rows(logits: torch.Tensor, t: RowTensors, counters: torch.Tensor) -> Sampled:
+    """Sample one token per row from logits [N, V] with per-row settings at counters [N]."""
+    u = uniforms(t.seeds, counters, STREAM_SAMPLE)
+    return Sampled(*sample_logits(logits, t.temperature, t.top_k, t.top_p, u))
+
+
+class ActiveSpec(NamedTuple):
+    """The speculation of the running call (the engine's own between calls)."""
+
+    spec: SpecConfig
+    proposer: Proposer | None = None  # None: plain decoding
+    capture: tuple[int, ...] = ()  # target layers whose features the drafter reads
+
+    @classmethod
+    def of(cls, spec: SpecConfig, proposer: Proposer | None) -> ActiveSpec:
+        """``spec`` with its ``proposer`` when speculation is on."""
+        proposer = proposer if spec.enabled else None
+        return cls(spec, proposer, tuple(getattr(proposer, "hidden_layers", ()) or ()))

@@ -1,0 +1,318 @@
+"""The settings machinery every specrl input shares: strict pydantic ``Section``s read from TOML,
+``key.sub=value`` overrides, one-line errors, applies-only rules and commented TOML.
+
+``specrl.config`` (the run) and the simulator (scenarios, specs) build on it, so both read,
+override and report alike: ``validate`` gives one line, ``bad value for KEY: EXPECTED (got
+VALUE)``, ``unknown WHAT key 'KEY'``, ``missing WHAT key 'KEY'``, joined by "; "; every problem
+is a ``SettingsError`` (``errors_as`` re-raises it as the caller's type). A leaf: imports nothing
+from specrl. Details: docs/internals.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import reduce
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import tomlkit
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class SettingsError(ValueError):
+    """A bad settings input; the message is one line naming the key and the offending value."""
+
+
+@contextmanager
+def errors_as(kind: type[Exception]) -> Iterator[None]:
+    """Re-raise a ``SettingsError`` from the block as ``kind`` (same message)."""
+    try:
+        yield
+    except SettingsError as e:
+        raise kind(str(e)) from None
+
+
+class Section(BaseModel):
+    """A strict table of settings (see the module's contract)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        validate_assignment=True,
+        validate_default=True,
+    )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
+    """The table of a TOML file; ``what`` names the file in the error (``cannot read WHAT PATH:
+    ...``, ``WHAT PATH is not UTF-8 text``, ``invalid TOML in PATH: ...``)."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise SettingsError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"invalid TOML in {path}: {e}") from None
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """A new table: ``base`` with ``top`` merged in, table by table (``top``'s values win)."""
+    out = _copy(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge(out[key], value) if both else _copy(value)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    return {k: _copy(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"learner.lr=1e-5"`` -> (["learner", "lr"], 1e-5); the value is parsed as TOML if it can."""
+    key, sep, raw = item.partition("=")
+    parts = [p.strip() for p in key.strip().split(".")]
+    if not sep or not all(parts):
+        raise SettingsError(f"bad override {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
+    """Set ``data[key[0]][key[1]]... = value`` in place, creating missing tables."""
+    node = data
+    for i, part in enumerate(key[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SettingsError(
+                f"cannot set {'.'.join(key)}: {'.'.join(key[: i + 1])} is not a table"
+            )
+        node = child
+    node[key[-1]] = value
+
+
+def with_overrides(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``key.sub=value`` item applied in order."""
+    out = _copy(data)
+    for item in items:
+        set_path(out, *parse_override(item))
+    return out
+
+
+# --------------------------------------------------------------------------- validating
+
+
+def validate(
+    model: type[M],
+    data: dict[str, Any],
+    what: str,
+    *,
+    hint: Callable[[str], str] | None = None,
+    source: str = "",
+    overrides: Iterable[str] = (),
+    context: dict[str, Any] | None = None,
+) -> M:
+    """``model`` from ``data``, or ``SettingsError`` naming every problem in one line.
+
+    ``what`` names the input in ``unknown WHAT key``; ``hint(key)`` adds to that message (a
+    did-you-mean, the valid keys). With a ``source`` (its file), the problems with values that
+    did not come from ``overrides`` (applied to ``data`` already) follow those that did, after
+    one ``SOURCE: ``."""
+    try:
+        return model.model_validate(data, context=context)
+    except ValidationError as e:
+        raise SettingsError(_message(e.errors(), what, hint, source, list(overrides))) from None
+
+
+def _message(
+    errs: list[Any], what: str, hint: Callable[[str], str] | None, source: str, items: list[str]
+) -> str:
+    """The problems with values from override ``items`` first, then those from ``source``."""
+
+    def from_source(err: Any) -> bool:
+        return bool(source) and not any(_sets(item, dotted(err["loc"])) for item in items)
+
+    given = [describe(err, what, hint) for err in errs if not from_source(err)]
+    filed = "; ".join(describe(err, what, hint) for err in errs if from_source(err))
+    return "; ".join([*given, *([f"{source}: {filed}"] if filed else [])])
+
+
+def _sets(item: str, key: str) -> bool:
+    """Whether override ``item`` gave the value at ``key``: the key itself, a table holding it,
+    or a key below it (which made it a table)."""
+    given = ".".join(p.strip() for p in item.partition("=")[0].split("."))
+    above = key.startswith((f"{given}.", f"{given}["))
+    return bool(key) and (key == given or above or given.startswith(f"{key}."))
+
+
+def describe(err: Any, what: str, hint: Callable[[str], str] | None = None) -> str:
+    """One pydantic error (an item of ``ValidationError.errors()``) as one phrase."""
+    key = dotted(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not key:  # a rule between fields: the message names them
+        return msg
+    if err["type"] == "extra_forbidden":
+        return f"unknown {what} key {key!r}{hint(key) if hint else ''}"
+    if err["type"] == "missing":
+        return f"missing {what} key {key!r}"
+    msg = _EXPECTED.get(err["type"], msg)
+    return f"bad value for {key}: {msg} (got {_shown(err.get('input'))})"
+
+
+def dotted(loc: Iterable[Any]) -> str:
+    """A pydantic location as a key: ``speculation.draft_coverage[0]``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A bad value as the user wrote it (JSON, but ``inf``/``nan`` as in TOML)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return tomlkit.item(value).as_string()
+    return json.dumps(value, default=str)
+
+
+# Pydantic's type errors, said as the expected TOML type.
+_EXPECTED = {
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "finite_number": "expected a finite number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "tuple_type": "expected a list",
+    "list_type": "expected a list",
+    "dict_type": "expected a table",
+    "model_type": "expected a table",
+    "model_attributes_type": "expected a table",
+}
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    """The section type of a field's annotation, or None for a value."""
+    ok = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if ok else None
+
+
+def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key ``model`` accepts: its sections (``speculation``) and their values
+    (``speculation.k``)."""
+    keys: list[str] = []
+    for key, info in model.model_fields.items():
+        keys.append(f"{prefix}{key}")
+        if (sub := submodel(info.annotation)) is not None:
+            keys += schema_keys(sub, f"{prefix}{key}.")
+    return keys
+
+
+def model_at(model: type[BaseModel], path: Iterable[str]) -> type[BaseModel] | None:
+    """The section of ``model`` at a dotted path (None if the path is not a section)."""
+    found: type[BaseModel] | None = model
+    for part in path:
+        info = found.model_fields.get(part) if found else None
+        found = submodel(info.annotation) if info else None
+    return found
+
+
+# --------------------------------------------------------------------------- rules
+
+
+class AppliesOnly(NamedTuple):
+    """Field ``key`` applies only while ``test`` holds for the value of field ``other``;
+    ``needs`` says what the test asks (``"='async'"``)."""
+
+    key: str
+    other: str
+    test: Callable[[Any], bool]
+    needs: str
+
+
+def value_at(model: BaseModel, key: str) -> Any:
+    """The value at a dotted key (``pipeline.mode``)."""
+    return reduce(getattr, key.split("."), model)
+
+
+def was_set(model: BaseModel, key: str) -> bool:
+    """Whether the field at a dotted key was given (in the data or an override, whatever its
+    value: pydantic's ``model_fields_set``) rather than left at its default."""
+    parent, _, name = key.rpartition(".")
+    return name in (value_at(model, parent) if parent else model).model_fields_set
+
+
+def inapplicable(model: BaseModel, rules: Iterable[AppliesOnly]) -> list[AppliesOnly]:
+    """The rules whose field cannot apply in ``model``."""
+    return [rule for rule in rules if not rule.test(value_at(model, rule.other))]
+
+
+def misapplied(
+    model: BaseModel, rules: Iterable[AppliesOnly], given: Callable[[str], bool] | None = None
+) -> list[str]:
+    """One phrase for each field that cannot apply in ``model`` and is given (``given(key)``;
+    default: ``was_set``), naming both fields."""
+    given = given or (lambda key: was_set(model, key))
+    return [
+        f"{key}={value_at(model, key)!r} needs {other}{needs} (it is set, and {other} is "
+        f"{value_at(model, other)!r})"
+        for key, other, _, needs in inapplicable(model, rules)
+        if given(key)
+    ]
+
+
+# --------------------------------------------------------------------------- writing TOML
+
+
+def toml_document(model: BaseModel, skipped: dict[str, str]) -> str:
+    """``model`` (whose fields are all sections) as a TOML document: its docstring, then a
+    table per section (``_section_toml``; the keys of ``skipped`` only as comments)."""
+    doc = tomlkit.document()
+    doc.add(tomlkit.comment(type(model).__doc__ or ""))
+    for name in type(model).model_fields:
+        doc.add(tomlkit.nl())
+        doc.add(name, _section_toml(getattr(model, name), name, skipped))
+    return tomlkit.dumps(doc)
+
+
+def _section_toml(
+    section: BaseModel, name: str = "", skipped: dict[str, str] | None = None
+) -> tomlkit.items.Table:
+    """One section as a TOML table: each field's description as a comment above it, unset
+    fields and those in ``skipped`` (``"section.key"``: what they apply with) as comments,
+    dict-valued fields as sub-tables after the scalars."""
+    table = tomlkit.table()
+    table.comment(type(section).__doc__ or "")
+    dumped = section.model_dump(mode="json")
+    fields_ = type(section).model_fields
+    nested = [k for k in fields_ if isinstance(dumped[k], dict)]
+    for key in (k for k in fields_ if k not in nested):
+        if (needs := (skipped or {}).get(f"{name}.{key}")) is not None:
+            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (applies only "
+                                      f"with {needs})"))  # fmt: skip
+        elif dumped[key] is None:
+            table.add(tomlkit.comment(f"{key}: {fields_[key].description} (unset)"))
+        else:
+            table.add(tomlkit.comment(fields_[key].description or key))
+            table.add(key, dumped[key])
+    for key in nested:
+        sub = tomlkit.table()
+        sub.comment(fields_[key].description or key)
+        sub.update(dumped[key])
+        table.add(key, sub)
+    return table
