@@ -1,25 +1,11 @@
 """The acceptance alarm: a drafter whose drafts stop being accepted after a weight sync.
 
-The weight-sync guardrail (``pipelines.guard``) checks what the backend serves; this one
-watches what speculation gains, which a stale or dropped drafter loses silently.
-
-Contract:
-- ``AcceptanceAlarm(action)``: per step, ``observe(step, acceptance, drafts, version)`` with
-  the acceptance length of the (row, verify step) pairs that drafted (``pipelines.step``'s
-  ``draft_acceptance_length``), how many there were (``drafting_steps``) and the batch's policy
-  version. A step with fewer than ``MIN_DRAFTS`` drafting pairs is no evidence and is skipped.
-  After ``WARMUP`` steps with evidence whose running gain (EMA of acceptance - 1) is at least
-  ``MIN_GAIN`` (a drafter that normally accepts), it returns a one-line warning when acceptance
-  is at most ``COLLAPSED`` (drafts are no longer accepted), or when the policy version moved
-  since the previous step (a refit) and the gain fell below ``DROP`` of its running level;
-  else ``None``. An alarmed step does not move the running level. With
-  ``action = "disable_spec"`` the first alarm also turns speculation off for the rest of the
-  run (``spec_override()`` is then a plain ``SpecConfig``). ``state_dict()`` /
-  ``load_state_dict(state)``: its JSON-able state, for a checkpoint (a resume that restores it
-  alarms exactly where an uninterrupted run would).
-- ``alarm_fields(alarm, step, metrics, version)``: the row fields (``acceptance_alarm``
-  0/1, and the message as ``acceptance_warning`` when it fires); ``alarm_line(row)``: the
-  console line for a row, or ``None``.
+``AcceptanceAlarm(action).observe(step, acceptance, drafts, version)`` returns a one-line
+warning once a drafter that normally accepts collapses, or falls right after a refit (steps with
+too few drafts are no evidence); ``action = "disable_spec"`` also turns speculation off for the
+rest of the run (``spec_override()``). Its state round-trips through a checkpoint.
+``alarm_fields`` gives a step row's fields, ``alarm_line`` a row's console line.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

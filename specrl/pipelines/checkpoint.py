@@ -1,34 +1,11 @@
 """What a run's checkpoint holds, written and read back exactly (or refused in one line).
 
-Layout of ``checkpoints/step_000020/`` (after 20 updates)::
-
-    policy.safetensors      the learner's policy under Hugging Face names (float32, or
-                            bf16 when trained with float32 masters)
-    masters.safetensors     those float32 masters, keys "<param index>" (the learner's
-                            bf16_mode 'params' only)
-    optimizer.safetensors   AdamW state tensors, keys "<param index>.<name>"
-    optimizer.json          AdamW param groups and the state keys (no pickle anywhere)
-    state.json              the run's step state (step, policy version, alarm), torch RNG
-                            state (hex), "format": 2 (this layout, manifest included)
-    backend.json            the rollout backend's cross-step state (e.g. the suffix
-                            drafter's history), if it has any
-    drafter.safetensors     a learned drafter trained during RL: its head and AdamW
-    drafter.safetensors.json    state, and its counters (``drafters.online``), if any
-    manifest.json           size and sha256 of every file above, written last
-
-Contract:
-- ``save_checkpoint`` writes those files through ``manifest.write_atomically`` (state.json with
-  ``"format": 2``): a checkpoint is complete and verified, or not taken for one.
-- ``read_checkpoint`` verifies the manifest (``manifest.verify_manifest``) and parses every
-  file before anything is changed; any damage raises ``CheckpointDamaged`` naming the file.
-  ``apply_checkpoint`` restores policy, optimizer, masters and torch RNG in place and returns
-  ``state.json`` (less ``format`` and the RNG) plus the backend state (``{}`` if none) for
-  ``RolloutBackend.load_state_dict``; a checkpoint that does not fit the model raises
-  ``RunDirError``. ``load_checkpoint`` is both.
-- Masters (``master_tensors``) are the optimizer's parameters that are not the policy's own;
-  they are saved bit-exact and restored into the optimizer's parameters by index. Resuming a
-  checkpoint without masters into an optimizer that has them copies the policy's values into
-  them (masters are in the policy's parameter order, as the learner builds them).
+``save_checkpoint`` writes the policy (Hugging Face names), float32 masters if any, AdamW state
+(safetensors + JSON, nothing pickled), state.json (the step state, the alarm, the torch RNG,
+``"format": 2``), the backend's state and a drafter trainer's files, through
+``manifest.write_atomically``. ``read_checkpoint`` verifies and parses everything first
+(``CheckpointDamaged``); ``apply_checkpoint`` restores in place (``RunDirError`` when it does
+not fit); ``load_checkpoint`` is both. Details: docs/internals.md.
 """
 
 from __future__ import annotations

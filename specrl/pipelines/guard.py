@@ -1,30 +1,11 @@
-"""Weight-sync guardrail: a content check of every weight update (the acceptance alarm, its
-second guardrail, is ``pipelines.alarm``).
+"""Weight-sync guardrail: a content check of every weight update.
 
-The failure it catches is silent in the field: after a weight sync the serving engine keeps old
-or damaged weights (a skipped update, a dropped drafter on sleep/wake), output stays plausible
-and speculation quietly stops paying.
-
-Contract:
-- ``WeightSyncError`` (a ``RuntimeError``): the rollout backend does not serve what the learner
-  pushed. Its message is one line naming the version and both fingerprints; it ends the run.
-- ``WeightGuard(dtype)``: the learner's side of the content check; ``dtype`` is the engine's
-  (``model.dtype``), the one the backend casts the learner's float32 tensors to.
-  ``remember(version, named)`` fingerprints tensors the backend serves already (version 0 at
-  build time). ``push(backend, named, version)`` fingerprints ``named`` (before sending: the
-  caller mutates its tensors later), calls ``update_weights``, then checks what the backend
-  already serves: an idle backend applied the update at once (the sync pipeline fails on the
-  step that pushed it); a pending one (the async producer is generating) is checked after the
-  next rollout, so the learner never waits for the producer. ``floor()``: the versions whose
-  updates have returned (a rollout that starts later serves at least those).
-  ``verify(served, floor=None)`` raises ``WeightSyncError`` when the backend serves an older
-  version than ``floor`` (update skipped), a version newer than any pushed, or another
-  fingerprint than the one pushed for that version (skipped: old weights under the new
-  version, or corrupted); a version it keeps no fingerprint of (only the ``KEEP`` newest are
-  kept) and a ``None`` fingerprint are not compared. ``push_drafter(backend, state, version)``
-  does the same for a learned drafter's tensors (``pipelines.drafter`` pushes every head the
-  learner side trains): checked at once when the backend is idle (``idle``), else after the
-  next rollout.
+``WeightGuard(dtype)`` fingerprints what the learner pushes (policy: ``push``, a learned
+drafter: ``push_drafter``) and ``verify(served, floor)`` compares what the backend serves:
+an older version than one acknowledged, a version never pushed, or another fingerprint than
+the one pushed raises ``WeightSyncError`` (one line naming the version and both fingerprints),
+which ends the run. The acceptance alarm, the second guardrail, is ``pipelines.alarm``.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

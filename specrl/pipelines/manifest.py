@@ -1,21 +1,11 @@
 """Checkpoint directories committed atomically and verified against their manifest.
 
-Contract:
-- ``write_atomically(ckpt, write)``: ``write(tmp)`` fills ``step_N.tmp`` and returns the names of
-  its files; each is fsynced, the manifest (size and sha256 of every file) written and fsynced
-  last, then the directory, which is renamed to ``step_N`` (a checkpoint already there is first
-  renamed to ``step_N.old``, removed after) and ``checkpoints/`` fsynced. An error while writing
-  (a full disk) removes ``step_N.tmp`` and is raised, ``step_N`` untouched; a process that dies
-  between the two renames leaves both good copies (``recoverable`` tells which one to keep).
-- ``verify_manifest(ckpt)``: every listed file present, same size and sha256, the ``REQUIRED``
-  ones listed; else ``CheckpointDamaged`` naming the file and the damage
-  (``policy.safetensors: sha256 mismatch``). A checkpoint whose state.json has the ``format``
-  marker and no manifest is damaged (``manifest.json: missing``); one without either (written
-  before manifests existed) passes here and is checked by parsing alone. ``is_complete``: a
-  manifest present and every file matching it (files are hashed, not parsed).
-- ``parse_file(ckpt, name, parse)``: ``parse(path)``, any failure as ``CheckpointDamaged``.
-- ``RunDirError`` (a ``ValueError``) is every one-line "this run directory cannot be used";
-  ``CheckpointDamaged`` is one checkpoint failing verification.
+``write_atomically(ckpt, write)`` fills ``step_N.tmp``, fsyncs every file, writes the manifest
+(size and sha256 of each) last and renames the directory into place: a checkpoint is complete
+or not taken for one. ``verify_manifest`` / ``is_complete`` / ``recoverable`` check one;
+damage is ``CheckpointDamaged`` naming the file (``policy.safetensors: sha256 mismatch``);
+``RunDirError`` is every one-line "this run directory cannot be used".
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

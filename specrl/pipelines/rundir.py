@@ -1,29 +1,11 @@
 """A run directory: its files, its JSONL logs, and the list of its checkpoints.
 
-Layout::
-
-    config.toml                 the resolved config (``Config.to_toml``)
-    metrics.jsonl               one JSON object per RL step (``step`` = 0-based step index)
-    eval.jsonl                  one JSON object per evaluation (``step`` = updates done before it)
-    summary.json                written at the end of a run (``train.run_training``)
-    tensorboard/, wandb/        copies of those rows for TensorBoard / W&B (``run.tensorboard``,
-                                ``run.wandb``; ``pipelines.tracking``), if on
-    checkpoints/step_000020/    after 20 updates (``pipelines.checkpoint``)
-
-Contract:
-- ``RunDir.rows`` reads a JSONL log: a last line cut mid-write (a killed run) is dropped, any
-  other unreadable line raises ``RunDirError`` naming the file and line. ``RunDir.append``
-  fsyncs each row; ``RunDir.truncate`` (drop the rows a resumed run will produce again)
-  replaces a log with ``fsutil.atomic_write``, never leaving it half-written.
-- ``.tmp``/``.old``/``.del`` directories are never taken for checkpoints
-  (``checkpoints_newest_first``, ``latest_checkpoint``). ``recover_interrupted`` (run before a
-  resume reads checkpoints) finishes a replace cut between its two renames: ``step_N.tmp``
-  becomes the missing ``step_N`` if it is complete, else ``step_N.old`` if it verifies
-  (``manifest.recoverable``); ``clear_interrupted`` then removes what is left (and the
-  temporaries of an interrupted ``atomic_write`` of config.toml, the logs, summary.json).
-- ``prune(latest, keep)`` (checkpoint retention, ``run.keep_checkpoints``) keeps the checkpoint
-  just written and the newest ``keep - 1`` before it; each older one is renamed to
-  ``step_N.del`` (never recovered, removed by ``clear_interrupted``) and then removed.
+``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, summary.json, tensorboard/ and
+checkpoints/; ``append`` fsyncs a log row, ``rows`` reads a log (a last line cut by a kill is
+dropped), ``truncate`` drops the rows a resume writes again. ``.tmp``/``.old``/``.del``
+directories are never checkpoints: ``recover_interrupted`` finishes a replace cut between its
+renames, ``clear_interrupted`` removes leftovers, ``prune`` keeps the newest
+``run.keep_checkpoints``. Details: docs/internals.md.
 """
 
 from __future__ import annotations

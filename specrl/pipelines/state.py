@@ -1,21 +1,11 @@
 """What a run changes as it steps, and which thread owns it when.
 
-Contract:
-- ``RunParts`` (``pipelines.build``) is frozen: nothing rebinds its parts; the stateful ones
-  (backend, learner, guard, alarm, drafter side) change only through their own methods. In the
-  async loop the producer only generates and evaluates through the backend and reads the
-  guard's ``floor()`` and the alarm's ``spec_override()``; the rest is the learner thread's.
-- ``StepState(step, version)``: the steps learned (the next step to learn) and the policy
-  version the learner pushed last. ``step.learn`` advances both; a checkpoint saves them and a
-  resume restores them (``loop.open_run``). It belongs to the learner: in the sync loop to its
-  only thread; in the async loop to the learner thread (the caller's), and the producer never
-  reads it: the learner hands each new version over through ``Producer.published``, the
-  producer hands each batch over through its buffer.
-- ``TrainStream(env, seed, per_step)``: ``draw(step)`` is prompts ``step*P .. step*P+P-1`` of
-  the train stream (the train split in a seeded permutation per epoch, cycled): a pure function
-  of (seed, step), so a resume needs no data-order state. It caches the epoch orders it has
-  computed, so it belongs to the thread that draws prompts: the loop's own (the producer's, in
-  the async loop), a fresh one elsewhere.
+``RunParts`` is frozen; ``StepState(step, version)`` (steps learned, policy version pushed) is
+the learner thread's: ``learn`` advances it, a checkpoint saves it, a resume restores it. The
+async producer never reads it: versions are handed to it (``Producer.published``), batches
+back (its buffer). ``TrainStream.draw(step)`` is a step's prompts, a pure function of (seed,
+step) whose cached epoch orders belong to the thread that draws prompts.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

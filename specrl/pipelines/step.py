@@ -1,33 +1,14 @@
 """One RL step, split in two: ``collect(parts, prompts, step) -> Batch`` and
 ``learn(parts, state, batch, waited_s)``.
 
-Contract:
-- ``collect(parts, prompts, step)``: G completions per prompt (``state.TrainStream.draw(step)``)
-  from the backend (temperature/top-k/top-p from the config, the codec's stop tokens, a request
-  seed derived from (run seed, step, prompt); plain decoding once the acceptance alarm turned
-  speculation off), env rewards, group advantages (registered estimator). The ``Batch`` carries
-  its behaviour version (the oldest policy version of any of its tokens), its rollout metrics
-  (``draft_acceptance_length``: tokens per verify step that drafted, 0 when nothing was
-  drafted; ``drafting_steps``: how many such (row, step) pairs; ``rollout_worker_faults``:
-  ``Rollout.faults``), and for the weight-sync check what the backend served right after the
-  call (``backend.served()``) with the versions whose updates had returned before it
-  (``WeightGuard.floor()``).
-- ``learn(parts, state, batch, waited_s)``, in the learner's thread, in these steps:
-  ``check_served`` (``WeightGuard.verify``: a ``WeightSyncError`` ends the run before anything
-  trains on the batch; the async producer never waits for it); the acceptance alarm
-  (``alarm.alarm_fields``); the staleness of the batch's tokens (``learner version - token
-  version``: mean, max, histogram); ``train_policy``: one learner step with the behaviour
-  logprobs the correction needs (``learner.correction``: 'ppo' clips against the engine's
-  processed logprobs when no top-k/top-p truncation is on and the learner's own detached
-  logprobs otherwise; 'tis' always hands the processed logprobs to the truncated importance
-  weight, see ``specrl.rl.corrections``) and the engine/learner mismatch of raw (T=1)
-  logprobs; ``publish``: ``state`` advanced past the step and the new weights pushed through
-  the guard (``refit_time_s`` includes the check); ``train_drafter``: a learned drafter trained
-  during RL (``pipelines.drafter``) gets the features of that same training forward
-  (``learner.FeatureSink``) and trains after the push, overlapping the async producer's
-  rollout, its budget counting ``waited_s`` (the learner's wait for the batch) plus the
-  learning. Returns the row fields of the learning half.
-No pipeline module touches engine internals: all generation goes through ``parts.backend``.
+``collect``: G completions per prompt from the backend (seeded per (run seed, step, prompt)),
+rewards, group advantages, rollout metrics, the behaviour version and what the backend served.
+``learn`` (the learner's thread), in named steps: ``check_served`` (weight-sync check), the
+acceptance alarm, staleness, ``train_policy`` (one learner step with the behaviour logprobs the
+correction needs, and the engine/learner logprob mismatch), ``publish`` (``state`` advanced,
+the weights pushed through the guard), ``train_drafter`` (a drafter trained during RL, its
+budget counting ``waited_s``); it returns the row fields. Generation goes only through
+``parts.backend``. Details: docs/internals.md.
 """
 
 from __future__ import annotations

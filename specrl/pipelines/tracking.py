@@ -1,22 +1,12 @@
-"""Where a run's rows go: metrics.jsonl and eval.jsonl (the record), and by setting TensorBoard
+"""Where a run's rows go: metrics.jsonl and eval.jsonl (the record) and, by setting, TensorBoard
 and Weights & Biases, offline.
 
-Contract:
-- ``MetricsSink``: ``write(kind, row)`` (``kind``: ``"train"``, a step row, or ``"eval"``, an
-  eval row; ``row["step"]`` as in the logs) and ``close()``.
-- ``SINKS``, the registered sinks, each with the setting that turns it on: ``jsonl`` (always:
-  ``RunDir.append`` to metrics.jsonl / eval.jsonl), ``tensorboard`` (``run.tensorboard``:
-  ``torch.utils.tensorboard.SummaryWriter`` into ``<run_dir>/tensorboard``), ``wandb``
-  (``run.wandb``, the wandb extra: an offline run in ``<run_dir>/wandb``, one per call, a resume
-  too; nothing leaves the machine, ``wandb sync`` uploads it later). Both copy every number of a
-  row (bools as 0/1; lists, dicts and text are left to the record) as ``<kind>/<key>``:
-  TensorBoard at the row's step, W&B against ``<kind>/step``.
-- ``check_tracking(cfg)``: ``ConfigError`` naming the extra when a sink that is on needs a
-  package that is missing (the wandb extra); ``build_run`` calls it before any work.
-- ``open_tracker(cfg, run, start)``: a ``Tracker`` (itself a sink) writing each row to every
-  sink that is on, the record first, one row at a time (the async producer writes eval rows
-  while the learner writes step rows). Resumed at step ``start``, TensorBoard drops what it
-  held from ``start`` on (``purge_step``), as the logs drop those rows.
+``MetricsSink``: ``write(kind, row)`` (``"train"`` or ``"eval"``) and ``close()``. ``SINKS``
+registers ``jsonl`` (always), ``tensorboard`` (``run.tensorboard``: ``<run_dir>/tensorboard``)
+and ``wandb`` (``run.wandb``, the wandb extra: an offline run in ``<run_dir>/wandb``), each
+copying a row's numbers as ``<kind>/<key>``. ``check_tracking(cfg)`` refuses a missing extra in
+one line; ``open_tracker(cfg, run, start)`` writes each row to every sink that is on, one row at
+a time (both async threads write). Details: docs/internals.md.
 """
 
 from __future__ import annotations
