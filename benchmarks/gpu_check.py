@@ -555,15 +555,16 @@ def grpo_step(parts, oracle, step: int, accept: float, k: int) -> dict:
     learner step on the head's rollout (the same tokens under sample-exact verification)."""
     from reasoning_spec_vs_plain import oracle_rollout, plain_rollout
 
+    from specrl.pipelines.state import StepState, TrainStream
     from specrl.pipelines.step import collect, learn
 
     plain_s, plain, _ = plain_rollout(parts, step)
     oracle_s, oracle_acc, oracle_same = oracle_rollout(parts, oracle, step, plain, k, accept)
     t0 = time.perf_counter()
-    batch = collect(parts, step)
+    batch = collect(parts, TrainStream.of(parts.cfg, parts.env).draw(step), step)
     head_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    row = learn(parts, batch)
+    row = learn(parts, StepState(step, step), batch, head_s)  # a fresh run: version = step
     learn_all_s = time.perf_counter() - t1
     drafter_s = row.get("drafter_train_s", 0.0) + row.get("drafter_sync_s", 0.0)
     learn_s = learn_all_s - drafter_s  # the policy's learner step and weight push

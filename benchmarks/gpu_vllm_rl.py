@@ -239,7 +239,9 @@ def draft_rows_fresh(parts, d2t: torch.Tensor | None) -> bool:
     return fingerprint({"w": draft["lm_head.weight"]}, dtype) == fingerprint({"w": rows}, dtype)
 
 
-def negative_controls(parts, head_state: dict[str, torch.Tensor]) -> dict[str, str | None]:
+def negative_controls(
+    parts, version: int, head_state: dict[str, torch.Tensor]
+) -> dict[str, str | None]:
     """The guard's message for a skipped policy and a skipped drafter update (None: missed)."""
     from specrl.pipelines.guard import WeightSyncError
 
@@ -249,7 +251,7 @@ def negative_controls(parts, head_state: dict[str, torch.Tensor]) -> dict[str, s
         guard = copy.deepcopy(parts.guard)
         try:
             if what == "policy":
-                guard.push(skipping, named, parts.version + 1)
+                guard.push(skipping, named, version + 1)
                 guard.verify(parts.backend.served(), guard.floor())
             else:
                 guard.push_drafter(skipping, head_state, guard.drafter.acked + 1)
@@ -262,13 +264,15 @@ def negative_controls(parts, head_state: dict[str, torch.Tensor]) -> dict[str, s
 # --------------------------------------------------------------------------- the steps
 
 
-def one_step(parts, plain, plain_guard, step: int, d2t) -> dict[str, Any]:
-    from specrl.pipelines.step import collect, draw_prompts, learn, rollout, rollout_metrics
+def one_step(parts, state, plain, plain_guard, step: int, d2t) -> dict[str, Any]:
+    from specrl.pipelines.state import TrainStream
+    from specrl.pipelines.step import collect, learn, rollout, rollout_metrics
 
-    prompts, batch, plain_out = draw_prompts(parts, step), None, None
+    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
+    batch, plain_out = None, None
     for which in ("spec", "plain") if step % 2 == 0 else ("plain", "spec"):
         if which == "spec":
-            batch = collect(parts, step)
+            batch = collect(parts, prompts, step)
         else:
             plain_out = rollout(dataclasses.replace(parts, backend=plain), prompts, step)
     m, p = batch.metrics, rollout_metrics(plain_out)
@@ -288,9 +292,9 @@ def one_step(parts, plain, plain_guard, step: int, d2t) -> dict[str, Any]:
         "same_tokens_frac": sum(same) / max(len(same), 1),
         "reward_mean": m["reward_mean"],
     }  # fmt: skip
-    row |= learn(parts, batch)  # guard check of the batch, learner step, guarded push
+    row |= learn(parts, state, batch, m["gen_time_s"])  # guard check, learner step, guarded push
     named = dict(parts.learner.model.named_parameters())
-    row["plain_refit_time_s"] = plain_guard.push(plain, named, parts.version)
+    row["plain_refit_time_s"] = plain_guard.push(plain, named, state.version)
     row |= {"weight_sync_ok": True, "spec_served": served_record(parts.backend),
             "plain_served": served_record(plain),
             "draft_lm_head_fresh": draft_rows_fresh(parts, d2t)}  # fmt: skip
@@ -391,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     from specrl.models.precision import torch_dtype
     from specrl.pipelines.build import build_run
     from specrl.pipelines.guard import WeightGuard
+    from specrl.pipelines.state import StepState
 
     problem = check_writable(out)
     if problem:
@@ -423,12 +428,12 @@ def main(argv: list[str] | None = None) -> None:
             plain_guard.remember(0, dict(parts.learner.model.named_parameters()))
             parts.guard.push_drafter(parts.backend, head_state, 1)  # checked: content and version
             t2 = time.perf_counter()
-            rows = []
+            rows, state = [], StepState()
             for step in range(steps):
-                rows.append(one_step(parts, plain, plain_guard, step, head_state.get("d2t")))
+                rows.append(one_step(parts, state, plain, plain_guard, step, head_state.get("d2t")))
                 print_step(rows[-1])
             phases["steps_s"] = time.perf_counter() - t2
-            caught = negative_controls(parts, head_state)
+            caught = negative_controls(parts, state.version, head_state)
         finally:
             spec.close()
             plain.close()

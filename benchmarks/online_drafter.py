@@ -106,8 +106,9 @@ def speed_by_checkpoint(run_dir: Path, sets: list[str], threads: int, cache: str
     torch.set_num_threads(threads)
     from specrl.config import load_config
     from specrl.pipelines.build import build_run
-    from specrl.pipelines.checkpoint import RunDir, apply_checkpoint, read_checkpoint
+    from specrl.pipelines.checkpoint import apply_checkpoint, read_checkpoint
     from specrl.pipelines.loop import restore_drafter
+    from specrl.pipelines.rundir import RunDir
     from specrl.pipelines.speed import measure_speedup
 
     cfg = load_config(run_dir / "config.toml", [*sets, "rollout.prompts_per_step=1",
@@ -120,8 +121,8 @@ def speed_by_checkpoint(run_dir: Path, sets: list[str], threads: int, cache: str
         if ckpt is not None:
             data = read_checkpoint(ckpt)
             state, _ = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
-            step, parts.version = state["step"], state["policy_version"]
-            parts.push_weights()
+            step = state["step"]
+            parts.push_weights(state["policy_version"])
             restore_drafter(parts, data)
         checks = [measure_speedup(parts, step) for _ in range(5)]
         speedup = statistics.median(c["rollout_speedup"] for c in checks)

@@ -48,7 +48,8 @@ from specrl.bench import run_metadata, write_result
 from specrl.config import load_config
 from specrl.engine import Engine
 from specrl.pipelines.build import build_run
-from specrl.pipelines.step import collect, draw_prompts, learn, rollout
+from specrl.pipelines.state import StepState, TrainStream
+from specrl.pipelines.step import collect, learn, rollout
 from specrl.spec.config import SpecConfig
 from specrl.spec.proposers import Draft, register_proposer
 
@@ -107,7 +108,7 @@ def oracle_rollout(
     engine.spec, engine.proposer = spec, engine.make_proposer(spec)
     oracle = replace(parts, backend=NativeBackend(engine))
     t0 = time.perf_counter()
-    out = rollout(oracle, draw_prompts(parts, step), step)
+    out = rollout(oracle, TrainStream.of(parts.cfg, parts.env).draw(step), step)
     seconds = time.perf_counter() - t0
     same = [c.token_ids for c in out.completions] == [c.token_ids for c in plain]
     return seconds, out.stats.acceptance_length, same
@@ -126,7 +127,8 @@ def plain_rollout(parts, step: int) -> tuple[float, list, float]:
     engine = parts.backend.engine
     engine.record_steps = True
     t0 = time.perf_counter()
-    out = rollout(parts, draw_prompts(parts, step), step, spec=SpecConfig("none", 0))
+    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
+    out = rollout(parts, prompts, step, spec=SpecConfig("none", 0))
     seconds = time.perf_counter() - t0
     engine.record_steps = False
     return seconds, out.completions, few_rows_share(out.stats.step_records)
@@ -138,13 +140,13 @@ def one_step(parts, step: int, oracles: dict[float, Engine], ceiling_k: int) -> 
     if step % 2 == 0:
         plain_s, plain, few = plain_rollout(parts, step)
     t0 = time.perf_counter()
-    batch = collect(parts, step)
+    batch = collect(parts, TrainStream.of(parts.cfg, parts.env).draw(step), step)
     spec_s = time.perf_counter() - t0
     if step % 2 == 1:
         plain_s, plain, few = plain_rollout(parts, step)
     ceilings = {a: oracle_rollout(parts, e, step, plain, ceiling_k, a) for a, e in oracles.items()}
     t1 = time.perf_counter()
-    learned = learn(parts, batch)
+    learned = learn(parts, StepState(step, step), batch, spec_s)  # a fresh run: version = step
     learn_s = time.perf_counter() - t1
     m = batch.metrics
     lengths = [len(c.token_ids) for c in batch.completions]

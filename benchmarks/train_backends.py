@@ -19,8 +19,8 @@ from pathlib import Path
 from train_sync_vs_async import describe
 
 from specrl.bench import run_metadata
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.report import write_comparison
+from specrl.pipelines.rundir import RunDir
 
 BACKENDS = {"native": [], "vllm": ["--set", "rollout.backend=vllm"]}
 

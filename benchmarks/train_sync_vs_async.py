@@ -19,8 +19,8 @@ import subprocess
 from pathlib import Path
 
 from specrl.bench import run_metadata
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.report import samples_axis, summarize, write_comparison
+from specrl.pipelines.rundir import RunDir
 
 MODES = {"sync": [], "async": ["--set", "pipeline.mode=async"]}
 

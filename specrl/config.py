@@ -255,6 +255,16 @@ class RunCfg(Section):
         description="Seed of sampling, prompt order and initialisation (< 2**28).",
     )
     run_dir: str = Field("runs/default", description="Directory for config, metrics, checkpoints.")
+    tensorboard: bool = Field(
+        False,
+        description="Also write the step and eval metrics as TensorBoard event files into "
+        "<run_dir>/tensorboard (offline; metrics.jsonl stays the record).",
+    )
+    wandb: bool = Field(
+        False,
+        description="Also log the step and eval metrics to Weights & Biases in offline mode, "
+        "into <run_dir>/wandb (the wandb extra; upload later with `wandb sync`).",
+    )
 
 
 class ClusterCfg(Section):

@@ -1,20 +1,25 @@
 """The asynchronous GRPO loop: a producer thread generates while the learner trains.
 
-Contract: ``train_async(parts, run, start, end, log, stop=None)`` runs steps ``start .. end-1``
-with staleness bound ``s = pipeline.max_staleness``:
+Contract: ``train_async(parts, state, run, end, log, stop)`` runs steps ``state.step ..
+end-1`` with staleness bound ``s = pipeline.max_staleness``. Ownership: the learner (the calling
+thread) owns ``state``; the producer owns its train stream (``pipelines.state.TrainStream``)
+and never reads ``state``. What crosses between them is handed over explicitly: each version
+the learner pushed (``Producer.published``), each batch (the producer's buffer), and the rows
+both write (``log.metrics`` takes one row at a time).
 - the producer (a thread) handles steps in order; before step ``t`` it waits until the learner
   has pushed version ``>= t - s``, evaluates when ``eval_due(cfg, t)`` (with the weights it has;
-  the eval row records ``policy_version``), then ``collect(parts, t)`` with the newest weights
-  the backend serves, and puts the batch into a buffer of ``s + 1`` slots (never full: the
+  the eval row records ``policy_version``), then collects step ``t``'s prompts with the newest
+  weights the backend serves, and puts the batch into a buffer of ``s + 1`` slots (never full: the
   version wait already keeps at most ``s + 1`` batches ahead of the learner). Its wait for a
   version is the batch's ``generator_idle_s``.
 - the learner (the calling thread) takes batches in step order, admits one only if
   ``learner_version - behaviour_version <= s`` (the bound holds by construction; a violation
-  raises rather than training on it), learns (which pushes version ``t + 1`` to the backend:
-  between generate calls, or between decode steps with ``pipeline.update = "in_flight"``),
-  logs and checkpoints the step, then tells the producer (so at ``s = 0`` a checkpoint's
-  backend state, e.g. the suffix drafter's history, holds exactly the steps before it; at
-  ``s >= 1`` it may also hold up to ``s`` later steps' completions). ``learner_idle_s`` is
+  raises rather than training on it), learns (``learn``, given its wait for the batch: it
+  advances ``state`` and pushes version ``t + 1`` to the backend: between generate calls, or
+  between decode steps with ``pipeline.update = "in_flight"``), logs and checkpoints the step,
+  then tells the producer (so at ``s = 0`` a checkpoint's backend state, e.g. the suffix
+  drafter's history, holds exactly the steps before it; at ``s >= 1`` it may also hold up to
+  ``s`` later steps' completions). ``learner_idle_s`` is
   its wait for the batch; ``step_time_s`` the wall time since the previous step's learning
   ended, so the step times add up to the loop's wall time (less the last step's logging).
 - once ``stop`` (a ``signals.StopRequest``) is requested, the learner finishes the step it is
@@ -37,24 +42,28 @@ import time
 from typing import Any
 
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
+from specrl.pipelines.state import StepState, TrainStream
 from specrl.pipelines.step import Batch, collect, learn
 
 _POLL_S = 0.1  # how often a waiting thread checks whether the other one stopped
 
 
 class Producer(threading.Thread):
-    """Generates the batches of steps ``start .. end-1`` within the staleness bound."""
+    """Generates the batches of steps ``start .. end-1`` within the staleness bound, starting
+    with the learner at ``version``; it owns ``stream`` (see the module docstring)."""
 
-    def __init__(self, parts: RunParts, run: RunDir, start: int, end: int, log: Log) -> None:
+    def __init__(
+        self, parts: RunParts, stream: TrainStream, start: int, end: int, version: int, log: Log
+    ) -> None:
         super().__init__(name="specrl-producer", daemon=True)
-        self.parts, self.run_dir, self.steps, self.log = parts, run, range(start, end), log
+        self.parts, self.stream, self.steps, self.log = parts, stream, range(start, end), log
         self.bound = parts.cfg.pipeline.max_staleness
         self.buffer: queue.Queue[Batch | None] = queue.Queue(maxsize=self.bound + 1)
-        self.pushed = parts.version  # newest version the learner has pushed
+        self.pushed = version  # newest version the learner has pushed (handed over)
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
@@ -67,8 +76,8 @@ class Producer(threading.Thread):
                     return
                 idle = time.perf_counter() - t0
                 if eval_due(self.parts.cfg, step):
-                    log_eval(self.parts, self.run_dir, step, self.log)
-                batch = collect(self.parts, step)
+                    log_eval(self.parts, step, self.log)
+                batch = collect(self.parts, self.stream.draw(step), step)
                 batch.metrics["generator_idle_s"] = idle
                 if not self._put(batch):
                     return
@@ -119,42 +128,42 @@ class Producer(threading.Thread):
         self.join()
 
 
-def admit(parts: RunParts, batch: Batch) -> None:
-    """Refuse a batch older than the staleness bound (never happens by construction)."""
-    lag = parts.version - batch.behaviour_version
-    if lag > parts.cfg.pipeline.max_staleness:
+def admit(version: int, bound: int, batch: Batch) -> None:
+    """Refuse a batch older than the staleness ``bound`` for a learner at ``version`` (never
+    happens by construction)."""
+    if version - batch.behaviour_version > bound:
         raise RuntimeError(
             f"staleness bound broken: batch of step {batch.step} from version "
-            f"{batch.behaviour_version}, learner at {parts.version} "
-            f"(pipeline.max_staleness={parts.cfg.pipeline.max_staleness})"
+            f"{batch.behaviour_version}, learner at {version} "
+            f"(pipeline.max_staleness={bound})"
         )
 
 
 def train_async(
-    parts: RunParts, run: RunDir, start: int, end: int, log: Log, stop: StopRequest | None = None
+    parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
-    producer = Producer(parts, run, start, end, log)
+    stream = TrainStream.of(parts.cfg, parts.env)
+    producer = Producer(parts, stream, state.step, end, state.version, log)
     producer.start()
     rows: list[dict[str, Any]] = []
     last = time.perf_counter()
     try:
-        for step in range(start, end):
+        for step in range(state.step, end):
             t0 = time.perf_counter()
             batch = producer.take()
             idle = time.perf_counter() - t0
             if batch.step != step:
                 raise RuntimeError(f"expected the batch of step {step}, got step {batch.step}")
-            admit(parts, batch)
-            batch.metrics["learner_idle_s"] = idle  # the drafter's budget reads it in learn
-            row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
+            admit(state.version, parts.cfg.pipeline.max_staleness, batch)
+            row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, state, batch, idle)
             now = time.perf_counter()
             row |= {"learner_idle_s": idle, "step_time_s": now - last}
             last = now
             rows.append(row)
-            if not finish_step(parts, run, row, log, stop):
+            if not finish_step(parts, state, run, row, log, stop):
                 break
-            producer.published(parts.version)
+            producer.published(state.version)
     finally:
         producer.stop()
     return rows

@@ -1,18 +1,14 @@
 """Building a run: check everything that can fail, then make its parts.
 
 Contract: ``build_run(cfg, model=None, codec=None, env=None, backend=None)`` checks the config's
-names (task, template, loss, advantage, correction, drafter) and makes its rollout plan
-(``specrl.backends.plan_rollout``: sampling, pipeline options, placement, drafter), all before
-any work, raising ``ConfigError`` with one line naming the bad value, and refuses a backend that
-cannot honour the plan (``rollout_plan.check_backend``). It returns ``RunParts``: env, codec
-(prompt -> token ids, ids -> text), learner (owns the float32 policy) and the rollout backend
-(its own copy of the policy; ``specrl.backends.build_backend`` of the plan), the weight-sync
-guard (``pipelines.guard.WeightGuard`` in the engine's dtype, expecting the learner's weights
-as version 0), the acceptance alarm (``rollout.alarm_action``) and, for a learned head, its
-trainer (``pipelines.drafter``). ``RunParts.push_weights``
-sends the learner's weights through the guard, so a backend that skips or corrupts an update
-fails the run with a ``WeightSyncError``. Tests pass a tiny model, codec and env, or a fake
-backend.
+names (task, template, loss, advantage, correction, drafter), makes its rollout plan
+(``specrl.backends.plan_rollout``: every rollout setting) and checks the tracking extras, all
+before any work, raising ``ConfigError`` with one line naming the bad value. It returns the frozen
+``RunParts``: env, codec, learner (owns the float32 policy), the rollout backend built from the
+plan, the weight-sync guard, the acceptance alarm and, for a learned head, its trainer;
+``pipelines.state`` holds what changes per step. ``RunParts.push_weights(version)`` sends the
+learner's weights through the guard (a backend that skips or corrupts an update fails the run).
+Tests pass a tiny model, codec and env, or a fake backend.
 """
 
 from __future__ import annotations
@@ -27,8 +23,10 @@ from specrl.backends import RolloutBackend, build_backend, plan_rollout
 from specrl.config import Config
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
+from specrl.pipelines.alarm import AcceptanceAlarm
 from specrl.pipelines.drafter import DrafterSide, build_drafter_side
-from specrl.pipelines.guard import AcceptanceAlarm, WeightGuard
+from specrl.pipelines.guard import WeightGuard
+from specrl.pipelines.tracking import check_tracking
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
 from specrl.rollout_plan import check_backend
@@ -58,27 +56,25 @@ class ChatCodec:
         return self.tokenizer.decode(list(ids))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunParts:
-    """Everything a run needs, built and checked before any work. ``version`` counts the
-    learner's updates (the policy version it pushes to the backend)."""
+    """Everything a run needs, built and checked before any work; frozen: what changes as the
+    run steps is ``state.StepState`` (and the parts' own state, behind their methods)."""
 
     cfg: Config
     env: Env
     codec: Codec
     learner: Learner
     backend: RolloutBackend
-    version: int = 0
-    orders: dict[int, list[Prompt]] = field(default_factory=dict)  # epoch -> train order
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
     drafter: DrafterSide | None = None  # a learned head: its trainer / training length
 
-    def push_weights(self) -> float:
-        """Send the learner's weights to the backend as version ``self.version`` and check what
-        it serves (``WeightGuard.push``); seconds, the check included."""
+    def push_weights(self, version: int) -> float:
+        """Send the learner's weights to the backend as ``version`` and check what it serves
+        (``WeightGuard.push``); seconds, the check included."""
         named = dict(self.learner.model.named_parameters())
-        return self.guard.push(self.backend, named, self.version)
+        return self.guard.push(self.backend, named, version)
 
 
 def build_run(
@@ -92,6 +88,7 @@ def build_run(
     ones (a given ``backend`` must serve the same weights as ``model``)."""
     check_names(cfg, env_given=env is not None)
     plan = plan_rollout(cfg)
+    check_tracking(cfg)
     if model is None or codec is None:
         from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 

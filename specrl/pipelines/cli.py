@@ -42,7 +42,8 @@ import typer
 from specrl.cli_util import fail
 from specrl.config import Config, ConfigError, load_config, load_run_config, parse_override
 from specrl.fsutil import writable_problem
-from specrl.pipelines.checkpoint import RunDir, RunDirError
+from specrl.pipelines.manifest import RunDirError
+from specrl.pipelines.rundir import RunDir
 
 if TYPE_CHECKING:
     from specrl.pipelines.build import RunParts

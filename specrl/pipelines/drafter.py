@@ -11,9 +11,9 @@ Contract:
   from the first step. A frozen drafter keeps only the length of the longest sequence it was
   trained on (``head.json`` / ``distill.json``: ``extra.trained_len``, else the
   ``train.max_len`` cut; 0 = unknown).
-- ``drafter_fields(parts, comps, rollout, captured, step_s)`` (in ``learn``, after the policy
-  update; ``step_s`` is the step's time so far, the learner's wait for the batch (sync: the
-  rollout) plus its learning: a lower bound of the step's time in either pipeline, so the
+- ``drafter_fields(parts, version, comps, rollout, captured, step_s)`` (in ``learn``, after the
+  policy update to ``version``; ``step_s`` is the step's time so far, the learner's wait for
+  the batch plus its learning: a lower bound of the step's time in either pipeline, so the
   budget stays within its share of what steps take):
   ``OnlineDrafter.step`` with the step's signals, then a trained drafter pushed through the
   guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
@@ -115,18 +115,19 @@ def _trained_len(path: str) -> int:
 
 def drafter_fields(
     parts: RunParts,
+    version: int,
     comps: Sequence[Completion],
     rollout: Mapping[str, Any],
     captured: list[Captured],
     step_s: float,
 ) -> dict[str, Any]:
-    """See the module docstring (``comps`` and ``rollout``: the batch's completions and
-    rollout metrics; ``parts.drafter`` is set)."""
+    """See the module docstring (``version``: the policy version just pushed; ``comps`` and
+    ``rollout``: the batch's completions and rollout metrics; ``parts.drafter`` is set)."""
     side: DrafterSide = parts.drafter
     row: dict[str, Any] = {}
     if side.trainer is not None:
         rate = float(rollout.get("draft_acceptance_rate", 0.0))
-        signals = StepSignals(step_s, parts.version, rate, int(rollout.get("drafting_steps", 0)))
+        signals = StepSignals(step_s, version, rate, int(rollout.get("drafting_steps", 0)))
         update = side.trainer.step(captured, signals)
         row |= update.metrics
         if update.state is not None:

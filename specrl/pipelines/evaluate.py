@@ -27,7 +27,7 @@ def evaluate(parts: RunParts, updates: int) -> dict[str, Any]:
         return row
     for name, stream, temp in (("greedy", STREAM_GREEDY, 0.0), ("sampled", STREAM_SAMPLED, None)):
         out = rollout(parts, prompts, updates, stream, n=1, temperature=temp)
-        rewards, correct = score(parts, prompts, out.completions)
+        rewards, correct = score(parts.env, parts.codec, prompts, out.completions)
         row[f"{name}_accuracy"] = float(correct.mean())
         row[f"{name}_reward"] = float(rewards.mean())
         version = min(c.policy_version for c in out.completions)

@@ -1,45 +1,11 @@
-"""Weight-sync guardrails: a content check of every weight update, and an acceptance alarm.
+"""Weight-sync guardrail: a content check of every weight update.
 
-The failure they catch is silent in the field: after a weight sync the serving engine keeps old
-or damaged weights (a skipped update, a dropped drafter on sleep/wake), output stays plausible
-and speculation quietly stops paying.
-
-Contract:
-- ``WeightSyncError`` (a ``RuntimeError``): the rollout backend does not serve what the learner
-  pushed. Its message is one line naming the version and both fingerprints; it ends the run.
-- ``WeightGuard(dtype)``: the learner's side of the content check; ``dtype`` is the engine's
-  (``model.dtype``), the one the backend casts the learner's float32 tensors to.
-  ``remember(version, named)`` fingerprints tensors the backend serves already (version 0 at
-  build time). ``push(backend, named, version)`` fingerprints ``named`` (before sending: the
-  caller mutates its tensors later), calls ``update_weights``, then checks what the backend
-  already serves: an idle backend applied the update at once (the sync pipeline fails on the
-  step that pushed it); a pending one (the async producer is generating) is checked after the
-  next rollout, so the learner never waits for the producer. ``floor()``: the versions whose
-  updates have returned (a rollout that starts later serves at least those).
-  ``verify(served, floor=None)`` raises ``WeightSyncError`` when the backend serves an older
-  version than ``floor`` (update skipped), a version newer than any pushed, or another
-  fingerprint than the one pushed for that version (skipped: old weights under the new
-  version, or corrupted); a version it keeps no fingerprint of (only the ``KEEP`` newest are
-  kept) and a ``None`` fingerprint are not compared. ``push_drafter(backend, state, version)``
-  does the same for a learned drafter's tensors (``pipelines.drafter`` pushes every head the
-  learner side trains): checked at once when the backend is idle (``idle``), else after the
-  next rollout.
-- ``AcceptanceAlarm(action)``: per step, ``observe(step, acceptance, drafts, version)`` with
-  the acceptance length of the (row, verify step) pairs that drafted (``pipelines.step``'s
-  ``draft_acceptance_length``), how many there were (``drafting_steps``) and the batch's policy
-  version. A step with fewer than ``MIN_DRAFTS`` drafting pairs is no evidence and is skipped.
-  After ``WARMUP`` steps with evidence whose running gain (EMA of acceptance - 1) is at least
-  ``MIN_GAIN`` (a drafter that normally accepts), it returns a one-line warning when acceptance
-  is at most ``COLLAPSED`` (drafts are no longer accepted), or when the policy version moved
-  since the previous step (a refit) and the gain fell below ``DROP`` of its running level;
-  else ``None``. An alarmed step does not move the running level. With
-  ``action = "disable_spec"`` the first alarm also turns speculation off for the rest of the
-  run (``spec_override()`` is then a plain ``SpecConfig``). ``state_dict()`` /
-  ``load_state_dict(state)``: its JSON-able state, for a checkpoint (a resume that restores it
-  alarms exactly where an uninterrupted run would).
-- ``alarm_fields(alarm, step, metrics, version)``: the row fields (``acceptance_alarm``
-  0/1, and the message as ``acceptance_warning`` when it fires); ``alarm_line(row)``: the
-  console line for a row, or ``None``.
+``WeightGuard(dtype)`` fingerprints what the learner pushes (policy: ``push``, a learned
+drafter: ``push_drafter``) and ``verify(served, floor)`` compares what the backend serves:
+an older version than one acknowledged, a version never pushed, or another fingerprint than
+the one pushed raises ``WeightSyncError`` (one line naming the version and both fingerprints),
+which ends the run. The acceptance alarm, the second guardrail, is ``pipelines.alarm``.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -47,24 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass, field
-from typing import Any, Literal
 
 import torch
 
 from specrl.backends.base import RolloutBackend, Served, Versions
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
-from specrl.spec.config import SpecConfig
 
 KEEP = 128  # fingerprints of the newest versions kept (more than any staleness bound: <= 64)
-
-MIN_DRAFTS = 32  # drafting (row, verify step) pairs that make a step evidence
-WARMUP = 3  # steps with evidence before the alarm may fire
-MIN_GAIN = 0.2  # running acceptance - 1 of a drafter that "normally accepts"
-COLLAPSED = 1.05  # acceptance length at or below this: nothing is accepted any more
-DROP = 0.5  # right after a refit, a gain below this share of the running gain alarms
-DECAY = 0.7  # EMA weight of the running level
-
-AlarmAction = Literal["warn", "disable_spec"]
 
 
 class WeightSyncError(RuntimeError):
@@ -163,80 +118,3 @@ class WeightGuard:
         policy_floor, drafter_floor = (None, None) if floor is None else astuple(floor)
         self.policy.check(served.policy_version, served.policy, policy_floor)
         self.drafter.check(served.drafter_version, served.drafter, drafter_floor)
-
-
-# --------------------------------------------------------------------------- acceptance alarm
-
-
-@dataclass
-class AcceptanceAlarm:
-    """See the module docstring."""
-
-    action: AlarmAction = "warn"
-    level: float | None = None  # running gain (EMA of acceptance - 1) of unalarmed steps
-    seen: int = 0  # drafted steps folded into ``level``
-    version: int | None = None  # policy version of the previous observed step
-    disabled: bool = False  # speculation turned off by an alarm
-
-    def observe(self, step: int, acceptance: float, drafts: int, version: int) -> str | None:
-        """The warning for this step, or ``None`` (see the module docstring)."""
-        if drafts < MIN_DRAFTS:  # too few drafts to tell either way
-            return None
-        refit = self.version is not None and version > self.version
-        self.version = version
-        message = self._judge(step, acceptance, version, refit)
-        if message is None:
-            gain = acceptance - 1.0
-            self.level = gain if self.level is None else DECAY * self.level + (1 - DECAY) * gain
-            self.seen += 1
-            return None
-        if self.action == "disable_spec" and not self.disabled:
-            self.disabled = True
-            message += "; speculation is off for the rest of the run (rollout.alarm_action)"
-        return message
-
-    def _judge(self, step: int, acceptance: float, version: int, refit: bool) -> str | None:
-        if self.level is None or self.seen < WARMUP or self.level < MIN_GAIN:
-            return None
-        running = 1.0 + self.level
-        if acceptance <= COLLAPSED:
-            return (
-                f"acceptance alarm at step {step}: acceptance length {acceptance:.2f} (running "
-                f"{running:.2f}): no draft is accepted any more (stale or dropped drafter "
-                "weights after a weight sync?)"
-            )
-        if refit and acceptance - 1.0 < DROP * self.level:
-            return (
-                f"acceptance alarm at step {step}: acceptance length fell to {acceptance:.2f} "
-                f"right after the update to policy version {version} (running {running:.2f}; "
-                "stale drafter weights?)"
-            )
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "seen": self.seen, "version": self.version,
-                "disabled": self.disabled}  # fmt: skip
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.level, self.seen = state.get("level"), int(state.get("seen", 0))
-        self.version, self.disabled = state.get("version"), bool(state.get("disabled", False))
-
-    def spec_override(self) -> SpecConfig | None:
-        """A plain-decoding ``SpecConfig`` once an alarm turned speculation off, else ``None``."""
-        return SpecConfig("none", 0) if self.disabled else None
-
-
-def alarm_fields(
-    alarm: AcceptanceAlarm, step: int, metrics: Mapping[str, Any], version: int
-) -> dict[str, Any]:
-    """The acceptance-alarm fields of a step's row (``metrics``: its rollout metrics)."""
-    acceptance = float(metrics.get("draft_acceptance_length", 0.0))
-    message = alarm.observe(step, acceptance, int(metrics.get("drafting_steps", 0)), version)
-    if message is None:
-        return {"acceptance_alarm": 0}
-    return {"acceptance_alarm": 1, "acceptance_warning": message}
-
-
-def alarm_line(row: Mapping[str, Any]) -> str | None:
-    """The console line of a row whose acceptance alarm fired, else ``None``."""
-    return f"warning: {row['acceptance_warning']}" if row.get("acceptance_alarm") else None

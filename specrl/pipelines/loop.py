@@ -2,24 +2,25 @@
 
 Contract:
 - ``open_run(parts, run, resume, say)``: a fresh run refuses a used directory; a resume
-  restores the newest checkpoint that verifies (policy, optimizer, RNG, the learner version, the
-  backend's state such as the suffix drafter's history, and a drafter trained during RL with
-  its optimizer, pushed under its version), saying in one line (``say``, else a
-  warning) which newer ones were damaged and skipped; a run that has no checkpoint yet restarts
-  from step 0 (said too); if none of several verifies, ``RunDirError`` names each one's damage.
-  Before reading checkpoints a resume finishes interrupted replaces
+  restores the newest checkpoint that verifies (policy, optimizer, RNG, the step state, the
+  acceptance alarm, the backend's state such as the suffix drafter's history, and a drafter
+  trained during RL with its optimizer, pushed under its version), saying in one line (``say``,
+  else a warning) which newer ones were damaged and skipped; a run that has no checkpoint yet
+  restarts from step 0 (said too); if none of several verifies, ``RunDirError`` names each
+  one's damage. Before reading checkpoints a resume finishes interrupted replaces
   (``RunDir.recover_interrupted``: a complete ``step_N.tmp`` or a verified ``step_N.old``
   becomes the missing ``step_N``, silently: no data is lost); what is left of interrupted saves
   is removed after the restore. It pushes the restored weights to the backend as that version,
   drops metric/eval rows the resumed run will write again, and writes config.toml atomically.
-  Returns the first step to run.
-- ``finish_step(parts, run, row, log, stop)``: append the metrics row, update the progress bar
-  and the console, checkpoint when due (every ``run.checkpoint_every`` updates and after the
-  last one; then only the newest ``run.keep_checkpoints`` are kept, ``RunDir.prune``); returns
-  whether the loop goes on (False once ``stop``, a ``signals.StopRequest``, was requested: the
-  loop ends without starting another step).
-- ``stop_checkpoint(parts, run, updates)``: after a stopped loop ended, the checkpoint of
-  ``updates`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
+  Returns the run's ``StepState`` (``step``: the first step to run).
+- ``finish_step(parts, state, run, row, log, stop)``: write the metrics row (``log.metrics``,
+  ``pipelines.tracking``), update the progress bar and the console, checkpoint ``state`` when
+  due (every ``run.checkpoint_every`` updates and after the last one; then only the newest
+  ``run.keep_checkpoints`` are kept, ``RunDir.prune``); returns whether the loop goes on (False
+  once ``stop``, a ``signals.StopRequest``, was requested: the loop ends without starting
+  another step).
+- ``stop_checkpoint(parts, state, run)``: after a stopped loop ended, the checkpoint of
+  ``state.step`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
   (never rewritten), otherwise it is written now.
 - ``METRIC_KEYS``: the numeric keys every step row has, in both modes; ``TIMING_KEYS``: those
   that vary from run to run (times, and speculation statistics, which follow the speculation
@@ -39,20 +40,20 @@ from tqdm import tqdm
 
 from specrl.config import Config
 from specrl.fsutil import atomic_write
+from specrl.pipelines.alarm import alarm_line
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import (
-    CheckpointDamaged,
     CheckpointData,
-    RunDir,
-    RunDirError,
     apply_checkpoint,
-    is_complete,
     read_checkpoint,
     save_checkpoint,
 )
 from specrl.pipelines.evaluate import evaluate
-from specrl.pipelines.guard import alarm_line
+from specrl.pipelines.manifest import CheckpointDamaged, RunDirError, is_complete
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
+from specrl.pipelines.state import StepState
+from specrl.pipelines.tracking import MetricsSink
 
 METRIC_KEYS = (
     "step", "reward_mean", "reward_std", "accuracy", "response_length", "gen_time_s",
@@ -78,8 +79,10 @@ Echo = Callable[[str], None]
 
 @dataclass
 class Log:
-    """Where a loop reports: the progress bar and an optional console line printer."""
+    """Where a loop reports: the rows' sinks (``pipelines.tracking``), the progress bar and an
+    optional console line printer."""
 
+    metrics: MetricsSink
     bar: tqdm
     echo: Echo | None = None
 
@@ -93,12 +96,14 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
     return every > 0 and (updates % every == 0 or updates == cfg.run.steps)
 
 
-def save(parts: RunParts, run: RunDir, updates: int) -> Path:
-    """Checkpoint ``updates``, then remove the oldest beyond ``run.keep_checkpoints``."""
-    state = {"step": updates, "policy_version": parts.version, "alarm": parts.alarm.state_dict()}
+def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
+    """Checkpoint ``state`` (its ``step`` updates), then remove the oldest beyond
+    ``run.keep_checkpoints``."""
+    saved = {"step": state.step, "policy_version": state.version,
+             "alarm": parts.alarm.state_dict()}  # fmt: skip
     trainer = parts.drafter.trainer if parts.drafter is not None else None
-    ckpt = save_checkpoint(run.checkpoint_dir(updates), parts.learner.model,
-                           parts.learner.optimizer, state, parts.backend.state_dict(),
+    ckpt = save_checkpoint(run.checkpoint_dir(state.step), parts.learner.model,
+                           parts.learner.optimizer, saved, parts.backend.state_dict(),
                            trainer)  # fmt: skip
     run.prune(ckpt, parts.cfg.run.keep_checkpoints)
     return ckpt
@@ -135,21 +140,22 @@ def _damaged(found: list[str]) -> str:
     return f"checkpoints {', '.join(found)} are damaged"
 
 
-def restore(parts: RunParts, run: RunDir, say: Echo | None = None) -> int:
-    """Load the newest verified checkpoint into ``parts``; the updates it holds (0 if none)."""
+def restore(parts: RunParts, run: RunDir, say: Echo | None = None) -> StepState:
+    """Load the newest verified checkpoint into ``parts``; the step state it holds (a fresh one
+    if none)."""
     data = newest_verified(run, say)
     if data is None:
         _report(say, f"{run.path} holds no checkpoint yet: starting from step 0")
         run.truncate(0)
-        return 0
-    state, backend_state = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
-    parts.version = state["policy_version"]
-    parts.alarm.load_state_dict(state.get("alarm", {}))
-    parts.push_weights()
+        return StepState()
+    saved, backend_state = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
+    state = StepState(saved["step"], saved["policy_version"])
+    parts.alarm.load_state_dict(saved.get("alarm", {}))
+    parts.push_weights(state.version)
     restore_drafter(parts, data, say)
     parts.backend.load_state_dict(backend_state)
-    run.truncate(state["step"])
-    return state["step"]
+    run.truncate(state.step)
+    return state
 
 
 def restore_drafter(parts: RunParts, data: CheckpointData, say: Echo | None = None) -> None:
@@ -169,32 +175,37 @@ def restore_drafter(parts: RunParts, data: CheckpointData, say: Echo | None = No
     parts.guard.push_drafter(parts.backend, trainer.state(), trainer.ledger.version)
 
 
-def open_run(parts: RunParts, run: RunDir, resume: bool, say: Echo | None = None) -> int:
-    """Create or resume ``run``; the first step to run (see the module docstring)."""
+def open_run(parts: RunParts, run: RunDir, resume: bool, say: Echo | None = None) -> StepState:
+    """Create or resume ``run``; its step state (see the module docstring)."""
     if not resume and run.is_used():
         raise RunDirError(f"run dir {run.path} is not empty: resume it or choose another")
     run.create()
     if resume:
         run.recover_interrupted()
-    start = restore(parts, run, say) if resume else 0
+    state = restore(parts, run, say) if resume else StepState()
     run.clear_interrupted()
     atomic_write(run.config, parts.cfg.to_toml())
-    return start
+    return state
 
 
-def log_eval(parts: RunParts, run: RunDir, updates: int, log: Log) -> None:
+def log_eval(parts: RunParts, updates: int, log: Log) -> None:
     row = evaluate(parts, updates)
-    run.append(run.evals, row)
+    log.metrics.write("eval", row)
     log.say(f"eval after {updates} updates: greedy acc {row.get('greedy_accuracy', 0):.3f}, "
             f"sampled acc {row.get('sampled_accuracy', 0):.3f}")  # fmt: skip
 
 
 def finish_step(
-    parts: RunParts, run: RunDir, row: dict[str, Any], log: Log, stop: StopRequest | None = None
+    parts: RunParts,
+    state: StepState,
+    run: RunDir,
+    row: dict[str, Any],
+    log: Log,
+    stop: StopRequest | None = None,
 ) -> bool:
-    """Log a finished step's row and checkpoint when due; whether to go on (see the module
-    docstring)."""
-    run.append(run.metrics, row)
+    """Log a finished step's row and checkpoint ``state`` when due; whether to go on (see the
+    module docstring)."""
+    log.metrics.write("train", row)
     log.bar.update(1)
     log.bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc_len=row["acceptance_length"])
     log.say(format_row(row))
@@ -202,17 +213,17 @@ def finish_step(
         log.say(line)
     if note := row.get("drafter_warning"):
         log.say(f"warning: {note}")
-    if checkpoint_due(parts.cfg, row["step"] + 1):
-        save(parts, run, row["step"] + 1)
+    if checkpoint_due(parts.cfg, state.step):
+        save(parts, state, run)
     return stop is None or not stop.requested
 
 
-def stop_checkpoint(parts: RunParts, run: RunDir, updates: int) -> Path:
-    """The checkpoint of ``updates`` for a stopped run: the existing ``step_N`` if it is
-    complete (the regular schedule wrote it at the end of that step, or the run resumed from
-    it and ran no step since), else written now."""
-    ckpt = run.checkpoint_dir(updates)
-    return ckpt if is_complete(ckpt) else save(parts, run, updates)
+def stop_checkpoint(parts: RunParts, state: StepState, run: RunDir) -> Path:
+    """The checkpoint of ``state.step`` updates for a stopped run: the existing ``step_N`` if
+    it is complete (the regular schedule wrote it at the end of that step, or the run resumed
+    from it and ran no step since), else written now."""
+    ckpt = run.checkpoint_dir(state.step)
+    return ckpt if is_complete(ckpt) else save(parts, state, run)
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from statistics import fmean
 from typing import Any
 
 from specrl.fsutil import atomic_write
-from specrl.pipelines.checkpoint import RunDir
+from specrl.pipelines.rundir import RunDir
 
 BREAKDOWN = (
     ("generation", "gen_time_s"),

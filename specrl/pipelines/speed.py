@@ -11,13 +11,14 @@ give at this acceptance.
 from __future__ import annotations
 
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.step import draw_prompts, rollout, rollout_metrics
+from specrl.pipelines.state import TrainStream
+from specrl.pipelines.step import rollout, rollout_metrics
 from specrl.spec.config import SpecConfig
 
 
 def measure_speedup(parts: RunParts, step: int) -> dict[str, float]:
     """See the module docstring."""
-    prompts = draw_prompts(parts, step)
+    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
     out: dict[str, float] = {}
     for name, spec in (("plain", SpecConfig("none", 0)), ("spec", parts.backend.spec)):
         m = rollout_metrics(rollout(parts, prompts, step, spec=spec))

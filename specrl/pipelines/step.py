@@ -1,39 +1,18 @@
-"""One RL step, split in two: ``collect(parts, step) -> Batch`` and ``learn(parts, batch)``.
+"""One RL step, split in two: ``collect(parts, prompts, step) -> Batch`` and
+``learn(parts, state, batch, waited_s)``.
 
-Contract:
-- ``draw_prompts(parts, step)``: prompts ``step*P .. step*P+P-1`` of the train stream (the train
-  split in a seeded permutation per epoch, cycled): a pure function of (seed, step), so a resume
-  or an asynchronous producer needs no data-order state.
-- ``collect(parts, step)``: G completions per prompt from the backend (temperature/top-k/top-p
-  from the config, the codec's stop tokens, a request seed derived from (run seed, step,
-  prompt); plain decoding once the acceptance alarm turned speculation off), env rewards, group
-  advantages (registered estimator). The ``Batch`` carries its behaviour version (the oldest
-  policy version of any of its tokens), its rollout metrics (``draft_acceptance_length``: tokens
-  per verify step that drafted, 0 when nothing was drafted; ``drafting_steps``: how many such
-  (row, step) pairs; ``rollout_worker_faults``: ``Rollout.faults``), and for the weight-sync
-  check what the backend served right after the call (``backend.served()``) with the versions
-  whose updates had returned before it (``WeightGuard.floor()``).
-- ``learn(parts, batch)``: first the weight-sync check of the batch (``WeightGuard.verify``:
-  a ``WeightSyncError`` ends the run before anything trains on it; it runs in the learner's
-  thread, so the async producer never waits for it) and the acceptance alarm
-  (``acceptance_alarm`` 0/1 in the row, ``acceptance_warning`` when it fires); then the
-  engine/learner mismatch of raw (T=1) logprobs, one learner step with the behaviour logprobs
-  the correction needs (``learner.correction``: 'ppo' clips against the engine's processed
-  logprobs when no top-k/top-p truncation is on and the learner's own detached logprobs
-  otherwise; 'tis' always hands the processed logprobs to the truncated importance weight, see
-  ``specrl.rl.corrections``), then ``parts.version += 1`` and the new weights pushed to the
-  backend through the guard (``RunParts.push_weights``; ``refit_time_s`` includes the check).
-  A learned drafter trained during RL (``pipelines.drafter``) gets the features of that same
-  training forward (``learner.FeatureSink``) and trains after the push, in the learner's
-  thread (overlapping the async producer's rollout); its fields join the row.
-  Returns the metrics of the learning half, including the
-  staleness of the batch's tokens (``learner version - token version``: mean, max, histogram).
-No pipeline module touches engine internals: all generation goes through ``parts.backend``.
+``collect``: G completions per prompt from the backend (seeded per (run seed, step, prompt)),
+rewards, group advantages, rollout metrics, the behaviour version and what the backend served.
+``learn`` (the learner's thread), in named steps: ``check_served`` (weight-sync check), the
+acceptance alarm, staleness, ``train_policy`` (one learner step with the behaviour logprobs the
+correction needs, and the engine/learner logprob mismatch), ``publish`` (``state`` advanced,
+the weights pushed through the guard), ``train_drafter`` (a drafter trained during RL, its
+budget counting ``waited_s``); it returns the row fields. Generation goes only through
+``parts.backend``. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -44,11 +23,13 @@ import torch
 
 from specrl.backends import Rollout, Served, Versions
 from specrl.config import Config
-from specrl.envs.reasoning_gym_env import Prompt
-from specrl.pipelines.build import RunParts
+from specrl.envs.reasoning_gym_env import Env, Prompt
+from specrl.pipelines.alarm import alarm_fields
+from specrl.pipelines.build import Codec, RunParts
 from specrl.pipelines.drafter import drafter_fields
-from specrl.pipelines.guard import alarm_fields
-from specrl.rl import Learner, TrainSample, compute_advantages
+from specrl.pipelines.guard import WeightGuard
+from specrl.pipelines.state import StepState
+from specrl.rl import FeatureSink, Learner, TrainSample, compute_advantages
 from specrl.rollout_plan import truncated
 from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
@@ -70,23 +51,6 @@ class Batch:
     metrics: dict[str, Any] = field(default_factory=dict)
     served: Served | None = None  # what the backend served right after the rollout
     floor: Versions | None = None  # versions whose updates had returned before it
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def prompt_order(parts: RunParts, epoch: int) -> list[Prompt]:
-    """The train split in epoch ``epoch``'s seeded order (cached on ``parts``)."""
-    if epoch not in parts.orders:
-        seed = random.Random(f"{parts.cfg.run.seed}/{epoch}").getrandbits(32)
-        parts.orders[epoch] = parts.env.prompts("train", seed=seed)
-    return parts.orders[epoch]
-
-
-def draw_prompts(parts: RunParts, step: int) -> list[Prompt]:
-    """Prompts of step ``step``: positions step*P .. step*P+P-1 of the cycled train stream."""
-    p, n = parts.cfg.rollout.prompts_per_step, len(prompt_order(parts, 0))
-    return [prompt_order(parts, i // n)[i % n] for i in range(step * p, step * p + p)]
 
 
 def request_seed(run_seed: int, step: int, index: int, stream: int) -> int:
@@ -123,14 +87,14 @@ def rollout(
 
 
 def score(
-    parts: RunParts, prompts: Sequence[Prompt], comps: Sequence[Completion]
+    env: Env, codec: Codec, prompts: Sequence[Prompt], comps: Sequence[Completion]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards and correctness ``[num_prompts, n]`` (completions are grouped per prompt)."""
-    texts = [parts.codec.decode(c.token_ids) for c in comps]
+    texts = [codec.decode(c.token_ids) for c in comps]
     metas = [prompts[c.request_index].meta for c in comps]
     pairs = list(zip(texts, metas, strict=True))
-    rewards = torch.tensor([parts.env.reward(t, m) for t, m in pairs], dtype=torch.float32)
-    correct = torch.tensor([float(parts.env.correct(t, m)) for t, m in pairs])
+    rewards = torch.tensor([env.reward(t, m) for t, m in pairs], dtype=torch.float32)
+    correct = torch.tensor([float(env.correct(t, m)) for t, m in pairs])
     return rewards.view(len(prompts), -1), correct.view(len(prompts), -1)
 
 
@@ -181,15 +145,15 @@ def behaviour_version(comps: Sequence[Completion]) -> int:
     return min(versions) if versions else 0
 
 
-def collect(parts: RunParts, step: int) -> Batch:
-    """Generate, score and compute advantages for step ``step`` (see the module docstring)."""
+def collect(parts: RunParts, prompts: list[Prompt], step: int) -> Batch:
+    """Generate, score and compute advantages of step ``step``'s ``prompts`` (see the module
+    docstring)."""
     cfg = parts.cfg
-    prompts = draw_prompts(parts, step)
     floor = parts.guard.floor()  # read before the call: a call serves at least these
     out = rollout(parts, prompts, step, spec=parts.alarm.spec_override())
     served = parts.backend.served()
     t0 = time.perf_counter()
-    rewards, correct = score(parts, prompts, out.completions)  # [P, G]
+    rewards, correct = score(parts.env, parts.codec, prompts, out.completions)  # [P, G]
     adv = compute_advantages(cfg.learner.advantage, rewards, **_adv_kwargs(cfg))
     metrics = rollout_metrics(out) | {
         "reward_mean": float(rewards.mean()),
@@ -258,33 +222,60 @@ def staleness(version: int, comps: Sequence[Completion]) -> dict[str, Any]:
     }
 
 
-def learn(parts: RunParts, batch: Batch) -> dict[str, Any]:
-    """One learner step on ``batch``, then push the new weights (see the module docstring)."""
-    learner, comps = parts.learner, batch.completions
+def check_served(guard: WeightGuard, batch: Batch) -> None:
+    """The weight-sync check of what the backend served for ``batch`` (``WeightSyncError``)."""
     if batch.served is not None:
-        parts.guard.verify(batch.served, batch.floor)
-    row: dict[str, Any] = {"behaviour_version": batch.behaviour_version}
-    row |= alarm_fields(parts.alarm, batch.step, batch.metrics, batch.behaviour_version)
-    row |= staleness(parts.version, comps)
-    samples = train_samples(comps, batch.advantages, uses_behaviour_logprobs(parts.cfg))
-    t0 = time.perf_counter()
-    sink = parts.drafter.sink() if parts.drafter is not None else None
+        guard.verify(batch.served, batch.floor)
+
+
+def train_policy(
+    learner: Learner, batch: Batch, behaviour: bool, sink: FeatureSink | None
+) -> dict[str, Any]:
+    """One learner step on ``batch`` (``behaviour``: hand it the engine's processed logprobs)
+    and the engine/learner logprob mismatch; ``sink`` captures the forward's features."""
+    comps = batch.completions
+    samples = train_samples(comps, batch.advantages, behaviour)
     if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
         kept: list[torch.Tensor] = []
         stats = learner.train_step(samples, keep=kept, capture=sink)
-        row |= logprob_delta(learner, comps, kept)
+        delta = logprob_delta(learner, comps, kept)
     else:
-        row |= logprob_delta(learner, comps)
+        delta = logprob_delta(learner, comps)
         stats = learner.train_step(samples, capture=sink)
-    row |= {"train_time_s": stats.pop("time_s")} | {f"learner_{k}": v for k, v in stats.items()}
-    parts.version += 1
-    row["refit_time_s"] = parts.push_weights()
-    row["policy_version"] = parts.version
+    return (
+        delta
+        | {"train_time_s": stats.pop("time_s")}
+        | {f"learner_{k}": v for k, v in stats.items()}
+    )
+
+
+def publish(parts: RunParts, state: StepState, step: int) -> dict[str, Any]:
+    """Advance ``state`` past ``step`` and push the new weights through the guard."""
+    version = state.learned(step)
+    return {"refit_time_s": parts.push_weights(version), "policy_version": version}
+
+
+def train_drafter(
+    parts: RunParts, version: int, batch: Batch, sink: FeatureSink | None, step_s: float
+) -> dict[str, Any]:
+    """A learned drafter's training on this step's features (``pipelines.drafter``);
+    ``step_s``: the step's time so far, a lower bound of it."""
+    captured = [] if sink is None else sink.captured
+    return drafter_fields(parts, version, batch.completions, batch.metrics, captured, step_s)
+
+
+def learn(parts: RunParts, state: StepState, batch: Batch, waited_s: float) -> dict[str, Any]:
+    """Learn ``batch`` and push the new weights (see the module docstring); ``waited_s``: the
+    learner's wait for the batch."""
+    check_served(parts.guard, batch)
+    row: dict[str, Any] = {"behaviour_version": batch.behaviour_version}
+    row |= alarm_fields(parts.alarm, batch.step, batch.metrics, batch.behaviour_version)
+    row |= staleness(state.version, batch.completions)
+    t0 = time.perf_counter()
+    sink = parts.drafter.sink() if parts.drafter is not None else None
+    row |= train_policy(parts.learner, batch, uses_behaviour_logprobs(parts.cfg), sink)
+    row |= publish(parts, state, batch.step)
     if parts.drafter is not None:
-        # this step's time so far, a lower bound of it: the learner's wait for the batch (the
-        # async loop sets it; sync: the rollout) and its learning
-        wait = batch.metrics.get("learner_idle_s", batch.metrics.get("gen_time_s", 0.0))
-        step_s = float(wait) + time.perf_counter() - t0
-        captured = [] if sink is None else sink.captured
-        row |= drafter_fields(parts, comps, batch.metrics, captured, step_s)
+        step_s = waited_s + time.perf_counter() - t0
+        row |= train_drafter(parts, state.version, batch, sink, step_s)
     return row

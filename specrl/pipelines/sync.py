@@ -1,9 +1,10 @@
 """The synchronous GRPO loop: collect -> learn, one step at a time.
 
-Contract: ``train_sync(parts, run, start, end, log, stop=None)`` runs steps ``start .. end-1``;
-before step ``s`` it evaluates when ``eval_due(cfg, s)``; each step is ``collect(parts, s)``
-(rollouts under the policy of ``s`` updates: staleness 0) then ``learn(parts, batch)`` (which
-pushes the new weights), and ``finish_step`` logs and checkpoints. Once ``stop`` (a
+Contract: ``train_sync(parts, state, run, end, log, stop)`` runs steps ``state.step ..
+end-1`` in one thread, which owns ``state`` and the train stream; before step ``s`` it evaluates
+when ``eval_due(cfg, s)``; each step is ``collect`` of its prompts (rollouts under the policy of
+``s`` updates: staleness 0) then ``learn`` (which advances ``state`` and pushes the new
+weights), and ``finish_step`` logs and checkpoints. Once ``stop`` (a
 ``signals.StopRequest``) is requested, the step in progress is finished and checkpointed and
 the loop ends there. ``learner_idle_s`` is the step's generation time (the learner waits for
 it), ``generator_idle_s`` its learning time. Returns the rows of the steps it ran.
@@ -18,28 +19,29 @@ import time
 from typing import Any
 
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
+from specrl.pipelines.state import StepState, TrainStream
 from specrl.pipelines.step import collect, learn
 
 
 def train_sync(
-    parts: RunParts, run: RunDir, start: int, end: int, log: Log, stop: StopRequest | None = None
+    parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
-    rows = []
-    for step in range(start, end):
+    rows, stream = [], TrainStream.of(parts.cfg, parts.env)
+    for step in range(state.step, end):
         if eval_due(parts.cfg, step):
-            log_eval(parts, run, step, log)
+            log_eval(parts, step, log)
         t0 = time.perf_counter()
-        batch = collect(parts, step)
+        batch = collect(parts, stream.draw(step), step)
         t1 = time.perf_counter()
-        row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, batch)
+        row: dict[str, Any] = {"step": step} | batch.metrics | learn(parts, state, batch, t1 - t0)
         t2 = time.perf_counter()
         row |= {"learner_idle_s": t1 - t0, "generator_idle_s": t2 - t1, "step_time_s": t2 - t0}
         rows.append(row)
-        if not finish_step(parts, run, row, log, stop):
+        if not finish_step(parts, state, run, row, log, stop):
             break
     return rows

@@ -5,7 +5,9 @@ Contract:
   runs (or continues, ``resume``: see ``loop.open_run``) ``run.steps`` steps with the loop
   ``pipeline.mode`` names (``sync.train_sync`` or ``async_.train_async``); ``stop_after`` ends
   the call after that many updates in total (an interruption, for tests). Evaluates after the
-  last step when due. Returns this call's metric rows. It runs inside ``signals.stop_on_signals``
+  last step when due. Its rows go to every sink the config turns on (``tracking.open_tracker``:
+  metrics.jsonl and eval.jsonl, TensorBoard, W&B), closed when the call ends. Returns this
+  call's metric rows. It runs inside ``signals.stop_on_signals``
   (or under the caller's ``stop``). After SIGINT/SIGTERM the step in progress is finished and
   checkpointed; then, if steps remain, ``signals.Stopped`` is raised (nothing left running) and
   ``--resume`` continues. A signal during the last step or the final evaluation does not undo a
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from typing import Any
 
 from tqdm import tqdm
@@ -35,12 +37,13 @@ from tqdm import tqdm
 from specrl.fsutil import atomic_write
 from specrl.pipelines.async_ import train_async
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Echo, Log, log_eval, open_run, stop_checkpoint
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import Interrupted, Stopped, StopRequest, stop_on_signals
 from specrl.pipelines.speed import measure_speedup
 from specrl.pipelines.sync import train_sync
+from specrl.pipelines.tracking import open_tracker
 
 LOOPS = {"sync": train_sync, "async": train_async}
 SPEED_CHECK = "the speed check"
@@ -71,22 +74,22 @@ def _train(
     stop: StopRequest,
 ) -> list[dict[str, Any]]:
     cfg = parts.cfg
-    start = open_run(parts, run, resume, echo)
+    state = open_run(parts, run, resume, echo)
     end = min(cfg.run.steps, stop_after if stop_after is not None else cfg.run.steps)
-    bar = tqdm(disable=not progress, desc=f"train ({cfg.pipeline.mode})", unit="step",
-               initial=start, total=cfg.run.steps)  # fmt: skip
-    log = Log(bar, echo)
-    try:
-        rows = LOOPS[cfg.pipeline.mode](parts, run, start, end, log, stop)
-    finally:
-        bar.close()
-    updates = start + len(rows)
-    if stop.requested and updates < cfg.run.steps:
-        raise Stopped(stop, updates, stop_checkpoint(parts, run, updates), run.path)
-    if updates == cfg.run.steps and eval_due(cfg, updates):
-        log_eval(parts, run, updates, log)
+    with closing(open_tracker(cfg, run, state.step)) as tracker:
+        bar = tqdm(disable=not progress, desc=f"train ({cfg.pipeline.mode})", unit="step",
+                   initial=state.step, total=cfg.run.steps)  # fmt: skip
+        log = Log(tracker, bar, echo)
+        try:
+            rows = LOOPS[cfg.pipeline.mode](parts, state, run, end, log, stop)
+        finally:
+            bar.close()
+        if stop.requested and state.step < cfg.run.steps:
+            raise Stopped(stop, state.step, stop_checkpoint(parts, state, run), run.path)
+        if state.step == cfg.run.steps and eval_due(cfg, state.step):
+            log_eval(parts, state.step, log)
     if stop.requested:
-        raise Stopped(stop, updates, None, run.path, complete=True)
+        raise Stopped(stop, state.step, None, run.path, complete=True)
     return rows
 
 

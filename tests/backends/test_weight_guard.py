@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ from specrl.backends.process import build_process
 from specrl.engine.engine import Engine
 from specrl.models.fingerprint import SAMPLES, fingerprint, fingerprint_dtype, positions
 from specrl.models.weights import engine_copy
-from specrl.pipelines.checkpoint import RunDir
 from specrl.pipelines.guard import WeightGuard, WeightSyncError
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.train import train
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
@@ -134,7 +135,7 @@ def _fails(parts, run: str, version: int, *words: str) -> None:
 )
 def test_a_sabotaged_policy_update_fails_the_sync_run(tmp_path, how, words):
     parts = tiny_parts(tiny_config("rollout.spec=ngram", "run.steps=4", "run.eval_every=0"))
-    parts.backend = Sabotaged(parts.backend, how, version=2)
+    parts = replace(parts, backend=Sabotaged(parts.backend, how, version=2))
     _fails(parts, str(tmp_path), 2, *words)
     rows = _rows(str(tmp_path))
     # a skip is seen after the next rollout (step 2 does not learn); a bad update at its push
@@ -143,7 +144,8 @@ def test_a_sabotaged_policy_update_fails_the_sync_run(tmp_path, how, words):
 
 def test_a_backend_serving_other_initial_weights_fails_at_the_first_step(tmp_path):
     parts = tiny_parts(tiny_config("run.steps=2", "run.eval_every=0"))
-    parts.backend = build_native(plan_rollout(parts.cfg), make_tiny(1))  # not the learner's weights
+    backend = build_native(plan_rollout(parts.cfg), make_tiny(1))  # not the learner's weights
+    parts = replace(parts, backend=backend)
     _fails(parts, str(tmp_path), 0, "serves policy fingerprint")
     assert _rows(str(tmp_path)) == []
 
@@ -153,7 +155,7 @@ def test_a_sabotaged_update_fails_the_async_run_with_a_worker(tmp_path, one_thre
                       "run.steps=4", "run.eval_every=0")  # fmt: skip
     parts = tiny_parts(cfg)
     inner = parts.backend
-    parts.backend = Sabotaged(inner, "stale", version=2)
+    parts = replace(parts, backend=Sabotaged(inner, "stale", version=2))
     try:
         _fails(parts, str(tmp_path), 2, "the learner pushed")
     finally:
@@ -323,7 +325,7 @@ def test_a_sabotaged_drafter_push_fails_the_async_run(tmp_path, monkeypatch, one
                       "run.eval_every=0")  # fmt: skip
     parts = tiny_parts(cfg)
     monkeypatch.setattr(parts.drafter.trainer, "_affordable", lambda: 1)  # a push every step
-    parts.backend = Sabotaged(parts.backend, "scale", version=2, drafter=True)
+    parts = replace(parts, backend=Sabotaged(parts.backend, "scale", version=2, drafter=True))
     with pytest.raises(WeightSyncError, match="at drafter version 2") as info:
         train(parts, str(tmp_path / "run"), progress=False)
     assert "skipped or corrupted" in str(info.value) and "\n" not in str(info.value)

@@ -14,8 +14,10 @@ import random
 import torch
 
 from specrl.config import Config, load_config
+from specrl.envs.reasoning_gym_env import Prompt
 from specrl.envs.synthetic import STOP, IdCodec, ModFourEnv  # noqa: F401 (re-exported)
 from specrl.pipelines.build import RunParts, build_run
+from specrl.pipelines.state import TrainStream
 from tests.conftest import make_tiny
 
 TINY_OVERRIDES = [
@@ -35,6 +37,11 @@ def tiny_parts(cfg: Config, model_seed: int = 0, num_train: int = 24) -> RunPart
     torch.manual_seed(0)
     env = ModFourEnv(num_train=num_train)
     return build_run(cfg, model=make_tiny(model_seed), codec=IdCodec(), env=env)
+
+
+def draw_prompts(parts: RunParts, step: int) -> list[Prompt]:
+    """The prompts of step ``step`` of ``parts``' run (a fresh ``TrainStream``)."""
+    return TrainStream.of(parts.cfg, parts.env).draw(step)
 
 
 class FakeBackend:

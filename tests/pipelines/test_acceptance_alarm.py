@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from specrl.config import ConfigError
-from specrl.pipelines.guard import MIN_DRAFTS, WARMUP, AcceptanceAlarm, alarm_line
+from specrl.pipelines.alarm import MIN_DRAFTS, WARMUP, AcceptanceAlarm, alarm_line
 from specrl.pipelines.train import train
 from specrl.rollout_types import EngineStats
 from tests.pipelines.pipeline_fakes import FakeBackend, fake_parts, tiny_config

@@ -11,9 +11,15 @@ import torch
 from specrl.config import ConfigError
 from specrl.pipelines.async_ import admit
 from specrl.pipelines.loop import METRIC_KEYS, TIMING_KEYS
-from specrl.pipelines.step import Batch, draw_prompts
+from specrl.pipelines.step import Batch
 from specrl.pipelines.train import train
-from tests.pipelines.pipeline_fakes import FakeBackend, fake_parts, tiny_config, tiny_parts
+from tests.pipelines.pipeline_fakes import (
+    FakeBackend,
+    draw_prompts,
+    fake_parts,
+    tiny_config,
+    tiny_parts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,11 +76,12 @@ def test_staleness_bound_holds_and_is_used(tmp_path, bound):
 
 def test_a_batch_past_the_bound_is_refused():
     parts = fake_parts(tiny_config("pipeline.mode=async", "pipeline.max_staleness=1"))
-    parts.version = 5
+    version, bound = 5, parts.cfg.pipeline.max_staleness
     stale = Batch(5, [], [], torch.zeros(1, 2), torch.zeros(1, 2), behaviour_version=3)
     with pytest.raises(RuntimeError, match="staleness bound broken"):
-        admit(parts, stale)
-    admit(parts, Batch(5, [], [], torch.zeros(1, 2), torch.zeros(1, 2), behaviour_version=4))
+        admit(version, bound, stale)
+    fresh = Batch(5, [], [], torch.zeros(1, 2), torch.zeros(1, 2), behaviour_version=4)
+    admit(version, bound, fresh)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from specrl.pipelines.step import draw_prompts
 from specrl.pipelines.train import train
-from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
+from tests.pipelines.pipeline_fakes import draw_prompts, tiny_config, tiny_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10

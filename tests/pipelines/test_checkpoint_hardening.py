@@ -33,20 +33,15 @@ import typer
 from typer.testing import CliRunner
 
 from specrl.pipelines import checkpoint as ckpt_mod
+from specrl.pipelines import manifest as manifest_mod
 from specrl.pipelines import train as train_mod
-from specrl.pipelines.checkpoint import (
-    MANIFEST,
-    RunDir,
-    RunDirError,
-    file_digest,
-    is_complete,
-    load_checkpoint,
-    read_checkpoint,
-    save_checkpoint,
-)
+from specrl.pipelines.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from specrl.pipelines.cli import register
 from specrl.pipelines.loop import TIMING_KEYS, stop_checkpoint
+from specrl.pipelines.manifest import MANIFEST, RunDirError, file_digest, is_complete
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import Stopped, stop_on_signals
+from specrl.pipelines.state import StepState
 from specrl.pipelines.train import run_training, train
 from tests.pipelines.pipeline_fakes import TINY_OVERRIDES, tiny_config, tiny_parts
 
@@ -112,13 +107,13 @@ def resume(run: Path, seed: int = 7) -> list[str]:
 def test_save_writes_a_manifest_last_and_fsyncs_before_and_after_the_rename(tmp_path, monkeypatch):
     p = parts()
     ckpt, synced = tmp_path / "checkpoints" / "step_000001", []
-    real = ckpt_mod.fsync_path
+    real = manifest_mod.fsync_path
 
     def record(path: Path) -> None:
         synced.append((path, (path.parent / MANIFEST).exists(), ckpt.exists()))
         real(path)
 
-    monkeypatch.setattr(ckpt_mod, "fsync_path", record)
+    monkeypatch.setattr(manifest_mod, "fsync_path", record)
     model, opt = p.learner.model, p.learner.optimizer
     save_checkpoint(ckpt, model, opt, {"step": 1, "policy_version": 1}, {"x": 1})
     tmp = ckpt.with_name("step_000001.tmp")
@@ -219,10 +214,10 @@ def test_a_stop_reuses_a_complete_checkpoint_and_rewrites_a_damaged_one(run):
     p, rd = parts("run.checkpoint_every=100"), RunDir(run)
     ckpt = rd.checkpoint_dir(3)
     kept = inode(ckpt)
-    assert stop_checkpoint(p, rd, 3) == ckpt and inode(ckpt) == kept
+    assert stop_checkpoint(p, StepState(3), rd) == ckpt and inode(ckpt) == kept
     flip_a_byte(ckpt / "state.json")
     assert not is_complete(ckpt)
-    assert stop_checkpoint(p, rd, 3) == ckpt and is_complete(ckpt)
+    assert stop_checkpoint(p, StepState(3), rd) == ckpt and is_complete(ckpt)
     assert inode(ckpt) != kept
 
 

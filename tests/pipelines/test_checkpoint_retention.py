@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specrl.pipelines.checkpoint import RunDir
+from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.train import train
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 

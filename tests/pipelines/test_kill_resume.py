@@ -37,8 +37,9 @@ from specrl.models.checkpoints import hf_state_dict
 from specrl.models.config import tiny_config
 from specrl.models.tokenizer import from_gguf_vocab
 from specrl.models.transformer import Transformer
-from specrl.pipelines.checkpoint import RunDir, read_checkpoint
+from specrl.pipelines.checkpoint import read_checkpoint
 from specrl.pipelines.loop import TIMING_KEYS
+from specrl.pipelines.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVE_TRIES = 4  # saves a 'save' kill may miss before it kills anyway

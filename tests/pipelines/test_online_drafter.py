@@ -14,11 +14,12 @@ from specrl.drafters.online import OnlineDrafter, StepSignals, Trigger, context_
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
 from specrl.models.heads import DraftHead, save_head
 from specrl.pipelines.loop import open_run
+from specrl.pipelines.state import StepState
 from specrl.pipelines.step import collect, learn
 from specrl.pipelines.train import train
 from specrl.rl import FeatureSink, Learner, TrainSample
 from tests.conftest import make_tiny
-from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
+from tests.pipelines.pipeline_fakes import draw_prompts, tiny_config, tiny_parts
 
 EAGLE = ("rollout.spec=eagle3", "rollout.max_new_tokens=12", "drafter.vocab=0")
 
@@ -61,8 +62,9 @@ def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind
     trainer = parts.drafter.trainer
     monkeypatch.setattr(trainer, "_affordable", lambda: 1)  # no timing here (budget: own test)
     before = {k: v.clone() for k, v in engine_head(parts).items()}
+    learner = StepState()
     for step in range(2):
-        row = learn(parts, collect(parts, step))
+        row = learn(parts, learner, collect(parts, draw_prompts(parts, step), step), 0.0)
         assert row["drafter_updates"] == 1 and row["drafter_version"] == step + 1
         served = parts.backend.served()
         assert served.drafter_version == trainer.ledger.version == step + 1
@@ -75,10 +77,10 @@ def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind
 
 def test_training_data_are_each_steps_own_rollouts(no_cache):
     parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online", "drafter.buffer_steps=1"))
-    seen = []
+    seen, state = [], StepState()
     for step in range(2):
-        batch = collect(parts, step)
-        learn(parts, batch)
+        batch = collect(parts, draw_prompts(parts, step), step)
+        learn(parts, state, batch, 0.0)
         expected = sorted(c.prompt_ids + c.token_ids for c in batch.completions if c.token_ids)
         (buffered,) = parts.drafter.trainer.buffer
         assert sorted(e.tokens.tolist() for e in buffered) == expected
@@ -138,7 +140,7 @@ def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path, kind)
     saved, opt = first.drafter.trainer.state(), first.drafter.trainer.opt.state_dict()
     again = tiny_parts(cfg)
     assert any(not torch.equal(v, saved[k]) for k, v in again.drafter.trainer.state().items())
-    assert open_run(again, again_dir := _run_dir(tmp_path), resume=True) == 2
+    assert open_run(again, again_dir := _run_dir(tmp_path), resume=True).step == 2
     trainer = again.drafter.trainer
     for name, t in trainer.state().items():
         assert torch.equal(t, saved[name]), name
@@ -155,7 +157,7 @@ def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path, kind)
 
 
 def _run_dir(tmp_path):
-    from specrl.pipelines.checkpoint import RunDir
+    from specrl.pipelines.rundir import RunDir
 
     return RunDir(tmp_path / "run")
 

@@ -11,10 +11,15 @@ from specrl.config import ConfigError
 from specrl.models.weights import copy_weights
 from specrl.pipelines.build import build_run
 from specrl.pipelines.loop import METRIC_KEYS
-from specrl.pipelines.step import draw_prompts
 from specrl.pipelines.train import run_training, train
 from tests.conftest import make_tiny
-from tests.pipelines.pipeline_fakes import IdCodec, ModFourEnv, tiny_config, tiny_parts
+from tests.pipelines.pipeline_fakes import (
+    IdCodec,
+    ModFourEnv,
+    draw_prompts,
+    tiny_config,
+    tiny_parts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,8 +125,7 @@ def test_refit_updates_engine_and_packed_cache():
         before = engine.model(x, pos).logits.clone()  # builds the packed bf16 weights
         for p in parts.learner.model.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    parts.version = 1
-    seconds = parts.push_weights()
+    seconds = parts.push_weights(1)
     assert seconds >= 0 and engine.policy_version == 1 and parts.backend.versions().policy == 1
     with torch.no_grad():
         after = engine.model(x, pos).logits

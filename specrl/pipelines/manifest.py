@@ -1,0 +1,179 @@
+"""Checkpoint directories committed atomically and verified against their manifest.
+
+``write_atomically(ckpt, write)`` fills ``step_N.tmp``, fsyncs every file, writes the manifest
+(size and sha256 of each) last and renames the directory into place: a checkpoint is complete
+or not taken for one. ``verify_manifest`` / ``is_complete`` / ``recoverable`` check one;
+damage is ``CheckpointDamaged`` naming the file (``policy.safetensors: sha256 mismatch``);
+``RunDirError`` is every one-line "this run directory cannot be used".
+Details: docs/internals.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from specrl.errors import one_line
+from specrl.fsutil import fsync_path
+
+CKPT_PREFIX = "step_"
+TMP_SUFFIX = ".tmp"  # a checkpoint being written
+OLD_SUFFIX = ".old"  # a checkpoint being replaced
+DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
+MANIFEST = "manifest.json"
+FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
+REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
+_CHUNK = 1 << 20
+
+
+class RunDirError(ValueError):
+    """A run directory (a log, a checkpoint) cannot be used; the message is one line."""
+
+
+class CheckpointDamaged(RunDirError):
+    """One checkpoint failed verification; the message names the file and the damage."""
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex}`` of a file."""
+    h, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N for a directory named ``step_N`` (digits only), else None."""
+    suffix = path.name[len(CKPT_PREFIX) :]
+    ok = path.name.startswith(CKPT_PREFIX) and suffix.isdigit() and path.is_dir()
+    return int(suffix) if ok else None
+
+
+# --------------------------------------------------------------------------- write
+
+
+def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
+    """Write the checkpoint ``ckpt`` through ``write`` (see the module docstring)."""
+    tmp = ckpt.with_name(ckpt.name + TMP_SUFFIX)
+    old = ckpt.with_name(ckpt.name + OLD_SUFFIX)
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_manifest(tmp, write(tmp))
+        fsync_path(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit(tmp, ckpt, old)
+    return ckpt
+
+
+def _write_manifest(tmp: Path, names: list[str]) -> None:
+    """fsync each file, then write and fsync the manifest of their sizes and digests."""
+    files = {}
+    for name in names:
+        fsync_path(tmp / name)
+        files[name] = file_digest(tmp / name)
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(tmp: Path, ckpt: Path, old: Path) -> None:
+    """Rename the written ``tmp`` to ``ckpt``; a checkpoint there goes to ``old`` first and is
+    removed after."""
+    if ckpt.exists():
+        ckpt.rename(old)
+    tmp.rename(ckpt)
+    fsync_path(ckpt.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_manifest(ckpt: Path) -> None:
+    """Check every file the manifest lists (size, then sha256). Without a manifest: damaged if
+    state.json carries the ``format`` marker (every checkpoint that has it was written with a
+    manifest), else an older specrl's checkpoint, which passes here and is checked by parsing
+    alone."""
+    path = ckpt / MANIFEST
+    if not path.exists():
+        if _format(ckpt) >= FORMAT:
+            raise CheckpointDamaged(f"{MANIFEST}: missing")
+        return
+    try:
+        files = json.loads(path.read_bytes())["files"]
+        listed = {name: (int(d["bytes"]), str(d["sha256"])) for name, d in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointDamaged(f"{MANIFEST}: unreadable") from None
+    if any(Path(name).name != name or name.startswith(".") for name in listed):
+        raise CheckpointDamaged(f"{MANIFEST}: lists a path outside the checkpoint")
+    for name in REQUIRED:
+        if name not in listed:
+            raise CheckpointDamaged(f"{MANIFEST}: does not list {name}")
+    for name, (size, sha) in listed.items():
+        _check_file(ckpt / name, size, sha)
+
+
+def is_complete(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is what a finished ``write_atomically`` leaves: a manifest, and every
+    file it lists matching it (files are hashed, not parsed)."""
+    return (ckpt / MANIFEST).is_file() and _verifies(ckpt)
+
+
+def recoverable(leftover: Path) -> bool:
+    """Whether an interrupted replace's copy may become ``step_N``: a ``.tmp`` needs its
+    manifest (written last) and every file to match; an ``.old`` (once a committed checkpoint,
+    maybe from before manifests) needs ``verify_manifest``."""
+    if not leftover.is_dir() or not leftover.stem[len(CKPT_PREFIX) :].isdigit():
+        return False
+    return is_complete(leftover) if leftover.suffix == TMP_SUFFIX else _verifies(leftover)
+
+
+def _verifies(ckpt: Path) -> bool:
+    """Whether ``verify_manifest`` passes."""
+    try:
+        verify_manifest(ckpt)
+    except CheckpointDamaged:
+        return False
+    return True
+
+
+def _format(ckpt: Path) -> int:
+    """state.json's ``format`` marker; 0 when absent or unreadable (parsing reports that)."""
+    try:
+        found = json.loads((ckpt / "state.json").read_bytes()).get("format", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return found if isinstance(found, int) else 0
+
+
+def _check_file(path: Path, size: int, sha: str) -> None:
+    if not path.is_file():
+        raise CheckpointDamaged(f"{path.name}: missing")
+    found = path.stat().st_size
+    if found != size:
+        raise CheckpointDamaged(f"{path.name}: {found} bytes, the manifest says {size}")
+    if file_digest(path)["sha256"] != sha:
+        raise CheckpointDamaged(f"{path.name}: sha256 mismatch")
+
+
+def parse_file(ckpt: Path, name: str, parse: Callable[[Path], Any]) -> Any:
+    """``parse(path)``, any failure (a missing or unreadable file) as ``CheckpointDamaged``."""
+    path = ckpt / name
+    if not path.is_file():
+        raise CheckpointDamaged(f"{name}: missing")
+    try:
+        return parse(path)
+    except Exception as e:  # safetensors, json, and malformed-content errors of every kind
+        raise CheckpointDamaged(f"{name}: {one_line(e)}") from None
