@@ -1,37 +1,12 @@
 """The asynchronous GRPO loop: a producer thread generates while the learner trains.
 
-Contract: ``train_async(parts, state, run, end, log, stop)`` runs steps ``state.step ..
-end-1`` with staleness bound ``s = pipeline.max_staleness``. Ownership: the learner (the calling
-thread) owns ``state``; the producer owns its train stream (``pipelines.state.TrainStream``)
-and never reads ``state``. What crosses between them is handed over explicitly: each version
-the learner pushed (``Producer.published``), each batch (the producer's buffer), and the rows
-both write (``log.metrics`` takes one row at a time).
-- the producer (a thread) handles steps in order; before step ``t`` it waits until the learner
-  has pushed version ``>= t - s``, evaluates when ``eval_due(cfg, t)`` (with the weights it has;
-  the eval row records ``policy_version``), then collects step ``t``'s prompts with the newest
-  weights the backend serves, and puts the batch into a buffer of ``s + 1`` slots (never full: the
-  version wait already keeps at most ``s + 1`` batches ahead of the learner). Its wait for a
-  version is the batch's ``generator_idle_s``.
-- the learner (the calling thread) takes batches in step order, admits one only if
-  ``learner_version - behaviour_version <= s`` (the bound holds by construction; a violation
-  raises rather than training on it), learns (``learn``, given its wait for the batch: it
-  advances ``state`` and pushes version ``t + 1`` to the backend: between generate calls, or
-  between decode steps with ``pipeline.update = "in_flight"``), logs and checkpoints the step,
-  then tells the producer (so at ``s = 0`` a checkpoint's backend state, e.g. the suffix
-  drafter's history, holds exactly the steps before it; at ``s >= 1`` it may also hold up to
-  ``s`` later steps' completions). ``learner_idle_s`` is
-  its wait for the batch; ``step_time_s`` the wall time since the previous step's learning
-  ended, so the step times add up to the loop's wall time (less the last step's logging).
-- once ``stop`` (a ``signals.StopRequest``) is requested, the learner finishes the step it is
-  on (waiting for its batch if need be), checkpoints it before telling the producer, and ends
-  the loop; the producer drops what it generated ahead and is joined (it finishes the generate
-  call it is in), so the checkpoint is the one a regular schedule would have written.
-- ``s = 0`` runs exactly the sync loop's sequence (eval, collect t under version t, learn t):
-  same seeds, same metrics except timings. An exception in either thread stops both and is
-  raised here; nothing is left running.
-Resume (``loop.open_run``) restarts at the last checkpoint: prompts are a function of the step,
-so batches generated but not learned before a kill are generated again, never lost or learned
-twice.
+``train_async(parts, state, run, end, log, stop)`` runs steps ``state.step .. end-1`` with
+staleness bound ``s = pipeline.max_staleness``: the producer (its own train stream, never
+``state``) evaluates when due and collects step ``t`` once version ``>= t - s`` is pushed; the
+learner (the calling thread, owner of ``state``; versions and batches are handed over
+explicitly) admits a batch only if its staleness is ``<= s``, learns, logs and checkpoints.
+``stop`` ends it after the step in progress is checkpointed; ``s = 0`` runs the sync loop's
+sequence; an error in either thread stops both and is raised here. Details: docs/internals.md.
 """
 
 from __future__ import annotations

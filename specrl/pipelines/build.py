@@ -1,14 +1,12 @@
 """Building a run: check everything that can fail, then make its parts.
 
-Contract: ``build_run(cfg, model=None, codec=None, env=None, backend=None)`` checks the config's
-names (task, template, loss, advantage, correction, drafter), makes its rollout plan
-(``specrl.backends.plan_rollout``: every rollout setting) and checks the tracking extras, all
-before any work, raising ``ConfigError`` with one line naming the bad value. It returns the frozen
-``RunParts``: env, codec, learner (owns the float32 policy), the rollout backend built from the
-plan, the weight-sync guard, the acceptance alarm and, for a learned head, its trainer;
-``pipelines.state`` holds what changes per step. ``RunParts.push_weights(version)`` sends the
-learner's weights through the guard (a backend that skips or corrupts an update fails the run).
-Tests pass a tiny model, codec and env, or a fake backend.
+``build_run(cfg, model=None, codec=None, env=None, backend=None)`` checks the config's names,
+makes its rollout plan (``specrl.backends.plan_rollout``) and checks the tracking extras before
+any work (``ConfigError``: one line naming the bad value), then returns the frozen ``RunParts``:
+env, codec, learner, the rollout backend built from the plan, the weight-sync guard, the
+acceptance alarm and a learned head's trainer. ``RunParts.push_weights(version)`` sends the
+learner's weights through the guard. Tests pass a tiny model, codec and env, or a fake backend.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """CLI of the training pipeline: ``specrl train`` and ``specrl report``.
 
-Contract: ``register(app)`` adds two commands to the main Typer app.
-- ``specrl train [--config F.toml] [--set key=value ...] [--run-dir DIR] [--resume RUN_DIR]``:
-  every option has a default, so ``specrl train`` alone runs the embedded default (SmolLM2,
-  the default task, speculation per config). The config is validated, the run directory
-  checked (a file, or a place this user cannot write, is refused), the model, task and drafter
-  checked before any work: a bad value ends with one ``error: ...`` line and exit code 2.
-  ``--resume RUN_DIR`` reads RUN_DIR/config.toml (``--set`` may override, e.g. ``run.steps``,
-  but not below the steps already run, nor ``run.run_dir``; no ``--run-dir`` elsewhere)
-  and its logs, and continues from its newest checkpoint that verifies (one line on stderr names
-  any damaged newer one; a run killed before its first checkpoint restarts from step 0); a run
-  whose checkpoints are all damaged, or a log line that is not JSON, is one ``error:`` line.
-  A failed weight-sync check (``guard.WeightSyncError``: the rollout backend does not serve the
-  weights the learner pushed) ends the run with one ``error:`` line and exit code 1.
-  Without ``--resume`` a used run dir is never overwritten: the next free ``DIR-1``,
-  ``DIR-2``, ... is taken (and printed). At the end the summary is printed, including the
-  measured rollout speedup over a no-speculation rollout of the same prompts (``--no-compare``
-  skips that measurement). SIGINT (Ctrl-C) or SIGTERM finishes the step in progress, writes its
-  checkpoint and ends with one line (``stopped by SIGINT after 3 steps; checkpoint saved: ...;
-  continue with: specrl train --resume RUN``) and exit code 130 / 143; a second one aborts.
-  A signal once every step is done (or during the last one) does not stop a completed run: the
-  speed check is skipped (cut short if running), the summary is written and printed, and one
-  line ends it (``stopped by SIGINT after the run completed all N steps (the speed check was
-  skipped); summary written: RUN/summary.json``), exit code 130 / 143.
-  With ``cluster.rollout_workers > 0`` the learner and the rollout workers run as Ray actors
-  (``ray_run.run_training_on_ray``, after ``ray_run.precheck``): the same lines, exit codes and
-  resume; a bad model found by the learner actor is the same ``error:`` line.
-- ``specrl report RUN_DIR [--out DIR]``: PNG plots and summary.md (``pipelines.report``); an
-  output directory that cannot be written is one ``error:`` line.
+``register(app)`` adds both to the main Typer app. ``specrl train`` (``--config``, ``--set``,
+``--run-dir``, ``--resume RUN_DIR``) checks config, run dir, model, task and drafter before any
+work (a bad value: one ``error: ...`` line, exit code 2), never overwrites a used run dir,
+resumes from the newest checkpoint that verifies and prints the summary with the measured
+speedup; a failed weight-sync check exits 1, SIGINT/SIGTERM checkpoints the step in progress
+and exits 130/143; ``cluster.rollout_workers > 0`` runs it on Ray. ``specrl report RUN_DIR
+[--out DIR]``: PNG plots and summary.md. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The learned drafter's side of a run: training it during RL and watching its context length.
 
-Contract:
-- ``build_drafter_side(cfg, plan, policy, backend, guard)`` returns ``None`` for a run whose
-  drafter learns nothing (none, ngram, suffix, self), else a ``DrafterSide``: with the plan's
-  ``training_mode`` on, an ``OnlineDrafter`` over the drafter the backend
-  loaded (the same directory: an EAGLE-3 / MTP head or a ``draft`` model), or, when none
-  exists, over a fresh random head (seeded by ``run.seed``) or the untrained draft model the
-  engine starts from (``backends.native.untrained_draft``); its tensors are pushed at once as
-  drafter version 0 through the guard, so the engine drafts with exactly the trainer's drafter
-  from the first step. A frozen drafter keeps only the length of the longest sequence it was
-  trained on (``head.json`` / ``distill.json``: ``extra.trained_len``, else the
-  ``train.max_len`` cut; 0 = unknown).
-- ``drafter_fields(parts, version, comps, rollout, captured, step_s)`` (in ``learn``, after the
-  policy update to ``version``; ``step_s`` is the step's time so far, the learner's wait for
-  the batch plus its learning: a lower bound of the step's time in either pipeline, so the
-  budget stays within its share of what steps take):
-  ``OnlineDrafter.step`` with the step's signals, then a trained drafter pushed through the
-  guard (``drafter_sync_s``; checked at once in the sync pipeline, after the next rollout in the
-  async one), plus ``drafter_warning`` the first time rollouts run past the drafter's training
-  length. Returns the row fields.
+``build_drafter_side(cfg, plan, policy, backend, guard)``: ``None`` when the drafter learns
+nothing (none, ngram, suffix, self), else a ``DrafterSide``: with the plan's ``training_mode``
+on, an ``OnlineDrafter`` over the drafter the backend loaded (or a fresh one), pushed at once as
+drafter version 0 through the guard; a frozen drafter keeps only its training length.
+``drafter_fields(parts, version, comps, rollout, captured, step_s)`` (in ``learn``): one
+``OnlineDrafter.step`` within its time budget, a trained drafter pushed through the guard, and
+``drafter_warning`` when rollouts first run past the training length. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """What the sync and async training loops share: the run directory, checkpoints, resume, logs.
 
-Contract:
-- ``open_run(parts, run, resume, say)``: a fresh run refuses a used directory; a resume
-  restores the newest checkpoint that verifies (policy, optimizer, RNG, the step state, the
-  acceptance alarm, the backend's state such as the suffix drafter's history, and a drafter
-  trained during RL with its optimizer, pushed under its version), saying in one line (``say``,
-  else a warning) which newer ones were damaged and skipped; a run that has no checkpoint yet
-  restarts from step 0 (said too); if none of several verifies, ``RunDirError`` names each
-  one's damage. Before reading checkpoints a resume finishes interrupted replaces
-  (``RunDir.recover_interrupted``: a complete ``step_N.tmp`` or a verified ``step_N.old``
-  becomes the missing ``step_N``, silently: no data is lost); what is left of interrupted saves
-  is removed after the restore. It pushes the restored weights to the backend as that version,
-  drops metric/eval rows the resumed run will write again, and writes config.toml atomically.
-  Returns the run's ``StepState`` (``step``: the first step to run).
-- ``finish_step(parts, state, run, row, log, stop)``: write the metrics row (``log.metrics``,
-  ``pipelines.tracking``), update the progress bar and the console, checkpoint ``state`` when
-  due (every ``run.checkpoint_every`` updates and after the last one; then only the newest
-  ``run.keep_checkpoints`` are kept, ``RunDir.prune``); returns whether the loop goes on (False
-  once ``stop``, a ``signals.StopRequest``, was requested: the loop ends without starting
-  another step).
-- ``stop_checkpoint(parts, state, run)``: after a stopped loop ended, the checkpoint of
-  ``state.step`` it resumes from: an existing ``step_N`` that ``is_complete`` is kept as it is
-  (never rewritten), otherwise it is written now.
-- ``METRIC_KEYS``: the numeric keys every step row has, in both modes; ``TIMING_KEYS``: those
-  that vary from run to run (times, and speculation statistics, which follow the speculation
-  controller's timing-driven choices, and a trained drafter's fields: its updates are paid from a
-  time budget; equality tests ignore them).
+``open_run(parts, run, resume, say)`` starts a fresh run (a used directory is refused) or
+resumes the newest checkpoint that verifies (policy, optimizer, RNG, step state, alarm, backend
+and drafter state; damaged newer ones named in one line), pushes the restored weights and
+returns the run's ``StepState``. ``finish_step(parts, state, run, row, log, stop)`` logs the
+row, checkpoints when due and returns whether the loop goes on; ``stop_checkpoint`` writes the
+checkpoint a stopped loop resumes from. ``METRIC_KEYS``: every step row's numeric keys;
+``TIMING_KEYS``: those that vary from run to run. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """Training on Ray: the learner and its pipeline in one Ray actor, the rollout workers in others.
 
-Contract:
-- ``precheck(cfg)``: the checks that need no model and no Ray, before Ray starts.
-- ``run_training_on_ray(cfg, run_dir, resume=False, compare_plain=True, progress=True,
-  echo=None, make_parts=None)``: ``train.run_training`` run inside a learner actor; returns its
-  summary. ``train_on_ray(cfg, run_dir, resume=False, progress=True, stop_after=None,
-  echo=None, make_parts=None)``: ``train.train`` likewise, returning its rows (``stop_after``: an
-  interruption, for tests). Both sync and async pipelines run unchanged in the actor.
-- Placement: Ray is joined or started here (``backends.ray_session.RaySession``:
-  ``cluster.address``, or a local Ray on 127.0.0.1 shut down when the call ends). The learner
-  actor is pinned to this node, so the run dir (config, metrics, checkpoints) is on this
-  filesystem and ``--resume`` works exactly as without Ray; it reserves no CPU and runs with
-  ``cluster.threads`` torch threads (``ray_session.actor_threads``). There ``make_parts(cfg)``
-  (default ``build.build_run``) builds the run; with ``cluster.rollout_workers > 0`` its backend
-  is a ``backends.ray_.RayBackend``, whose worker actors the learner owns (they die with it).
-- Console: the lines the run prints (step rows, evals, resume notes) are collected in the
-  actor and printed here through ``echo`` (``None``: dropped), polled every ``POLL_S``; with
-  ``progress`` this process draws the step bar from the rows of the run's metrics.jsonl.
-- Signals (``signals.stop_on_signals`` here): the first SIGINT/SIGTERM is passed on to the
-  learner's ``StopRequest``: it finishes the step in progress and checkpoints it, and the call
-  raises the same ``Stopped`` as a run in this process; a second signal aborts at once (this
-  process dies of it; the Ray processes a local session started die with it). Decision: the
-  learner's thread cannot be interrupted from outside, so a signal during the end-of-run speed
-  check does not cut it short (the check finishes, then ``Stopped(complete=True)``), and one
-  while the learner is still being built stops the run after its first step.
-- Errors: an exception of the run is raised here with its own type and one-line message
-  (``ConfigError``, ``CheckpointError``, ``RunDirError``, ``WeightSyncError``, ...), the
-  learner's traceback attached as a note; a learner actor that dies is a ``RuntimeError``.
-- Nothing is left running: the learner closes its backend (killing the rollout workers), the
-  actor is killed, and Ray is shut down if this call started it.
+``precheck(cfg)``: the checks that need no model and no Ray. ``run_training_on_ray`` and
+``train_on_ray`` run ``train.run_training`` / ``train.train`` unchanged in a learner actor
+pinned to this node (the run dir and ``--resume`` as without Ray), built by ``make_parts(cfg)``
+and owning its Ray backend's workers. Console lines come back through ``echo``; the first
+SIGINT/SIGTERM stops the learner after a checkpointed step (``Stopped``), a second aborts; the
+run's exceptions are raised here with their own type and one line. Nothing is left running.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

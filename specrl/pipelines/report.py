@@ -1,24 +1,12 @@
 """Reports of a training run: a summary (dict and markdown) and PNG plots from its run directory.
 
-Contract:
-- ``summarize(rows, evals, speed)`` condenses metric rows (``metrics.jsonl``), eval rows
-  (``eval.jsonl``) and an optional rollout speed check (``speed.measure_speedup``) into a flat
-  dict: first/last-window means of reward and accuracy (window = min(5, max(1, steps // 3))),
-  first/last eval accuracies, mean rollout tokens/s, acceptance length, logprob mismatch, and
-  the mean step-time breakdown (generation, learner, logprob check, refit, other), mean idle
-  times of learner and generator, mean token staleness and in-flight tokens reused; with a
-  drafter trained during the run, its updates, version, share of step time and draft acceptance
-  (first/last window).
-- ``summary_markdown(summary)`` renders it as a markdown table; ``summary_text`` as console lines.
-- ``write_report(run_dir, out=None)`` writes ``reward_accuracy.png``, ``rollout_throughput.png``,
-  ``acceptance_length.png``, ``step_time.png``, ``pipeline.png`` (learner and generator idle
-  time, token staleness, reused in-flight tokens) and ``summary.md`` (``fsutil.atomic_write``)
-  into ``out`` (default the run dir) with matplotlib's Agg backend, and returns the written
-  paths. A run dir without metrics raises ``ValueError``.
-- ``write_comparison(run_dirs, path)``: train reward per step of several runs on one plot, x =
-  completions trained on so far (the same samples at the same x, whatever the pipeline), each
-  labelled with its run dir and pipeline mode; ``specrl report RUN --compare OTHER``.
-Reads files only; never touches models.
+``summarize(rows, evals, speed)`` condenses metrics.jsonl and eval.jsonl rows and an optional
+speed check into a flat dict (first/last-window reward and accuracy, throughput, acceptance,
+mismatch, step-time breakdown, idle times, staleness, a trained drafter's figures);
+``summary_markdown`` / ``summary_text`` render it. ``write_report(run_dir, out=None)`` writes
+the PNG plots and summary.md (``ValueError`` without metrics) and returns their paths;
+``write_comparison(run_dirs, path)`` plots several runs' train reward on one figure. Reads files
+only; never touches models. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Stopping a training run cleanly on SIGINT (Ctrl-C) or SIGTERM.
 
-Contract:
-- ``stop_on_signals()`` is a context manager yielding a ``StopRequest``. Inside it, in the main
-  thread, the first SIGINT or SIGTERM only records the signal (``requested``, ``name``,
-  ``exit_code`` = 128 + its number) and writes one notice line to stderr; the training loops
-  read the request at the end of each step, checkpoint that step and stop (``loop.finish_step``).
-  A second signal aborts at once: the default disposition is restored and the signal raised
-  again, so the process dies of it (exit status 128 + N) without saving; a checkpoint being
-  written then stays a ``.tmp`` directory, which resume ignores (or completes, see
-  ``checkpoint.RunDir.recover_interrupted``). On leaving the block the previous handlers are
-  restored. Signal handlers can only be installed in the main thread: elsewhere nothing is
-  installed and the request never fires.
-- ``StopRequest.interrupting(notice)`` marks work that a signal should cut short instead of
-  waiting for (the end-of-run speed check): inside it, the first signal is recorded, ``notice``
-  is written after its name (``SIGINT received: <notice>``) and ``Interrupted`` (a
-  ``BaseException``, like ``KeyboardInterrupt``) is raised in the main thread wherever it is; a
-  request already recorded raises it on entry. The caller catches it.
-- ``Stopped`` is raised by ``train.train``/``train.run_training`` when a signal ended a run. Not
-  ``complete``: steps remain; the steps done are checkpointed (``checkpoint``, ``None`` if there
-  is none) and ``--resume`` continues. ``complete``: every step was done (the final evaluation
-  too) before the run ended; ``skipped`` names what was left out (``"the speed check"``, or
-  ``""``) and ``summary`` is the summary ``run_training`` wrote (``None`` from ``train``).
-  Its message is one line; printing it is the caller's business.
+``stop_on_signals()`` (a context manager; handlers only in the main thread) yields a
+``StopRequest``: the first SIGINT/SIGTERM is recorded (one notice line on stderr) and the loops
+stop after checkpointing the step in progress; a second one kills the process unsaved; the
+previous handlers are restored on exit. ``StopRequest.interrupting(notice)`` marks work a
+signal cuts short (it raises ``Interrupted``, a ``BaseException``). ``Stopped`` (one line) is
+raised by ``train.train`` / ``train.run_training`` when a signal ended a run: ``complete`` or
+not, with its ``checkpoint``, ``skipped`` and ``summary``. Details: docs/internals.md.
 """
 
 from __future__ import annotations

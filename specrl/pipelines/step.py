@@ -1,14 +1,12 @@
 """One RL step, split in two: ``collect(parts, prompts, step) -> Batch`` and
 ``learn(parts, state, batch, waited_s)``.
 
-``collect``: G completions per prompt from the backend (seeded per (run seed, step, prompt)),
-rewards, group advantages, rollout metrics, the behaviour version and what the backend served.
-``learn`` (the learner's thread), in named steps: ``check_served`` (weight-sync check), the
-acceptance alarm, staleness, ``train_policy`` (one learner step with the behaviour logprobs the
-correction needs, and the engine/learner logprob mismatch), ``publish`` (``state`` advanced,
-the weights pushed through the guard), ``train_drafter`` (a drafter trained during RL, its
-budget counting ``waited_s``); it returns the row fields. Generation goes only through
-``parts.backend``. Details: docs/internals.md.
+``collect``: G seeded completions per prompt from the backend, rewards, group advantages,
+rollout metrics, the behaviour version and what the backend served. ``learn`` (the learner's
+thread): ``check_served`` (weight-sync check), the acceptance alarm, staleness,
+``train_policy`` (one learner step, the engine/learner logprob mismatch), ``publish``
+(``state`` advanced, the weights pushed through the guard), ``train_drafter``; it returns the
+row fields. Generation goes only through ``parts.backend``. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The synchronous GRPO loop: collect -> learn, one step at a time.
 
-Contract: ``train_sync(parts, state, run, end, log, stop)`` runs steps ``state.step ..
-end-1`` in one thread, which owns ``state`` and the train stream; before step ``s`` it evaluates
-when ``eval_due(cfg, s)``; each step is ``collect`` of its prompts (rollouts under the policy of
-``s`` updates: staleness 0) then ``learn`` (which advances ``state`` and pushes the new
-weights), and ``finish_step`` logs and checkpoints. Once ``stop`` (a
-``signals.StopRequest``) is requested, the step in progress is finished and checkpointed and
-the loop ends there. ``learner_idle_s`` is the step's generation time (the learner waits for
-it), ``generator_idle_s`` its learning time. Returns the rows of the steps it ran.
-With a deterministic CPU configuration every metric except timings is a function of the config:
-a resumed run equals an uninterrupted one, and the async loop at ``max_staleness = 0`` equals
-this one.
+``train_sync(parts, state, run, end, log, stop)`` runs steps ``state.step .. end-1`` in one
+thread (owning ``state`` and the train stream): evaluate when due, ``collect`` (staleness 0),
+``learn`` (advances ``state``, pushes the weights), ``finish_step``; a requested ``stop`` ends
+it after the step in progress is checkpointed. Returns the rows of the steps it ran. With a
+deterministic CPU configuration every metric except timings is a function of the config (a
+resume equals an uninterrupted run; async at ``max_staleness = 0`` equals this loop).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

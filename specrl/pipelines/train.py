@@ -1,28 +1,12 @@
 """Training entry points: run the configured loop (sync or async) and summarise the run.
 
-Contract:
-- ``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None, stop=None)``
-  runs (or continues, ``resume``: see ``loop.open_run``) ``run.steps`` steps with the loop
-  ``pipeline.mode`` names (``sync.train_sync`` or ``async_.train_async``); ``stop_after`` ends
-  the call after that many updates in total (an interruption, for tests). Evaluates after the
-  last step when due. Its rows go to every sink the config turns on (``tracking.open_tracker``:
-  metrics.jsonl and eval.jsonl, TensorBoard, W&B), closed when the call ends. Returns this
-  call's metric rows. It runs inside ``signals.stop_on_signals``
-  (or under the caller's ``stop``). After SIGINT/SIGTERM the step in progress is finished and
-  checkpointed; then, if steps remain, ``signals.Stopped`` is raised (nothing left running) and
-  ``--resume`` continues. A signal during the last step or the final evaluation does not undo a
-  completed run: the final evaluation is part of the last step and still runs, then
-  ``Stopped(complete=True)`` is raised (no extra checkpoint: the run needs no resume).
-- ``run_training(...)``: ``train``, then (speculation on, ``compare_plain``) the speed check
-  ``speed.measure_speedup`` on the next step's prompts; writes (``fsutil.atomic_write``) and
-  returns the run summary (``summary.json``). Signals: during the steps as in ``train``
-  (``Stopped``, no summary). Once every step is done a signal skips the speed check (one
-  arriving during it cuts it short at once, ``signals.StopRequest.interrupting``), the summary
-  is still written (``speed`` null) and ``Stopped(complete=True, skipped="the speed check",
-  summary=...)`` is raised: the run completed all N steps, exit code 128 + the signal. Under
-  the caller's ``stop`` (installing no handlers) when given, as ``train``.
-Lines for the console (a damaged checkpoint skipped on resume, eval results, step rows) go to
-``echo``; nothing here prints.
+``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None, stop=None)``
+runs (or resumes) ``run.steps`` steps with the ``pipeline.mode`` loop, rows to every sink that
+is on (``tracking.open_tracker``), and returns this call's metric rows; after SIGINT/SIGTERM
+the step in progress is checkpointed and ``signals.Stopped`` raised. ``run_training(...)``:
+``train``, then the speed check; writes and returns ``summary.json`` (a signal once every step
+is done skips the check and raises ``Stopped(complete=True)``). Console lines go to ``echo``;
+nothing here prints. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The names a run config holds, checked against their registries before any work starts.
 
-Contract: ``check_names(cfg)`` returns None when every name in ``cfg`` is registered, else raises
-``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``, several
-joined by ``; ``). Checked: ``env.task`` (a reasoning-gym task; did-you-mean hint),
-``env.task_config`` (merged over the task's preset, accepted by the task), ``env.template``,
-``rollout.spec`` ('none' or a registered drafter; did-you-mean hint), ``rollout.spec_siblings``
-(> 0 only with a stochastic drafter), ``learner.loss``,
-``learner.advantage`` and ``learner.correction``. ``specrl.config`` checks only types and bounds
-and imports no registry (it stays a leaf); ``build_run`` calls this before any work.
+``check_names(cfg)`` returns None when every name in ``cfg`` is registered, else raises
+``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``,
+several joined by ``; ``). Checked: ``env.task``, ``env.task_config``, ``env.template``,
+``rollout.spec``, ``rollout.spec_siblings``, ``learner.loss``, ``learner.advantage`` and
+``learner.correction``. ``specrl.config`` stays a leaf (types and bounds only); ``build_run``
+calls this before any work. Details: docs/internals.md.
 """
 
 from __future__ import annotations
