@@ -10,6 +10,7 @@ and pipelines read rollout settings from the plan, never from the config.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from specrl.spec.proposers import (
     get_proposer_class,
     head_kind,
     proposer_takes,
+    takes_siblings,
 )
 
 IN_FLIGHT = "in_flight"  # a backend feature: weights can change between decode steps of a call
@@ -92,11 +94,12 @@ class _Featured(Protocol):
 
 def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan:
     """``cfg``'s rollout plan (``ConfigError`` for a setting that cannot run; see the module
-    docstring). The rollout names (``rollout.spec``) are ``pipelines.validate``'s to check."""
+    docstring). Every rollout setting is checked here, its names included."""
     if cfg.rollout.backend not in backends:
         known = unknown("rollout backend", cfg.rollout.backend, backends)
         raise ConfigError(f"bad value for rollout.backend: {known}")
     traits = backends[cfg.rollout.backend]
+    _check_names(cfg)
     _check_sampling(cfg)
     _check_pipeline(cfg, _placement(cfg, traits))
     device = _device(cfg)
@@ -115,6 +118,21 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
         in_flight=_in_flight(cfg, traits), threads=r.threads, max_batch=r.max_batch,
         seed=cfg.run.seed, workers=_workers(cfg),
     )  # fmt: skip
+
+
+def _check_names(cfg: Config) -> None:
+    """``rollout.spec`` is 'none' or a registered drafter; ``rollout.spec_siblings`` > 0 only
+    with a stochastic one."""
+    spec, siblings = cfg.rollout.spec, cfg.rollout.spec_siblings
+    known = ["none", *available_proposers()]
+    if spec not in known:
+        why = unknown("speculation method", spec, known)
+        raise ConfigError(f"bad value for rollout.spec: {why} (got {json.dumps(spec)})")
+    if siblings and spec in known[1:] and not takes_siblings(spec):
+        raise ConfigError(
+            "bad value for rollout.spec_siblings: applies only to a stochastic drafter, not to "
+            f"rollout.spec {spec!r} (got {siblings})"
+        )
 
 
 def worker_plan(plan: RolloutPlan) -> RolloutPlan:

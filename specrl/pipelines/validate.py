@@ -3,9 +3,10 @@
 ``check_names(cfg)`` returns None when every name in ``cfg`` is registered, else raises
 ``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``,
 several joined by ``; ``). Checked: ``env.task``, ``env.task_config``, ``env.template``,
-``rollout.spec``, ``rollout.spec_siblings``, ``learner.loss``, ``learner.advantage`` and
+``learner.loss``, ``learner.advantage`` and
 ``learner.correction``. ``specrl.config`` stays a leaf (types and bounds only); ``build_run``
-calls this before any work. Details: docs/internals.md.
+calls this before any work (the rollout names are the rollout plan's to check). Details:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from specrl.envs.reasoning_gym_env import (
     task_config_with_preset,
     task_names,
 )
-from specrl.errors import unknown
 from specrl.rl.advantages import get_advantage
 from specrl.rl.corrections import get_correction
 from specrl.rl.losses import get_loss
-from specrl.spec.proposers import available_proposers, takes_siblings
 
 
 def check_names(cfg: Config, env_given: bool = False) -> None:
@@ -41,8 +40,6 @@ def check_names(cfg: Config, env_given: bool = False) -> None:
     ]
     checks: list[tuple[str, Any, Callable[[], object]]] = [
         *([] if env_given else env_checks),
-        ("rollout.spec", cfg.rollout.spec, lambda: check_spec(cfg.rollout.spec)),
-        ("rollout.spec_siblings", cfg.rollout.spec_siblings, lambda: _check_siblings(cfg)),
         ("learner.loss", learner.loss, lambda: get_loss(learner.loss)),
         ("learner.advantage", learner.advantage, lambda: get_advantage(learner.advantage)),
         ("learner.correction", learner.correction, lambda: get_correction(learner.correction)),
@@ -50,20 +47,6 @@ def check_names(cfg: Config, env_given: bool = False) -> None:
     problems = [p for key, value, check in checks if (p := _problem(key, value, check))]
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def check_spec(method: str) -> None:
-    """Raise ``ValueError`` unless ``method`` is 'none' or a registered drafter."""
-    known = ["none", *available_proposers()]
-    if method not in known:
-        raise ValueError(unknown("speculation method", method, known))
-
-
-def _check_siblings(cfg: Config) -> None:
-    """Siblings apply only to a stochastic drafter (an unknown one is reported apart)."""
-    spec, siblings = cfg.rollout.spec, cfg.rollout.spec_siblings
-    if siblings and spec in available_proposers() and not takes_siblings(spec):
-        raise ValueError(f"applies only to a stochastic drafter, not to rollout.spec {spec!r}")
 
 
 def _check_task_config(task: str, config: dict[str, Any]) -> None:
