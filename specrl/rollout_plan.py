@@ -68,6 +68,23 @@ class Workers:
 
 
 @dataclass(frozen=True)
+class GroupSampling:
+    """How each step's prompts are drawn and their groups sampled (``rollout.*``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    group_size: int  # completions per prompt
+    prompts_per_step: int
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling truncates the distribution (top-k or top-p on)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+@dataclass(frozen=True)
 class RolloutPlan:
     """A run's rollout, resolved: what backends build and pipelines ask (see the module doc)."""
 
@@ -85,6 +102,8 @@ class RolloutPlan:
     threads: int  # torch threads of a worker-process engine (0 = half the cores)
     max_batch: int
     seed: int  # run.seed
+    sampling: GroupSampling
+    alarm_action: str  # rollout.alarm_action: what a drafter whose acceptance collapses triggers
     workers: Workers | None = None  # Ray rollout workers; None: no Ray
 
 
@@ -116,7 +135,8 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
         gpu_memory_utilization=m.gpu_memory_utilization, spec=spec, drafter_dir=path,
         learned_drafter=learned_drafter(r.spec), training_mode=mode,
         in_flight=_in_flight(cfg, traits), threads=r.threads, max_batch=r.max_batch,
-        seed=cfg.run.seed, workers=_workers(cfg),
+        seed=cfg.run.seed, sampling=_sampling(cfg), alarm_action=r.alarm_action,
+        workers=_workers(cfg),
     )  # fmt: skip
 
 
@@ -166,9 +186,13 @@ def refusing(key: str | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- sampling, pipeline
 
 
-def truncated(cfg: Config) -> bool:
-    """Whether sampling truncates the distribution (top-k or top-p on)."""
-    return cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0
+def _sampling(cfg: Config) -> GroupSampling:
+    r = cfg.rollout
+    return GroupSampling(
+        temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens, group_size=r.group_size,
+        prompts_per_step=r.prompts_per_step,
+    )  # fmt: skip
 
 
 def _check_sampling(cfg: Config) -> None:
@@ -202,7 +226,7 @@ def _check_pipeline(cfg: Config, placement: Callable[[], str]) -> None:
                 "never updates weights while generating)"
             )
         return
-    if p.max_staleness > 0 and truncated(cfg) and cfg.learner.correction == "ppo":
+    if p.max_staleness > 0 and _sampling(cfg).truncated and cfg.learner.correction == "ppo":
         raise ConfigError(
             "pipeline.mode='async' with top-k/top-p sampling needs learner.correction='tis': "
             "'ppo' cannot use the engine's truncated behaviour logprobs, so stale groups "

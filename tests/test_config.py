@@ -4,6 +4,7 @@ registered names (task, template, drafter, loss, advantage, correction) checked 
 
 import pytest
 
+from specrl.backends import plan_rollout
 from specrl.config import Config, ConfigError, load_config, parse_override, preset_names
 from specrl.pipelines.validate import check_names
 
@@ -81,8 +82,9 @@ def test_bad_values_name_the_key(override, words):
 )
 def test_unknown_names_name_the_key(override, words):
     cfg = load_config(None, [override])  # config.py checks types and bounds, not registries
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # build_run's first checks: names, then the rollout plan
         check_names(cfg)
+        plan_rollout(cfg)
     msg = str(e.value)
     assert "\n" not in msg
     for w in words:

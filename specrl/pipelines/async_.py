@@ -118,7 +118,7 @@ def train_async(
     parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
-    stream = TrainStream.of(parts.cfg, parts.env)
+    stream = TrainStream.of(parts.plan, parts.env)
     producer = Producer(parts, stream, state.step, end, state.version, log)
     producer.start()
     rows: list[dict[str, Any]] = []

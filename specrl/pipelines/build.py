@@ -27,7 +27,7 @@ from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.tracking import check_tracking
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
-from specrl.rollout_plan import check_backend
+from specrl.rollout_plan import RolloutPlan, check_backend
 
 
 class Codec(Protocol):
@@ -64,6 +64,7 @@ class RunParts:
     codec: Codec
     learner: Learner
     backend: RolloutBackend
+    plan: RolloutPlan  # the rollout settings, resolved and checked
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
     drafter: DrafterSide | None = None  # a learned head: its trainer / training length
@@ -99,12 +100,12 @@ def build_run(
     if model is None:
         model = load_model(cfg.model.name, dtype=torch.float32)
     model = model.to(plan.device)  # the learner's copy; the engine's is made from it, on it
-    learner = Learner.from_config(model, cfg.learner, max_len=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature)  # fmt: skip
+    learner = Learner.from_config(model, cfg.learner, max_len=plan.sampling.max_new_tokens,
+                                  temperature=plan.sampling.temperature)  # fmt: skip
     backend = backend or build_backend(plan, learner.model)
     check_backend(plan, backend)
     guard = WeightGuard(torch_dtype(plan.dtype, plan.device))
     guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
     drafter = build_drafter_side(cfg, plan, learner.model, backend, guard)
-    return RunParts(cfg, env, codec, learner, backend, guard=guard,
-                    alarm=AcceptanceAlarm(cfg.rollout.alarm_action), drafter=drafter)  # fmt: skip
+    return RunParts(cfg, env, codec, learner, backend, plan, guard=guard,
+                    alarm=AcceptanceAlarm(plan.alarm_action), drafter=drafter)  # fmt: skip

@@ -18,7 +18,7 @@ from specrl.spec.config import SpecConfig
 
 def measure_speedup(parts: RunParts, step: int) -> dict[str, float]:
     """See the module docstring."""
-    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
+    prompts = TrainStream.of(parts.plan, parts.env).draw(step)
     out: dict[str, float] = {}
     for name, spec in (("plain", SpecConfig("none", 0)), ("spec", parts.backend.spec)):
         m = rollout_metrics(rollout(parts, prompts, step, spec=spec))

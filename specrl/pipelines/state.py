@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from specrl.config import Config
 from specrl.envs.reasoning_gym_env import Env, Prompt
+from specrl.rollout_plan import RolloutPlan
 
 
 @dataclass
@@ -40,8 +40,8 @@ class TrainStream:
     orders: dict[int, list[Prompt]] = field(default_factory=dict, repr=False)  # epoch -> order
 
     @classmethod
-    def of(cls, cfg: Config, env: Env) -> TrainStream:
-        return cls(env, cfg.run.seed, cfg.rollout.prompts_per_step)
+    def of(cls, plan: RolloutPlan, env: Env) -> TrainStream:
+        return cls(env, plan.seed, plan.sampling.prompts_per_step)
 
     def epoch(self, epoch: int) -> list[Prompt]:
         """The train split in epoch ``epoch``'s seeded order."""

@@ -28,7 +28,6 @@ from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.state import StepState
 from specrl.rl import FeatureSink, Learner, TrainSample, compute_advantages
-from specrl.rollout_plan import truncated
 from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -68,7 +67,7 @@ def rollout(
     spec: SpecConfig | None = None,
 ) -> Rollout:
     """n completions per prompt (request order) from the backend; a failed request raises."""
-    r, codec = parts.cfg.rollout, parts.codec
+    r, codec = parts.plan.sampling, parts.codec
     t = r.temperature if temperature is None else temperature
     reqs = [
         Request(codec.prompt_ids(p), SamplingParams(
@@ -193,9 +192,9 @@ def logprob_delta(
     }
 
 
-def uses_behaviour_logprobs(cfg: Config) -> bool:
+def uses_behaviour_logprobs(parts: RunParts) -> bool:
     """Whether the learner gets the engine's processed logprobs as behaviour logprobs."""
-    return cfg.learner.correction != "ppo" or not truncated(cfg)
+    return parts.cfg.learner.correction != "ppo" or not parts.plan.sampling.truncated
 
 
 def train_samples(
@@ -271,7 +270,7 @@ def learn(parts: RunParts, state: StepState, batch: Batch, waited_s: float) -> d
     row |= staleness(state.version, batch.completions)
     t0 = time.perf_counter()
     sink = parts.drafter.sink() if parts.drafter is not None else None
-    row |= train_policy(parts.learner, batch, uses_behaviour_logprobs(parts.cfg), sink)
+    row |= train_policy(parts.learner, batch, uses_behaviour_logprobs(parts), sink)
     row |= publish(parts, state, batch.step)
     if parts.drafter is not None:
         step_s = waited_s + time.perf_counter() - t0

@@ -27,7 +27,7 @@ def train_sync(
     parts: RunParts, state: StepState, run: RunDir, end: int, log: Log, stop: StopRequest
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
-    rows, stream = [], TrainStream.of(parts.cfg, parts.env)
+    rows, stream = [], TrainStream.of(parts.plan, parts.env)
     for step in range(state.step, end):
         if eval_due(parts.cfg, step):
             log_eval(parts, step, log)

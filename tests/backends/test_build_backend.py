@@ -146,10 +146,13 @@ def test_spec_exact_reaches_the_engine_and_bad_combinations_are_one_line():
     )
     with pytest.raises(ConfigError, match="spec_exact"):
         load_config(None, ["rollout.spec_exact=bitwise"])
-    both = load_config(None, ["rollout.spec=ngram", "rollout.spec_exact=sample",
+    both = load_config(None, ["rollout.spec=self", "rollout.spec_exact=sample",
                               "rollout.spec_siblings=2"])  # fmt: skip
     with pytest.raises(ConfigError, match="takes no siblings"):
         make_engine(plan_rollout(both), make_tiny())
+    deterministic = load_config(None, ["rollout.spec=ngram", "rollout.spec_siblings=2"])
+    with pytest.raises(ConfigError, match="spec_siblings: applies only to a stochastic drafter"):
+        plan_rollout(deterministic)
 
 
 def test_backend_names_come_from_the_registry():

@@ -41,7 +41,7 @@ def tiny_parts(cfg: Config, model_seed: int = 0, num_train: int = 24) -> RunPart
 
 def draw_prompts(parts: RunParts, step: int) -> list[Prompt]:
     """The prompts of step ``step`` of ``parts``' run (a fresh ``TrainStream``)."""
-    return TrainStream.of(parts.cfg, parts.env).draw(step)
+    return TrainStream.of(parts.plan, parts.env).draw(step)
 
 
 class FakeBackend:
