@@ -10,25 +10,21 @@ Details: docs/internals.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from specrl.errors import one_line
-from specrl.fsutil import fsync_path
+from specrl.fsutil import MANIFEST, file_digest, fsync_path, replace_dir, write_manifest
 
 CKPT_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"  # a checkpoint being written
 OLD_SUFFIX = ".old"  # a checkpoint being replaced
 DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
-MANIFEST = "manifest.json"
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
-_CHUNK = 1 << 20
 
 
 class RunDirError(ValueError):
@@ -37,16 +33,6 @@ class RunDirError(ValueError):
 
 class CheckpointDamaged(RunDirError):
     """One checkpoint failed verification; the message names the file and the damage."""
-
-
-def file_digest(path: Path) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex}`` of a file."""
-    h, size = hashlib.sha256(), 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": h.hexdigest()}
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -62,43 +48,17 @@ def checkpoint_step(path: Path) -> int | None:
 def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
     """Write the checkpoint ``ckpt`` through ``write`` (see the module docstring)."""
     tmp = ckpt.with_name(ckpt.name + TMP_SUFFIX)
-    old = ckpt.with_name(ckpt.name + OLD_SUFFIX)
-    for leftover in (tmp, old):
+    for leftover in (tmp, ckpt.with_name(ckpt.name + OLD_SUFFIX)):
         shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_manifest(tmp, write(tmp))
+        write_manifest(tmp, write(tmp))
         fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _commit(tmp, ckpt, old)
+    replace_dir(tmp, ckpt)  # a checkpoint there goes to OLD_SUFFIX first, removed after
     return ckpt
-
-
-def _write_manifest(tmp: Path, names: list[str]) -> None:
-    """fsync each file, then write and fsync the manifest of their sizes and digests."""
-    files = {}
-    for name in names:
-        fsync_path(tmp / name)
-        files[name] = file_digest(tmp / name)
-    with (tmp / MANIFEST).open("w") as f:
-        json.dump({"format": 1, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit(tmp: Path, ckpt: Path, old: Path) -> None:
-    """Rename the written ``tmp`` to ``ckpt``; a checkpoint there goes to ``old`` first and is
-    removed after."""
-    if ckpt.exists():
-        ckpt.rename(old)
-    tmp.rename(ckpt)
-    fsync_path(ckpt.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- verify
 
 
 def verify_manifest(ckpt: Path) -> None:
