@@ -561,7 +561,7 @@ def grpo_step(parts, oracle, step: int, accept: float, k: int) -> dict:
     plain_s, plain, _ = plain_rollout(parts, step)
     oracle_s, oracle_acc, oracle_same = oracle_rollout(parts, oracle, step, plain, k, accept)
     t0 = time.perf_counter()
-    batch = collect(parts, TrainStream.of(parts.cfg, parts.env).draw(step), step)
+    batch = collect(parts, TrainStream.of(parts.plan, parts.env).draw(step), step)
     head_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     row = learn(parts, StepState(step, step), batch, head_s)  # a fresh run: version = step

@@ -268,7 +268,7 @@ def one_step(parts, state, plain, plain_guard, step: int, d2t) -> dict[str, Any]
     from specrl.pipelines.state import TrainStream
     from specrl.pipelines.step import collect, learn, rollout, rollout_metrics
 
-    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
+    prompts = TrainStream.of(parts.plan, parts.env).draw(step)
     batch, plain_out = None, None
     for which in ("spec", "plain") if step % 2 == 0 else ("plain", "spec"):
         if which == "spec":

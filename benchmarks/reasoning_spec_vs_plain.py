@@ -108,7 +108,7 @@ def oracle_rollout(
     engine.spec, engine.proposer = spec, engine.make_proposer(spec)
     oracle = replace(parts, backend=NativeBackend(engine))
     t0 = time.perf_counter()
-    out = rollout(oracle, TrainStream.of(parts.cfg, parts.env).draw(step), step)
+    out = rollout(oracle, TrainStream.of(parts.plan, parts.env).draw(step), step)
     seconds = time.perf_counter() - t0
     same = [c.token_ids for c in out.completions] == [c.token_ids for c in plain]
     return seconds, out.stats.acceptance_length, same
@@ -127,7 +127,7 @@ def plain_rollout(parts, step: int) -> tuple[float, list, float]:
     engine = parts.backend.engine
     engine.record_steps = True
     t0 = time.perf_counter()
-    prompts = TrainStream.of(parts.cfg, parts.env).draw(step)
+    prompts = TrainStream.of(parts.plan, parts.env).draw(step)
     out = rollout(parts, prompts, step, spec=SpecConfig("none", 0))
     seconds = time.perf_counter() - t0
     engine.record_steps = False
@@ -140,7 +140,7 @@ def one_step(parts, step: int, oracles: dict[float, Engine], ceiling_k: int) -> 
     if step % 2 == 0:
         plain_s, plain, few = plain_rollout(parts, step)
     t0 = time.perf_counter()
-    batch = collect(parts, TrainStream.of(parts.cfg, parts.env).draw(step), step)
+    batch = collect(parts, TrainStream.of(parts.plan, parts.env).draw(step), step)
     spec_s = time.perf_counter() - t0
     if step % 2 == 1:
         plain_s, plain, few = plain_rollout(parts, step)
