@@ -32,6 +32,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from specrl import fsutil
 from specrl.pipelines import checkpoint as ckpt_mod
 from specrl.pipelines import manifest as manifest_mod
 from specrl.pipelines import train as train_mod
@@ -114,6 +115,7 @@ def test_save_writes_a_manifest_last_and_fsyncs_before_and_after_the_rename(tmp_
         real(path)
 
     monkeypatch.setattr(manifest_mod, "fsync_path", record)
+    monkeypatch.setattr(fsutil, "fsync_path", record)  # the manifest writer and directory swap
     model, opt = p.learner.model, p.learner.optimizer
     save_checkpoint(ckpt, model, opt, {"step": 1, "policy_version": 1}, {"x": 1})
     tmp = ckpt.with_name("step_000001.tmp")
