@@ -21,7 +21,7 @@ from specrl.pipelines.rundir import RunDir
 
 Kind = Literal["train", "eval"]
 KINDS: tuple[Kind, ...] = ("train", "eval")
-WANDB_EXTRA = "run.wandb=true needs the wandb extra: pip install 'specrl[wandb]'"
+WANDB_EXTRA = "run.wandb=true needs the wandb extra: pip install -e '.[wandb]'"
 
 
 class MetricsSink(Protocol):
