@@ -550,18 +550,21 @@ def build_grpo_run(device: torch.device, s: Sizes):
     return build_run(cfg, model=model, codec=IdCodec(), env=env)
 
 
-def grpo_step(parts, oracle, step: int, accept: float, k: int) -> dict:
+def grpo_step(parts, stream, oracle, step: int, accept: float, k: int) -> dict:
     """One step's three rollouts of the same prompts (plain, oracle, the run's head) and the
     learner step on the head's rollout (the same tokens under sample-exact verification)."""
     from reasoning_spec_vs_plain import oracle_rollout, plain_rollout
 
-    from specrl.pipelines.state import StepState, TrainStream
+    from specrl.pipelines.state import StepState
     from specrl.pipelines.step import collect, learn
 
-    plain_s, plain, _ = plain_rollout(parts, step)
-    oracle_s, oracle_acc, oracle_same = oracle_rollout(parts, oracle, step, plain, k, accept)
+    prompts = stream.draw(step)  # outside every timed window
+    plain_s, plain, _ = plain_rollout(parts, prompts, step)
+    oracle_s, oracle_acc, oracle_same = oracle_rollout(
+        parts, oracle, prompts, step, plain, k, accept
+    )
     t0 = time.perf_counter()
-    batch = collect(parts, TrainStream.of(parts.plan, parts.env).draw(step), step)
+    batch = collect(parts, prompts, step)
     head_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     row = learn(parts, StepState(step, step), batch, head_s)  # a fresh run: version = step
@@ -637,11 +640,13 @@ def grpo_section(
         seed=cfg.run.seed,
         memory_fraction=fraction,
     )
-    rows = []
+    from specrl.pipelines.state import TrainStream
+
+    rows, stream = [], TrainStream.of(parts.plan, parts.env)
     for step in range(s.grpo_steps + 1):
         if step > 1 and time.perf_counter() > deadline:
             break
-        rows.append(grpo_step(parts, oracle, step, accept, k))
+        rows.append(grpo_step(parts, stream, oracle, step, accept, k))
         r = rows[-1]
         clock.log(
             f"grpo step {step}: gen plain {r['plain_gen_s']:.2f}s oracle "

@@ -97,7 +97,7 @@ class OracleProposer:
 
 
 def oracle_rollout(
-    parts, engine: Engine, step: int, plain: list, k: int, accept: float = 1.0
+    parts, engine: Engine, prompts: list, step: int, plain: list, k: int, accept: float = 1.0
 ) -> tuple[float, float, bool]:
     """Seconds, acceptance length and same-tokens check of the step's prompts rolled out by
     ``engine`` (over the run's shared, current weights) drafting with ``OracleProposer`` at
@@ -108,7 +108,7 @@ def oracle_rollout(
     engine.spec, engine.proposer = spec, engine.make_proposer(spec)
     oracle = replace(parts, backend=NativeBackend(engine))
     t0 = time.perf_counter()
-    out = rollout(oracle, TrainStream.of(parts.plan, parts.env).draw(step), step)
+    out = rollout(oracle, prompts, step)
     seconds = time.perf_counter() - t0
     same = [c.token_ids for c in out.completions] == [c.token_ids for c in plain]
     return seconds, out.stats.acceptance_length, same
@@ -122,29 +122,33 @@ def few_rows_share(records) -> float:
     return few / total if total else 0.0
 
 
-def plain_rollout(parts, step: int) -> tuple[float, list, float]:
+def plain_rollout(parts, prompts: list, step: int) -> tuple[float, list, float]:
     """Seconds, completions and the <= 4 rows share of the step's prompts rolled out plain."""
     engine = parts.backend.engine
     engine.record_steps = True
     t0 = time.perf_counter()
-    prompts = TrainStream.of(parts.plan, parts.env).draw(step)
     out = rollout(parts, prompts, step, spec=SpecConfig("none", 0))
     seconds = time.perf_counter() - t0
     engine.record_steps = False
     return seconds, out.completions, few_rows_share(out.stats.step_records)
 
 
-def one_step(parts, step: int, oracles: dict[float, Engine], ceiling_k: int) -> dict:
+def one_step(
+    parts, stream: TrainStream, step: int, oracles: dict[float, Engine], ceiling_k: int
+) -> dict:
     """Both rollouts of ``step`` (order alternating), one per ``oracles`` engine (keyed by
     per-token acceptance), then the learner on the speculative one."""
+    prompts = stream.draw(step)  # outside every timed window
     if step % 2 == 0:
-        plain_s, plain, few = plain_rollout(parts, step)
+        plain_s, plain, few = plain_rollout(parts, prompts, step)
     t0 = time.perf_counter()
-    batch = collect(parts, TrainStream.of(parts.plan, parts.env).draw(step), step)
+    batch = collect(parts, prompts, step)
     spec_s = time.perf_counter() - t0
     if step % 2 == 1:
-        plain_s, plain, few = plain_rollout(parts, step)
-    ceilings = {a: oracle_rollout(parts, e, step, plain, ceiling_k, a) for a, e in oracles.items()}
+        plain_s, plain, few = plain_rollout(parts, prompts, step)
+    ceilings = {
+        a: oracle_rollout(parts, e, prompts, step, plain, ceiling_k, a) for a, e in oracles.items()
+    }
     t1 = time.perf_counter()
     learned = learn(parts, StepState(step, step), batch, spec_s)  # a fresh run: version = step
     learn_s = time.perf_counter() - t1
@@ -248,9 +252,9 @@ def main() -> None:
             model = parts.backend.engine.model
             for a in accepts:
                 oracles[a] = Engine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
-        rows = []
+        rows, stream = [], TrainStream.of(parts.plan, parts.env)
         for step in range(args.steps):
-            row = one_step(parts, step, oracles, args.ceiling_k)
+            row = one_step(parts, stream, step, oracles, args.ceiling_k)
             rows.append(row)
             print(
                 f"step {step}: gen plain {row['plain_gen_s']:.1f}s spec {row['spec_gen_s']:.1f}s "

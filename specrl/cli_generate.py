@@ -223,8 +223,10 @@ def generate(
     check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings, spec_exact)
     refuse_unless_applies(ctx, ["num_spec_tokens", "spec_exact"], spec != "none",
                           "--spec other than none")  # fmt: skip
+    from specrl.rollout_plan import learned_drafter
+
     needs = f"a --spec that loads a drafter (eagle3, mtp, hybrid, draft), not {spec}"
-    refuse_unless_applies(ctx, ["drafter"], loads_drafter(spec), needs)
+    refuse_unless_applies(ctx, ["drafter"], learned_drafter(spec), needs)
     where = parse_device(device)
     torch_dtype = parse_dtype(dtype, where)
     if all(item.error is not None for item in items):  # nothing to answer: load nothing
@@ -277,29 +279,19 @@ def generate(
         raise typer.Exit(2)
 
 
-def loads_drafter(spec: str) -> bool:
-    """Whether ``--spec`` takes ``--drafter`` (a trained head or a draft model)."""
-    from specrl.spec.proposers import proposer_takes
-
-    return proposer_takes(spec, "drafter_path") or proposer_takes(spec, "draft_model")
-
-
 def head_dir(spec: str, drafter: str | None, model: str) -> str | None:
     """``--drafter`` for a learned head (eagle3, mtp, hybrid): as given, else the cached
     trained head; 'untrained' says on stderr that a random head runs."""
-    from specrl.paths import cached_drafter
+    from specrl.bench import default_drafter_path
     from specrl.spec.config import UNTRAINED
-    from specrl.spec.proposers import head_kind, proposer_takes
+    from specrl.spec.proposers import proposer_takes
 
     if not proposer_takes(spec, "drafter_path"):
         return drafter
     if drafter == UNTRAINED:
         typer.echo(f"warning: --spec {spec} runs an untrained (random) head: lossless, but "
                    "expect acceptance near 1 and no speed-up", err=True)  # fmt: skip
-    if drafter:
-        return drafter
-    cached = cached_drafter(model, head_kind(spec))
-    return None if cached is None else str(cached)
+    return drafter or default_drafter_path(model, spec)
 
 
 def completion_json(c, text: str) -> dict:

@@ -389,7 +389,7 @@ def load_config(
         data = read_toml(preset_path(preset)) if preset is not None else {}
         if path is not None:
             data = settings.merge(data, read_toml(Path(path)))
-        return validate_config(settings.with_overrides(data, overrides))
+        return validate_config(settings.apply_overrides(data, overrides))
 
 
 def preset_names() -> list[str]:
@@ -415,7 +415,7 @@ def load_run_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> 
             section, name = key.split(".")
             if isinstance(data.get(section), dict):
                 data[section].pop(name, None)
-        return validate_config(settings.with_overrides(data, overrides))
+        return validate_config(settings.apply_overrides(data, overrides))
 
 
 def validate_config(data: dict[str, Any], check_applies: bool = True) -> Config:

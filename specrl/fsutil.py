@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 MANIFEST = "manifest.json"
+OLD_SUFFIX = ".old"  # a directory ``replace_dir`` is replacing
 _CHUNK = 1 << 20
 
 
@@ -107,10 +108,9 @@ def write_manifest(folder: str | os.PathLike, names: list[str]) -> None:
         os.fsync(f.fileno())
 
 
-def manifest_problem(folder: str | os.PathLike, exact: bool = False) -> str | None:
-    """``None`` when ``folder/manifest.json`` is readable and every file it lists has its size
-    and sha256, else one line naming the file and what is wrong (``x: sha256 mismatch``);
-    ``exact``: a file the manifest does not list is a problem too."""
+def read_manifest(folder: str | os.PathLike) -> dict[str, tuple[int, str]] | str:
+    """The files ``folder/manifest.json`` lists, ``{name: (bytes, sha256)}``, or one line saying
+    why it cannot be used (missing, unreadable, naming a path outside ``folder``)."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         return f"{MANIFEST}: missing"
@@ -121,23 +121,43 @@ def manifest_problem(folder: str | os.PathLike, exact: bool = False) -> str | No
         return f"{MANIFEST}: unreadable"
     if any(Path(name).name != name or name.startswith(".") for name in listed):
         return f"{MANIFEST}: lists a path outside {folder.name}"
+    return listed
+
+
+def listed_problem(folder: str | os.PathLike, listed: dict[str, tuple[int, str]]) -> str | None:
+    """``None`` when every listed file in ``folder`` has its size and sha256, else one line naming
+    the first that does not (``x: sha256 mismatch``)."""
     for name, (size, sha) in listed.items():
-        if not (folder / name).is_file():
+        path = Path(folder) / name
+        if not path.is_file():
             return f"{name}: missing"
-        found = (folder / name).stat().st_size
+        found = path.stat().st_size
         if found != size:
             return f"{name}: {found} bytes, the manifest says {size}"
-        if file_digest(folder / name)["sha256"] != sha:
+        if file_digest(path)["sha256"] != sha:
             return f"{name}: sha256 mismatch"
-    extra = sorted(p.name for p in folder.iterdir() if p.name not in listed and p.name != MANIFEST)
-    return f"{extra[0]}: not in the manifest" if exact and extra else None
+    return None
+
+
+def manifest_problem(folder: str | os.PathLike, exact: bool = False) -> str | None:
+    """``None`` when ``folder/manifest.json`` is readable and every file it lists has its size
+    and sha256, else one line naming the file and what is wrong (``x: sha256 mismatch``);
+    ``exact``: a file the manifest does not list is a problem too."""
+    listed = read_manifest(folder)
+    if isinstance(listed, str):
+        return listed
+    problem = listed_problem(folder, listed)
+    if problem is not None or not exact:
+        return problem
+    extra = sorted(p.name for p in Path(folder).iterdir() if p.name not in {*listed, MANIFEST})
+    return f"{extra[0]}: not in the manifest" if extra else None
 
 
 def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
     """Rename the finished directory ``tmp`` to ``dest`` and fsync their parent; a ``dest``
     already there is renamed to ``<dest>.old`` first and removed after."""
     tmp, dest = Path(tmp), Path(dest)
-    old = dest.with_name(dest.name + ".old")
+    old = dest.with_name(dest.name + OLD_SUFFIX)
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():
         dest.rename(old)

@@ -105,7 +105,7 @@ def set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
     node[key[-1]] = value
 
 
-def with_overrides(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:
     """A copy of ``data`` with each ``key.sub=value`` item applied in order."""
     out = _copy(data)
     for item in items:

@@ -180,4 +180,4 @@ class Call:
                 self.kv.cache.move(last, i, rows[last].pos)
                 rows[i] = rows[last]
             rows.pop()
-        self._tensors = None
+        self.rows_changed()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from specrl.engine.admission import Admission
 from specrl.engine.call import Call
 from specrl.engine.decode import Decoder
-from specrl.engine.inflight import InflightUpdates
+from specrl.engine.inflight import InflightUpdates, rewrite
 from specrl.engine.kv import KVSpace
 from specrl.engine.rows import ActiveSpec, Seq
 from specrl.models.cache import KVCache
@@ -172,7 +172,7 @@ class Engine:
         self._admission.stash = None  # its prompt cache and logits came from the old weights
         if not rows:
             return []
-        return self._updates.rewrite(self._call, rows, update, start, self.reverify_max_tokens)
+        return rewrite(self._call, rows, update, start, self.reverify_max_tokens)
 
     def _controller(self, spec: SpecConfig, proposer: Proposer) -> SpecController | None:
         """The cost-model controller of an adaptive ``spec`` (started on first use and kept

@@ -6,7 +6,7 @@ thread applies it between forwards; the live rows' older tokens then meet ``mode
 (unchanged, on a stale cache), ``discard`` (restart from the prompt) or ``reverify`` (the old
 tokens as a one-hot draft for the new weights: exact). Rewriting modes reseed their rows
 (``fresh_seed``) and refuse ``draft``/``self`` drafters. ``InflightUpdates`` is the engine's
-collaborator (``stage``, ``take``, ``rewrite`` through the running ``Call``).
+collaborator (``stage``, ``take``); ``rewrite`` applies a taken update to the running ``Call``.
 Details: docs/internals.md.
 """
 
@@ -126,30 +126,30 @@ class InflightUpdates:
             return None
         return update
 
-    def rewrite(
-        self,
-        call: Call,
-        rows: list[Seq],
-        update: StagedWeights,
-        start: float,
-        max_tokens: int | None = None,
-    ) -> list[int]:
-        """The live rows meet ``update``'s mode, its weights already in the model (``max_tokens``:
-        reverify checks at most that many old tokens per row); indices of the rows the rewrite
-        finished (a stop or the length limit in their new tokens)."""
-        st = call.stats
-        st.weight_updates += 1
-        old = sum(len(s.comp.token_ids) for s in rows)
-        if update.mode == "keep":
-            st.reused_tokens += old
-            return []
-        for seq in rows:
-            seq.comp.seed = fresh_seed(seq.comp.seed, update.version)
-        call.rows_changed()
-        if update.mode == "discard":
-            st.discarded_tokens += old
-            return _restart_rows(call, rows, start)
-        return _reverify_rows(call, rows, start, max_tokens)
+
+def rewrite(
+    call: Call,
+    rows: list[Seq],
+    update: StagedWeights,
+    start: float,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """The live rows meet ``update``'s mode, its weights already in the model (``max_tokens``:
+    reverify checks at most that many old tokens per row); indices of the rows the rewrite
+    finished (a stop or the length limit in their new tokens)."""
+    st = call.stats
+    st.weight_updates += 1
+    old = sum(len(s.comp.token_ids) for s in rows)
+    if update.mode == "keep":
+        st.reused_tokens += old
+        return []
+    for seq in rows:
+        seq.comp.seed = fresh_seed(seq.comp.seed, update.version)
+    call.rows_changed()
+    if update.mode == "discard":
+        st.discarded_tokens += old
+        return _restart_rows(call, rows, start)
+    return _reverify_rows(call, rows, start, max_tokens)
 
 
 def _reverify_rows(call: Call, rows: list[Seq], start: float, cap: int | None) -> list[int]:

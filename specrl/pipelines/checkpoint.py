@@ -110,12 +110,6 @@ def restore_masters(
         params[int(key)].copy_(value)
 
 
-def restore_optimizer(
-    opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: dict
-) -> None:
-    opt.load_state_dict(optimizer_state(tensors, meta))
-
-
 # --------------------------------------------------------------------------- save
 
 

@@ -17,11 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from specrl.errors import one_line
-from specrl.fsutil import MANIFEST, file_digest, fsync_path, replace_dir, write_manifest
+from specrl.fsutil import (
+    MANIFEST,
+    fsync_path,
+    listed_problem,
+    read_manifest,
+    replace_dir,
+    write_manifest,
+)
 
 CKPT_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"  # a checkpoint being written
-OLD_SUFFIX = ".old"  # a checkpoint being replaced
 DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
@@ -48,8 +54,7 @@ def checkpoint_step(path: Path) -> int | None:
 def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
     """Write the checkpoint ``ckpt`` through ``write`` (see the module docstring)."""
     tmp = ckpt.with_name(ckpt.name + TMP_SUFFIX)
-    for leftover in (tmp, ckpt.with_name(ckpt.name + OLD_SUFFIX)):
-        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write_manifest(tmp, write(tmp))
@@ -57,7 +62,7 @@ def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    replace_dir(tmp, ckpt)  # a checkpoint there goes to OLD_SUFFIX first, removed after
+    replace_dir(tmp, ckpt)  # a checkpoint there goes to ``.old`` first, removed after
     return ckpt
 
 
@@ -71,18 +76,15 @@ def verify_manifest(ckpt: Path) -> None:
         if _format(ckpt) >= FORMAT:
             raise CheckpointDamaged(f"{MANIFEST}: missing")
         return
-    try:
-        files = json.loads(path.read_bytes())["files"]
-        listed = {name: (int(d["bytes"]), str(d["sha256"])) for name, d in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointDamaged(f"{MANIFEST}: unreadable") from None
-    if any(Path(name).name != name or name.startswith(".") for name in listed):
-        raise CheckpointDamaged(f"{MANIFEST}: lists a path outside the checkpoint")
+    listed = read_manifest(ckpt)
+    if isinstance(listed, str):
+        raise CheckpointDamaged(listed)
     for name in REQUIRED:
         if name not in listed:
             raise CheckpointDamaged(f"{MANIFEST}: does not list {name}")
-    for name, (size, sha) in listed.items():
-        _check_file(ckpt / name, size, sha)
+    problem = listed_problem(ckpt, listed)
+    if problem is not None:
+        raise CheckpointDamaged(problem)
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -116,16 +118,6 @@ def _format(ckpt: Path) -> int:
     except (OSError, ValueError, AttributeError):
         return 0
     return found if isinstance(found, int) else 0
-
-
-def _check_file(path: Path, size: int, sha: str) -> None:
-    if not path.is_file():
-        raise CheckpointDamaged(f"{path.name}: missing")
-    found = path.stat().st_size
-    if found != size:
-        raise CheckpointDamaged(f"{path.name}: {found} bytes, the manifest says {size}")
-    if file_digest(path)["sha256"] != sha:
-        raise CheckpointDamaged(f"{path.name}: sha256 mismatch")
 
 
 def parse_file(ckpt: Path, name: str, parse: Callable[[Path], Any]) -> Any:

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specrl.fsutil import atomic_write, fsync_path
+from specrl.fsutil import OLD_SUFFIX, atomic_write, fsync_path
 from specrl.pipelines.manifest import (
     CKPT_PREFIX,
     DEL_SUFFIX,
-    OLD_SUFFIX,
     TMP_SUFFIX,
     RunDirError,
     checkpoint_step,

@@ -161,6 +161,14 @@ class ShardedLearner(Learner):
             keep.extend(self._gathered(mine))
         return self._reduced(metrics)
 
+    def _throughput(self, forward_tokens: float, positions: float, seconds: float) -> dict:
+        """The group's figures (tokens and FLOPs summed over ranks); mfu against the peak of
+        all ``world`` devices, not one."""
+        out = super()._throughput(forward_tokens, positions, seconds)
+        if "mfu" in out:
+            out["mfu"] /= self.world
+        return out
+
     def _idle_pass(self) -> None:
         """A micro-step's collectives (forward, reference forward, backward), zero gradient."""
         batch = pack_sequences([([0], [0])], self.row_len).to(self.device)

@@ -186,14 +186,14 @@ def load_learner(learner: Learner, path: str | Path) -> None:
     path, group = Path(path), _group(learner)
     saved = _on_rank0(group, lambda: _verified(path))
     tensors, hyper = _state(learner)
-    unused = sorted(set(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata))
+    reader = HuggingFaceStorageReader(str(path))
+    unused = sorted(set(reader.read_metadata().state_dict_metadata))
     unused = [k for k in unused if k not in tensors]  # the same on every rank
     if unused:
         raise ShardedCheckpointError(f"{path} does not fit this learner: it has no {unused[0]}")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", NO_DIST)
-            reader = HuggingFaceStorageReader(str(path))
             dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
     except CheckpointException as e:  # DCP raises on every rank when one fails
         raise ShardedCheckpointError(

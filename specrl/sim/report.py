@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrl.settings import with_overrides
+from specrl.settings import apply_overrides
 from specrl.sim.drafters import draft_forward
 from specrl.sim.runner import ScenarioResult, hardware, run_scenario
 from specrl.sim.runner import drafter as scenario_drafter
@@ -85,7 +85,7 @@ def uncertain_inputs(sc: Scenario) -> list[tuple[str, str, float, float]]:
 
 
 def _speedup_with(sc: Scenario, key: str, value: float) -> float:
-    data = with_overrides(sc.model_dump(), [f"{key}={value!r}"])
+    data = apply_overrides(sc.model_dump(), [f"{key}={value!r}"])
     return run_scenario(Scenario.model_validate(data)).end_to_end_speedup_vs_sync_no_spec
 
 

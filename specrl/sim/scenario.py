@@ -271,7 +271,7 @@ def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
     overrides = list(overrides or [])
     data, path = scenario_data(name)
     with errors_as(SimInputError):
-        data = settings.with_overrides(data, overrides)
+        data = settings.apply_overrides(data, overrides)
         hint = key_hint(Scenario)
         sc = settings.validate(
             Scenario, data, "scenario", hint=hint, source=path, overrides=overrides

@@ -33,13 +33,14 @@ import typer
 from typer.testing import CliRunner
 
 from specrl import fsutil
+from specrl.fsutil import MANIFEST, file_digest
 from specrl.pipelines import checkpoint as ckpt_mod
 from specrl.pipelines import manifest as manifest_mod
 from specrl.pipelines import train as train_mod
 from specrl.pipelines.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from specrl.pipelines.cli import register
 from specrl.pipelines.loop import TIMING_KEYS, stop_checkpoint
-from specrl.pipelines.manifest import MANIFEST, RunDirError, file_digest, is_complete
+from specrl.pipelines.manifest import RunDirError, is_complete
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import Stopped, stop_on_signals
 from specrl.pipelines.state import StepState

@@ -7,7 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specrl.settings import with_overrides
+from specrl.settings import apply_overrides
 from specrl.sim.calibrate import fit_trace, parse_trace
 from specrl.sim.cost import StepCostModel
 from specrl.sim.runner import run_scenario
@@ -83,7 +83,7 @@ def test_every_bundled_scenario_runs(name):
 
 
 def test_overrides_parse_toml_literals_and_reject_unknown_keys():
-    data = with_overrides({"a": {"b": 1}}, ["a.b=2.5", "a.c=true", "d=eagle3", 'e="x y"'])
+    data = apply_overrides({"a": {"b": 1}}, ["a.b=2.5", "a.c=true", "d=eagle3", 'e="x y"'])
     assert data == {"a": {"b": 2.5, "c": True}, "d": "eagle3", "e": "x y"}
     with pytest.raises(ValueError):
         load_scenario("paper-8b-sync", ["workload.no_such_field=1"])
