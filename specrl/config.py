@@ -278,6 +278,15 @@ class ClusterCfg(Section):
         "another actor; weights reach them through Ray's object store. 0 = no Ray: the "
         "backend runs in the trainer's process or its worker process (rollout.placement).",
     )
+    train_workers: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Learner processes: 1 = the learner in the trainer's process; N > 1 = N Ray "
+        "actors (the ray extra) sharing one FSDP2-sharded learner (torch.distributed: gloo on "
+        "CPU, NCCL with one GPU each on CUDA), each holding ~1/N of the weights, gradients and "
+        "AdamW state; the trainer's process keeps one full copy to send to the rollout backends.",
+    )
     address: str | None = Field(
         None,
         description="Ray cluster to join (as ray.init's address, e.g. '10.0.0.5:6379' or "

@@ -22,13 +22,14 @@ from specrl.config import ConfigError
 LOOPBACK = "127.0.0.1"
 
 
-def import_ray() -> ModuleType:
-    """The ``ray`` module (``ConfigError`` naming the extra when it is missing)."""
+def import_ray(need: str = "cluster.rollout_workers > 0") -> ModuleType:
+    """The ``ray`` module (``ConfigError`` naming ``need``, the setting, and the extra when it
+    is missing)."""
     try:
         import ray
     except ImportError:
         raise ConfigError(
-            "cluster.rollout_workers > 0 needs Ray, which is not installed: pip install -e '.[ray]'"
+            f"{need} needs Ray, which is not installed: pip install -e '.[ray]'"
         ) from None
     return ray
 
@@ -76,8 +77,8 @@ class RaySession:
         self._finalizer = weakref.finalize(self, owned.release)
 
     @classmethod
-    def open(cls, address: str | None) -> RaySession:
-        ray = import_ray()
+    def open(cls, address: str | None, need: str = "cluster.rollout_workers > 0") -> RaySession:
+        ray = import_ray(need)
         owned = _Owned(ray)
         if ray.is_initialized():
             return cls(owned)

@@ -11,6 +11,7 @@ Details: docs/internals.md.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from specrl.pipelines.alarm import AcceptanceAlarm
 from specrl.pipelines.drafter import DrafterSide, build_drafter_side
 from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.tracking import check_tracking
+from specrl.pipelines.train_workers import TrainGroup
 from specrl.pipelines.validate import check_names
 from specrl.rl import Learner
 from specrl.rollout_plan import RolloutPlan, check_backend
@@ -62,7 +64,7 @@ class RunParts:
     cfg: Config
     env: Env
     codec: Codec
-    learner: Learner
+    learner: Learner | TrainGroup  # one process, or ``cluster.train_workers`` Ray actors
     backend: RolloutBackend
     plan: RolloutPlan  # the rollout settings, resolved and checked
     guard: WeightGuard = field(default_factory=WeightGuard)
@@ -71,9 +73,21 @@ class RunParts:
 
     def push_weights(self, version: int) -> float:
         """Send the learner's weights to the backend as ``version`` and check what it serves
-        (``WeightGuard.push``); seconds, the check included."""
+        (``WeightGuard.push``); seconds, the check included (and, on train workers, gathering
+        their shards into the learner's ``model`` block by block)."""
+        t0 = time.perf_counter()
+        if isinstance(self.learner, TrainGroup):
+            self.learner.pull_weights()
         named = dict(self.learner.model.named_parameters())
-        return self.guard.push(self.backend, named, version)
+        return time.perf_counter() - t0 + self.guard.push(self.backend, named, version)
+
+    def close(self) -> None:
+        """Close the backend, then the train workers if any (idempotent)."""
+        try:
+            self.backend.close()
+        finally:
+            if isinstance(self.learner, TrainGroup):
+                self.learner.close()
 
 
 def build_run(
@@ -100,8 +114,33 @@ def build_run(
     if model is None:
         model = load_model(cfg.model.name, dtype=torch.float32)
     model = model.to(plan.device)  # the learner's copy; the engine's is made from it, on it
-    learner = Learner.from_config(model, cfg.learner, max_len=plan.sampling.max_new_tokens,
-                                  temperature=plan.sampling.temperature)  # fmt: skip
+    learner = make_learner(cfg, plan, model)
+    try:
+        return _assemble(cfg, plan, env, codec, learner, backend)
+    except BaseException:
+        if isinstance(learner, TrainGroup):
+            learner.close()
+        raise
+
+
+def make_learner(cfg: Config, plan: RolloutPlan, model: torch.nn.Module) -> Learner | TrainGroup:
+    """The run's learner over ``model``: in this process, or ``cluster.train_workers`` ranks."""
+    s = plan.sampling
+    if cfg.cluster.train_workers > 1:
+        return TrainGroup.start(cfg, model, plan.device, s.max_new_tokens, s.temperature)
+    return Learner.from_config(model, cfg.learner, max_len=s.max_new_tokens,
+                               temperature=s.temperature)  # fmt: skip
+
+
+def _assemble(
+    cfg: Config,
+    plan: RolloutPlan,
+    env: Env,
+    codec: Codec,
+    learner: Learner | TrainGroup,
+    backend: RolloutBackend | None,
+) -> RunParts:
+    """The parts around a built learner: backend, guard, alarm, drafter side."""
     backend = backend or build_backend(plan, learner.model)
     check_backend(plan, backend)
     guard = WeightGuard(torch_dtype(plan.dtype, plan.device))

@@ -3,16 +3,20 @@
 ``save_checkpoint`` writes the policy (Hugging Face names), float32 masters if any, AdamW state
 (safetensors + JSON, nothing pickled), state.json (the step state, the alarm, the torch RNG,
 ``"format": 2``), the backend's state and a drafter trainer's files, through
-``manifest.write_atomically``. ``read_checkpoint`` verifies and parses everything first
-(``CheckpointDamaged``); ``apply_checkpoint`` restores in place (``RunDirError`` when it does
-not fit); ``load_checkpoint`` is both. Details: docs/internals.md.
+``manifest.write_atomically``; ``save_run_checkpoint`` writes train workers' DCP checkpoint
+(``learner/``, its manifest's sha256 in ``learner.json``) in place of the policy and AdamW files.
+``read_checkpoint`` verifies and parses everything first (``CheckpointDamaged``);
+``apply_checkpoint`` restores in place (``RunDirError`` when it does not fit), ``apply_to_learner``
+whichever way the run trains; ``load_checkpoint`` is read + apply. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,10 +25,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specrl.errors import one_line
+from specrl.fsutil import MANIFEST, file_digest
 from specrl.models.checkpoints import hf_state_dict, load_state
 from specrl.pipelines.manifest import (
     FORMAT,
     REQUIRED,
+    SHARDED,
+    SHARDED_MARK,
     CheckpointDamaged,
     RunDirError,
     checkpoint_step,
@@ -32,6 +39,9 @@ from specrl.pipelines.manifest import (
     verify_manifest,
     write_atomically,
 )
+from specrl.pipelines.train_workers import TrainGroup
+from specrl.rl.learner import Learner
+from specrl.rl.sharded_checkpoint import ShardedCheckpointError, load_learner, save_learner
 
 BACKEND = "backend.json"
 MASTERS = "masters.safetensors"
@@ -117,15 +127,10 @@ def rng_state() -> str:
     return torch.get_rng_state().numpy().tobytes().hex()
 
 
-def _write_files(
-    tmp: Path,
-    policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: Mapping[str, Any],
-    backend_state: Mapping[str, Any] | None,
-    drafter: Savable | None = None,
+def _policy_files(
+    tmp: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> list[str]:
-    """Write a checkpoint's files into ``tmp``; their names."""
+    """A one-process learner's files in ``tmp``: the policy, AdamW state, masters if any."""
     save_file(hf_state_dict(policy), str(tmp / "policy.safetensors"))
     tensors, meta = optimizer_tensors(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -133,9 +138,31 @@ def _write_files(
     masters = master_tensors(policy, optimizer)
     if masters:
         save_file(masters, str(tmp / MASTERS))
+    return [n for n in REQUIRED if n != "state.json"] + ([MASTERS] if masters else [])
+
+
+def _sharded_files(tmp: Path, group: TrainGroup) -> list[str]:
+    """The train workers' DCP checkpoint in ``tmp/learner`` and the mark naming it."""
+    group.save(tmp / SHARDED)
+    digest = file_digest(tmp / SHARDED / MANIFEST)["sha256"]
+    mark = {"workers": group.world, "manifest_sha256": digest}
+    (tmp / SHARDED_MARK).write_text(json.dumps(mark))
+    return [SHARDED_MARK]
+
+
+def _write_files(
+    tmp: Path,
+    learner_files: Callable[[Path], list[str]],
+    state: Mapping[str, Any],
+    backend_state: Mapping[str, Any] | None,
+    drafter: Savable | None = None,
+) -> list[str]:
+    """Write a checkpoint's files into ``tmp`` (the learner's through ``learner_files``);
+    their names."""
+    names = learner_files(tmp)
     marked = dict(state) | {"format": FORMAT, "torch_rng": rng_state()}
     (tmp / "state.json").write_text(json.dumps(marked))
-    names = list(REQUIRED) + ([MASTERS] if masters else [])
+    names.append("state.json")
     if backend_state:
         (tmp / BACKEND).write_text(json.dumps(dict(backend_state)))
         names.append(BACKEND)
@@ -155,9 +182,36 @@ def save_checkpoint(
     """Write a complete checkpoint directory atomically (``manifest.write_atomically``). A
     failure while writing (a full disk) removes ``step_N.tmp`` and leaves ``step_N`` as it was;
     one between the renames leaves both copies for ``RunDir.recover_interrupted``."""
-    return write_atomically(
-        ckpt, lambda tmp: _write_files(tmp, policy, optimizer, state, backend_state, drafter)
-    )
+    files = partial(_policy_files, policy=policy, optimizer=optimizer)
+    return _commit(ckpt, files, state, backend_state, drafter)
+
+
+def save_run_checkpoint(
+    ckpt: Path,
+    learner: Learner | TrainGroup,
+    state: Mapping[str, Any],
+    backend_state: Mapping[str, Any] | None = None,
+    drafter: Savable | None = None,
+) -> Path:
+    """``save_checkpoint`` of a run's learner: a one-process one's files, or the train
+    workers' DCP checkpoint (``learner/``, named by ``learner.json``) for a ``TrainGroup``."""
+    if not isinstance(learner, TrainGroup):
+        return save_checkpoint(ckpt, learner.model, learner.optimizer, state, backend_state,
+                               drafter)  # fmt: skip
+    return _commit(ckpt, partial(_sharded_files, group=learner), state, backend_state, drafter)
+
+
+def _commit(
+    ckpt: Path,
+    learner_files: Callable[[Path], list[str]],
+    state: Mapping[str, Any],
+    backend_state: Mapping[str, Any] | None,
+    drafter: Savable | None,
+) -> Path:
+    """``write_atomically`` of ``_write_files``."""
+    write = partial(_write_files, learner_files=learner_files, state=state,
+                    backend_state=backend_state, drafter=drafter)  # fmt: skip
+    return write_atomically(ckpt, write)
 
 
 # --------------------------------------------------------------------------- verify / load
@@ -175,6 +229,7 @@ class CheckpointData:
     backend: dict[str, Any]
     drafter: Path | None = None  # a learned drafter's training state, verified, not yet read
     masters: dict[str, torch.Tensor] = field(default_factory=dict)  # float32 masters, if any
+    sharded: Path | None = None  # train workers' DCP checkpoint (then no policy/optimizer)
 
 
 def _json(path: Path) -> Any:
@@ -193,9 +248,8 @@ def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
 def read_checkpoint(ckpt: Path) -> CheckpointData:
     """Verify and parse the checkpoint in ``ckpt`` (``CheckpointDamaged`` on any damage)."""
     verify_manifest(ckpt)
-    policy = parse_file(ckpt, "policy.safetensors", lambda p: load_file(str(p)))
-    opt_tensors = parse_file(ckpt, "optimizer.safetensors", lambda p: load_file(str(p)))
-    optimizer = parse_file(ckpt, "optimizer.json", lambda p: optimizer_state(opt_tensors, _json(p)))
+    sharded = ckpt / SHARDED if (ckpt / SHARDED_MARK).is_file() else None
+    policy, optimizer = _one_process_files(ckpt) if sharded is None else ({}, {})
     state, rng = parse_file(ckpt, "state.json", _state)
     step = checkpoint_step(ckpt)
     if step is not None and state["step"] != step:
@@ -207,7 +261,15 @@ def read_checkpoint(ckpt: Path) -> CheckpointData:
     masters = (
         parse_file(ckpt, MASTERS, lambda p: load_file(str(p))) if (ckpt / MASTERS).exists() else {}
     )
-    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters)
+    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters, sharded)
+
+
+def _one_process_files(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(policy tensors, optimizer state dict) of a one-process learner's checkpoint."""
+    policy = parse_file(ckpt, "policy.safetensors", lambda p: load_file(str(p)))
+    opt_tensors = parse_file(ckpt, "optimizer.safetensors", lambda p: load_file(str(p)))
+    optimizer = parse_file(ckpt, "optimizer.json", lambda p: optimizer_state(opt_tensors, _json(p)))
+    return policy, optimizer
 
 
 # How an optimizer runs, not what it learned: kept from this run's optimizer on resume (a
@@ -236,6 +298,37 @@ def apply_checkpoint(
     except (ValueError, KeyError, RuntimeError) as e:
         raise RunDirError(f"checkpoint {data.path} does not fit this run: {one_line(e)}") from None
     return dict(data.state), dict(data.backend)
+
+
+def apply_to_learner(
+    data: CheckpointData, learner: Learner | TrainGroup
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``apply_checkpoint`` for a run's learner, whichever wrote it: one process or N train
+    workers (DCP reshards N -> M or one process; a one-process checkpoint reaches train
+    workers as a DCP checkpoint made from it beside the run's checkpoints, then removed)."""
+    try:
+        if data.sharded is not None:
+            load_sharded(learner, data.sharded)
+        elif isinstance(learner, TrainGroup):
+            one = learner.one_process()
+            apply_checkpoint(data, one.model, one.optimizer)
+            with tempfile.TemporaryDirectory(prefix=".reshard-", dir=data.path.parent) as tmp:
+                save_learner(one, Path(tmp) / SHARDED)
+                learner.load(Path(tmp) / SHARDED)
+        else:
+            return apply_checkpoint(data, learner.model, learner.optimizer)
+    except ShardedCheckpointError as e:
+        raise RunDirError(f"checkpoint {data.path} does not fit this run: {e}") from None
+    torch.set_rng_state(data.rng)
+    return dict(data.state), dict(data.backend)
+
+
+def load_sharded(learner: Learner | TrainGroup, path: Path) -> None:
+    """A DCP learner checkpoint into a one-process learner or the train workers."""
+    if isinstance(learner, TrainGroup):
+        learner.load(path)
+    else:
+        load_learner(learner, path)
 
 
 def load_checkpoint(

@@ -160,7 +160,7 @@ def train_command(
         raise typer.Exit(130) from None
     finally:
         if parts is not None:
-            parts.backend.close()
+            parts.close()
 
 
 NOTES = ("checkpoint ", "checkpoints ", "warning")  # console lines that go to stderr
@@ -204,17 +204,18 @@ def ray_and_report(cfg: Config, target: Path, resume: bool, compare: bool, progr
 
 def report(produce: Callable[[], dict[str, Any]], target: Path) -> None:
     """Run ``produce`` (a training run returning its summary) and print the summary; a stop by
-    signal, a run dir that cannot be resumed or a failed weight-sync check ends with one line
-    and its exit code."""
+    signal, a run dir that cannot be resumed, a failed weight-sync check or a dead train worker
+    ends with one line and its exit code."""
     from specrl.pipelines.guard import WeightSyncError
     from specrl.pipelines.report import summary_text
     from specrl.pipelines.signals import Stopped
+    from specrl.pipelines.train_workers import TrainWorkerDied
 
     try:
         summary = produce()
     except RunDirError as e:
         fail(str(e))
-    except WeightSyncError as e:  # a runtime failure of the rollout backend, not bad input
+    except (WeightSyncError, TrainWorkerDied) as e:  # runtime failures, not bad input
         fail(str(e), code=1)
     except Stopped as e:
         end_stopped(e, target)

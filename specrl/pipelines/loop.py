@@ -25,9 +25,9 @@ from specrl.pipelines.alarm import alarm_line
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import (
     CheckpointData,
-    apply_checkpoint,
+    apply_to_learner,
     read_checkpoint,
-    save_checkpoint,
+    save_run_checkpoint,
 )
 from specrl.pipelines.evaluate import evaluate
 from specrl.pipelines.manifest import CheckpointDamaged, RunDirError, is_complete
@@ -83,9 +83,8 @@ def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
     saved = {"step": state.step, "policy_version": state.version,
              "alarm": parts.alarm.state_dict()}  # fmt: skip
     trainer = parts.drafter.trainer if parts.drafter is not None else None
-    ckpt = save_checkpoint(run.checkpoint_dir(state.step), parts.learner.model,
-                           parts.learner.optimizer, saved, parts.backend.state_dict(),
-                           trainer)  # fmt: skip
+    ckpt = save_run_checkpoint(run.checkpoint_dir(state.step), parts.learner, saved,
+                               parts.backend.state_dict(), trainer)  # fmt: skip
     run.prune(ckpt, parts.cfg.run.keep_checkpoints)
     return ckpt
 
@@ -129,7 +128,7 @@ def restore(parts: RunParts, run: RunDir, say: Echo | None = None) -> StepState:
         _report(say, f"{run.path} holds no checkpoint yet: starting from step 0")
         run.truncate(0)
         return StepState()
-    saved, backend_state = apply_checkpoint(data, parts.learner.model, parts.learner.optimizer)
+    saved, backend_state = apply_to_learner(data, parts.learner)
     state = StepState(saved["step"], saved["policy_version"])
     parts.alarm.load_state_dict(saved.get("alarm", {}))
     parts.push_weights(state.version)

@@ -19,8 +19,10 @@ from typing import Any
 from specrl.errors import one_line
 from specrl.fsutil import (
     MANIFEST,
+    file_digest,
     fsync_path,
     listed_problem,
+    manifest_problem,
     read_manifest,
     replace_dir,
     write_manifest,
@@ -31,6 +33,9 @@ TMP_SUFFIX = ".tmp"  # a checkpoint being written
 DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
+SHARDED = "learner"  # a sharded learner's DCP checkpoint (a folder with its own manifest)
+SHARDED_MARK = "learner.json"  # {"workers": N, "manifest_sha256": of SHARDED's manifest}
+SHARDED_REQUIRED = (SHARDED_MARK, "state.json")
 
 
 class RunDirError(ValueError):
@@ -79,12 +84,29 @@ def verify_manifest(ckpt: Path) -> None:
     listed = read_manifest(ckpt)
     if isinstance(listed, str):
         raise CheckpointDamaged(listed)
-    for name in REQUIRED:
+    sharded = SHARDED_MARK in listed
+    for name in SHARDED_REQUIRED if sharded else REQUIRED:
         if name not in listed:
             raise CheckpointDamaged(f"{MANIFEST}: does not list {name}")
     problem = listed_problem(ckpt, listed)
+    if problem is None and sharded:
+        problem = _sharded_problem(ckpt)
     if problem is not None:
         raise CheckpointDamaged(problem)
+
+
+def _sharded_problem(ckpt: Path) -> str | None:
+    """``None`` when the sharded learner's folder is the one ``SHARDED_MARK`` names (its
+    manifest's sha256) and every file in it checks out, else one line naming what is wrong."""
+    try:
+        wanted = json.loads((ckpt / SHARDED_MARK).read_bytes())["manifest_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{SHARDED_MARK}: unreadable"
+    inner = ckpt / SHARDED
+    problem = manifest_problem(inner, exact=True)
+    if problem is None and file_digest(inner / MANIFEST)["sha256"] != wanted:
+        problem = f"{MANIFEST}: not the one {SHARDED_MARK} names"
+    return None if problem is None else f"{SHARDED}/{problem}"
 
 
 def is_complete(ckpt: Path) -> bool:

@@ -64,7 +64,7 @@ class LearnerActor:
             return ("error", _portable(e), traceback.format_exc())
         finally:
             if parts is not None:
-                parts.backend.close()
+                parts.close()
 
     def drain(self) -> list[str]:
         """The lines printed since the previous call."""

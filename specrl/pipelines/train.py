@@ -3,7 +3,8 @@
 ``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None, stop=None)``
 runs (or resumes) ``run.steps`` steps with the ``pipeline.mode`` loop, rows to every sink that
 is on (``tracking.open_tracker``), and returns this call's metric rows; after SIGINT/SIGTERM
-the step in progress is checkpointed and ``signals.Stopped`` raised. ``run_training(...)``:
+the step in progress is checkpointed and ``signals.Stopped`` raised; a dead train worker is
+``TrainWorkerDied`` naming it and the checkpoint a resume starts from. ``run_training(...)``:
 ``train``, then the speed check; writes and returns ``summary.json`` (a signal once every step
 is done skips the check and raises ``Stopped(complete=True)``). Console lines go to ``echo``;
 nothing here prints. Details: docs/internals.md.
@@ -23,11 +24,13 @@ from specrl.pipelines.async_ import train_async
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.evaluate import eval_due
 from specrl.pipelines.loop import Echo, Log, log_eval, open_run, stop_checkpoint
+from specrl.pipelines.manifest import is_complete
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import Interrupted, Stopped, StopRequest, stop_on_signals
 from specrl.pipelines.speed import measure_speedup
 from specrl.pipelines.sync import train_sync
 from specrl.pipelines.tracking import open_tracker
+from specrl.pipelines.train_workers import TrainWorkerDied
 
 LOOPS = {"sync": train_sync, "async": train_async}
 SPEED_CHECK = "the speed check"
@@ -66,6 +69,8 @@ def _train(
         log = Log(tracker, bar, echo)
         try:
             rows = LOOPS[cfg.pipeline.mode](parts, state, run, end, log, stop)
+        except TrainWorkerDied as e:
+            raise TrainWorkerDied(f"{e}; {last_checkpoint(run)}") from None
         finally:
             bar.close()
         if stop.requested and state.step < cfg.run.steps:
@@ -75,6 +80,14 @@ def _train(
     if stop.requested:
         raise Stopped(stop, state.step, None, run.path, complete=True)
     return rows
+
+
+def last_checkpoint(run: RunDir) -> str:
+    """Which checkpoint a resume of ``run`` starts from, in words."""
+    last = next((c for c in run.checkpoints_newest_first() if is_complete(c)), None)
+    if last is None:
+        return f"no checkpoint yet in {run.path} (a resume starts from step 0)"
+    return f"last checkpoint {last}; continue with: specrl train --resume {run.path}"
 
 
 def run_training(

@@ -1,0 +1,265 @@
+"""Training over N processes: the sharded learner's ranks as Ray actors, driven from this one.
+
+``TrainGroup.start(cfg, model, plan_device)`` places ``cluster.train_workers`` ranks (a Ray
+placement group in the run's Ray session; a local Ray binds 127.0.0.1), each a ``TrainRank``
+holding a ``rl.sharded.ShardedLearner`` over its copy of ``model`` in one torch.distributed
+group (gloo on CPU, NCCL on CUDA). The group stands in for the one-process ``Learner`` in
+``RunParts``: ``train_step`` / ``raw_logprobs`` run on every rank (the same samples; each takes
+its token share); ``model`` is this process's full copy, which ``pull_weights`` refreshes one
+block at a time (rank 0 sends a gathered block, every rank frees it) for ``RunParts.push_weights``
+to send through the guard. ``save`` / ``load`` write and read the ranks' DCP checkpoint
+(``rl.sharded_checkpoint``). A rank that dies raises ``TrainWorkerDied`` (one line naming it)
+after the others are killed: nothing waits on a collective that cannot finish.
+Details: docs/training.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specrl.backends.ray_session import RaySession, actor_threads, import_ray
+from specrl.config import Config
+from specrl.config_training import LearnerCfg
+from specrl.rl import FeatureSink, TrainSample
+from specrl.rl.learner import Learner
+from specrl.rl.sharded import ShardedLearner, init_distributed, iter_full_state, learner_bytes
+from specrl.rl.sharded_checkpoint import load_learner, save_learner
+
+POLL_S = 1.0  # how often the driver looks for a dead rank while the others work
+
+
+class TrainWorkerDied(RuntimeError):
+    """A train worker's process died; the run cannot go on (the message is one line)."""
+
+
+class TrainRank:
+    """The body of one train worker (a Ray actor): a ``ShardedLearner`` rank."""
+
+    def __init__(self, rank: int, world: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world = rank, world
+        self.learner: ShardedLearner | None = None
+        self.blocks: Any = None  # the weight iterator of a pull in progress
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the group's rendezvous: its node's address, a free port."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def setup(
+        self, host: str, port: int, model: nn.Module, cfg: LearnerCfg, max_len: int,
+        temperature: float, device: str,
+    ) -> int:  # fmt: skip
+        """Join the group and shard ``model``; this process's pid."""
+        import os
+
+        where = torch.device(device)
+        if where.type == "cuda":
+            where = torch.device("cuda", torch.cuda.current_device())
+        init_distributed(self.rank, self.world, host, port, where)
+        model = model.to(where)
+        self.learner = ShardedLearner.from_config(
+            model, cfg, max_len=max_len, temperature=temperature
+        )
+        return os.getpid()
+
+    def train_step(
+        self, samples: list[TrainSample], keep: bool, layers: tuple[int, ...] | None
+    ) -> tuple[dict[str, float], list[torch.Tensor] | None, list[Any]]:
+        """One step; (metrics, the batch's logprobs on rank 0 if ``keep``, this rank's
+        captured features when ``layers`` is given)."""
+        kept: list[torch.Tensor] | None = [] if keep else None
+        sink = FeatureSink(layers) if layers is not None else None
+        metrics = self.learner.train_step(samples, keep=kept, capture=sink)
+        kept = [t.cpu() for t in kept] if kept is not None and self.rank == 0 else None
+        return metrics, kept, [] if sink is None else sink.captured
+
+    def raw_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        out = self.learner.raw_logprobs(sequences)
+        return [t.cpu() for t in out] if self.rank == 0 else []
+
+    def next_block(self) -> dict[str, torch.Tensor] | None:
+        """The next gathered block of full weights (rank 0; others ``{}``), ``None`` at the
+        end: a collective, every rank is called as often."""
+        if self.blocks is None:
+            self.blocks = iter_full_state(self.learner.model)
+        block = next(self.blocks, None)
+        if block is None:
+            self.blocks = None
+            return None
+        return {k: v.cpu() for k, v in block.items()} if self.rank == 0 else {}
+
+    def save(self, path: str) -> None:
+        save_learner(self.learner, path)
+
+    def load(self, path: str) -> None:
+        load_learner(self.learner, path)
+
+    def memory(self) -> dict[str, int]:
+        return learner_bytes(self.learner)
+
+
+class TrainGroup:
+    """The driver's handle on the ranks (see the module docstring)."""
+
+    def __init__(
+        self, cfg: Config, model: nn.Module, session: RaySession, max_len: int, temperature: float
+    ) -> None:
+        self.cfg, self.model, self.session = cfg, model, session
+        self.max_len, self.temperature = max_len, temperature
+        self.ray = import_ray()
+        self.actors: list[Any] = []
+        self.pids: list[int | None] = []
+        self.group: Any = None  # the placement group
+
+    @classmethod
+    def start(
+        cls, cfg: Config, model: nn.Module, device: torch.device, max_len: int, temperature: float
+    ) -> TrainGroup:
+        """Place and join ``cfg.cluster.train_workers`` ranks over copies of ``model`` on
+        ``device``'s kind (``max_len``, ``temperature``: as ``Learner.from_config``); the
+        driver's copy stays whole, in float32, here."""
+        session = RaySession.open(cfg.cluster.address, need="cluster.train_workers > 1")
+        group = cls(cfg, model.float(), session, max_len, temperature)
+        try:
+            group._place(device)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _place(self, device: torch.device) -> None:
+        ray, c = self.ray, self.cfg.cluster
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = 1.0 if device.type == "cuda" else 0.0
+        bundle = {"CPU": 0.01} | ({"GPU": gpu} if gpu else {})
+        self.group = placement_group([bundle] * c.train_workers, strategy="PACK")
+        ray.get(self.group.ready())
+        threads = actor_threads(c.threads, c.rollout_workers + c.train_workers - 1)
+        remote = ray.remote(TrainRank)
+        for rank in range(c.train_workers):
+            where = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            options = {"num_cpus": 0.01, "num_gpus": gpu, "max_restarts": 0,
+                       "scheduling_strategy": where}  # fmt: skip
+            self.actors.append(remote.options(**options).remote(rank, c.train_workers, threads))
+        self.pids = [None] * len(self.actors)
+        host, port = self._wait([self.actors[0].address.remote()])[0]
+        ref = ray.put(self.model)
+        args = (host, port, ref, self.cfg.learner, self.max_len, self.temperature, device.type)
+        self.pids = self._all("setup", *args)
+
+    # ----------------------------------------------------------------- calls and faults
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank at once; their results in rank order."""
+        return self._wait([getattr(a, method).remote(*args) for a in self.actors])
+
+    def _wait(self, refs: list[Any]) -> list[Any]:
+        """Results of ``refs`` (one per rank, in order); a dead rank kills the group and raises
+        ``TrainWorkerDied``, a rank's error is raised as its own type."""
+        ray, pending = self.ray, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                self._check(refs.index(ref), ref)
+        return ray.get(refs)
+
+    def _check(self, rank: int, ref: Any) -> None:
+        ex = self.ray.exceptions
+        try:
+            self.ray.get(ref)
+        except ex.RayActorError as e:
+            pid = self.pids[rank] if rank < len(self.pids) else None
+            why = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+            self.close()
+            where = f" (pid {pid})" if pid else ""
+            raise TrainWorkerDied(f"train worker {rank}{where} died: {why}") from None
+        except ex.RayTaskError as e:
+            self.close()
+            cause = e.as_instanceof_cause()
+            raise (cause if isinstance(cause, Exception) else RuntimeError(str(e))) from None
+
+    # ----------------------------------------------------------------- the learner's face
+
+    def train_step(
+        self,
+        samples: Sequence[TrainSample],
+        keep: list[torch.Tensor] | None = None,
+        capture: FeatureSink | None = None,
+    ) -> dict[str, float]:
+        """``Learner.train_step`` over the ranks (features come back in sample order)."""
+        ref = self.ray.put(list(samples))
+        layers = None if capture is None else tuple(capture.layers)
+        out = self._all("train_step", ref, keep is not None, layers)
+        metrics, kept, _ = out[0]
+        if keep is not None:
+            keep.extend(kept)
+        if capture is not None:
+            capture.captured.extend(c for _, _, captured in out for c in captured)
+        return metrics
+
+    def raw_logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list:
+        seqs = [(list(p), list(c)) for p, c in sequences]
+        return self._all("raw_logprobs", self.ray.put(seqs))[0]
+
+    @torch.no_grad()
+    def pull_weights(self) -> None:
+        """Refresh ``model`` from the ranks' shards, one gathered block at a time."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params |= dict(self.model.named_buffers(remove_duplicate=False))
+        while (blocks := self._all("next_block"))[0] is not None:
+            for name, value in blocks[0].items():
+                params[name].copy_(value)
+            del blocks
+
+    def save(self, path: Path) -> None:
+        """The ranks' DCP checkpoint in ``path`` (atomic, verified; see
+        ``rl.sharded_checkpoint``)."""
+        self._all("save", str(path))
+
+    def load(self, path: Path) -> None:
+        """Load the DCP checkpoint in ``path`` (any number of ranks wrote it) into the ranks
+        (``model`` follows at the next ``pull_weights``)."""
+        self._all("load", str(path))
+
+    def one_process(self) -> Learner:
+        """A one-process ``Learner`` over a copy of ``model`` with this run's settings (to turn a
+        one-worker checkpoint into one the ranks load)."""
+        return Learner.from_config(copy.deepcopy(self.model), self.cfg.learner,
+                                   max_len=self.max_len, temperature=self.temperature)  # fmt: skip
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's learner bytes (``rl.sharded.learner_bytes``), in rank order."""
+        return self._all("memory")
+
+    @property
+    def world(self) -> int:
+        return len(self.actors)
+
+    def close(self) -> None:
+        """Kill the ranks, remove the placement group, release the Ray session (idempotent)."""
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
+        self.session.close()
+
+
+__all__ = ["TrainGroup", "TrainRank", "TrainWorkerDied"]

@@ -1,0 +1,218 @@
+"""Training on N train workers (``cluster.train_workers``): FSDP2 ranks as Ray actors over gloo.
+
+- In this process (one local Ray for the module), tiny model: three sync steps with 2 train
+  workers equal three with 1 (the same tokens and rewards; loss, metrics, final parameters and
+  AdamW state within float32 rounding), and so does the async pipeline at staleness 0; each
+  rank holds about half the learner's bytes; a 2-worker checkpoint resumes with 1 worker and a
+  1-worker one with 2, both ending where the uninterrupted run does.
+- A train worker killed mid-run: the run ends with ``TrainWorkerDied`` naming the worker and
+  the checkpoint to resume from (no hang), and the resume repeats and skips no step.
+- The real ``specrl train`` on a tiny model directory: the same kill is one ``error:`` line and
+  exit code 1; ``--resume`` finishes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from specrl.backends.ray_session import RaySession  # noqa: E402
+from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
+from specrl.pipelines.manifest import SHARDED, SHARDED_MARK  # noqa: E402
+from specrl.pipelines.train import train  # noqa: E402
+from specrl.pipelines.train_workers import TrainWorkerDied  # noqa: E402
+from specrl.rl.learner import Learner  # noqa: E402
+from specrl.rl.sharded import learner_bytes  # noqa: E402
+from specrl.rl.sharded_checkpoint import load_learner  # noqa: E402
+from tests.backends.ray_helpers import ray_processes, wait_gone  # noqa: E402
+from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
+from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
+from tests.pipelines.test_kill_resume import finish, launch, make_model_dir, train_sets  # noqa: E402
+
+pytestmark = ON_SERVER_WORKER  # one local Ray cluster at a time (tests/conftest.py)
+
+TWO = ("cluster.train_workers=2",)
+THREE = ("run.steps=3", "run.checkpoint_every=3")
+ASYNC = ("pipeline.mode=async", "pipeline.max_staleness=0")
+RTOL, ATOL = 1e-4, 1e-6  # float32 rounding: two ranks sum their shares' gradients in another order
+# the work done, which depends on the split: a GRPO group cut between two ranks runs its prompt
+# on each (forward tokens, micro-batches) and the figures derived from it
+WORK = ("learner_forward_tokens", "learner_micro_batches", "learner_model_tflops", "learner_mfu")
+
+
+@pytest.fixture(scope="module")
+def session(one_thread):
+    """A local Ray for the module; at its end nothing of it may be left running."""
+    ray_session = RaySession.open(None)
+    yield ray_session
+    pids = ray_processes()
+    ray_session.close()
+    assert not wait_gone(pids), "Ray processes survived the session's close"
+
+
+def rows(run: Path, log: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (run / log).read_text().splitlines()]
+
+
+def assert_rows_match(ours: list[dict], theirs: list[dict]) -> None:
+    """Equal keys and values, floats to float32 rounding; timings and ``WORK`` aside."""
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() == b.keys()
+        keys = a.keys() - set(TIMING_KEYS) - set(WORK)
+        for key in sorted(keys):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, float) or isinstance(y, float):
+                assert math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL), (a["step"], key, x, y)
+            else:
+                assert x == y, (a["step"], key, x, y)
+
+
+def run_tiny(session, path: Path, *sets: str, stop_after=None, resume=False):
+    """``train`` a tiny run; (its parts, closed; each rank's learner bytes at the end, for
+    train workers)."""
+    parts, memory = tiny_parts(tiny_config(*sets)), None
+    try:
+        train(parts, str(path), progress=False, stop_after=stop_after, resume=resume)
+        memory = parts.learner.memory() if hasattr(parts.learner, "memory") else None
+    finally:
+        parts.close()
+    return parts, memory
+
+
+@pytest.fixture(scope="module")
+def one_worker(session, tmp_path_factory):
+    run = tmp_path_factory.mktemp("tw") / "one"
+    return run, run_tiny(session, run, *THREE)[0]
+
+
+@pytest.fixture(scope="module")
+def two_workers(session, tmp_path_factory):
+    run = tmp_path_factory.mktemp("tw") / "two"
+    return run, *run_tiny(session, run, *THREE, *TWO)
+
+
+def test_two_workers_equal_one(one_worker, two_workers):
+    (run1, parts1), (run2, parts2, _) = one_worker, two_workers
+    assert_rows_match(rows(run2), rows(run1))
+    assert_rows_match(rows(run2, "eval.jsonl"), rows(run1, "eval.jsonl"))
+    ours = dict(parts2.learner.model.named_parameters())
+    for name, p in parts1.learner.model.named_parameters():
+        torch.testing.assert_close(ours[name], p, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_two_workers_adamw_state_equals_one(one_worker, two_workers):
+    """The 2-worker checkpoint (DCP, two shards) loaded into one process holds the 1-worker
+    run's AdamW state."""
+    (_, parts1), (run2, _, _) = one_worker, two_workers
+    ckpt = run2 / "checkpoints/step_000003"
+    assert (ckpt / SHARDED_MARK).is_file()
+    assert len(list((ckpt / SHARDED).glob("shard-*.safetensors"))) == 2
+    cfg = tiny_config(*THREE)
+    fresh = Learner.from_config(make_tiny(0), cfg.learner, max_len=cfg.rollout.max_new_tokens)
+    load_learner(fresh, ckpt / SHARDED)
+    names = {id(p): n for n, p in parts1.learner.model.named_parameters()}
+    theirs = {names[id(p)]: s for p, s in parts1.learner.optimizer.state.items()}
+    mine = {n: fresh.optimizer.state[p] for n, p in fresh.model.named_parameters()}
+    assert theirs.keys() == mine.keys()
+    for name, state in theirs.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(mine[name][key], state[key], rtol=RTOL, atol=ATOL)
+
+
+def test_async_staleness_zero_on_two_workers_equals_sync_on_one(session, one_worker, tmp_path):
+    run1, _ = one_worker
+    run_tiny(session, tmp_path, *THREE, *TWO, *ASYNC)
+    assert_rows_match(rows(tmp_path), rows(run1))
+
+
+def test_each_rank_holds_half(one_worker, two_workers):
+    """Parameters, gradients and AdamW state after three steps: ~1/2 of the one-process
+    learner's on each rank (dimension 0 split in two; a row count that is odd pads a row)."""
+    (_, parts1), (_, _, ranks) = one_worker, two_workers
+    whole = learner_bytes(parts1.learner)
+    assert len(ranks) == 2 and whole["grads"] > 0 and whole["optimizer"] > 0
+    for kind in ("params", "grads", "optimizer", "total"):
+        assert sum(r[kind] for r in ranks) == pytest.approx(whole[kind], rel=0.02)
+        assert max(r[kind] for r in ranks) <= 0.55 * whole[kind]
+
+
+@pytest.mark.parametrize("first, then", [(TWO, ()), ((), TWO)], ids=["2to1", "1to2"])
+def test_resume_with_another_worker_count(session, tmp_path, first, then):
+    """Two steps on ``first`` workers, checkpointed, then two more on ``then``: the run an
+    uninterrupted one-worker run is (tiny config: 4 steps, checkpoints every 2)."""
+    reference = tmp_path / "reference"
+    run_tiny(session, reference)
+    run = tmp_path / "run"
+    run_tiny(session, run, *first, stop_after=2)
+    run_tiny(session, run, *then, resume=True)
+    assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
+    assert_rows_match(rows(run), rows(reference))
+
+
+def test_killed_worker_ends_the_run_and_resume_repeats_no_step(session, tmp_path):
+    sets = ("run.checkpoint_every=1",)
+    reference = tmp_path / "reference"
+    run_tiny(session, reference, *sets)
+    run = tmp_path / "run"
+    parts = tiny_parts(tiny_config(*sets, *TWO))
+    group, calls = parts.learner, []
+    step = group.train_step
+
+    def kill_before_the_third(*args, **kwargs):  # deterministic: rank 1 dies before step 2
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(group.pids[1], signal.SIGKILL)
+        return step(*args, **kwargs)
+
+    group.train_step = kill_before_the_third
+    try:
+        with pytest.raises(TrainWorkerDied) as died:
+            train(parts, str(run), progress=False)
+    finally:
+        parts.close()
+    line = str(died.value)
+    assert "\n" not in line
+    assert line.startswith(f"train worker 1 (pid {group.pids[1]}) died")
+    assert f"last checkpoint {run / 'checkpoints/step_000002'}" in line
+    run_tiny(session, run, *sets, *TWO, resume=True)
+    assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
+    assert_rows_match(rows(run), rows(reference))
+
+
+def _kill_train_ranks(root: int) -> set[int]:
+    pids = {p for p in ray_processes(root) if "TrainRank" in Path(f"/proc/{p}/cmdline").read_text()}
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_cli_killed_worker_is_one_line_and_resumes(tmp_path):
+    """``specrl train`` with 2 train workers: its ranks killed after the first checkpoint, the
+    run ends with one ``error:`` line (exit code 1) naming the worker and the checkpoint;
+    ``--resume`` on one worker finishes every step once."""
+    model, run = make_model_dir(tmp_path / "model"), tmp_path / "run"
+    sets = train_sets(model, "run.steps=4", "cluster.train_workers=2")
+    proc = launch([*sets, "--run-dir", str(run)])
+    deadline, killed = time.monotonic() + 240, set()
+    while not killed and proc.poll() is None and time.monotonic() < deadline:
+        if (run / "checkpoints/step_000001").is_dir():
+            killed = _kill_train_ranks(proc.pid)
+        time.sleep(0.05)
+    code, _, err = finish(proc)
+    assert killed and code == 1, err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "train worker" in lines[0] and "died" in lines[0], err
+    assert "last checkpoint" in lines[0] and "--resume" in lines[0]
+    code, _, err = finish(launch(["--resume", str(run), "--set", "cluster.train_workers=1"]))
+    assert code == 0, err
+    assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
