@@ -216,3 +216,32 @@ def test_cli_killed_worker_is_one_line_and_resumes(tmp_path):
     code, _, err = finish(launch(["--resume", str(run), "--set", "cluster.train_workers=1"]))
     assert code == 0, err
     assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
+
+
+def test_online_eagle3_drafter_trains_on_features_from_each_rank(session, tmp_path, monkeypatch):
+    """An EAGLE-3 head trained online from the ranks' captured features (each rank its share's,
+    joined in sample order) trains as on one worker: the same drafter updates and losses (one
+    update a step, well within its time budget on either: the budget follows the step time)."""
+    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "empty-cache"))  # a fresh head
+    sets = (*THREE, "rollout.spec=eagle3", "rollout.max_new_tokens=12", "drafter.vocab=0",
+            "drafter.mode=online", "drafter.max_updates=1", "drafter.time_share=1.0")  # fmt: skip
+    run_tiny(session, tmp_path / "one", *sets)
+    run_tiny(session, tmp_path / "two", *sets, *TWO)
+    ours, theirs = rows(tmp_path / "two"), rows(tmp_path / "one")
+    assert [r["drafter_version"] for r in theirs] == [1, 2, 3]
+    assert_rows_match(ours, theirs)
+
+
+def test_ray_rollout_workers_with_two_train_workers(session, one_worker, tmp_path):
+    """Two rollout workers and two train workers, the learner's pipeline in its own actor:
+    the run the one-process run is (sync, and async at staleness 0)."""
+    from specrl.pipelines.ray_run import train_on_ray
+
+    ray_sets = ("cluster.rollout_workers=2", "cluster.threads=1")
+    reference = tmp_path / "reference"
+    run_tiny(session, reference, *THREE, "rollout.spec=ngram")
+    for mode in ((), ASYNC):
+        run = tmp_path / f"ray{len(mode)}"
+        cfg = tiny_config(*THREE, "rollout.spec=ngram", *ray_sets, *TWO, *mode)
+        train_on_ray(cfg, str(run), progress=False, make_parts=tiny_parts)
+        assert_rows_match(rows(run), rows(reference))
