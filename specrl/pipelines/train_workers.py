@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specrl.backends.ray_session import RaySession, actor_threads, import_ray
-from specrl.config import Config
+from specrl.config import Config, ConfigError
 from specrl.config_training import LearnerCfg
 from specrl.rl import FeatureSink, TrainSample
 from specrl.rl.learner import Learner
@@ -145,6 +145,12 @@ class TrainGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = 1.0 if device.type == "cuda" else 0.0
+        have = float(ray.cluster_resources().get("GPU", 0.0))
+        if gpu and have < c.train_workers:  # a rank that cannot be placed would wait forever
+            raise ConfigError(
+                f"bad value for cluster.train_workers: {c.train_workers} train workers on CUDA "
+                f"need a GPU each, the Ray cluster has {have:g}"
+            )
         bundle = {"CPU": 0.01} | ({"GPU": gpu} if gpu else {})
         self.group = placement_group([bundle] * c.train_workers, strategy="PACK")
         ray.get(self.group.ready())
