@@ -11,12 +11,11 @@ completions trained on) and a JSON with ``specrl.bench.run_metadata()``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 from pathlib import Path
 
-from train_sync_vs_async import describe
+from train_sync_vs_async import describe, pair_arguments, reward_line
 
 from specrl.bench import run_metadata
 from specrl.pipelines.report import write_comparison
@@ -42,15 +41,8 @@ def mismatch(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--native", type=Path, default=Path("runs/backend-native"))
-    ap.add_argument("--vllm", type=Path, default=Path("runs/backend-vllm"))
-    ap.add_argument("--reuse", action="store_true", help="read existing run dirs, train none")
-    ap.add_argument("--set", action="append", default=[], help="config override for both")
-    ap.add_argument("--plot", type=Path, default=Path("docs/img/train_backends.png"))
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    dirs = {"native": args.native, "vllm": args.vllm}
+    runs = {"native": "runs/backend-native", "vllm": "runs/backend-vllm"}
+    args, dirs = pair_arguments(__doc__, runs, "docs/img/train_backends.png")
     commands = {b: "reused" if args.reuse else " ".join(train(d, b, args.set))
                 for b, d in dirs.items()}  # fmt: skip
     out = run_metadata() | {"train_commands": commands}
@@ -58,10 +50,8 @@ def main() -> None:
     out["vllm_over_native_wall"] = out["native"]["wall_s"] / out["vllm"]["wall_s"]
     write_comparison(list(dirs.values()), args.plot)
     for b in dirs:
-        s, o = out[b]["summary"], out[b]
-        print(f"{b:>6}: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, eval sampled "
-              f"{s.get('eval_first_sampled_accuracy', 0):.3f} -> "
-              f"{s.get('eval_last_sampled_accuracy', 0):.3f}, |engine-learner logprob| "
+        o = out[b]
+        print(f"{b:>6}: {reward_line(o['summary'])}, |engine-learner logprob| "
               f"{o['logprob_delta_mean']:.4f} (max {o['logprob_delta_max']:.3f}), "
               f"{o['wall_s']:.0f} s")  # fmt: skip
     if args.out:

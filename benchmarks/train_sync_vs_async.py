@@ -47,16 +47,34 @@ def describe(run_dir: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sync", type=Path, default=Path("runs/sync-default"))
-    ap.add_argument("--async", dest="async_", type=Path, default=Path("runs/async-default"))
+def pair_arguments(
+    doc: str, runs: dict[str, str], plot: str
+) -> tuple[argparse.Namespace, dict[str, Path]]:
+    """The command line of a comparison of training runs: ``--NAME DIR`` per contender (default
+    ``runs[NAME]``), ``--reuse``, ``--set`` (for all), ``--plot``, ``--out``; (the arguments,
+    the run dir of each contender)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in runs.items():
+        ap.add_argument(f"--{name}", dest=f"run_{name}", type=Path, default=Path(default))
     ap.add_argument("--reuse", action="store_true", help="read existing run dirs, train none")
-    ap.add_argument("--set", action="append", default=[], help="config override for both")
-    ap.add_argument("--plot", type=Path, default=Path("docs/img/train_sync_vs_async.png"))
+    ap.add_argument("--set", action="append", default=[], help="config override for all")
+    ap.add_argument("--plot", type=Path, default=Path(plot))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    dirs = {"sync": args.sync, "async": args.async_}
+    return args, {name: getattr(args, f"run_{name}") for name in runs}
+
+
+def reward_line(summary: dict) -> str:
+    """Reward and held-out sampled accuracy, first -> last, of a run's summary."""
+    s = summary
+    return (f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, eval sampled "
+            f"{s.get('eval_first_sampled_accuracy', 0):.3f} -> "
+            f"{s.get('eval_last_sampled_accuracy', 0):.3f}")  # fmt: skip
+
+
+def main() -> None:
+    runs = {"sync": "runs/sync-default", "async": "runs/async-default"}
+    args, dirs = pair_arguments(__doc__, runs, "docs/img/train_sync_vs_async.png")
     commands = {}
     for mode, d in dirs.items():
         commands[mode] = "reused" if args.reuse else " ".join(train(d, mode, args.set))
@@ -65,11 +83,8 @@ def main() -> None:
     out["async_over_sync_wall"] = out["sync"]["wall_s"] / out["async"]["wall_s"]
     write_comparison([dirs["sync"], dirs["async"]], args.plot)
     for mode in dirs:
-        s = out[mode]["summary"]
-        print(f"{mode:>5}: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, eval sampled "
-              f"{s.get('eval_first_sampled_accuracy', 0):.3f} -> "
-              f"{s.get('eval_last_sampled_accuracy', 0):.3f}, {out[mode]['samples']} samples in "
-              f"{out[mode]['wall_s']:.0f} s")  # fmt: skip
+        print(f"{mode:>5}: {reward_line(out[mode]['summary'])}, {out[mode]['samples']} samples "
+              f"in {out[mode]['wall_s']:.0f} s")  # fmt: skip
     print(f"async wall-time speedup over sync: {out['async_over_sync_wall']:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))

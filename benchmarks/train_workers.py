@@ -16,14 +16,13 @@ expected, the time is recorded as it is. Writes a plot and a JSON with
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-from train_sync_vs_async import describe
+from train_sync_vs_async import describe, pair_arguments, reward_line
 
 from specrl.bench import run_metadata
 from specrl.config import load_config
@@ -69,15 +68,9 @@ def memory(workers: int, sets: list[str]) -> list[dict[str, int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--one", type=Path, default=Path("runs/train-workers-1"))
-    ap.add_argument("--two", type=Path, default=Path("runs/train-workers-2"))
-    ap.add_argument("--reuse", action="store_true", help="read existing run dirs, train none")
-    ap.add_argument("--set", action="append", default=[], help="config override for both")
-    ap.add_argument("--plot", type=Path, default=Path("docs/img/train_workers.png"))
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    dirs = dict(zip(WORKERS, (args.one, args.two), strict=True))
+    runs = {"one": "runs/train-workers-1", "two": "runs/train-workers-2"}
+    args, named = pair_arguments(__doc__, runs, "docs/img/train_workers.png")
+    dirs = dict(zip(WORKERS, named.values(), strict=True))
     commands = {n: "reused" if args.reuse else " ".join(train(d, n, args.set))
                 for n, d in dirs.items()}  # fmt: skip
     out = run_metadata() | {"train_commands": commands}
@@ -88,10 +81,8 @@ def main() -> None:
     out["rank_over_whole_bytes"] = [r["total"] / one["memory"][0]["total"] for r in two["memory"]]
     write_comparison(list(dirs.values()), args.plot)
     for n in WORKERS:
-        s, o = out[f"workers_{n}"]["summary"], out[f"workers_{n}"]
-        print(f"{n} worker(s): reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, eval "
-              f"sampled {s.get('eval_first_sampled_accuracy', 0):.3f} -> "
-              f"{s.get('eval_last_sampled_accuracy', 0):.3f}, {o['wall_s']:.0f} s, train "
+        o = out[f"workers_{n}"]
+        print(f"{n} worker(s): {reward_line(o['summary'])}, {o['wall_s']:.0f} s, train "
               f"{o['train_time_s']:.2f} s/step, refit {o['refit_time_s']:.2f} s/step, bytes per "
               f"rank {[r['total'] for r in o['memory']]}")  # fmt: skip
     print(f"rank / whole learner bytes: {out['rank_over_whole_bytes']}")

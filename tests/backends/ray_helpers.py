@@ -6,7 +6,10 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from specrl.backends.ray_session import RaySession
 
 LOOPBACK_HOSTS = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]", "::1"}
 
@@ -86,3 +89,15 @@ def listeners(pids: set[int]) -> list[tuple[str, int]]:
 def host(address: str) -> str:
     """The host part of an ``ss`` local address (``host:port``)."""
     return address.rsplit(":", 1)[0].split("%")[0]
+
+
+def local_ray() -> Iterator[RaySession]:
+    """A module fixture's body: a local Ray started here, and at its end nothing of it left
+    running (``pytest.fixture(scope="module")`` over ``yield from local_ray()``)."""
+    session = RaySession.open(None)
+    assert session.started_here
+    yield session
+    pids = ray_processes()
+    assert pids, "the local Ray's processes were not found (the check below would be void)"
+    session.close()
+    assert not wait_gone(pids), "Ray processes survived the session's close"

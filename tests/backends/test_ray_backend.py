@@ -23,13 +23,13 @@ from specrl.backends import build_backend, plan_rollout  # noqa: E402
 from specrl.backends.base import Served, Versions  # noqa: E402
 from specrl.backends.native import build_native  # noqa: E402
 from specrl.backends.ray_ import CONTROL, RayBackend, agreed  # noqa: E402
-from specrl.backends.ray_session import RaySession, import_ray  # noqa: E402
+from specrl.backends.ray_session import import_ray  # noqa: E402
 from specrl.config import ConfigError  # noqa: E402
 from specrl.models.fingerprint import fingerprint  # noqa: E402
 from specrl.pipelines.guard import WeightGuard, WeightSyncError  # noqa: E402
 from specrl.rollout_types import Request  # noqa: E402
 from specrl.sampling import SamplingParams  # noqa: E402
-from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
+from tests.backends.ray_helpers import host, listeners, local_ray, ray_processes, wait_gone  # noqa: E402
 from tests.backends.test_process_backend import call_within, perturbed  # noqa: E402
 from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config  # noqa: E402
@@ -53,13 +53,7 @@ EXACT = ("request_index", "sample_index", "token_ids", "finish_reason", "error",
 @pytest.fixture(scope="module")
 def session(one_thread):
     """A local Ray for the module; at its end nothing of it may be left running."""
-    ray_session = RaySession.open(None)
-    assert ray_session.started_here
-    yield ray_session
-    pids = ray_processes()
-    assert pids, "the local Ray's processes were not found (the check below would be void)"
-    ray_session.close()
-    assert not wait_gone(pids), "Ray processes survived the session's close"
+    yield from local_ray()
 
 
 @pytest.fixture(scope="module")

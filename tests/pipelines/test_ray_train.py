@@ -32,7 +32,7 @@ from specrl.backends.ray_session import RaySession  # noqa: E402
 from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
 from specrl.pipelines.ray_run import train_on_ray  # noqa: E402
 from specrl.pipelines.train import train  # noqa: E402
-from tests.backends.ray_helpers import host, listeners, ray_processes, wait_gone  # noqa: E402
+from tests.backends.ray_helpers import host, listeners, local_ray, ray_processes, wait_gone  # noqa: E402
 from tests.conftest import ON_SERVER_WORKER  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
 from tests.pipelines.test_kill_resume import ROOT, make_model_dir, train_sets  # noqa: E402
@@ -45,11 +45,7 @@ RAY = ("cluster.rollout_workers=2", "cluster.threads=1", "rollout.spec=ngram")
 @pytest.fixture(scope="module")
 def session(one_thread):
     """A local Ray for the module; at its end nothing of it may be left running."""
-    ray_session = RaySession.open(None)
-    yield ray_session
-    pids = ray_processes()
-    ray_session.close()
-    assert not wait_gone(pids), "Ray processes survived the session's close"
+    yield from local_ray()
 
 
 def rows(path: Path) -> list[dict]:

@@ -25,7 +25,6 @@ import torch
 
 pytest.importorskip("ray")
 
-from specrl.backends.ray_session import RaySession  # noqa: E402
 from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
 from specrl.pipelines.manifest import SHARDED, SHARDED_MARK  # noqa: E402
 from specrl.pipelines.train import train  # noqa: E402
@@ -33,7 +32,7 @@ from specrl.pipelines.train_workers import TrainWorkerDied  # noqa: E402
 from specrl.rl.learner import Learner  # noqa: E402
 from specrl.rl.sharded import learner_bytes  # noqa: E402
 from specrl.rl.sharded_checkpoint import load_learner  # noqa: E402
-from tests.backends.ray_helpers import ray_processes, wait_gone  # noqa: E402
+from tests.backends.ray_helpers import local_ray, ray_processes  # noqa: E402
 from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
 from tests.pipelines.test_kill_resume import finish, launch, make_model_dir, train_sets  # noqa: E402
@@ -52,11 +51,7 @@ WORK = ("learner_forward_tokens", "learner_micro_batches", "learner_model_tflops
 @pytest.fixture(scope="module")
 def session(one_thread):
     """A local Ray for the module; at its end nothing of it may be left running."""
-    ray_session = RaySession.open(None)
-    yield ray_session
-    pids = ray_processes()
-    ray_session.close()
-    assert not wait_gone(pids), "Ray processes survived the session's close"
+    yield from local_ray()
 
 
 def rows(run: Path, log: str = "metrics.jsonl") -> list[dict]:
