@@ -240,3 +240,31 @@ def test_ray_rollout_workers_with_two_train_workers(session, one_worker, tmp_pat
         cfg = tiny_config(*THREE, "rollout.spec=ngram", *ray_sets, *TWO, *mode)
         train_on_ray(cfg, str(run), progress=False, make_parts=tiny_parts)
         assert_rows_match(rows(run), rows(reference))
+
+
+def test_a_damaged_shard_is_named_and_an_older_checkpoint_used(session, tmp_path):
+    """The run checkpoint's manifest chains to the shards: a changed byte in one, or a shard
+    changed with its folder's manifest rewritten to match, is damage naming the file, and a
+    resume takes the newest checkpoint that verifies."""
+    from specrl.fsutil import write_manifest
+    from specrl.pipelines.checkpoint import read_checkpoint
+    from specrl.pipelines.loop import newest_verified
+    from specrl.pipelines.manifest import CheckpointDamaged
+    from specrl.pipelines.rundir import RunDir
+
+    run_tiny(session, tmp_path, *TWO)  # 4 steps, checkpoints at 2 and 4
+    ckpt = tmp_path / "checkpoints/step_000004"
+    inner = ckpt / SHARDED
+    shard = sorted(inner.glob("shard-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match=f"^{SHARDED}/{shard.name}: sha256 mismatch$"):
+        read_checkpoint(ckpt)
+    write_manifest(inner, sorted(p.name for p in inner.iterdir() if p.name != "manifest.json"))
+    with pytest.raises(CheckpointDamaged, match=f"^{SHARDED}/manifest.json: not the one"):
+        read_checkpoint(ckpt)
+    notes: list[str] = []
+    found = newest_verified(RunDir(tmp_path), notes.append)
+    assert found.path.name == "step_000002" and found.sharded == found.path / SHARDED
+    assert len(notes) == 1 and "step_000004" in notes[0]
