@@ -181,3 +181,26 @@ def test_vllm_trains_an_eagle3_head_from_nothing_then_from_the_cached_head(no_ca
         assert_serves_the_trained_head(parts)
     finally:
         parts.backend.close()
+
+
+@pytest.mark.slow
+@ON_SERVER_WORKER
+def test_vllm_trains_a_draft_model_from_nothing(no_cache, tmp_path):
+    """The policy's first layers, written for vLLM at start, trained and pushed: vLLM serves
+    the trained draft model (the guard checked every push during the run)."""
+    if not vllm_available():
+        pytest.skip("vllm is not installed (specrl[vllm])")
+    from specrl.pipelines.build import build_run
+    from specrl.pipelines.train import train
+
+    cfg = load_config(None, [*RUN, "rollout.spec=draft", "run.steps=1"])
+    parts = build_run(cfg)
+    try:
+        rows = train(parts, str(tmp_path / "run"), progress=False)
+        trainer = parts.drafter.trainer
+        assert rows[0]["drafter_updates"] >= 1 and trainer.ledger.version == 1
+        served = parts.backend.served()
+        assert served.drafter_version == 1
+        assert served.drafter == fingerprint(trainer.state(), torch.float32)
+    finally:
+        parts.backend.close()
