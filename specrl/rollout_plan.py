@@ -47,11 +47,13 @@ class BackendTraits:
 
     inline_only: str | None = None  # no worker process (rollout.placement='process')
     cpu_only: str | None = None  # no CUDA model.device
-    frozen_drafter: str | None = None  # no drafter training during RL (drafter.mode)
+    head_arch: str = "proj"  # the layout (models.heads.ARCHS) of a head trained from nothing
+    fixed_draft_vocab: bool = False  # a trained head's draft vocabulary size is fixed at start
     controller: bool = False  # max_tokens_per_forward='auto' is the cost-model controller
     exact_sample: bool = False  # spec_exact='auto' may pick 'sample'
     missing: Callable[[], str | None] = _nothing_missing  # what is needed and not installed
-    check_spec: Callable[[SpecConfig, str | None], object] | None = None  # ValueError: refused
+    check_spec: Callable[[SpecConfig, str | None, bool], object] | None = None  # (spec, drafter
+    # dir, trained during RL) ValueError: refused
     check_in_flight: Callable[[str, str], object] | None = None  # (policy, drafter) ValueError
 
 
@@ -105,6 +107,8 @@ class RolloutPlan:
     sampling: GroupSampling
     alarm_action: str  # rollout.alarm_action: what a drafter whose acceptance collapses triggers
     workers: Workers | None = None  # Ray rollout workers; None: no Ray
+    head_arch: str = "proj"  # the layout of a head trained from nothing (BackendTraits)
+    head_vocab: int = 0  # its draft vocabulary size, fixed at start (0: full, or picked later)
 
 
 class _Featured(Protocol):
@@ -127,7 +131,7 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
     missing = traits.missing()
     if missing:
         raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} needs {missing}")
-    path, mode = drafter_dir(cfg), _training_mode(cfg, traits, backends)
+    path, mode = drafter_dir(cfg), _training_mode(cfg)
     spec = _checked_spec(cfg, traits, path, mode)
     m, r = cfg.model, cfg.rollout
     return RolloutPlan(
@@ -136,7 +140,8 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
         learned_drafter=learned_drafter(r.spec), training_mode=mode,
         in_flight=_in_flight(cfg, traits), threads=r.threads, max_batch=r.max_batch,
         seed=cfg.run.seed, sampling=_sampling(cfg), alarm_action=r.alarm_action,
-        workers=_workers(cfg),
+        workers=_workers(cfg), head_arch=traits.head_arch,
+        head_vocab=cfg.drafter.vocab if traits.fixed_draft_vocab else 0,
     )  # fmt: skip
 
 
@@ -342,26 +347,18 @@ def learned_drafter(spec: str) -> bool:
     return known and (proposer_takes(spec, "drafter_path") or proposer_takes(spec, "draft_model"))
 
 
-def _training_mode(
-    cfg: Config, traits: BackendTraits, backends: Mapping[str, BackendTraits]
-) -> str | None:
+def _training_mode(cfg: Config) -> str | None:
     """``drafter.mode`` resolved: 'online' or 'refresh' when the run trains its drafter during
-    RL, else None. 'auto' is 'refresh' for a learned drafter (eagle3, mtp, draft) on a backend
-    that trains one; an explicit mode for a drafter with nothing to train is refused (it would
-    be ignored)."""
+    RL, else None. 'auto' is 'refresh' for a learned drafter (eagle3, mtp, draft); an explicit
+    mode for a drafter with nothing to train is refused (it would be ignored)."""
     mode, spec = cfg.drafter.mode, cfg.rollout.spec
     learned = learned_drafter(spec)
     if mode == "auto":
-        return "refresh" if learned and traits.frozen_drafter is None else None
+        return "refresh" if learned else None
     if not learned:
         raise ConfigError(
             f"drafter.mode={mode!r} needs a learned drafter (rollout.spec='eagle3', 'mtp' or "
             f"'draft'), got rollout.spec={spec!r}: it would be ignored"
-        )
-    if mode != "frozen" and traits.frozen_drafter:
-        able = _names(backends, lambda t: t.frozen_drafter is None)
-        raise ConfigError(
-            f"drafter.mode={mode!r} needs rollout.backend={able} ({traits.frozen_drafter})"
         )
     return None if mode == "frozen" else mode
 
@@ -390,7 +387,7 @@ def _checked_spec(
     spec = spec_config(cfg, traits)
     if traits.check_spec is not None:
         with refusing(None):
-            traits.check_spec(spec, path)
+            traits.check_spec(spec, path, mode is not None)
     _check_drafter(spec.method, path, mode)
     with refusing("rollout.spec"):
         return spec.validate()

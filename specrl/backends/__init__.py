@@ -73,7 +73,8 @@ REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
             "cluster.rollout_workers for separate workers",
             cpu_only="the vLLM backend runs the installed vLLM build (CPU); use "
             "rollout.backend='native' on a GPU",
-            frozen_drafter="vLLM serves an exported head that specrl does not train during RL",
+            head_arch="eagle3",  # vLLM's EAGLE-3 layer
+            fixed_draft_vocab=True,  # vLLM sizes the head's LM head when the engine starts
             missing=_call("specrl.backends.vllm:missing_extra"),
             check_spec=_call("specrl.backends.vllm_spec:check_spec"),
         ),

@@ -5,8 +5,11 @@ defaults set only where unset; ``vllm_worker``'s patches). ``generate`` goes thr
 ``vllm_requests`` (same seeds, same tokens on the same engine) with ``vllm_spec``'s speculation;
 no in-flight updates. ``update_weights`` / ``update_drafter`` reload vLLM's weights in place
 (``vllm_weights``) at once when idle, else after the running call; ``served`` fingerprints
-vLLM's own tensors under our names. Thread-safe for one generating plus one updating thread.
-``build_vllm(plan, policy)`` builds it from a ``RolloutPlan`` and pushes the policy's weights.
+vLLM's own tensors under our names (read back when no call runs, else the last reading).
+Thread-safe for one generating plus one updating thread.
+``build_vllm(plan, policy)`` builds it from a ``RolloutPlan`` (writing the drafter vLLM loads
+where the plan's is not in vLLM's layout or trained from nothing: ``vllm_spec.served_drafter``,
+in a directory the backend removes at ``close``) and pushes the policy's weights.
 Details: docs/internals.md.
 """
 
@@ -16,6 +19,8 @@ import contextlib
 import gc
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -35,7 +40,7 @@ from specrl.backends.vllm_requests import (
     read_counters,
     sampling_params,
 )
-from specrl.backends.vllm_spec import lookup_for, vllm_speculative_config
+from specrl.backends.vllm_spec import lookup_for, served_drafter, vllm_speculative_config
 from specrl.backends.vllm_weights import Staged, as_ours, eagle3_ours, eagle3_staged, staged
 from specrl.backends.vllm_worker import (
     forget_reload_records,
@@ -122,6 +127,7 @@ class VllmBackend:
         kv_cache_gib: int = 2,
         policy_version: int = 0,
         engine_kwargs: Mapping[str, Any] | None = None,
+        owned_dir: str | os.PathLike | None = None,
     ) -> None:
         from specrl.models.checkpoints import load_config
 
@@ -137,6 +143,7 @@ class VllmBackend:
         self._eagle3 = self._spec.enabled and self._spec.method == "eagle3"
         self.dtype = dtype
         self.max_batch = max_batch
+        self._owned = owned_dir  # removed at close (the drafter build_vllm wrote)
         speculative = vllm_speculative_config(self._spec, max_batch, drafter_dir)
         _set_environment(kv_cache_gib)
         patch_vllm()
@@ -162,7 +169,7 @@ class VllmBackend:
         self._lock = threading.Lock()
         self._busy = False
         self._closed = False
-        self._pending: list[tuple[str, Staged, int]] = []
+        self._pending: list[tuple[str, Staged | dict[str, torch.Tensor], int]] = []
         self._version = policy_version
         self._newest = policy_version
         self._drafter_version = 0
@@ -227,16 +234,21 @@ class VllmBackend:
                 f"(this one runs spec={self._spec.method!r})"
             )
         t0 = time.perf_counter()
-        if self._eagle3:
-            weights = self._eagle3_staged(state)
-        else:
+        with self._lock:
+            busy = self._busy
+        weights: Staged | dict[str, torch.Tensor]
+        if not self._eagle3:
             weights = staged(state, self._draft_config, self.dtype)
+        elif busy:  # its LM head is the policy served when it applies (after the call)
+            weights = {n: t.detach().clone() for n, t in state.items()}
+        else:
+            weights = self._eagle3_staged(state)
         with self._lock:
             self._check_open()
-            if self._busy:
-                raise RuntimeError("update_drafter during a generate call is not supported")
+            self._pending = [p for p in self._pending if p[0] != "drafter"]
             self._pending.append(("drafter", weights, version))
-            self._apply_pending()
+            if not self._busy:
+                self._apply_pending()
         return time.perf_counter() - t0
 
     def versions(self) -> Versions:
@@ -270,6 +282,8 @@ class VllmBackend:
         self._engine.shutdown(wait=True)
         del llm
         gc.collect()
+        if self._owned is not None:
+            shutil.rmtree(self._owned, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights
 
@@ -294,6 +308,8 @@ class VllmBackend:
                     head = self._eagle3_staged(eagle3_ours(draft))
                     self._rpc(load_drafter, head)
             else:
+                if isinstance(weights, dict):  # an EAGLE-3 head staged during a call
+                    weights = self._eagle3_staged(weights)
                 self._rpc(load_drafter, weights)
                 self._drafter_version = version
             self.llm.reset_prefix_cache()
@@ -367,18 +383,27 @@ class VllmBackend:
 
 
 def build_vllm(plan: RolloutPlan, policy: torch.nn.Module) -> VllmBackend:
-    """The vLLM backend of a run (see the module docstring); ``ConfigError`` on bad input."""
+    """The vLLM backend of a run (see the module docstring); ``ConfigError`` on bad input. The
+    drafter directory ``vllm_spec.served_drafter`` writes lives in a temporary directory the
+    backend owns (removed at ``close``)."""
     from specrl.models.checkpoints import resolve_model
     from specrl.models.precision import torch_dtype
 
-    with refusing(None):
-        backend = VllmBackend(
-            resolve_model(plan.model),
-            dtype=torch_dtype(plan.dtype),
-            spec=plan.spec,
-            drafter_dir=plan.drafter_dir,
-            max_batch=plan.max_batch,
-            seed=plan.seed,
-        )
+    owned = Path(tempfile.mkdtemp(prefix="specrl-vllm-drafter-"))
+    try:
+        with refusing(None):
+            model_dir = str(resolve_model(plan.model))
+            backend = VllmBackend(
+                model_dir,
+                dtype=torch_dtype(plan.dtype),
+                spec=plan.spec,
+                drafter_dir=served_drafter(plan, policy, model_dir, owned),
+                max_batch=plan.max_batch,
+                seed=plan.seed,
+                owned_dir=owned,
+            )
+    except BaseException:
+        shutil.rmtree(owned, ignore_errors=True)
+        raise
     backend.update_weights(dict(policy.named_parameters()), 0)
     return backend

@@ -4,18 +4,31 @@
 (``None``: plain decoding) for ``ngram``, ``draft`` and ``eagle3`` (a head in vLLM's layout),
 with the k cap as vLLM's per-batch-size schedule; anything else is a one-line ``ValueError``
 naming what is unsupported. ``check_spec`` is the registry's rule for the vLLM backend's plans;
-``lookup_for`` is the batch-size -> k table of a per-call ``spec`` override.
+``served_drafter`` writes, where needed, the drafter directory vLLM loads for a plan (a specrl
+head exported, a drafter trained from nothing); ``lookup_for`` is the batch-size -> k table of
+a per-call ``spec`` override.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from specrl.drafters.export import (
+    eagle3_head_config,
+    export_eagle3,
+    is_eagle3_export,
+    is_head_dir,
+)
+from specrl.models.heads import fresh_head, save_head
 from specrl.spec.config import SpecConfig
+
+if TYPE_CHECKING:
+    from specrl.rollout_plan import RolloutPlan
 
 SUPPORTED_SPEC = ("none", "ngram", "draft", "eagle3")
 NATIVE_ONLY = {"suffix": "its history spans calls inside specrl's engine",
@@ -41,9 +54,27 @@ def vllm_speculative_config(
 ) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for specrl's ``spec`` (``None``: plain decoding); a
     one-line ``ValueError`` for anything this backend cannot run (see the module docstring)."""
+    if not _check_method(spec):
+        return None
+    method = spec.method
+    out: dict[str, Any] = {"num_speculative_tokens": spec.k}
+    if method == "ngram":
+        opts = spec.options
+        out |= {"method": "ngram", "prompt_lookup_max": int(opts.get("max_n", 4)),
+                "prompt_lookup_min": int(opts.get("min_n", 2))}  # fmt: skip
+    else:
+        _check_drafter_dir(method, drafter_dir)
+        out |= {"method": "draft_model" if method == "draft" else "eagle3",
+                "model": str(drafter_dir)}  # fmt: skip
+    out["num_speculative_tokens_per_batch_size"] = _schedule(spec, max_batch)
+    return out
+
+
+def _check_method(spec: SpecConfig) -> bool:
+    """Whether ``spec`` speculates; ``ValueError`` for a drafter or setting vLLM cannot run."""
     method = spec.method
     if not spec.enabled:
-        return None
+        return False
     if method in NATIVE_ONLY:
         raise ValueError(
             f"rollout.spec={method!r} is not supported by the vllm backend "
@@ -63,41 +94,71 @@ def vllm_speculative_config(
             f"rollout.spec_exact={spec.exact!r} is not supported by the vllm backend (its "
             "rejection sampler is vLLM's own); use rollout.backend=native"
         )
-    out: dict[str, Any] = {"num_speculative_tokens": spec.k}
-    if method == "ngram":
-        opts = spec.options
-        out |= {"method": "ngram", "prompt_lookup_max": int(opts.get("max_n", 4)),
-                "prompt_lookup_min": int(opts.get("min_n", 2))}  # fmt: skip
-    elif method == "draft":
+    return True
+
+
+def _check_drafter_dir(method: str, drafter_dir: str | os.PathLike | None) -> None:
+    """``ValueError`` unless ``drafter_dir`` is what vLLM loads for ``method`` (draft, eagle3)."""
+    if method == "draft":
         if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
             raise ValueError(
                 f"rollout.spec='draft' on the vllm backend needs a draft model directory "
                 f"(config.json + safetensors), got {drafter_dir!r}"
             )
-        out |= {"method": "draft_model", "model": str(drafter_dir)}
-    else:  # eagle3
-        if drafter_dir is None or not _is_vllm_eagle3(Path(drafter_dir)):
+    elif drafter_dir is None or not is_eagle3_export(drafter_dir):
+        raise ValueError(
+            f"rollout.spec='eagle3' on the vllm backend needs a head in vLLM's EAGLE-3 layout "
+            f"(config.json with an Eagle3 architecture), got {drafter_dir!r}; a specrl "
+            f"head directory (head.json) must be exported first"
+        )
+
+
+def check_spec(spec: SpecConfig, drafter_dir: str | None, trained: bool = False) -> None:
+    """``ValueError`` (one line) unless a run can serve ``spec`` with ``drafter_dir`` on the
+    vLLM backend: ``build_vllm`` writes (``served_drafter``) a specrl EAGLE-3 head directory in
+    vLLM's layout, and a drafter the run trains from nothing (``trained``, no directory)."""
+    if not _check_method(spec.validate()) or spec.method == "ngram":
+        return
+    if drafter_dir is None and trained:
+        return
+    if spec.method == "eagle3" and drafter_dir is not None and is_head_dir(drafter_dir):
+        eagle3_head_config(Path(drafter_dir))  # ExportError (a ValueError): vLLM cannot load it
+        return
+    _check_drafter_dir(spec.method, drafter_dir)
+
+
+def served_drafter(
+    plan: RolloutPlan, policy: torch.nn.Module, model_dir: str, out: Path
+) -> str | None:
+    """The drafter directory vLLM loads for ``plan``: ``plan.drafter_dir`` where vLLM loads it
+    as it is, else one written under ``out`` (a directory the caller owns): a specrl EAGLE-3
+    head exported (``drafters.export.export_eagle3``), a head trained from nothing
+    (``models.heads.fresh_head``, seeded by ``run.seed`` as the trainer starts it) exported, or
+    a draft model's untrained start (``backends.native.untrained_draft``, the tokenizer of
+    ``model_dir`` with it). ``ValueError`` (one line) for a head vLLM cannot serve."""
+    method, path = plan.spec.method, plan.drafter_dir
+    if not plan.spec.enabled or method not in ("eagle3", "draft"):
+        return path
+    if method == "draft":
+        if path is not None:
+            return path
+        from specrl.backends.native import untrained_draft
+        from specrl.drafters.distill import save_draft_model
+
+        draft = untrained_draft(policy, torch.float32)
+        return str(save_draft_model(draft, out / "draft", policy.config, model_dir))
+    if path is not None and not is_head_dir(path):
+        return path
+    if path is None:
+        vocab = policy.config.vocab_size
+        if plan.head_vocab >= vocab:
             raise ValueError(
-                f"rollout.spec='eagle3' on the vllm backend needs a head in vLLM's EAGLE-3 layout "
-                f"(config.json with an Eagle3 architecture), got {drafter_dir!r}; a specrl "
-                f"head directory (head.json) must be exported first"
+                f"bad value for drafter.vocab: {plan.head_vocab} is not below the model's "
+                f"vocabulary ({vocab}); use 0 (the full vocabulary) with rollout.backend='vllm'"
             )
-        out |= {"method": "eagle3", "model": str(drafter_dir)}
-    out["num_speculative_tokens_per_batch_size"] = _schedule(spec, max_batch)
-    return out
-
-
-def _is_vllm_eagle3(path: Path) -> bool:
-    try:
-        arch = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return False
-    return any("eagle3" in str(a).lower() for a in arch)
-
-
-def check_spec(spec: SpecConfig, drafter_dir: str | None) -> None:
-    """``ValueError`` (one line) unless the vLLM backend can run ``spec`` with ``drafter_dir``."""
-    vllm_speculative_config(spec.validate(), 1, drafter_dir)
+        head = fresh_head(policy, "eagle3", plan.seed, plan.head_arch, plan.head_vocab)
+        path = str(save_head(head, out / "head"))
+    return str(export_eagle3(path, policy, out / "eagle3"))
 
 
 def lookup_for(configured: SpecConfig, spec: SpecConfig | None, max_batch: int) -> list[int] | None:

@@ -2,7 +2,8 @@
 
 ``export_eagle3(head_dir, target, out_dir, dtype=None)`` writes an EAGLE-3 drafter directory
 (``config.json`` + ``model.safetensors``) that vLLM's ``Eagle3LlamaForCausalLM`` /
-``Eagle3Qwen3ForCausalLM`` loads, from an ``--head-arch eagle3`` head; ``export_draft_model``
+``Eagle3Qwen3ForCausalLM`` loads, from an ``--head-arch eagle3`` head (``import_eagle3`` reads
+one back as a ``DraftHead``); ``export_draft_model``
 checks that a draft model is a Hugging Face checkpoint vLLM's ``draft_model`` method loads and
 copies it with its tokenizer. What vLLM cannot load (an MTP head, a ``proj``-layout head, a head
 of another target, damaged files) raises ``ExportError`` (a ``ValueError``) in one line. Files
@@ -29,7 +30,7 @@ from specrl.models.checkpoints import (
     split_sizes,
 )
 from specrl.models.config import ModelConfig
-from specrl.models.heads import check_compatible, read_head_config
+from specrl.models.heads import DraftHead, cast_floats, check_compatible, read_head_config
 from specrl.models.transformer import Transformer
 
 FORMAT = "specrl-vllm-eagle3"
@@ -78,7 +79,7 @@ def export_eagle3(
     from safetensors.torch import save_file
 
     head_dir, out = Path(head_dir), Path(out_dir)
-    cfg = _eagle3_head_config(head_dir)
+    cfg = eagle3_head_config(head_dir)
     tcfg, lm_head = _target_lm_head(target)  # lm_head [V, H]
     try:
         check_compatible(cfg, tcfg)
@@ -107,7 +108,79 @@ def export_eagle3(
     return out
 
 
-def _eagle3_head_config(head_dir: Path) -> dict:
+def import_eagle3(model_dir: str | os.PathLike, target: Transformer) -> DraftHead:
+    """The specrl head (``arch='eagle3'``, float32) a drafter directory in vLLM's EAGLE-3 layout
+    holds for ``target``: ``export_eagle3`` read back (its LM head, rows of the target's, is not
+    the head's own and is dropped). ``ExportError`` for a drafter specrl's head cannot hold
+    (another target, tensors without a place in it, no feature layer ids)."""
+    src = Path(model_dir)
+    try:
+        raw = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read {src}/config.json: {one_line(e)}") from None
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    c = target.config
+    if not ids or raw.get("norm_before_residual"):
+        raise ExportError(
+            f"{src} names no eagle_aux_hidden_state_layer_ids (or normalises before the "
+            "residual): specrl's EAGLE-3 head cannot hold it"
+        )
+    size = (raw.get("hidden_size"), raw.get("vocab_size"))
+    if size != (c.hidden_size, c.vocab_size):
+        raise ExportError(
+            f"{src} is a drafter for another target (hidden size {size[0]}, vocabulary {size[1]})"
+        )
+    layers = [int(i) - 1 for i in ids]  # vLLM id j = output of target layer j - 1
+    _check_layers(layers, c.num_layers)
+    state, d2t = _head_state(src)
+    head = DraftHead(target, "eagle3", tuple(layers), d2t, arch="eagle3").float()
+    if d2t is not None:
+        state["d2t"] = d2t
+    try:
+        head.load_state_dict(cast_floats(state, torch.float32))
+    except RuntimeError as e:  # missing or mis-shaped tensors (several lines)
+        why = " ".join(str(e).split())
+        raise ExportError(f"{src} does not fit an eagle3 head: {why}") from None
+    return head.eval()
+
+
+def _head_state(src: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(the head's tensors under specrl's names, ``d2t`` as target ids or None) from vLLM's
+    EAGLE-3 checkpoint tensors in ``src``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors |= _read_safetensors(f)
+    offsets = tensors.pop("d2t", None)  # [Vd]: target id = i + offsets[i]
+    for derived in ("t2d", "lm_head.weight", "midlayer.self_attn.o_proj.bias"):
+        tensors.pop(derived, None)  # from d2t, the target's LM head, zeros (eagle3_tensors)
+    state = {}
+    for ours, theirs in EAGLE3_NAMES:
+        if all(n in tensors for n in theirs):
+            state[ours] = torch.cat([tensors.pop(n) for n in theirs])
+    if tensors:
+        raise ExportError(f"{src}: tensor {sorted(tensors)[0]} has no place in specrl's head")
+    d2t = None if offsets is None else offsets.long() + torch.arange(len(offsets))
+    return state, d2t
+
+
+def is_head_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a specrl head (head.json)."""
+    return (Path(path) / "head.json").is_file()
+
+
+def is_eagle3_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a drafter in vLLM's EAGLE-3 layout (config.json naming an Eagle3
+    architecture)."""
+    try:
+        arch = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any("eagle3" in str(a).lower() for a in arch)
+
+
+def eagle3_head_config(head_dir: Path) -> dict:
     """head.json of an exportable head, or ``ExportError`` saying why it is not one."""
     try:
         cfg = read_head_config(head_dir)

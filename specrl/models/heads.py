@@ -233,6 +233,18 @@ class DraftHead(nn.Module):
         return outs
 
 
+def fresh_head(
+    target: Transformer, kind: str, seed: int, arch: str = "proj", vocab: int = 0
+) -> DraftHead:
+    """A random head seeded by ``seed`` (the global RNG left as it was); ``vocab`` in
+    (0, V): a draft vocabulary of that size fixed from the start (the first ``vocab`` ids, a
+    placeholder until a trainer picks them), else the full vocabulary."""
+    d2t = torch.arange(vocab) if 0 < vocab < target.config.vocab_size else None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return DraftHead(target, kind, draft_vocab=d2t, arch=arch)
+
+
 def _check_arch(kind: str, arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown head arch {arch!r}; known: {ARCHS}")

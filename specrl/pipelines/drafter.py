@@ -23,12 +23,13 @@ from specrl.backends import RolloutBackend
 from specrl.backends.native import untrained_draft
 from specrl.config import Config
 from specrl.drafters.distill import SPEC_FILE
+from specrl.drafters.export import import_eagle3, is_eagle3_export
 from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
 from specrl.drafters.students import student_for
-from specrl.models.heads import DraftHead, load_head, read_head_config
+from specrl.models.heads import fresh_head, load_head, read_head_config
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured, FeatureSink
-from specrl.rollout_plan import RolloutPlan
+from specrl.rollout_plan import RolloutPlan, refusing
 from specrl.rollout_types import Completion
 from specrl.spec.proposers import head_kind, proposer_takes
 
@@ -62,30 +63,32 @@ def build_drafter_side(
     known = _trained_len(path) if path else 0
     if mode is None:
         return DrafterSide(None, known)
-    student = student_for(_initial_drafter(plan.spec.method, cfg.run.seed, policy, path), policy)
+    student = student_for(_initial_drafter(plan, cfg.run.seed, policy), policy)
     trainer = OnlineDrafter(student, cfg.drafter, mode, fresh=path is None, seed=cfg.run.seed)
     trainer.ledger.trained_len = known
     guard.push_drafter(backend, trainer.state(), 0)
     return DrafterSide(trainer, known)
 
 
-def _initial_drafter(
-    spec: str, seed: int, policy: torch.nn.Module, path: str | None
-) -> torch.nn.Module:
-    """The float32 drafter the trainer starts from: the saved one at ``path``, else a draft
+def _initial_drafter(plan: RolloutPlan, seed: int, policy: torch.nn.Module) -> torch.nn.Module:
+    """The float32 drafter the trainer starts from: the saved one at ``plan.drafter_dir`` (a
+    head in vLLM's EAGLE-3 layout read back by ``drafters.export.import_eagle3``), else a draft
     model's untrained start (``backends.native.untrained_draft``, as the engine builds it) or a
-    random head seeded by ``seed`` (``run.seed``)."""
+    random head seeded by ``seed`` (``run.seed``) in the plan's head layout and vocabulary size
+    (``models.heads.fresh_head``, as the vLLM backend writes it)."""
+    spec, path = plan.spec.method, plan.drafter_dir
     if proposer_takes(spec, "draft_model"):
         if path is None:
             return untrained_draft(policy, torch.float32)
         from specrl.models.checkpoints import load_model
 
         return load_model(path, dtype=torch.float32)
+    if path is not None and is_eagle3_export(path):
+        with refusing("rollout.drafter_path"):
+            return import_eagle3(path, policy)
     if path is not None:
         return load_head(path, policy, kind=head_kind(spec))
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return DraftHead(policy, head_kind(spec))
+    return fresh_head(policy, head_kind(spec), seed, plan.head_arch, plan.head_vocab)
 
 
 def _trained_len(path: str) -> int:

@@ -24,7 +24,13 @@ from typer.testing import CliRunner
 
 from specrl.drafters.cli import register
 from specrl.drafters.distill import init_draft, save_draft_model
-from specrl.drafters.export import ExportError, export_draft_model, export_eagle3
+from specrl.drafters.export import (
+    ExportError,
+    export_draft_model,
+    export_eagle3,
+    import_eagle3,
+    is_eagle3_export,
+)
 from specrl.models.checkpoints import hf_state_dict, load_model
 from specrl.models.heads import DraftHead, load_head, save_head
 from specrl.models.transformer import Transformer
@@ -268,6 +274,32 @@ def test_exported_forward_equals_the_head(tmp_path, family, reduced):
 
 def _in(ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("reduced", [True, False])
+def test_import_reads_an_export_back_as_the_same_head(tmp_path, family, reduced):
+    """``import_eagle3`` is ``export_eagle3`` backwards: the same head tensors, layers and
+    draft vocabulary (what the vLLM backend serves is what its online trainer starts from)."""
+    target, head, out = exported(tmp_path, family, D2T if reduced else None)
+    back = import_eagle3(out, target)
+    assert (back.kind, back.arch, back.feature_layers) == ("eagle3", "eagle3", head.feature_layers)
+    want, got = head.state_dict(), back.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert is_eagle3_export(out) and not is_eagle3_export(tmp_path / "head")
+
+
+def test_import_refuses_what_the_head_cannot_hold(tmp_path):
+    target, _, out = exported(tmp_path)
+    with pytest.raises(ExportError, match="drafter for another target"):
+        import_eagle3(out, target_of(hidden_size=64))
+    raw = load_file(str(out / "model.safetensors"))
+    save_file(raw | {"embed_tokens.weight": torch.zeros(V, 32)}, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="embed_tokens.weight has no place in specrl's head"):
+        import_eagle3(out, target)
+    save_file({k: v for k, v in raw.items() if k != "fc.weight"}, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="does not fit an eagle3 head: .*fc.weight"):
+        import_eagle3(out, target)
 
 
 def test_export_reads_the_lm_head_from_a_model_directory(tmp_path):

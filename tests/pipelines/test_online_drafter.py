@@ -127,8 +127,9 @@ def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(n
     with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned drafter"):
         tiny_parts(tiny_config("rollout.spec=suffix", "drafter.mode=online"))
     assert plan_rollout(tiny_config("rollout.spec=suffix")).training_mode is None
-    with pytest.raises(ConfigError, match="rollout.backend='native'"):
-        plan_rollout(tiny_config(*EAGLE, "rollout.backend=vllm", "drafter.mode=online"))
+    with pytest.raises(ConfigError, match="'mtp' is not supported by the vllm backend"):
+        plan_rollout(tiny_config(*EAGLE, "rollout.spec=mtp", "rollout.backend=vllm",
+                                 "drafter.mode=online"))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])
