@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -268,3 +269,11 @@ def test_a_damaged_shard_is_named_and_an_older_checkpoint_used(session, tmp_path
     found = newest_verified(RunDir(tmp_path), notes.append)
     assert found.path.name == "step_000002" and found.sharded == found.path / SHARDED
     assert len(notes) == 1 and "step_000004" in notes[0]
+
+
+def test_train_workers_without_ray_is_one_line(monkeypatch):
+    from specrl.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
+    with pytest.raises(ConfigError, match=r"^cluster.train_workers > 1 needs Ray, which is not"):
+        tiny_parts(tiny_config(*TWO))
