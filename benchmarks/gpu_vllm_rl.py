@@ -193,6 +193,7 @@ def run_config(args: argparse.Namespace, preset: Preset, drafter: Path):
 
     sets = [f"model.name={MODEL}", f"model.dtype={args.dtype or preset.dtype}",
             "rollout.backend=vllm", "rollout.spec=eagle3", f"rollout.drafter_path={drafter}",
+            "drafter.mode=frozen",  # the head is pushed once, as version 1 (see the docstring)
             f"rollout.num_spec_tokens={args.k}", f"run.seed={args.seed}", "run.eval_every=0",
             "run.checkpoint_every=0", *preset.sets, *args.set]  # fmt: skip
     cfg = load_config(args.config, sets)
