@@ -296,8 +296,9 @@ class ClusterCfg(Section):
         0,
         ge=0,
         le=1024,
-        description="Torch threads of each Ray actor (the learner and every rollout worker); "
-        "0 = the cores of its node // (rollout_workers + 1), at least 1.",
+        description="Torch threads of each Ray actor (the learner, every rollout worker and "
+        "every train worker); 0 = the cores of its node // (rollout_workers + 1) for the learner "
+        "and rollout workers, // (rollout_workers + train_workers) for train workers, at least 1.",
     )
     worker_cpus: float = Field(
         0.0,

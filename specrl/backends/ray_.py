@@ -27,7 +27,14 @@ import torch
 
 from specrl.backends import build_local
 from specrl.backends.base import Rollout, Served, Versions
-from specrl.backends.ray_session import RaySession, actor_threads, check_fits, import_ray
+from specrl.backends.ray_session import (
+    RaySession,
+    actor_threads,
+    check_fits,
+    death_line,
+    import_ray,
+    task_error,
+)
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import check_weights, engine_copy
 from specrl.rollout_plan import RolloutPlan, Workers, worker_plan
@@ -263,9 +270,9 @@ class RayBackend:
         try:
             return self._ray.get(ref)
         except ex.RayActorError as e:
-            raise _Died(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
+            raise _Died(death_line(e)) from e
         except ex.RayTaskError as e:
-            raise _worker_error(e, slot.index) from None
+            raise task_error(e, f"rollout worker {slot.index}") from None
 
     def _replace(self, slot: _Slot, dead: Any, why: str) -> None:
         """Replace ``slot``'s dead actor (once, whichever thread finds it first)."""
@@ -418,18 +425,6 @@ def _release(ray: ModuleType, slots: list[_Slot], session: RaySession) -> None:
 def _cpu(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Detached CPU tensors (cast to ``dtype`` when given) for the object store."""
     return {k: t.detach().to(device="cpu", dtype=dtype or t.dtype) for k, t in named.items()}
-
-
-def _worker_error(e: Exception, index: int) -> Exception:
-    """A worker's exception: itself for ``ValueError``/``RuntimeError`` (one line), else a
-    ``RuntimeError`` naming its type and the worker."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, ValueError | RuntimeError):
-        return cause
-    name = type(cause).__name__ if cause is not None else type(e).__name__
-    text = str(cause if cause is not None else e).strip()
-    line = text.splitlines()[0] if text else name
-    return RuntimeError(f"{name} in rollout worker {index}: {line}")
 
 
 def build_ray(plan: RolloutPlan, policy: torch.nn.Module) -> RayBackend:

@@ -4,7 +4,8 @@
 an existing connection, joins ``cluster.address`` (never shut down) or starts a local Ray bound
 to 127.0.0.1 in a fresh temporary directory, which ``close`` (idempotent, also at exit) shuts
 down and removes. ``actor_threads`` is one actor's torch threads; ``check_fits`` raises
-``ConfigError`` when the cluster cannot place the workers.
+``ConfigError`` when the cluster cannot place the workers; ``task_error`` / ``death_line``
+turn an actor's failure into one line.
 Details: docs/internals.md.
 """
 
@@ -50,6 +51,25 @@ def check_fits(ray: ModuleType, workers: int, cpus: float, gpus: float) -> None:
                 f"bad value for cluster.{name}: {workers} rollout workers x {each:g} {key} "
                 f"need {workers * each:g}, the Ray cluster has {have:g}"
             )
+
+
+def task_error(e: Exception, who: str) -> Exception:
+    """An actor's own exception from Ray's ``RayTaskError`` ``e``: itself for ``ValueError`` /
+    ``RuntimeError`` (one line, as in one process), else a ``RuntimeError`` naming its type
+    and ``who`` raised it."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ValueError | RuntimeError):
+        return cause
+    name = type(cause).__name__ if cause is not None else type(e).__name__
+    text = str(cause if cause is not None else e).strip()
+    line = text.splitlines()[0] if text else name
+    return RuntimeError(f"{name} in {who}: {line}")
+
+
+def death_line(e: Exception) -> str:
+    """The first line of Ray's ``RayActorError`` ``e`` (why an actor's process is gone)."""
+    text = str(e).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(e).__name__
 
 
 @dataclass

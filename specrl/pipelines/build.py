@@ -140,11 +140,18 @@ def _assemble(
     learner: Learner | TrainGroup,
     backend: RolloutBackend | None,
 ) -> RunParts:
-    """The parts around a built learner: backend, guard, alarm, drafter side."""
+    """The parts around a built learner: backend, guard, alarm, drafter side (a backend built
+    here is closed if what follows fails)."""
+    built = backend is None
     backend = backend or build_backend(plan, learner.model)
-    check_backend(plan, backend)
-    guard = WeightGuard(torch_dtype(plan.dtype, plan.device))
-    guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
-    drafter = build_drafter_side(cfg, plan, learner.model, backend, guard)
+    try:
+        check_backend(plan, backend)
+        guard = WeightGuard(torch_dtype(plan.dtype, plan.device))
+        guard.remember(0, dict(learner.model.named_parameters()))  # what the backend copied
+        drafter = build_drafter_side(cfg, plan, learner.model, backend, guard)
+    except BaseException:
+        if built:
+            backend.close()
+        raise
     return RunParts(cfg, env, codec, learner, backend, plan, guard=guard,
                     alarm=AcceptanceAlarm(plan.alarm_action), drafter=drafter)  # fmt: skip

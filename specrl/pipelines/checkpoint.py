@@ -28,6 +28,7 @@ from specrl.errors import one_line
 from specrl.fsutil import MANIFEST, file_digest
 from specrl.models.checkpoints import hf_state_dict, load_state
 from specrl.pipelines.manifest import (
+    DEL_SUFFIX,
     FORMAT,
     REQUIRED,
     SHARDED,
@@ -35,6 +36,7 @@ from specrl.pipelines.manifest import (
     CheckpointDamaged,
     RunDirError,
     checkpoint_step,
+    is_sharded,
     parse_file,
     verify_manifest,
     write_atomically,
@@ -248,7 +250,7 @@ def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
 def read_checkpoint(ckpt: Path) -> CheckpointData:
     """Verify and parse the checkpoint in ``ckpt`` (``CheckpointDamaged`` on any damage)."""
     verify_manifest(ckpt)
-    sharded = ckpt / SHARDED if (ckpt / SHARDED_MARK).is_file() else None
+    sharded = ckpt / SHARDED if is_sharded(ckpt) else None
     policy, optimizer = _one_process_files(ckpt) if sharded is None else ({}, {})
     state, rng = parse_file(ckpt, "state.json", _state)
     step = checkpoint_step(ckpt)
@@ -305,14 +307,16 @@ def apply_to_learner(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``apply_checkpoint`` for a run's learner, whichever wrote it: one process or N train
     workers (DCP reshards N -> M or one process; a one-process checkpoint reaches train
-    workers as a DCP checkpoint made from it beside the run's checkpoints, then removed)."""
+    workers as a DCP checkpoint made from it beside the run's checkpoints, then removed: named
+    ``step_N.reshard-*.del``, so a crash's leftover is cleared as any removal's)."""
     try:
         if data.sharded is not None:
             load_sharded(learner, data.sharded)
         elif isinstance(learner, TrainGroup):
             one = learner.one_process()
             apply_checkpoint(data, one.model, one.optimizer)
-            with tempfile.TemporaryDirectory(prefix=".reshard-", dir=data.path.parent) as tmp:
+            scratch = {"prefix": f"{data.path.name}.reshard-", "suffix": DEL_SUFFIX}
+            with tempfile.TemporaryDirectory(**scratch, dir=data.path.parent) as tmp:
                 save_learner(one, Path(tmp) / SHARDED)
                 learner.load(Path(tmp) / SHARDED)
         else:

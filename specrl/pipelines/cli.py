@@ -133,6 +133,7 @@ def train_command(
     from specrl.malloc import keep_freed_memory
     from specrl.models.checkpoints import CheckpointError
     from specrl.pipelines.build import build_run
+    from specrl.pipelines.train_workers import TrainWorkerDied
 
     keep_freed_memory()  # the learner reuses its freed activations (specrl.malloc)
     try:
@@ -145,6 +146,8 @@ def train_command(
             precheck(cfg)
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(str(e))
+    except TrainWorkerDied as e:  # a train worker died while the run was being built
+        fail(str(e), code=1)
     except KeyboardInterrupt:
         typer.echo("stopped by SIGINT before training started; nothing to save", err=True)
         raise typer.Exit(130) from None

@@ -95,6 +95,12 @@ def verify_manifest(ckpt: Path) -> None:
         raise CheckpointDamaged(problem)
 
 
+def is_sharded(ckpt: Path) -> bool:
+    """Whether ``ckpt``'s manifest lists ``SHARDED_MARK`` (train workers wrote it)."""
+    listed = read_manifest(ckpt) if (ckpt / MANIFEST).is_file() else {}
+    return not isinstance(listed, str) and SHARDED_MARK in listed
+
+
 def _sharded_problem(ckpt: Path) -> str | None:
     """``None`` when the sharded learner's folder is the one ``SHARDED_MARK`` names (its
     manifest's sha256) and every file in it checks out, else one line naming what is wrong."""

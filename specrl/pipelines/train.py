@@ -47,8 +47,12 @@ def train(
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
     handlers = nullcontext(stop) if stop is not None else stop_on_signals()
+    run = RunDir(run_dir)
     with handlers as request:
-        return _train(parts, RunDir(run_dir), resume, progress, stop_after, echo, request)
+        try:
+            return _train(parts, run, resume, progress, stop_after, echo, request)
+        except TrainWorkerDied as e:
+            raise TrainWorkerDied(f"{e}; {last_checkpoint(run)}") from None
 
 
 def _train(
@@ -69,8 +73,6 @@ def _train(
         log = Log(tracker, bar, echo)
         try:
             rows = LOOPS[cfg.pipeline.mode](parts, state, run, end, log, stop)
-        except TrainWorkerDied as e:
-            raise TrainWorkerDied(f"{e}; {last_checkpoint(run)}") from None
         finally:
             bar.close()
         if stop.requested and state.step < cfg.run.steps:

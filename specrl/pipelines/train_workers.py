@@ -1,15 +1,17 @@
 """Training over N processes: the sharded learner's ranks as Ray actors, driven from this one.
 
-``TrainGroup.start(cfg, model, plan_device)`` places ``cluster.train_workers`` ranks (a Ray
-placement group in the run's Ray session; a local Ray binds 127.0.0.1), each a ``TrainRank``
+``TrainGroup.start(cfg, model, device, ...)`` places ``cluster.train_workers`` ranks (a Ray
+placement group on this node, whose run dir takes their checkpoint shards, in the run's Ray
+session; a local Ray binds 127.0.0.1), each a ``TrainRank``
 holding a ``rl.sharded.ShardedLearner`` over its copy of ``model`` in one torch.distributed
 group (gloo on CPU, NCCL on CUDA). The group stands in for the one-process ``Learner`` in
 ``RunParts``: ``train_step`` / ``raw_logprobs`` run on every rank (the same samples; each takes
 its token share); ``model`` is this process's full copy, which ``pull_weights`` refreshes one
 block at a time (rank 0 sends a gathered block, every rank frees it) for ``RunParts.push_weights``
 to send through the guard. ``save`` / ``load`` write and read the ranks' DCP checkpoint
-(``rl.sharded_checkpoint``). A rank that dies raises ``TrainWorkerDied`` (one line naming it)
-after the others are killed: nothing waits on a collective that cannot finish.
+(``rl.sharded_checkpoint``). Any failure kills every rank (nothing waits on a collective that
+cannot finish) and is raised in one line: a dead rank as ``TrainWorkerDied`` naming it, a
+rank's own error as itself.
 Details: docs/training.md.
 """
 
@@ -24,7 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from specrl.backends.ray_session import RaySession, actor_threads, import_ray
+from specrl.backends.ray_session import (
+    RaySession,
+    actor_threads,
+    death_line,
+    import_ray,
+    task_error,
+)
 from specrl.config import Config, ConfigError
 from specrl.config_training import LearnerCfg
 from specrl.rl import FeatureSink, TrainSample
@@ -33,6 +41,8 @@ from specrl.rl.sharded import ShardedLearner, init_distributed, iter_full_state,
 from specrl.rl.sharded_checkpoint import load_learner, save_learner
 
 POLL_S = 1.0  # how often the driver looks for a dead rank while the others work
+GRACE_S = 5.0  # after a rank's error, how long a peer's death may take to show (the cause)
+PLACE_S = 120.0  # how long the ranks' placement may take before it is a ConfigError
 
 
 class TrainWorkerDied(RuntimeError):
@@ -140,20 +150,24 @@ class TrainGroup:
         return group
 
     def _place(self, device: torch.device) -> None:
+        """The ranks on this node (the run dir, where DCP writes, is this node's), then joined."""
         ray, c = self.ray, self.cfg.cluster
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = 1.0 if device.type == "cuda" else 0.0
-        have = float(ray.cluster_resources().get("GPU", 0.0))
-        if gpu and have < c.train_workers:  # a rank that cannot be placed would wait forever
+        if gpu:
+            self._check_gpus()
+        here = f"node:{ray.util.get_node_ip_address()}"
+        bundle = {"CPU": 0.01, here: 0.001} | ({"GPU": gpu} if gpu else {})
+        self.group = placement_group([bundle] * c.train_workers, strategy="STRICT_PACK")
+        try:
+            ray.get(self.group.ready(), timeout=PLACE_S)
+        except ray.exceptions.GetTimeoutError:
             raise ConfigError(
-                f"bad value for cluster.train_workers: {c.train_workers} train workers on CUDA "
-                f"need a GPU each, the Ray cluster has {have:g}"
-            )
-        bundle = {"CPU": 0.01} | ({"GPU": gpu} if gpu else {})
-        self.group = placement_group([bundle] * c.train_workers, strategy="PACK")
-        ray.get(self.group.ready())
+                f"bad value for cluster.train_workers: the Ray cluster did not place "
+                f"{c.train_workers} train workers ({bundle} each) on this node in {PLACE_S:g} s"
+            ) from None
         threads = actor_threads(c.threads, c.rollout_workers + c.train_workers - 1)
         remote = ray.remote(TrainRank)
         for rank in range(c.train_workers):
@@ -167,36 +181,63 @@ class TrainGroup:
         args = (host, port, ref, self.cfg.learner, self.max_len, self.temperature, device.type)
         self.pids = self._all("setup", *args)
 
+    def _check_gpus(self) -> None:
+        """``ConfigError`` unless the cluster has a GPU for each rank besides the rollout
+        workers' (a rank that cannot be placed would wait)."""
+        c = self.cfg.cluster
+        have = float(self.ray.cluster_resources().get("GPU", 0.0))
+        need = c.train_workers + c.rollout_workers * c.worker_gpus
+        if have < need:
+            raise ConfigError(
+                f"bad value for cluster.train_workers: {c.train_workers} train workers on CUDA "
+                f"need a GPU each ({need:g} with the rollout workers'), the Ray cluster has "
+                f"{have:g}"
+            )
+
     # ----------------------------------------------------------------- calls and faults
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every rank at once; their results in rank order."""
+        if not self.actors:
+            raise TrainWorkerDied("the train workers were closed after an earlier failure")
         return self._wait([getattr(a, method).remote(*args) for a in self.actors])
 
     def _wait(self, refs: list[Any]) -> list[Any]:
-        """Results of ``refs`` (one per rank, in order); a dead rank kills the group and raises
-        ``TrainWorkerDied``, a rank's error is raised as its own type."""
-        ray, pending = self.ray, list(refs)
+        """Results of ``refs`` (one per rank, in order); any failure closes the group and is
+        raised (``_fail``)."""
+        pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            ready, pending = self.ray.wait(pending, num_returns=1, timeout=POLL_S)
             for ref in ready:
-                self._check(refs.index(ref), ref)
-        return ray.get(refs)
+                failure = self._failure(refs.index(ref), ref)
+                if failure is not None:
+                    raise self._fail(failure, refs) from None
+        return self.ray.get(refs)
 
-    def _check(self, rank: int, ref: Any) -> None:
+    def _failure(self, rank: int, ref: Any) -> Exception | None:
+        """None if rank ``rank``'s ``ref`` succeeded; else ``TrainWorkerDied`` for a dead
+        process, or the rank's own exception (``ray_session.task_error``)."""
         ex = self.ray.exceptions
         try:
             self.ray.get(ref)
         except ex.RayActorError as e:
             pid = self.pids[rank] if rank < len(self.pids) else None
-            why = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-            self.close()
             where = f" (pid {pid})" if pid else ""
-            raise TrainWorkerDied(f"train worker {rank}{where} died: {why}") from None
+            return TrainWorkerDied(f"train worker {rank}{where} died: {death_line(e)}")
         except ex.RayTaskError as e:
-            self.close()
-            cause = e.as_instanceof_cause()
-            raise (cause if isinstance(cause, Exception) else RuntimeError(str(e))) from None
+            return task_error(e, f"train worker {rank}")
+        return None
+
+    def _fail(self, first: Exception, refs: list[Any]) -> Exception:
+        """Close the group; the failure to raise: ``first``, unless it is a rank's own error
+        and another rank's death shows up within ``GRACE_S`` (a peer's death fails the
+        survivors' collectives, and their error may arrive first)."""
+        if not isinstance(first, TrainWorkerDied):
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=GRACE_S)
+            deaths = [self._failure(refs.index(r), r) for r in ready]
+            first = next((d for d in deaths if isinstance(d, TrainWorkerDied)), first)
+        self.close()
+        return first
 
     # ----------------------------------------------------------------- the learner's face
 

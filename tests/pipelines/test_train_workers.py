@@ -33,7 +33,7 @@ from specrl.pipelines.train_workers import TrainWorkerDied  # noqa: E402
 from specrl.rl.learner import Learner  # noqa: E402
 from specrl.rl.sharded import learner_bytes  # noqa: E402
 from specrl.rl.sharded_checkpoint import load_learner  # noqa: E402
-from tests.backends.ray_helpers import local_ray, ray_processes  # noqa: E402
+from tests.backends.ray_helpers import local_ray, ray_processes, wait_gone  # noqa: E402
 from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
 from tests.pipelines.test_kill_resume import finish, launch, make_model_dir, train_sets  # noqa: E402
@@ -73,15 +73,26 @@ def assert_rows_match(ours: list[dict], theirs: list[dict]) -> None:
                 assert x == y, (a["step"], key, x, y)
 
 
+def assert_released(pids: list[int]) -> None:
+    """The train workers' processes are gone and no placement group is left."""
+    import ray
+
+    assert not wait_gone(set(pids), 30), "train workers survived their close"
+    states = {g["state"] for g in ray.util.placement_group_table().values()}
+    assert states <= {"REMOVED"}, states
+
+
 def run_tiny(session, path: Path, *sets: str, stop_after=None, resume=False):
     """``train`` a tiny run; (its parts, closed; each rank's learner bytes at the end, for
-    train workers)."""
+    train workers, whose release is checked)."""
     parts, memory = tiny_parts(tiny_config(*sets)), None
     try:
         train(parts, str(path), progress=False, stop_after=stop_after, resume=resume)
         memory = parts.learner.memory() if hasattr(parts.learner, "memory") else None
     finally:
         parts.close()
+    if memory is not None:
+        assert_released(parts.learner.pids)
     return parts, memory
 
 
@@ -176,6 +187,7 @@ def test_killed_worker_ends_the_run_and_resume_repeats_no_step(session, tmp_path
             train(parts, str(run), progress=False)
     finally:
         parts.close()
+    assert_released(group.pids)
     line = str(died.value)
     assert "\n" not in line
     assert line.startswith(f"train worker 1 (pid {group.pids[1]}) died")
@@ -185,8 +197,13 @@ def test_killed_worker_ends_the_run_and_resume_repeats_no_step(session, tmp_path
     assert_rows_match(rows(run), rows(reference))
 
 
+def _train_ranks(root: int) -> set[int]:
+    """Live train worker processes under ``root``."""
+    return {p for p in ray_processes(root) if "TrainRank" in Path(f"/proc/{p}/cmdline").read_text()}
+
+
 def _kill_train_ranks(root: int) -> set[int]:
-    pids = {p for p in ray_processes(root) if "TrainRank" in Path(f"/proc/{p}/cmdline").read_text()}
+    pids = _train_ranks(root)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids
@@ -277,3 +294,18 @@ def test_train_workers_without_ray_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the ray extra were not installed
     with pytest.raises(ConfigError, match=r"^cluster.train_workers > 1 needs Ray, which is not"):
         tiny_parts(tiny_config(*TWO))
+
+
+def test_a_ranks_own_error_is_its_one_line_and_nothing_is_left(session):
+    """A setting the learner refuses fails on the ranks as in one process: the same one-line
+    exception; no train worker process and no placement group is left."""
+    with pytest.raises(ValueError) as alone:
+        tiny_parts(tiny_config("learner.kl_coef=0.1"))
+    with pytest.raises(ValueError) as ranks:
+        tiny_parts(tiny_config(*TWO, "learner.kl_coef=0.1"))
+    assert str(ranks.value) == str(alone.value) and "\n" not in str(alone.value)
+    deadline = time.monotonic() + 30
+    while _train_ranks(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _train_ranks(os.getpid())
+    assert_released([])
