@@ -311,7 +311,7 @@ def apply_to_learner(
     ``step_N.reshard-*.del``, so a crash's leftover is cleared as any removal's)."""
     try:
         if data.sharded is not None:
-            load_sharded(learner, data.sharded)
+            _load_sharded(learner, data.sharded)
         elif isinstance(learner, TrainGroup):
             one = learner.one_process()
             apply_checkpoint(data, one.model, one.optimizer)
@@ -327,7 +327,7 @@ def apply_to_learner(
     return dict(data.state), dict(data.backend)
 
 
-def load_sharded(learner: Learner | TrainGroup, path: Path) -> None:
+def _load_sharded(learner: Learner | TrainGroup, path: Path) -> None:
     """A DCP learner checkpoint into a one-process learner or the train workers."""
     if isinstance(learner, TrainGroup):
         learner.load(path)

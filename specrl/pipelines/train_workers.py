@@ -96,6 +96,7 @@ class TrainRank:
         return metrics, kept, [] if sink is None else sink.captured
 
     def raw_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """The learner's raw logprobs of ``sequences`` (rank 0 returns them; others ``[]``)."""
         out = self.learner.raw_logprobs(sequences)
         return [t.cpu() for t in out] if self.rank == 0 else []
 
@@ -111,12 +112,15 @@ class TrainRank:
         return {k: v.cpu() for k, v in block.items()} if self.rank == 0 else {}
 
     def save(self, path: str) -> None:
+        """This rank's part of the group's DCP checkpoint (a collective)."""
         save_learner(self.learner, path)
 
     def load(self, path: str) -> None:
+        """This rank's shards from a DCP checkpoint of any number of ranks (a collective)."""
         load_learner(self.learner, path)
 
     def memory(self) -> dict[str, int]:
+        """This rank's learner bytes (``rl.sharded.learner_bytes``)."""
         return learner_bytes(self.learner)
 
 
@@ -258,7 +262,10 @@ class TrainGroup:
             capture.captured.extend(c for _, _, captured in out for c in captured)
         return metrics
 
-    def raw_logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list:
+    def raw_logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
+        """``Learner.raw_logprobs`` (every rank computes all of them; rank 0's come back)."""
         seqs = [(list(p), list(c)) for p, c in sequences]
         return self._all("raw_logprobs", self.ray.put(seqs))[0]
 
