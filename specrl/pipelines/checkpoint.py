@@ -36,7 +36,6 @@ from specrl.pipelines.manifest import (
     CheckpointDamaged,
     RunDirError,
     checkpoint_step,
-    is_sharded,
     parse_file,
     verify_manifest,
     write_atomically,
@@ -249,8 +248,7 @@ def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
 
 def read_checkpoint(ckpt: Path) -> CheckpointData:
     """Verify and parse the checkpoint in ``ckpt`` (``CheckpointDamaged`` on any damage)."""
-    verify_manifest(ckpt)
-    sharded = ckpt / SHARDED if is_sharded(ckpt) else None
+    sharded = ckpt / SHARDED if SHARDED_MARK in verify_manifest(ckpt) else None
     policy, optimizer = _one_process_files(ckpt) if sharded is None else ({}, {})
     state, rng = parse_file(ckpt, "state.json", _state)
     step = checkpoint_step(ckpt)

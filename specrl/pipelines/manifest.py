@@ -71,16 +71,16 @@ def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
     return ckpt
 
 
-def verify_manifest(ckpt: Path) -> None:
-    """Check every file the manifest lists (size, then sha256). Without a manifest: damaged if
-    state.json carries the ``format`` marker (every checkpoint that has it was written with a
-    manifest), else an older specrl's checkpoint, which passes here and is checked by parsing
-    alone."""
+def verify_manifest(ckpt: Path) -> dict[str, tuple[int, str]]:
+    """Check every file the manifest lists (size, then sha256); the listing. Without a
+    manifest: damaged if state.json carries the ``format`` marker (every checkpoint that has it
+    was written with a manifest), else an older specrl's checkpoint, which passes here (an
+    empty listing) and is checked by parsing alone."""
     path = ckpt / MANIFEST
     if not path.exists():
         if _format(ckpt) >= FORMAT:
             raise CheckpointDamaged(f"{MANIFEST}: missing")
-        return
+        return {}
     listed = read_manifest(ckpt)
     if isinstance(listed, str):
         raise CheckpointDamaged(listed)
@@ -93,12 +93,7 @@ def verify_manifest(ckpt: Path) -> None:
         problem = _sharded_problem(ckpt)
     if problem is not None:
         raise CheckpointDamaged(problem)
-
-
-def is_sharded(ckpt: Path) -> bool:
-    """Whether ``ckpt``'s manifest lists ``SHARDED_MARK`` (train workers wrote it)."""
-    listed = read_manifest(ckpt) if (ckpt / MANIFEST).is_file() else {}
-    return not isinstance(listed, str) and SHARDED_MARK in listed
+    return listed
 
 
 def _sharded_problem(ckpt: Path) -> str | None:

@@ -18,6 +18,7 @@ Details: docs/training.md.
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,8 +73,6 @@ class TrainRank:
         temperature: float, device: str,
     ) -> int:  # fmt: skip
         """Join the group and shard ``model``; this process's pid."""
-        import os
-
         where = torch.device(device)
         if where.type == "cuda":
             where = torch.device("cuda", torch.cuda.current_device())
@@ -109,7 +108,13 @@ class TrainRank:
         if block is None:
             self.blocks = None
             return None
-        return {k: v.cpu() for k, v in block.items()} if self.rank == 0 else {}
+        if self.rank != 0:
+            return {}
+        moved: dict[int, torch.Tensor] = {}  # a tied weight moved (and sent) once
+        for v in block.values():
+            if id(v) not in moved:
+                moved[id(v)] = v.cpu()
+        return {k: moved[id(v)] for k, v in block.items()}
 
     def save(self, path: str) -> None:
         """This rank's part of the group's DCP checkpoint (a collective)."""
@@ -209,28 +214,29 @@ class TrainGroup:
     def _wait(self, refs: list[Any]) -> list[Any]:
         """Results of ``refs`` (one per rank, in order); any failure closes the group and is
         raised (``_fail``)."""
+        results: dict[int, Any] = {}
         pending = list(refs)
         while pending:
             ready, pending = self.ray.wait(pending, num_returns=1, timeout=POLL_S)
             for ref in ready:
-                failure = self._failure(refs.index(ref), ref)
+                rank = refs.index(ref)
+                failure, results[rank] = self._outcome(rank, ref)
                 if failure is not None:
                     raise self._fail(failure, refs) from None
-        return self.ray.get(refs)
+        return [results[rank] for rank in range(len(refs))]
 
-    def _failure(self, rank: int, ref: Any) -> Exception | None:
-        """None if rank ``rank``'s ``ref`` succeeded; else ``TrainWorkerDied`` for a dead
-        process, or the rank's own exception (``ray_session.task_error``)."""
+    def _outcome(self, rank: int, ref: Any) -> tuple[Exception | None, Any]:
+        """(None, the result) of rank ``rank``'s finished ``ref``; else (``TrainWorkerDied``
+        for a dead process or the rank's own exception (``ray_session.task_error``), None)."""
         ex = self.ray.exceptions
         try:
-            self.ray.get(ref)
+            return None, self.ray.get(ref)
         except ex.RayActorError as e:
             pid = self.pids[rank] if rank < len(self.pids) else None
             where = f" (pid {pid})" if pid else ""
-            return TrainWorkerDied(f"train worker {rank}{where} died: {death_line(e)}")
+            return TrainWorkerDied(f"train worker {rank}{where} died: {death_line(e)}"), None
         except ex.RayTaskError as e:
-            return task_error(e, f"train worker {rank}")
-        return None
+            return task_error(e, f"train worker {rank}"), None
 
     def _fail(self, first: Exception, refs: list[Any]) -> Exception:
         """Close the group; the failure to raise: ``first``, unless it is a rank's own error
@@ -238,7 +244,7 @@ class TrainGroup:
         survivors' collectives, and their error may arrive first)."""
         if not isinstance(first, TrainWorkerDied):
             ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=GRACE_S)
-            deaths = [self._failure(refs.index(r), r) for r in ready]
+            deaths = [self._outcome(refs.index(r), r)[0] for r in ready]
             first = next((d for d in deaths if isinstance(d, TrainWorkerDied)), first)
         self.close()
         return first
@@ -275,8 +281,11 @@ class TrainGroup:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers(remove_duplicate=False))
         while (blocks := self._all("next_block"))[0] is not None:
+            done: set[int] = set()  # a tied weight is copied once
             for name, value in blocks[0].items():
-                params[name].copy_(value)
+                if id(params[name]) not in done:
+                    params[name].copy_(value)
+                    done.add(id(params[name]))
             del blocks
 
     def save(self, path: Path) -> None:
