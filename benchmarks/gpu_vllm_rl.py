@@ -265,11 +265,10 @@ def negative_controls(
 # --------------------------------------------------------------------------- the steps
 
 
-def one_step(parts, state, plain, plain_guard, step: int, d2t) -> dict[str, Any]:
-    from specrl.pipelines.state import TrainStream
+def one_step(parts, state, plain, plain_guard, step: int, d2t, prompts) -> dict[str, Any]:
+    """One measured step on ``prompts`` (the step's, drawn outside the timed window)."""
     from specrl.pipelines.step import collect, learn, rollout, rollout_metrics
 
-    prompts = TrainStream.of(parts.plan, parts.env).draw(step)
     batch, plain_out = None, None
     for which in ("spec", "plain") if step % 2 == 0 else ("plain", "spec"):
         if which == "spec":
@@ -396,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     from specrl.models.precision import torch_dtype
     from specrl.pipelines.build import build_run
     from specrl.pipelines.guard import WeightGuard
-    from specrl.pipelines.state import StepState
+    from specrl.pipelines.state import StepState, TrainStream
 
     problem = check_writable(out)
     if problem:
@@ -428,10 +427,13 @@ def main(argv: list[str] | None = None) -> None:
             plain_guard = WeightGuard(torch_dtype(cfg.model.dtype))
             plain_guard.remember(0, dict(parts.learner.model.named_parameters()))
             parts.guard.push_drafter(parts.backend, head_state, 1)  # checked: content and version
+            stream = TrainStream.of(parts.plan, parts.env)
+            drawn = [stream.draw(step) for step in range(steps)]  # outside the timed window
             t2 = time.perf_counter()
             rows, state = [], StepState()
-            for step in range(steps):
-                rows.append(one_step(parts, state, plain, plain_guard, step, head_state.get("d2t")))
+            for step, prompts in enumerate(drawn):
+                d2t = head_state.get("d2t")
+                rows.append(one_step(parts, state, plain, plain_guard, step, d2t, prompts))
                 print_step(rows[-1])
             phases["steps_s"] = time.perf_counter() - t2
             caught = negative_controls(parts, state.version, head_state)

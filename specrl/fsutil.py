@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 MANIFEST = "manifest.json"
 OLD_SUFFIX = ".old"  # a directory ``replace_dir`` is replacing
+TMP_SUFFIX = ".tmp"  # a directory being written, renamed into place when complete
 _CHUNK = 1 << 20
 
 

@@ -42,7 +42,12 @@ from specrl.pipelines.manifest import (
 )
 from specrl.pipelines.train_workers import TrainGroup
 from specrl.rl.learner import Learner
-from specrl.rl.sharded_checkpoint import ShardedCheckpointError, load_learner, save_learner
+from specrl.rl.sharded_checkpoint import (
+    IMPLEMENTATION_KEYS,
+    ShardedCheckpointError,
+    load_learner,
+    save_learner,
+)
 
 BACKEND = "backend.json"
 MASTERS = "masters.safetensors"
@@ -270,11 +275,6 @@ def _one_process_files(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     opt_tensors = parse_file(ckpt, "optimizer.safetensors", lambda p: load_file(str(p)))
     optimizer = parse_file(ckpt, "optimizer.json", lambda p: optimizer_state(opt_tensors, _json(p)))
     return policy, optimizer
-
-
-# How an optimizer runs, not what it learned: kept from this run's optimizer on resume (a
-# checkpoint written on a GPU, with fused AdamW, resumes on the CPU with foreach, and back).
-IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from specrl.errors import one_line
 from specrl.fsutil import (
     MANIFEST,
+    TMP_SUFFIX,
     file_digest,
     fsync_path,
     listed_problem,
@@ -29,7 +30,6 @@ from specrl.fsutil import (
 )
 
 CKPT_PREFIX = "step_"
-TMP_SUFFIX = ".tmp"  # a checkpoint being written
 DEL_SUFFIX = ".del"  # a checkpoint being removed by retention (never recovered)
 FORMAT = 2  # state.json's "format" in checkpoints that always have a manifest (absent before)
 REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")

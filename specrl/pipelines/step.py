@@ -73,7 +73,7 @@ def rollout(
         Request(codec.prompt_ids(p), SamplingParams(
             temperature=t, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
             stop_token_ids=codec.stop_token_ids, n=n or r.group_size,
-            seed=request_seed(parts.cfg.run.seed, step, i, stream)))
+            seed=request_seed(parts.plan.seed, step, i, stream)))
         for i, p in enumerate(prompts)
     ]  # fmt: skip
     out = parts.backend.generate(reqs, spec=spec)

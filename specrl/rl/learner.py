@@ -208,6 +208,8 @@ class Learner:
     a rollout engine its own copy and refit it after steps.
     """
 
+    devices: int = 1  # the devices whose peak FLOPs bound ``mfu`` (a sharded learner: its ranks)
+
     def __init__(
         self,
         model: nn.Module,
@@ -419,7 +421,7 @@ class Learner:
         out = {"tokens_per_s": forward_tokens / seconds, "model_tflops": flops / 1e12}
         peak = peak_flops(self.device)
         if peak is not None:
-            out["mfu"] = flops / peak
+            out["mfu"] = flops / peak / self.devices
         return out
 
     def accumulate_gradients(

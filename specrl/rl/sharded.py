@@ -113,6 +113,7 @@ class ShardedLearner(Learner):
             mesh = init_device_mesh(kind, (dist.get_world_size(),))
         self.mesh, self.group = mesh, mesh.get_group()
         self.rank, self.world = dist.get_rank(self.group), mesh.size()
+        self.devices = self.world  # mfu against the peak of all ranks' devices
         if kwargs.get("ref_model") is not None:
             shard_model(kwargs["ref_model"], mesh)
         super().__init__(model, **kwargs)
@@ -160,14 +161,6 @@ class ShardedLearner(Learner):
         if keep is not None:
             keep.extend(self._gathered(mine))
         return self._reduced(metrics)
-
-    def _throughput(self, forward_tokens: float, positions: float, seconds: float) -> dict:
-        """The group's figures (tokens and FLOPs summed over ranks); mfu against the peak of
-        all ``world`` devices, not one."""
-        out = super()._throughput(forward_tokens, positions, seconds)
-        if "mfu" in out:
-            out["mfu"] /= self.world
-        return out
 
     def _idle_pass(self) -> None:
         """A micro-step's collectives (forward, reference forward, backward), zero gradient."""

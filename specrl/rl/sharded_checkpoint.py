@@ -33,13 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specrl.errors import one_line
-from specrl.fsutil import fsync_path, manifest_problem, replace_dir, write_manifest
+from specrl.fsutil import TMP_SUFFIX, fsync_path, manifest_problem, replace_dir, write_manifest
 from specrl.rl.learner import Learner
 from specrl.rl.sharded import ShardedLearner
 
-TMP_SUFFIX = ".tmp"  # a checkpoint being written
 HYPER = "optimizer.json"
-IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")  # how AdamW runs, kept on load
+# How an optimizer runs, not what it learned: kept from this run's optimizer on resume (a
+# checkpoint written on a GPU, with fused AdamW, resumes on the CPU with foreach, and back).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # "state.<name>.<key>" entries
 NO_DIST = "torch.distributed is disabled"  # DCP's warning when it runs in one process
 

@@ -212,14 +212,6 @@ def build_spec(cls: type[S], data: dict[str, Any], what: str, source: str = "") 
         return validate(cls, data, what, hint=key_hint(cls), source=source)
 
 
-def model_from_dict(data: dict[str, Any]) -> ModelSpec:
-    return build_spec(ModelSpec, data, "model spec")
-
-
-def hardware_from_dict(data: dict[str, Any]) -> HardwareSpec:
-    return build_spec(HardwareSpec, data, "hardware spec")
-
-
 def load_toml(kind: str, name: str) -> tuple[dict[str, Any], str]:
     """The table of a spec file of ``kind`` (``spec_path``) and its path."""
     path = spec_path(kind, name)
