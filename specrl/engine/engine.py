@@ -35,6 +35,11 @@ from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.controller import SpecController, start_controller
 from specrl.spec.proposers.base import Proposer
 
+# How decode and verify steps run: 'off' (shapes as they come), 'static' (rows padded to a batch
+# bucket over a static KV cache, replayed eagerly), 'capture' (static, as captured CUDA graphs;
+# CUDA only), 'auto' (capture on CUDA, off elsewhere).
+STEP_GRAPHS = ("auto", "capture", "static", "off")
+
 
 class Engine:
     """Batched generation with continuous batching (plain decoding; speculation plugs in)."""
@@ -55,7 +60,12 @@ class Engine:
         draft_model: Transformer | None = None,
         record_steps: bool = False,
         memory_fraction: float | None = None,
+        step_graphs: str = "auto",
     ) -> None:
+        if step_graphs not in STEP_GRAPHS:
+            raise ValueError(
+                f"step_graphs must be one of {', '.join(STEP_GRAPHS)}, got {step_graphs!r}"
+            )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
@@ -67,6 +77,7 @@ class Engine:
             if m is not None:
                 prepack(m)
         self.max_batch = max_batch
+        self.step_graphs = step_graphs
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
         self._kv = KVSpace(model, self.device, self.max_context, memory_fraction)
