@@ -4,14 +4,18 @@
 ``processed_logprobs`` is the distribution actually sampled from (temperature, top-k, top-p;
 temperature 0 = greedy), the one "p" of plain sampling and the verifier alike;
 ``uniforms(seeds, counters, stream)`` is a pure function, so a request samples the same tokens
-alone or batched; ``sample`` and ``sample_logits`` draw by inverse CDF. Imports neither the
-engine nor the speculation code. Details: docs/internals.md.
+alone or batched; ``sample`` and ``sample_logits`` draw by inverse CDF. Given
+``hints=SamplingHints.of(...)`` (host-known facts about every row's settings) the functions read
+no device data (no host-device sync, output shapes known from input shapes: capturable) and
+return bit for bit what they return without. Imports neither the engine nor the speculation
+code. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +84,56 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class SamplingHints:
+    """Host-known facts about a batch's settings that replace reads of device data (``hints=``).
+
+    unit_temperature: every row has temperature == 1 (no scaling pass).
+    any_greedy: some row has temperature <= 0.
+    truncate_width: 0 when no row truncates (top_k > 0 or top_p < 1); else the sorted width
+        top-k/top-p work in: the largest top_k (at most the vocabulary) when every truncating
+        row has one, else the vocabulary.
+    plain: every row samples at temperature 1 untruncated (``all_plain``).
+
+    Build them with ``of``. Hints that do not describe the tensors are the caller's error,
+    not detected: the results are then wrong (e.g. a greedy row sampled, a truncated row not
+    truncated), except that unit_temperature=False or any_greedy=True only cost a pass.
+    """
+
+    unit_temperature: bool
+    any_greedy: bool
+    truncate_width: int
+    plain: bool
+
+    @classmethod
+    def of(
+        cls,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        vocab: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> SamplingHints:
+        """The hints of a batch from the settings of every row of its tensors, padding rows
+        included (in any order; rows repeated, as verify repeats them per position, change
+        nothing); ``vocab``: the logits' last dimension (a drafter's own for ``draw``);
+        ``dtype``: that of the temperature and top_p tensors (values compared as they hold
+        them). The hint-free code's own checks, run on small host tensors."""
+        temperature = torch.tensor(temperatures, dtype=dtype)  # [N]
+        top_k = torch.tensor(top_ks, dtype=torch.int64)  # [N]
+        top_p = torch.tensor(top_ps, dtype=dtype)  # [N]
+        truncated = _truncated(top_k, top_p)  # [N]
+        width = 0
+        if bool(truncated.any()):
+            width = _width(top_k, truncated, _keep_counts(top_k, vocab), vocab)
+        return cls(
+            unit_temperature=bool((temperature == 1).all()),
+            any_greedy=bool((temperature <= 0).any()),
+            truncate_width=width,
+            plain=all_plain(temperature, top_k, top_p),
+        )
+
+
 def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
     """(x * c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow (tensor or int)."""
     lo, hi = c & 0xFFFF, c >> 16
@@ -130,6 +184,7 @@ def _apply_top_k_top_p(
     scaled: torch.Tensor,  # [N, V] logits after temperature
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float, 1 = off
+    width: int | None = None,  # None: ``_width`` from the data
 ) -> torch.Tensor:
     """Mask (to -inf) the tokens outside top-k and then outside top-p; returns a new tensor.
 
@@ -137,10 +192,10 @@ def _apply_top_k_top_p(
     truncated row has one (a cheap ``topk``), else the whole vocabulary (a full sort).
     """
     vocab = scaled.shape[-1]
-    truncated = (top_k > 0) | (top_p < 1)  # [N]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    bounded = bool(((top_k > 0) | ~truncated).all())
-    width = int(k[truncated].max()) if bounded else vocab
+    truncated = _truncated(top_k, top_p)  # [N]
+    k = _keep_counts(top_k, vocab)  # [N]
+    if width is None:
+        width = _width(top_k, truncated, k, vocab)
     sorted_logits, order = torch.topk(scaled, width, dim=-1, sorted=True)  # [N, width]
     ranks = torch.arange(width, device=scaled.device)
     keep = ranks[None, :] < k[:, None]  # [N, width]
@@ -154,11 +209,29 @@ def _apply_top_k_top_p(
     return torch.where(truncated[:, None], out, scaled)
 
 
+def _truncated(top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows [N] bool that top-k or top-p truncate."""
+    return (top_k > 0) | (top_p < 1)
+
+
+def _keep_counts(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Tokens [N] top-k keeps per row: top_k at most the vocabulary, all of it when off."""
+    return torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+
+
+def _width(top_k: torch.Tensor, truncated: torch.Tensor, k: torch.Tensor, vocab: int) -> int:
+    """The sorted width top-k/top-p work in (some row truncated; reads the data)."""
+    bounded = bool(((top_k > 0) | ~truncated).all())
+    return int(k[truncated].max()) if bounded else vocab
+
+
 def processed_logprobs(
     logits: torch.Tensor,  # [N, V]
     temperature: torch.Tensor,  # [N] float, 0 = greedy
     top_k: torch.Tensor,  # [N] int64
     top_p: torch.Tensor,  # [N] float
+    *,
+    hints: SamplingHints | None = None,
 ) -> torch.Tensor:
     """Log-probs [N, V] (float32) of the distribution plain sampling draws from.
 
@@ -167,15 +240,19 @@ def processed_logprobs(
     """
     logits = logits.float()
     greedy = temperature <= 0
-    if bool((temperature == 1).all()):  # x / 1.0 == x exactly: skip a vocabulary pass
+    unit = bool((temperature == 1).all()) if hints is None else hints.unit_temperature
+    if unit:  # x / 1.0 == x exactly: skip a vocabulary pass
         scaled = logits
     else:
         safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
         scaled = logits / safe_t[:, None]
-    if bool(((top_k > 0) | (top_p < 1)).any()):
-        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    if hints is None:
+        if bool(_truncated(top_k, top_p).any()):
+            scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    elif hints.truncate_width:
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p, hints.truncate_width)
     logp = torch.log_softmax(scaled, dim=-1)
-    if bool(greedy.any()):
+    if bool(greedy.any()) if hints is None else hints.any_greedy:
         one_hot = torch.full_like(logp, float("-inf"))
         one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
         logp = torch.where(greedy[:, None], one_hot, logp)
@@ -193,12 +270,14 @@ def processed_logprobs_for(logits: torch.Tensor, params: SamplingParams) -> torc
     )
 
 
-def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample(
+    logprobs: torch.Tensor, u: torch.Tensor, *, hints: SamplingHints | None = None
+) -> torch.Tensor:
     """Inverse-CDF sample: logprobs [N, V], u [N] in [0, 1) -> tokens [N] int64.
 
     Tokens of probability 0 are never drawn.
     """
-    return sample_probs(logprobs.exp(), u)
+    return sample_probs(logprobs.exp(), u, hints=hints)
 
 
 def draw(
@@ -207,23 +286,27 @@ def draw(
     top_k: torch.Tensor,  # [N]
     top_p: torch.Tensor,  # [N]
     u: torch.Tensor,  # [N] uniforms
+    *,
+    hints: SamplingHints | None = None,  # of the drafter's vocabulary V
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's draw: tokens [N] from the processed distribution and that distribution as
     probabilities [N, V] (its q), bit for bit ``sample(processed_logprobs(...), u)`` and
     ``processed_logprobs(...).exp()`` with one exponential pass instead of two."""
-    probs = processed_logprobs(logits, temperature, top_k, top_p).exp()
-    return sample_probs(probs, u), probs
+    probs = processed_logprobs(logits, temperature, top_k, top_p, hints=hints).exp()
+    return sample_probs(probs, u, hints=hints), probs
 
 
 CHUNK = 1024
 
 
-def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_probs(
+    probs: torch.Tensor, u: torch.Tensor, *, hints: SamplingHints | None = None
+) -> torch.Tensor:
     """Inverse-CDF sample from (unnormalised) probabilities [N, V] with uniforms u [N].
 
     Two levels keep it cheap and exact: a float64 CDF over chunk masses picks a chunk, then a
     float64 CDF inside that chunk picks the token, so no full-vocabulary float64 pass is needed
-    and tiny tail probabilities keep their chance.
+    and tiny tail probabilities keep their chance. Any ``hints``: no check of the data first.
     """
     n, vocab = probs.shape
     pad = (-vocab) % CHUNK
@@ -234,13 +317,13 @@ def sample_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = u.to(torch.float64) * chunk_cdf[:, -1]  # [N]
     c = _search(chunk_cdf, target)  # [N] chunk index
     before = torch.where(c > 0, chunk_cdf.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner = chunks[torch.arange(n), c]  # [N, CHUNK]
+    inner = chunks[torch.arange(n, device=c.device), c]  # [N, CHUNK]
     inner_cdf = torch.cumsum(inner, dim=-1, dtype=torch.float64)  # [N, CHUNK]
     j = _search(inner_cdf, (target - before).clamp(min=0))
     idx = c * CHUNK + j
     # Rounding between the two levels can land past the last nonzero token: use the argmax then.
     ok = (idx < vocab) & (probs.gather(1, idx[:, None].clamp(max=probs.shape[1] - 1))[:, 0] > 0)
-    if bool(ok.all()):
+    if hints is None and bool(ok.all()):
         return idx
     return torch.where(ok, idx, probs[:, :vocab].argmax(-1))
 
@@ -257,26 +340,28 @@ def sample_logits(
     top_k: torch.Tensor,  # [N]
     top_p: torch.Tensor,  # [N]
     u: torch.Tensor,  # [N] uniforms
+    *,
+    hints: SamplingHints | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain sampling in few vocabulary passes: (tokens, processed, raw logprobs), [N] each.
 
     Same distribution and inverse CDF as ``sample(processed_logprobs(...), u)`` (up to float
     rounding), without full log-prob tensors when temperature is 1 and nothing is truncated.
     """
-    if all_plain(temperature, top_k, top_p):
+    if all_plain(temperature, top_k, top_p) if hints is None else hints.plain:
         kernel = _native_sampler(logits)
         if kernel is not None:  # one pass over the logits, no [N, V] intermediates
             tokens, raw = kernel.sample_t1(logits, u)
             return tokens, raw, raw
         # one fused softmax pass; log of the sampled token's probability
         probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
-        tokens = sample_probs(probs, u)
+        tokens = sample_probs(probs, u, hints=hints)
         raw = probs.gather(1, tokens[:, None])[:, 0].log()
         return tokens, raw, raw
     logits = logits.float()
     raw_lse = torch.logsumexp(logits, dim=-1)  # [N]
-    lp = processed_logprobs(logits, temperature, top_k, top_p)
-    tokens = sample(lp, u)
+    lp = processed_logprobs(logits, temperature, top_k, top_p, hints=hints)
+    tokens = sample(lp, u, hints=hints)
     raw = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
     return tokens, token_logprobs(lp, tokens), raw
 
@@ -303,10 +388,13 @@ def raw_logprobs_reusing(
     temperature: torch.Tensor,  # [N]
     top_k: torch.Tensor,  # [N]
     top_p: torch.Tensor,  # [N]
+    *,
+    hints: SamplingHints | None = None,
 ) -> torch.Tensor:
     """``raw_logprobs(logits)``; when every row samples at temperature 1 untruncated that is
     ``processed`` itself (bit for bit: the same log-softmax of logits / 1.0), so no second pass."""
-    return processed if all_plain(temperature, top_k, top_p) else raw_logprobs(logits)
+    plain = all_plain(temperature, top_k, top_p) if hints is None else hints.plain
+    return processed if plain else raw_logprobs(logits)
 
 
 def all_plain(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:

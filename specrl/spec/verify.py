@@ -6,7 +6,9 @@ token from ``norm(max(0, p - q))``, full acceptance a bonus token from ``p``: th
 plain sampling's distribution (Leviathan et al. 2023; Chen et al. 2023). ``rule="sample"``
 accepts a draft iff it equals plain sampling's token: the output is plain sampling's, token for
 token. Each row emits ``num_accepted + 1`` tokens with processed and raw logprobs and consumes
-as many counters. Stateless; no input is modified. Details: docs/internals.md.
+as many counters. Stateless; no input is modified. With ``hints`` (``SamplingHints`` of the
+rows) no device data is read on the host (capturable) and the result is bit for bit the same.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from specrl.sampling import (
     STREAM_ACCEPT,
     STREAM_RECOVER,
     STREAM_SAMPLE,
+    SamplingHints,
     processed_logprobs,
     raw_logprobs_reusing,
     sample_logits,
@@ -52,6 +55,8 @@ def verify(
     seeds: torch.Tensor,  # [B] int64
     counters: torch.Tensor,  # [B] int64; counter of the first token emitted this step
     rule: str = "distribution",
+    *,
+    hints: SamplingHints | None = None,  # of the B rows (padding included), vocabulary V
 ) -> Verified:
     """Accept a prefix of each row's drafts and emit one recovered or bonus token after it
     (``rule``: "distribution", the rejection sampler, or "sample", plain sampling's tokens)."""
@@ -62,15 +67,17 @@ def verify(
     drafts = torch.where(valid, draft_tokens.to(torch.int64), 0)  # [B, k], padding -> 0
     if rule == "sample":
         return _verify_sample(drafts, valid, target_logits, temperature, top_k, top_p, seeds,
-                              counters)  # fmt: skip
+                              counters, hints)  # fmt: skip
     if rule != "distribution":
         raise ValueError(f"unknown verification rule {rule!r} (choose {', '.join(RULES)})")
-    logp = _per_position(target_logits, temperature, top_k, top_p)  # [B, k+1, V]
+    logp = _per_position(target_logits, temperature, top_k, top_p, hints)  # [B, k+1, V]
     num_accepted = _count_accepted(drafts, valid, draft_probs, logp, seeds, counters)
-    final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters)
+    final = _final_token(drafts, lengths, draft_probs, logp, num_accepted, seeds, counters,
+                         hints)  # fmt: skip
     tokens = _assemble(drafts, num_accepted, final)  # [B, k+1]
     safe = tokens.clamp(min=0)[..., None]  # [B, k+1, 1]
-    raw = raw_logprobs_reusing(target_logits, logp, temperature, top_k, top_p)  # [B, k+1, V]
+    settings = (temperature, top_k, top_p)
+    raw = raw_logprobs_reusing(target_logits, logp, *settings, hints=hints)  # [B, k+1, V]
     return _verified(
         tokens, num_accepted, logp.gather(-1, safe).squeeze(-1), raw.gather(-1, safe).squeeze(-1)
     )
@@ -85,11 +92,13 @@ def _verify_sample(
     top_p: torch.Tensor,  # [B]
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
+    hints: SamplingHints | None,
 ) -> Verified:
     """The "sample" rule: accept drafts while they equal what plain sampling draws; emit plain
     sampling's tokens with its own logprobs (the same function: the same numbers)."""
     k = drafts.shape[1]
-    plain, lp, raw = _plain_tokens(target_logits, temperature, top_k, top_p, seeds, counters)
+    settings = (temperature, top_k, top_p)
+    plain, lp, raw = _plain_tokens(target_logits, *settings, seeds, counters, hints)
     num_accepted = (drafts == plain[:, :k]) & valid  # [B, k]
     num_accepted = num_accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
     final = plain.gather(1, num_accepted[:, None])[:, 0]  # [B]
@@ -121,6 +130,7 @@ def _plain_tokens(
     top_p: torch.Tensor,  # [B]
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
+    hints: SamplingHints | None,  # hold for the rows repeated per position too
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, processed and raw logprobs [B, k+1] each: what plain sampling draws at each
     position (its own function and uniforms: the same logits give the same numbers)."""
@@ -129,7 +139,7 @@ def _plain_tokens(
     u = uniforms(seeds, counters[:, None] + steps[None, :], STREAM_SAMPLE)  # [B, k+1]
     rows = [x.repeat_interleave(positions) for x in (temperature, top_k, top_p)]
     flat = target_logits.reshape(batch * positions, vocab)
-    tokens, lp, raw = sample_logits(flat, *rows, u.reshape(-1))
+    tokens, lp, raw = sample_logits(flat, *rows, u.reshape(-1), hints=hints)
     return tokens.view(batch, positions), lp.view(batch, positions), raw.view(batch, positions)
 
 
@@ -163,11 +173,13 @@ def _per_position(
     temperature: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
+    hints: SamplingHints | None,
 ) -> torch.Tensor:
     """Processed log-probs [B, k+1, V] of every position, each row with its own settings."""
     batch, positions, vocab = target_logits.shape
     rows = [x.repeat_interleave(positions) for x in (temperature, top_k, top_p)]
-    logp = processed_logprobs(target_logits.reshape(batch * positions, vocab), *rows)
+    flat = target_logits.reshape(batch * positions, vocab)
+    logp = processed_logprobs(flat, *rows, hints=hints)
     return logp.view(batch, positions, vocab)
 
 
@@ -205,6 +217,7 @@ def _final_token(
     num_accepted: torch.Tensor,  # [B]
     seeds: torch.Tensor,  # [B]
     counters: torch.Tensor,  # [B]
+    hints: SamplingHints | None,  # given: the general form, no branch on the data
 ) -> torch.Tensor:
     """The token [B] emitted at position j = num_accepted: recovered if j < lengths, else bonus."""
     j = num_accepted
@@ -213,13 +226,14 @@ def _final_token(
     counter_j = counters + j
     u_bonus = uniforms(seeds, counter_j, STREAM_SAMPLE)  # [B]
     rejected = j < lengths  # [B]
-    if not bool(rejected.any()):  # every row drew a bonus token (or had no draft slots)
-        return sample_probs(p_j, u_bonus)
-    residual = _residual(drafts, draft_probs, p_j, j)  # [B, V]
+    # every row drew a bonus token (or had no draft slots)
+    if (not bool(rejected.any())) if hints is None else drafts.shape[1] == 0:
+        return sample_probs(p_j, u_bonus, hints=hints)
+    residual = _residual(drafts, draft_probs, p_j, j, hints)  # [B, V]
     u = torch.where(rejected, uniforms(seeds, counter_j, STREAM_RECOVER), u_bonus)  # [B]
-    if bool(rejected.all()):  # the usual case at batch 1: no [B, V] select
+    if hints is None and bool(rejected.all()):  # the usual case at batch 1: no [B, V] select
         return sample_probs(residual, u)
-    return sample_probs(torch.where(rejected[:, None], residual, p_j), u)
+    return sample_probs(torch.where(rejected[:, None], residual, p_j), u, hints=hints)
 
 
 def _residual(
@@ -227,6 +241,7 @@ def _residual(
     draft_probs: torch.Tensor | None,  # [B, k, V]
     p_j: torch.Tensor,  # [B, V] processed target probabilities at position j
     j: torch.Tensor,  # [B] position of the (possible) rejection
+    hints: SamplingHints | None,  # given: the general form, no branch on the data
 ) -> torch.Tensor:
     """Unnormalised ``max(0, p_j - q_j)`` [B, V]; ``p_j`` where that is all zero."""
     k = drafts.shape[1]
@@ -239,7 +254,9 @@ def _residual(
         q_j = draft_probs[rows, jj].to(p_j.dtype)  # [B, V]
         residual = (p_j - q_j).clamp(min=0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # [B, 1]
-    return torch.where(empty, p_j, residual) if bool(empty.any()) else residual
+    if hints is None and not bool(empty.any()):
+        return residual
+    return torch.where(empty, p_j, residual)
 
 
 def _assemble(
