@@ -241,7 +241,7 @@ def _residual(
     draft_probs: torch.Tensor | None,  # [B, k, V]
     p_j: torch.Tensor,  # [B, V] processed target probabilities at position j
     j: torch.Tensor,  # [B] position of the (possible) rejection
-    hints: SamplingHints | None,  # given: the general form, no branch on the data
+    hints: SamplingHints | None = None,  # given: the general form, no branch on the data
 ) -> torch.Tensor:
     """Unnormalised ``max(0, p_j - q_j)`` [B, V]; ``p_j`` where that is all zero."""
     k = drafts.shape[1]
