@@ -176,6 +176,14 @@ class RolloutCfg(Section):
         "'warn' (a warning in the metrics row and on the console) or 'disable_spec' (warn, then "
         "decode without speculation for the rest of the run).",
     )
+    step_graphs: Literal["auto", "capture", "static", "off"] = Field(
+        "auto",
+        description="How the native engine runs decode and verify steps: 'capture' (rows padded "
+        "to a batch bucket over a static KV cache, each step one captured CUDA graph with "
+        "sampling and verification on the device; CUDA only), 'static' (the same static steps "
+        "run eagerly, any device), 'off' (shapes as they come), 'auto' (capture on CUDA, off "
+        "elsewhere). Greedy completions are the same in every mode.",
+    )
 
     @model_validator(mode="after")
     def _vllm_default_spec(self) -> RolloutCfg:
@@ -342,6 +350,7 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
         AppliesOnly(f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
         for key in ("num_spec_tokens", "spec_siblings", "drafter_path")
     ),
+    AppliesOnly("rollout.step_graphs", "rollout.backend", _is("native"), "='native'"),
     AppliesOnly(
         "model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"
     ),

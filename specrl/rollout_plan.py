@@ -109,6 +109,7 @@ class RolloutPlan:
     workers: Workers | None = None  # Ray rollout workers; None: no Ray
     head_arch: str = "proj"  # the layout of a head trained from nothing (BackendTraits)
     head_vocab: int = 0  # its draft vocabulary size, fixed at start (0: full, or picked later)
+    step_graphs: str = "auto"  # rollout.step_graphs: the native engine's static/captured steps
 
 
 class _Featured(Protocol):
@@ -142,6 +143,7 @@ def make_plan(cfg: Config, backends: Mapping[str, BackendTraits]) -> RolloutPlan
         seed=cfg.run.seed, sampling=_sampling(cfg), alarm_action=r.alarm_action,
         workers=_workers(cfg), head_arch=traits.head_arch,
         head_vocab=cfg.drafter.vocab if traits.fixed_draft_vocab else 0,
+        step_graphs=r.step_graphs,
     )  # fmt: skip
 
 
@@ -283,6 +285,11 @@ def _check_device(cfg: Config, traits: BackendTraits, device: torch.device) -> N
     """A GPU run is colocated in one process: a worker-process engine (shared memory on the
     host) and a CPU-only backend cannot serve it."""
     if device.type == "cpu":
+        if cfg.rollout.step_graphs == "capture":
+            raise ConfigError(
+                f"rollout.step_graphs='capture' with model.device={cfg.model.device!r}: CUDA "
+                "graphs need a CUDA device ('static' runs the same steps on any device)"
+            )
         return
     if traits.cpu_only:
         raise ConfigError(

@@ -217,7 +217,8 @@ def make_engine(plan: RolloutPlan, policy: torch.nn.Module) -> Engine:
     fraction = plan.gpu_memory_utilization if device.type == "cuda" else None
     with refusing("rollout.spec"):  # a drafter that cannot be built from what the plan names
         return Engine(engine_copy(policy, dtype), max_batch=plan.max_batch, seed=plan.seed,
-                      spec=plan.spec, draft_model=draft, memory_fraction=fraction)  # fmt: skip
+                      spec=plan.spec, draft_model=draft, memory_fraction=fraction,
+                      step_graphs=plan.step_graphs)  # fmt: skip
 
 
 def build_native(plan: RolloutPlan, policy: torch.nn.Module) -> NativeBackend:

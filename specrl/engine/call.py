@@ -108,6 +108,10 @@ class Call:
         """The live rows or their seeds changed: ``tensors`` are built again."""
         self._tensors = None
 
+    def shaped(self, rows: int, tokens: int, context: float) -> None:
+        """Note the shape of a forward run elsewhere (a static step) for ``record``."""
+        self._shape = (rows, tokens, context)
+
     def record(self, kind: str, seconds: float, tokens_per_seq: int | None = None) -> None:
         """Append a record of the last target forward's shape and its time."""
         rows, tokens, context = self._shape

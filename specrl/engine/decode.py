@@ -18,11 +18,12 @@ import torch
 
 from specrl.engine.call import Call
 from specrl.engine.rows import Seq, sample_rows
+from specrl.engine.static import StaticSteps
 from specrl.rollout_types import EngineStats
 from specrl.sampling import STREAM_DRAFT, STREAM_SAMPLE
 from specrl.spec.config import SpecConfig
 from specrl.spec.controller import SpecController, StepOutcome
-from specrl.spec.proposers.base import Proposer, ProposerBatch
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch
 from specrl.spec.siblings import SiblingDraft, resolve_siblings
 from specrl.spec.verify import verify
 
@@ -59,8 +60,9 @@ class Decoder:
     """Decode steps over a call's live rows (module docstring); ``controller_for`` gives the
     controller of an adaptive spec (the engine keeps it across calls)."""
 
-    def __init__(self, controller_for: ControllerFor) -> None:
+    def __init__(self, controller_for: ControllerFor, static: StaticSteps | None = None) -> None:
         self._controller_for = controller_for
+        self.static = static  # static (captured) steps where rows fit a bucket; None: never
 
     def step(self, call: Call, rows: list[Seq], start: float) -> list[int]:
         """One decode step for all live rows; returns indices of rows that finished."""
@@ -94,6 +96,10 @@ class Decoder:
         return finished
 
     def _plain_step(self, call: Call, rows: list[Seq], start: float) -> list[int]:
+        if self.static is not None and self.static.fits(len(rows)):
+            s, feats = self.static.decode(call, rows)
+            _keep_hidden(rows, feats, [1] * len(rows))
+            return call.emit(rows, [[x] for x in s.tokens.tolist()], s, start)
         pos = [s.pos for s in rows]
         ids, positions = call.on(torch.tensor([[s.history[-1]] for s in rows]),
                                  torch.tensor(pos)[:, None])  # fmt: skip
@@ -124,9 +130,15 @@ class Decoder:
             hidden=_take_hidden(rows),
             draft_stream=STREAM_SAMPLE if spec.exact == "sample" else STREAM_DRAFT,
         )
-        draft = proposer.propose(batch, k).to(call.device)  # host drafts: one copy per step
+        draft = proposer.propose(batch, k)
         drafts.caught_up = sum(len(h) for h in batch.hidden) if batch.hidden else 0
-        (room,) = call.on(torch.tensor([s.max_total - len(s.history) - 1 for s in rows]))
+        room_left = [s.max_total - len(s.history) - 1 for s in rows]
+        if self.static is not None and spec.siblings == 0 and self.static.fits(len(rows)):
+            lengths, kk = _static_lengths(call, draft, room_left, drafts)
+            call.stats.draft_s += time.perf_counter() - t0
+            return self._static_verify(call, rows, start, batch, draft, lengths, kk, drafts)
+        draft = draft.to(call.device)  # host drafts: one copy per step
+        (room,) = call.on(torch.tensor(room_left))
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
         lengths = drafts.capped(lengths, draft.probs is None)
         kk = int(lengths.max())
@@ -165,6 +177,46 @@ class Decoder:
         proposer.observe(batch.row_ids, v.num_emitted)
         _keep_hidden(rows, feats, v.num_emitted.tolist())
         return call.emit_verified(rows, v, start)
+
+    def _static_verify(
+        self,
+        call: Call,
+        rows: list[Seq],
+        start: float,
+        batch: ProposerBatch,
+        draft: Draft,
+        lengths: torch.Tensor,  # [B] drafts to verify per row (host or device)
+        kk: int,  # their most (a bound for device lengths)
+        drafts: SpecDrafts,
+    ) -> list[int]:
+        """``_spec_step``'s verification as one static step (no draft tree)."""
+        t1 = time.perf_counter()
+        probs = None if draft.probs is None else draft.probs[:, :kk]
+        v, lengths, feats = self.static.verify(call, rows, draft.tokens[:, :kk], lengths, probs,
+                                               call.active.spec.exact)  # fmt: skip
+        call.stats.verify_s += time.perf_counter() - t1
+        _count(call.stats, rows, lengths, v.num_accepted)
+        drafts.record(kk, lengths, v.num_accepted)
+        call.active.proposer.observe(batch.row_ids, v.num_emitted)
+        _keep_hidden(rows, feats, v.num_emitted.tolist())
+        return call.emit_verified(rows, v, start)
+
+
+def _static_lengths(
+    call: Call, draft: Draft, room: list[int], drafts: SpecDrafts
+) -> tuple[torch.Tensor, int]:
+    """Drafts to verify per row [B] (the draft's, at most each row's ``room``, capped by the
+    controller) and their most, kk, without a device-to-host copy: a host draft's are limited
+    on the host; a device draft's stay on the device and kk is their host-known bound."""
+    room = [max(0, r) for r in room]
+    if draft.lengths.device.type == "cpu":
+        lengths = drafts.capped(
+            torch.minimum(draft.lengths, torch.tensor(room)), draft.probs is None
+        )
+        return lengths, int(lengths.max())
+    (bound,) = call.on(torch.tensor(room))
+    lengths = drafts.capped(torch.minimum(draft.lengths, bound), draft.probs is None)
+    return lengths, min(draft.k, max(room))
 
 
 def _record_step(call: Call, k: int, elapsed: float, draft_s: float) -> None:

@@ -25,6 +25,7 @@ from specrl.engine.decode import Decoder
 from specrl.engine.inflight import InflightUpdates, rewrite
 from specrl.engine.kv import KVSpace
 from specrl.engine.rows import ActiveSpec, Seq
+from specrl.engine.static import StaticSteps
 from specrl.models.cache import KVCache
 from specrl.models.device import model_device
 from specrl.models.linear import prepack
@@ -39,6 +40,18 @@ from specrl.spec.proposers.base import Proposer
 # bucket over a static KV cache, replayed eagerly), 'capture' (static, as captured CUDA graphs;
 # CUDA only), 'auto' (capture on CUDA, off elsewhere).
 STEP_GRAPHS = ("auto", "capture", "static", "off")
+
+
+def static_steps(mode: str, device: torch.device, max_batch: int) -> StaticSteps | None:
+    """The static steps ``mode`` (``STEP_GRAPHS``) asks for on ``device``; None for 'off' (and
+    'auto' off CUDA). 'capture' off CUDA is a ``ValueError`` naming the device."""
+    if mode not in STEP_GRAPHS:
+        raise ValueError(f"step_graphs must be one of {', '.join(STEP_GRAPHS)}, got {mode!r}")
+    if mode == "auto":
+        mode = "capture" if device.type == "cuda" else "off"
+    if mode == "capture" and device.type != "cuda":
+        raise ValueError(f"step_graphs='capture' needs a CUDA device, the model is on {device}")
+    return None if mode == "off" else StaticSteps(device, mode == "capture", max_batch)
 
 
 class Engine:
@@ -62,10 +75,6 @@ class Engine:
         memory_fraction: float | None = None,
         step_graphs: str = "auto",
     ) -> None:
-        if step_graphs not in STEP_GRAPHS:
-            raise ValueError(
-                f"step_graphs must be one of {', '.join(STEP_GRAPHS)}, got {step_graphs!r}"
-            )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
@@ -92,7 +101,9 @@ class Engine:
         self._call: Call | None = None  # the running call
         self._updates = InflightUpdates(model)  # in-flight weight updates (``stage_weights``)
         self.controller: SpecController | None = None  # chooses k per step (spec.adaptive)
-        self._decoder = Decoder(self._controller)
+        self.static = static_steps(step_graphs, self.device, max_batch)
+        self._kv.sizes = None if self.static is None else self.static.sizes
+        self._decoder = Decoder(self._controller, self.static)
 
     def make_proposer(self, spec: SpecConfig):
         """Build and check a drafter for this engine (errors here, never mid-generation)."""

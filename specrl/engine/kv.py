@@ -2,8 +2,9 @@
 
 Contract: ``ensure`` readies the cache for a call: a slot per concurrent row (``batch_cap``:
 ``max_batch``, or with ``memory_fraction`` (a GPU) as many rows as their full-length cache fits
-in the memory left under that share of the device, ``models.device.memory_budget``) plus one for
-a stashed prompt, and room for the call's longest prompt plus ``chunk`` positions. The cache is
+in the memory left under that share of the device, ``models.device.memory_budget``; with static
+steps rounded down to a batch bucket, with slots for the bucket's padding rows) plus one for a
+stashed prompt, and room for the call's longest prompt plus ``chunk`` positions. The cache is
 not reserved for prompt + ``max_new_tokens`` up front: ``reserve`` doubles it, up to the longest
 the call can need (``limit``), only when a row outgrows it. ``cache`` is None before the first
 call and after its owner frees it.
@@ -18,6 +19,7 @@ import torch
 from specrl.engine.rows import Seq
 from specrl.models.cache import KVCache
 from specrl.models.device import memory_budget
+from specrl.models.graphs import bucket_for
 from specrl.models.transformer import Transformer
 from specrl.rollout_types import Completion, Request
 
@@ -42,6 +44,9 @@ class KVSpace:
         self.batch_cap = 0  # concurrent rows of the running call (memory permitting)
         self.limit = 0  # the longest cache the running call can need
         self.margin = 0  # positions a speculative forward writes past a row's last token
+        # batch buckets of static steps (``specrl.engine.static``): a call's rows are at most a
+        # bucket and the cache has slots for its bucket's padding rows; None: no static steps
+        self.sizes: tuple[int, ...] | None = None
 
     def ensure(
         self,
@@ -67,7 +72,11 @@ class KVSpace:
         need_len = min(longest_prompt + margin + 1 + chunk, self.limit)
         total = sum(len(c) for _, c in pending)
         self.batch_cap = cap = self._rows_that_fit(self.limit, max_batch)
-        slots = min(cap, total) + (total > cap)  # + the stash slot
+        rows = min(cap, total)
+        if self.sizes is not None:  # padding rows of a static step take slots too
+            self.batch_cap = cap = max(b for b in self.sizes if b <= cap)
+            rows = bucket_for(min(cap, total), self.sizes)
+        slots = rows + (total > cap)  # + the stash slot
         cache = self.cache
         # under a memory budget a cache with more slots than this call may use is made anew:
         # growing it (``reserve``) would lengthen the extra slots too

@@ -82,7 +82,7 @@ def _kernel(
     c: ModelConfig, final_norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, ctx: AttnContext
 ) -> gemv.GemvKernel | None:
     """The kernel when the one-call path applies to this stack and forward (see module)."""
-    if ctx.cache is None or not ctx.read_cache or not x.is_contiguous():
+    if ctx.cache is None or not ctx.read_cache or ctx.static or not x.is_contiguous():
         return None
     if c.qk_norm or c.attention_bias or c.head_dim % 32 or c.head_dim > 256:
         return None

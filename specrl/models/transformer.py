@@ -2,7 +2,8 @@
 
 ``Transformer(config)`` maps token ids at explicit positions to logits, optionally through a
 ``KVCache`` (row b uses slot b), returning chosen layers' hidden states (EAGLE-3 / MTP), reading
-a draft tree in one forward, or over packed rows (``segments``: ``packed_attention``). Hugging
+a draft tree in one forward, over packed rows (``segments``: ``packed_attention``), or as a
+static, capturable step (``kv_len=STATIC``). Hugging
 Face weight semantics, stored fused (qkv, gate_up); ``checkpoint_layers`` recomputes decoder
 blocks in backward. No sampling, no RL.
 Details: docs/internals.md.
@@ -24,6 +25,9 @@ from specrl.models.fused import native_layers
 from specrl.models.linear import Linear
 from specrl.models.packed_attention import PackedAttention, PackedMask, use_flex
 from specrl.models.rope import rope_inv_freq, rotate_half
+
+# ``kv_len`` of a static step (``specrl.models.graphs``): attention reads the whole cache
+STATIC = -1
 
 
 def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
@@ -177,13 +181,15 @@ class Attention(nn.Module):
             out = ctx.packed.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.o(out.transpose(1, 2).reshape(b, t, -1))
         reads = ctx.cache is not None and ctx.read_cache
-        out = self._attend_native(q, ctx) if reads else None  # [B, T, heads, head_dim]
+        native = reads and not ctx.static
+        out = self._attend_native(q, ctx) if native else None  # [B, T, heads, head_dim]
         if out is None:
             if reads:
                 keys, values = ctx.cache.read(self.layer, b, ctx.kv_len, ctx.slots)
             else:
                 keys, values = k.transpose(1, 2), v.transpose(1, 2)
-            attend = grouped_attention if ctx.read_cache and q.dtype != torch.float32 else sdpa
+            grouped = ctx.read_cache and q.dtype != torch.float32 and not ctx.static
+            attend = grouped_attention if grouped else sdpa
             out = attend(q.transpose(1, 2), keys, values, ctx.mask).transpose(1, 2)
         return self.o(out.reshape(b, t, -1))
 
@@ -244,6 +250,7 @@ class AttnContext:
     slots: torch.Tensor | None = None  # [B] slots read (None: slots 0..B-1, a view)
     store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
     packed: PackedMask | None = None  # packed rows via flex attention (no cache; mask None)
+    static: bool = False  # a static step: the whole cache through SDPA, no host reads
     _visible: tuple | None = field(default=None, repr=False)  # visible_keys(), once per forward
     _written: tuple | None = field(default=None, repr=False)  # write_index(), once per forward
 
@@ -318,7 +325,8 @@ class Transformer(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
         weights = self.embed.weight if like is None else like
-        autocast = torch.is_autocast_enabled(positions.device.type)
+        kind = positions.device.type  # "meta" (shape checks) has no autocast state
+        autocast = kind != "meta" and torch.is_autocast_enabled(kind)
         dtype = torch.float32 if autocast else weights.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -351,6 +359,8 @@ class Transformer(nn.Module):
             return AttnContext(positions, mask[:, None], cache, rows, t, read_cache=False)
         if tree is not None:
             return self._tree_context(positions, cache, kv_len, slots, tree)
+        if kv_len == STATIC:
+            return _static_context(positions, cache)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
@@ -402,8 +412,10 @@ class Transformer(nn.Module):
 
         With a cache, row b writes its keys/values into slot ``slots[b]`` (default b) at its
         positions and attends to that slot's positions <= its own; with ``prefill`` it attends
-        only within the given tokens (no cache read). With ``tree`` ([T, T] ancestor-or-self,
-        a draft tree) the T tokens are stored at consecutive cache positions from
+        only within the given tokens (no cache read). ``kv_len=STATIC``: a static step
+        (``specrl.models.graphs``): rows 0..B-1 read their slots' whole cache through SDPA under
+        a mask built on the device, no host read of device data. With ``tree`` ([T, T]
+        ancestor-or-self, a draft tree) the T tokens are stored at consecutive cache positions from
         ``positions[:, 0]`` while RoPE uses ``positions`` (a token's depth), and each token
         attends to the cache before the root and to its ancestors only.
         """
@@ -445,6 +457,17 @@ class Transformer(nn.Module):
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         c, p = self.config, self.embed.weight
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+
+def _static_context(positions: torch.Tensor, cache: KVCache) -> AttnContext:
+    """A static step's context: rows 0..B-1 read their slots' whole cache through SDPA, each
+    query the keys at positions <= its own; built on the device from ``positions`` [B, T] (no
+    host read: shapes come from the inputs and the cache)."""
+    b, t = positions.shape
+    keys = torch.arange(cache.max_len, device=positions.device)
+    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, max_len]
+    rows = torch.arange(b, device=positions.device)[:, None].expand(b, t)
+    return AttnContext(positions, mask, cache, rows, cache.max_len, static=True)
 
 
 def cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:

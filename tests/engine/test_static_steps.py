@@ -1,0 +1,176 @@
+"""Static (captured) decode and verify steps: the same completions as the uncaptured engine,
+greedy token for token (plain, every drafter kind, continuous batching, ragged acceptance, shared
+prefills, in-flight weight updates), one device-to-host copy per step, no host read of device
+data inside a step (it runs on the meta device), buckets and the cache slots they need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrl.engine import Engine
+from specrl.engine.static import decode_step, verify_step
+from specrl.models.graphs import StepGraphs, bucket_for, buckets
+from specrl.models.transformer import Transformer
+from specrl.rollout_types import Request
+from specrl.sampling import SamplingHints, SamplingParams
+from specrl.spec.config import SpecConfig
+from tests.conftest import DEVICES, make_tiny, tiny_config
+
+VOCAB = 32
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6], [9, 9, 9], [4, 3, 2, 1, 4, 3, 2, 1, 4]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, n=2, seed=3, stop_token_ids=(7,))
+SAMPLED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=4)
+METHODS = ["none", "ngram", "suffix", "draft", "eagle3", "mtp"]
+
+
+def mode_for(device: str) -> str:
+    return "capture" if device == "cuda" else "static"
+
+
+def engine(step_graphs: str, method: str, device: str = "cpu", max_batch: int = 4) -> Engine:
+    """An engine over the tiny target (the same weights every time) with ``method``."""
+    target = make_tiny(seed=11, vocab_size=VOCAB).to(device)
+    draft = make_tiny(seed=5, vocab_size=VOCAB) if method == "draft" else None
+    spec = SpecConfig(method, 3) if method != "none" else None
+    return Engine(target, max_batch=max_batch, spec=spec, draft_model=draft,
+                  step_graphs=step_graphs)  # fmt: skip
+
+
+def run(e: Engine, params: SamplingParams) -> list:
+    return e.generate([Request(p, params) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_static_equals_uncaptured(method: str, device: str) -> None:
+    """8 rows through 4 slots (continuous batching, groups of 2 sharing a prefill, stops):
+    the same tokens, token for token, and logprobs to float rounding; every step static."""
+    plain = run(engine("off", method, device), GREEDY)
+    e = engine(mode_for(device), method, device)
+    static = run(e, GREEDY)
+    assert [c.token_ids for c in static] == [c.token_ids for c in plain]
+    assert [c.finish_reason for c in static] == [c.finish_reason for c in plain]
+    for a, b in zip(static, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+        torch.testing.assert_close(torch.tensor(a.raw_logprobs), torch.tensor(b.raw_logprobs))
+    assert e.stats.steps > 0
+    assert e.static.host_copies == e.stats.steps  # every step static, one copy each
+    if method != "none":
+        assert e.stats.spec_steps > 0 and e.stats.drafted > 0
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+def test_sampled_static_equals_uncaptured(method: str) -> None:
+    """Temperature, top-k and top-p rows (hints other than plain): the same samples."""
+    plain = run(engine("off", method), SAMPLED)
+    static = run(engine("static", method), SAMPLED)
+    assert [c.token_ids for c in static] == [c.token_ids for c in plain]
+
+
+def test_ragged_acceptance_and_width_buckets() -> None:
+    """Rows accept different numbers of drafts in one step and the batch shrinks through the
+    buckets as rows finish: each (bucket, width) a step of its own, built once."""
+    e = engine("static", "ngram", max_batch=8)
+    run(e, GREEDY)
+    accepted = [c.accepted for c in e.generate([Request(p, GREEDY) for p in PROMPTS])]
+    assert len(set(accepted)) > 1
+    widths = {key[1] for key in e.static.graphs._steps}
+    assert widths - {8}  # some steps ran below the largest bucket
+    assert e.static.graphs.captures == len(e.static.graphs)
+
+
+class SwitchingEngine(Engine):
+    """Stages an update after the second admission: it applies mid-call."""
+
+    def __init__(self, model: Transformer, update: dict, **kw) -> None:
+        super().__init__(model, **kw)
+        self.update, self.admissions = update, 0
+
+    def _admit(self, rows, pending, start) -> None:  # noqa: ANN001
+        super()._admit(rows, pending, start)
+        self.admissions += 1
+        if self.admissions == 2:
+            self.stage_weights(self.update, 5, "reverify")
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_inflight_update_static_equals_uncaptured(method: str) -> None:
+    """Weights copied in place mid-call (the captured steps read the same tensors): the same
+    tokens and versions as the uncaptured engine."""
+    new = make_tiny(seed=12, vocab_size=VOCAB)
+    update = {k: v.clone() for k, v in new.named_parameters()}
+    outs = []
+    for mode in ("off", "static"):
+        spec = SpecConfig(method, 3) if method != "none" else None
+        e = SwitchingEngine(make_tiny(seed=11, vocab_size=VOCAB), update, max_batch=4, spec=spec,
+                            step_graphs=mode)  # fmt: skip
+        outs.append(run(e, GREEDY))
+    off, static = outs
+    assert [c.token_ids for c in static] == [c.token_ids for c in off]
+    assert [c.token_versions for c in static] == [c.token_versions for c in off]
+    assert any(5 in c.token_versions for c in static)
+
+
+def meta_inputs(width: int, tokens: int) -> dict[str, torch.Tensor]:
+    ints = torch.zeros(width, 2 * tokens + 3, dtype=torch.int64, device="meta")
+    return {"ints": ints, "floats": torch.ones(width, 2, device="meta")}
+
+
+@pytest.mark.parametrize("rule", ["distribution", "sample"])
+def test_steps_read_no_device_data_on_the_host(rule: str) -> None:
+    """A step on the meta device (no data: any bool(t), t.item(), t.tolist() raises) completes
+    with the packed shapes: nothing in it waits for the device (capturable)."""
+    with pytest.raises(Exception):  # noqa: B017, PT011 (the premise: meta data cannot be read)
+        bool(torch.zeros(2, device="meta").any())
+    with torch.device("meta"):
+        model = Transformer(tiny_config(vocab_size=VOCAB)).eval()
+    cache = model.new_cache(4, 16)
+    layers = (0, 1)
+    hints = SamplingHints.of([0.0, 0.7, 1.0, 1.0], [0, 5, 0, 0], [1.0, 0.9, 1.0, 1.0], VOCAB)
+    packed, feats = decode_step(model, cache, layers, hints, meta_inputs(4, 1))
+    assert packed.shape == (4, 3) and feats.shape[:2] == (4, 1)
+    x = meta_inputs(4, 4) | {
+        "drafts": torch.zeros(4, 3, dtype=torch.int64, device="meta"),
+        "lengths": torch.zeros(4, dtype=torch.int64, device="meta"),
+        "probs": torch.zeros(4, 3, VOCAB, device="meta"),
+    }
+    packed, _ = verify_step(model, cache, (), hints, rule, x)
+    assert packed.shape == (4, 2 + 3 * 4)
+
+
+def test_buckets() -> None:
+    assert buckets(1) == (1,)
+    assert buckets(4) == (1, 2, 4)
+    assert buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert buckets(64)[-3:] == (48, 56, 64)
+    assert bucket_for(3, buckets(20)) == 4 and bucket_for(17, buckets(20)) == 20
+    assert bucket_for(21, buckets(20)) is None
+    with pytest.raises(ValueError, match="bucket limit"):
+        buckets(0)
+
+
+def test_step_graphs_reuse_static_buffers() -> None:
+    """A key's inputs are copied into its static buffers: the second run sees the new values."""
+    graphs = StepGraphs(torch.device("cpu"), capture=False)
+    double = lambda x: x["a"] * 2  # noqa: E731
+    assert graphs.run("k", double, {"a": torch.tensor([1.0])}).tolist() == [2.0]
+    assert graphs.run("k", double, {"a": torch.tensor([3.0])}).tolist() == [6.0]
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 2, 1)
+    graphs.clear()
+    assert len(graphs) == 0
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        StepGraphs(torch.device("cpu"), capture=True)
+
+
+def test_modes_and_cache_slots() -> None:
+    """'auto' is off on the CPU; 'capture' there is a one-line error; a static engine's cache
+    has a slot for each padding row of its bucket (3 rows -> bucket 4)."""
+    assert engine("auto", "none").static is None
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        engine("capture", "none")
+    with pytest.raises(ValueError, match="step_graphs must be one of"):
+        engine("graphs", "none")
+    e = engine("static", "none", max_batch=8)
+    e.generate([Request(p, GREEDY.replace(n=1)) for p in PROMPTS[:3]])
+    assert e._kv.cache.slots >= 4
