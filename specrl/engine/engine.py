@@ -6,7 +6,8 @@ context (``"length"``). Sampling is counter-based per request seed, so a request
 same tokens alone or batched. Each iteration admits rows (``admission``), grows the cache
 (``kv``), applies a staged weight update (``stage_weights``: ``inflight``), runs one decode step
 (``decode``) and retires finished rows (``call``). ``stats`` / ``total_stats`` are the last
-call's and every call's counters. The engine runs on its model's device.
+call's and every call's counters. The engine runs on its model's device; ``step_graphs`` runs
+decode and verify steps at static shapes, captured as CUDA graphs on CUDA (``static``).
 Details: docs/internals.md.
 """
 
