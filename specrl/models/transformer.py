@@ -90,6 +90,23 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def grouped_sdpa(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, KV, L, D] (a view of the whole cache)
+    v: torch.Tensor,  # [B, KV, L, D]
+    mask: torch.Tensor,  # [B, 1, T, L] bool, True = attend
+) -> torch.Tensor:
+    """PyTorch's fused attention with the H/KV query heads sharing a KV head stacked as query
+    rows: each KV head is read once by a fused kernel that takes a mask (SDPA's grouped-query
+    path under a mask is its math kernel, which copies K and V per query head). [B, H, T, D]."""
+    b, h, t, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    g = h // kv
+    rows = mask[:, :, None].expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, d), k, v, attn_mask=rows)
+    return out.view(b, h, t, d)
+
+
 FP32_ATTENTION_ROWS = 4  # batch rows up to which grouped_attention computes in float32
 
 
@@ -188,8 +205,8 @@ class Attention(nn.Module):
                 keys, values = ctx.cache.read(self.layer, b, ctx.kv_len, ctx.slots)
             else:
                 keys, values = k.transpose(1, 2), v.transpose(1, 2)
-            grouped = ctx.read_cache and q.dtype != torch.float32 and not ctx.static
-            attend = grouped_attention if grouped else sdpa
+            attend = grouped_attention if ctx.read_cache and q.dtype != torch.float32 else sdpa
+            attend = grouped_sdpa if ctx.static else attend
             out = attend(q.transpose(1, 2), keys, values, ctx.mask).transpose(1, 2)
         return self.o(out.reshape(b, t, -1))
 
