@@ -79,6 +79,8 @@ class StepGraphs:
         static = {name: t.to(self.device, copy=True) for name, t in inputs.items()}
         if not self.capture:
             return _Step(static, fn)
+        staging = {name: torch.empty_like(t).pin_memory()
+                   for name, t in inputs.items() if t.device.type == "cpu"}  # fmt: skip
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -90,11 +92,14 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn(static)
-        return _Step(static, fn, graph, out)
+        return _Step(static, fn, graph, out, staging)
 
 
 class _Step:
-    """One key's static inputs and its graph (None: run ``fn`` eagerly on them)."""
+    """One key's static inputs and its graph (None: run ``fn`` eagerly on them); a captured
+    step's host inputs pass through pinned staging buffers (asynchronous copies; the caller
+    waits for a step's results (the engine copies them to the host) before it runs the same
+    key again, so a staging buffer is never rewritten while its copy is pending)."""
 
     def __init__(
         self,
@@ -102,12 +107,17 @@ class _Step:
         fn: Callable[[dict[str, torch.Tensor]], Any],
         graph: torch.cuda.CUDAGraph | None = None,
         out: Any = None,
+        staging: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.static, self.fn, self.graph, self.out = static, fn, graph, out
+        self.staging = staging or {}
 
     def fill(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``inputs`` into the static buffers (host tensors: one asynchronous copy each)."""
+        """Copy ``inputs`` into the static buffers."""
         for name, t in inputs.items():
+            pinned = self.staging.get(name)
+            if pinned is not None and t.device.type == "cpu":
+                t = pinned.copy_(t)
             self.static[name].copy_(t, non_blocking=True)
 
     def replay(self) -> Any:
