@@ -47,7 +47,7 @@ class StaticSteps:
         """A plain step: per row one sampled token with its logprobs (host tensors [B]) and the
         drafter's features [B, 1, F] (or None)."""
         b, width = len(rows), self._bucket(call, len(rows))
-        ints, floats, hints = _inputs(call, rows, width, [[s.history[-1]] for s in rows], 1)
+        ints, floats, hints = _inputs(call, rows, width, 1)
         key = ("decode", width, hints, call.active.capture, self._cache)
         step = partial(decode_step, call.model, call.kv.cache, call.active.capture, hints)
         packed, feats = self.graphs.run(key, step, {"ints": ints, "floats": floats})
@@ -70,8 +70,7 @@ class StaticSteps:
         tensors) and the drafter's features [B, kk+1, F] (or None)."""
         b, kk = drafts.shape
         width = self._bucket(call, b)
-        last = [[s.history[-1]] for s in rows]
-        ints, floats, hints = _inputs(call, rows, width, last, kk + 1)
+        ints, floats, hints = _inputs(call, rows, width, kk + 1)
         inputs = {"ints": ints, "floats": floats, "drafts": _pad_rows(drafts, width),
                   "lengths": _pad_rows(lengths, width)}  # fmt: skip
         if probs is not None:
@@ -148,27 +147,24 @@ def verify_step(
 
 
 def _inputs(
-    call: Call, rows: list[Seq], width: int, first: list[list[int]], tokens: int
+    call: Call, rows: list[Seq], width: int, tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, SamplingHints]:
-    """Host tensors of a step over ``width`` rows (padding after the live ones): ints
-    [W, 2T + 3] (ids: ``first`` then zeros, positions, top_k, seed, counter) and floats [W, 2]
-    (temperature, top_p), with the hints of every row's settings."""
+    """Host tensors of a step over ``width`` rows (padding after the live ones), each built
+    from one list: ints [W, 2T + 3] (ids: the row's last token, then zeros; positions; top_k;
+    seed; counter) and floats [W, 2] (temperature, top_p), with the hints of every row's
+    settings."""
     pad = width - len(rows)
     last = call.kv.cache.max_len - 1  # where padding rows write: a position no history reaches
+    zeros = [0] * (tokens - 1)
+    ints = [[s.history[-1], *zeros, *range(s.pos, s.pos + tokens), s.params.top_k, s.comp.seed,
+             len(s.comp.token_ids)] for s in rows]  # fmt: skip
+    ints += [[0, *zeros, *[last] * tokens, PAD_SETTINGS[1], 0, 0]] * pad
     settings = [(s.params.temperature, s.params.top_k, s.params.top_p) for s in rows]
     settings += [PAD_SETTINGS] * pad
-    ints = torch.zeros(width, 2 * tokens + 3, dtype=torch.int64)
-    for b, (seq, ids) in enumerate(zip(rows, first, strict=True)):
-        ints[b, : len(ids)] = torch.tensor(ids)
-        ints[b, tokens : 2 * tokens] = torch.arange(seq.pos, seq.pos + tokens)
-        ints[b, 2 * tokens + 1] = seq.comp.seed
-        ints[b, 2 * tokens + 2] = len(seq.comp.token_ids)
-    ints[len(rows) :, tokens : 2 * tokens] = last
-    ints[:, 2 * tokens] = torch.tensor([k for _, k, _ in settings])
     floats = torch.tensor([(t, p) for t, _, p in settings], dtype=torch.float32)
     temps, top_ks, top_ps = zip(*settings, strict=True)
     hints = SamplingHints.of(temps, top_ks, top_ps, call.model.config.vocab_size)
-    return ints, floats, hints
+    return torch.tensor(ints, dtype=torch.int64), floats, hints
 
 
 def _split_ints(
