@@ -21,6 +21,7 @@ from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import run_layers
 from specrl.models.transformer import (
+    STATIC,
     AttnContext,
     Block,
     Linear,
@@ -138,18 +139,23 @@ class DraftHead(nn.Module):
         return self.target_config.vocab_size if self.d2t is None else len(self.d2t)
 
     def lm_head(self) -> Linear:
-        """The target's LM head, or its rows ``d2t`` (a copy rebuilt when the target changes)."""
+        """The target's LM head, or its rows ``d2t``: a copy refreshed when the target changes,
+        in place while its shape holds (a captured drafting step reads its storage)."""
         lm = self.target.lm_head
         if self.d2t is None:
             return lm
         w = lm.weight
-        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr())
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
         if self._lm is None or self._lm[1] != key:
             # a normal tensor even in inference mode: usable in training, has a version counter
             with torch.inference_mode(False), torch.no_grad():
-                rows = Linear(w.shape[1], len(self.d2t), bias=False, device="meta")
                 weight = w.detach().index_select(0, self.d2t.clone())
-                rows.weight = nn.Parameter(weight, requires_grad=False)
+                rows = None if self._lm is None else self._lm[0]
+                if rows is not None and _same_kind(rows.weight, weight):
+                    rows.weight.copy_(weight)
+                else:
+                    rows = Linear(w.shape[1], len(self.d2t), bias=False, device="meta")
+                    rows.weight = nn.Parameter(weight, requires_grad=False)
             self._lm = (rows, key)
         return self._lm[0]
 
@@ -179,9 +185,13 @@ class DraftHead(nn.Module):
         slots: torch.Tensor | None = None,  # [B] cache slot each row reads
         kv_len: int | None = None,
     ) -> torch.Tensor:
-        """Run the decoder layer; returns g [B, T, H]. Without a cache: causal over T."""
+        """Run the decoder layer; returns g [B, T, H]. Without a cache: causal over T;
+        ``kv_len=STATIC``: a static step (as ``Transformer``'s): row b writes and reads slot b,
+        its whole cache under a mask built on the device (``rows``/``slots`` unused)."""
         if cache is None:
             ctx = self.target.attn_context(positions, None, None)
+        elif kv_len == STATIC:
+            ctx = self.target.attn_context(positions, cache, STATIC)
         else:
             kv_len = kv_len or int(positions.max()) + 1
             mask = cache_mask(positions, kv_len)  # [B, 1, T, kv_len] or None
@@ -243,6 +253,11 @@ def fresh_head(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return DraftHead(target, kind, draft_vocab=d2t, arch=arch)
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` can be copied into ``a`` as it is (shape, dtype, device)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _check_arch(kind: str, arch: str) -> None:
