@@ -129,6 +129,7 @@ class Decoder:
             prompt_lengths=[len(s.comp.prompt_ids) for s in rows],
             hidden=_take_hidden(rows),
             draft_stream=STREAM_SAMPLE if spec.exact == "sample" else STREAM_DRAFT,
+            settings=[(s.params.temperature, s.params.top_k, s.params.top_p) for s in rows],
         )
         draft = proposer.propose(batch, k)
         drafts.caught_up = sum(len(h) for h in batch.hidden) if batch.hidden else 0

@@ -29,6 +29,7 @@ from specrl.engine.rows import ActiveSpec, Seq
 from specrl.engine.static import StaticSteps
 from specrl.models.cache import KVCache
 from specrl.models.device import model_device
+from specrl.models.graphs import StepGraphs
 from specrl.models.linear import prepack
 from specrl.models.transformer import Transformer
 from specrl.models.weights import copy_weights
@@ -97,13 +98,13 @@ class Engine:
         self.total_stats = EngineStats()  # every call since the engine was built
         self.record_steps = record_steps  # time each forward into stats.step_records
         self.spec = (spec or SpecConfig()).validate()
+        self.static = static_steps(step_graphs, self.device, max_batch)
+        self._kv.sizes = None if self.static is None else self.static.sizes
         self.proposer = self.make_proposer(self.spec)
         self._active = ActiveSpec(self.spec)  # the running call's speculation
         self._call: Call | None = None  # the running call
         self._updates = InflightUpdates(model)  # in-flight weight updates (``stage_weights``)
         self.controller: SpecController | None = None  # chooses k per step (spec.adaptive)
-        self.static = static_steps(step_graphs, self.device, max_batch)
-        self._kv.sizes = None if self.static is None else self.static.sizes
         self._decoder = Decoder(self._controller, self.static)
 
     def make_proposer(self, spec: SpecConfig):
@@ -111,6 +112,9 @@ class Engine:
         proposer = build_proposer(spec, draft_model=self.draft_model, target_model=self.model)
         if proposer is not None and hasattr(proposer, "check"):
             proposer.check(self.max_context, self.model.config.vocab_size)
+        if self.static is not None and hasattr(proposer, "use_static"):  # its own steps
+            proposer.use_static(StepGraphs(self.device, self.static.graphs.capture),
+                                self.static.sizes)  # fmt: skip
         return proposer
 
     @property

@@ -85,6 +85,9 @@ class ProposerBatch:
     # counters + i, draft_stream)): its own STREAM_DRAFT, or plain sampling's STREAM_SAMPLE
     # under sample-exact verification (the coupling that lets drafts equal plain tokens).
     draft_stream: int = STREAM_DRAFT
+    # Per row (temperature, top_k, top_p) as host values, what a static drafting step's
+    # ``SamplingHints`` are built from without reading the device; None: not given.
+    settings: list[tuple[float, int, float]] | None = None
 
     def __len__(self) -> int:
         return len(self.histories)

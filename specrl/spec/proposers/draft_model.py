@@ -4,19 +4,26 @@
 history it has not seen, then samples k tokens from the row's processed distribution with
 ``draft_stream`` uniforms and returns q. ``bind`` checks vocabulary and context;
 ``load_weights`` takes new weights. ``self`` is the same class with the target (q == p).
-Details: docs/internals.md.
+The drafted tokens are read back at the next propose (what the cache holds), not while the
+device still drafts. With ``use_static`` (an engine with static steps) row b's cache sits in
+slot b and the k draws run as one static step (``static_draft``); prefill and catch-up
+(variable width) stay uncaptured. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from specrl.models.cache import KVCache
 from specrl.models.device import model_device, on
-from specrl.models.transformer import Transformer
+from specrl.models.graphs import StepGraphs
+from specrl.models.transformer import STATIC, Transformer
 from specrl.models.weights import copy_weights
-from specrl.sampling import draw, uniforms
-from specrl.spec.proposers import register_proposer
+from specrl.spec.proposers import register_proposer, static_draft
 from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.static_draft import Drafted, DraftKey, Inputs
 
 
 class _Row:
@@ -50,6 +57,8 @@ class DraftModelProposer:
         self.rows: dict[int, _Row] = {}
         self.cache = None
         self.free: list[int] = []
+        self.static: static_draft.StaticDrafts | None = None  # ``use_static``
+        self._unread: tuple[list[_Row], torch.Tensor] | None = None  # drafts fed, not yet read
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -70,7 +79,7 @@ class DraftModelProposer:
         self.check(max_len, vocab_size)
         if self.cache is None or self.cache.slots < max_batch or self.cache.max_len < max_len:
             self.cache = self.model.new_cache(max_batch, max_len)
-            self.rows, self.free = {}, list(range(max_batch))[::-1]
+            self.rows, self.free, self._unread = {}, list(range(max_batch))[::-1], None
 
     def observe(self, row_ids: list[int], accepted: torch.Tensor) -> None:
         """Nothing to do: the next propose compares what was fed with the history."""
@@ -86,8 +95,13 @@ class DraftModelProposer:
         and fingerprints); the cached keys/values of live rows are recomputed on their next
         propose."""
         copy_weights(self.model, state)
+        self._unread = None
         for row in self.rows.values():
             row.fed, row.safe = [], 0
+
+    def use_static(self, graphs: StepGraphs, sizes: tuple[int, ...]) -> None:
+        """Draft k tokens as one static step over ``graphs`` (batch buckets ``sizes``)."""
+        self.static = static_draft.StaticDrafts(graphs, sizes)
 
     # ------------------------------------------------------------------ drafting
 
@@ -95,31 +109,71 @@ class DraftModelProposer:
     def propose(self, batch: ProposerBatch, k: int) -> Draft:
         if self.cache is None:
             raise RuntimeError("DraftModelProposer.bind() must be called before propose()")
+        self._settle()
+        b = len(batch)
+        width = None if self.static is None or k == 0 else self.static.width(b)
+        if width is not None:
+            self._place(batch.row_ids)
         rows = [self._row(rid) for rid in batch.row_ids]
         self._prefill_new(rows, batch.histories)
-        logits = self._catch_up(rows, batch.histories)  # [B, V]
+        h = self._catch_up(rows, batch.histories, static=width is not None)  # [B, 1, H]
+        if k == 0:
+            tokens, q = torch.zeros(b, 0, dtype=torch.int64, device=self.device), None
+        elif width is not None:
+            tokens, q = self._draft_static(batch, h, k, width)
+        else:
+            tokens, q = self._draft(batch, rows, h, k)
+        for row, hist in zip(rows, batch.histories, strict=True):
+            row.fed, row.safe = list(hist), len(hist)
+        self._unread = (rows, tokens[:b, : k - 1])  # fed too: read at the next propose
+        lengths = torch.full((b,), k, dtype=torch.int64, device=self.device)
+        return Draft(tokens=tokens[:b], lengths=lengths, probs=None if q is None else q[:b])
+
+    def _draft(
+        self, batch: ProposerBatch, rows: list[_Row], h: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uncaptured drafting: tokens [B, k] and q [B, k, V], each row in its own slot."""
         (slots,) = on(self.device, torch.tensor([r.slot for r in rows]))
-        tokens, probs = [], []
-        steps = batch.counters[:, None] + torch.arange(k, device=self.device)[None, :]  # [B, k]
-        u = uniforms(batch.seeds, steps, batch.draft_stream)  # [B, k]
-        for i in range(k):
-            tok, q = draw(logits, batch.temperature, batch.top_k, batch.top_p, u[:, i])
-            tokens.append(tok)
-            probs.append(q)
-            if i + 1 < k:
-                logits = self._step(tok, [len(h) + i for h in batch.histories], slots)
-        for row, hist, drafted in zip(
-            rows, batch.histories, torch.stack(tokens, 1).tolist(), strict=True
-        ):
-            row.fed, row.safe = hist + drafted[: k - 1], len(hist)
-        b = len(rows)
-        return Draft(
-            tokens=torch.stack(tokens, 1)
-            if k
-            else torch.zeros(b, 0, dtype=torch.int64, device=self.device),
-            lengths=torch.full((b,), k, dtype=torch.int64, device=self.device),
-            probs=torch.stack(probs, 1) if k else None,
-        )
+        lengths = [len(hist) for hist in batch.histories]
+
+        def advance(i: int, idx: torch.Tensor) -> torch.Tensor:
+            return self._step(idx, [n + i for n in lengths], slots)
+
+        logits = self.model.lm_head(h)[:, 0].float()
+        return static_draft.chain(logits, k, *static_draft.batch_sampling(batch, k), advance)
+
+    def _draft_static(
+        self, batch: ProposerBatch, h: torch.Tensor, k: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k draws as one static step over ``width`` rows (row b in slot b): tokens [W, k]
+        and q [W, k, V]."""
+        bases = [len(hist) for hist in batch.histories]
+        x = static_draft.step_inputs(batch, h, bases, k, width, self.cache.max_len - 1)
+        step = partial(model_draft_step, self.model, self.cache)
+        reads = (self.cache.k.data_ptr(), self.cache.max_len)
+        return self.static.run(step, batch, k, x, self.model.config.vocab_size, reads)
+
+    def _settle(self) -> None:
+        """Add the last propose's drafted tokens to what its rows were fed (read here, a step
+        later, when the device has long made them: no wait on the drafting itself)."""
+        if self._unread is None:
+            return
+        rows, tokens = self._unread
+        self._unread = None
+        if tokens.shape[1] == 0:
+            return
+        if self.static is not None:
+            self.static.host_reads += 1
+        for row, drafted in zip(rows, tokens.tolist(), strict=True):
+            row.fed += drafted
+
+    def _place(self, row_ids: list[int]) -> None:
+        """Put row ``row_ids[b]`` in slot b (moving cached rows), ready for a static step."""
+        slot_of = {rid: row.slot for rid, row in self.rows.items()}
+        slot_of, self.free = static_draft.bind_rows(self.cache, slot_of, row_ids,
+                                                    self.cache.slots)  # fmt: skip
+        for rid, slot in slot_of.items():
+            self.rows.setdefault(rid, _Row(slot)).slot = slot
 
     def _row(self, row_id: int) -> _Row:
         row = self.rows.get(row_id)
@@ -147,8 +201,12 @@ class DraftModelProposer:
         for r, t in new:
             r.fed, r.safe = list(t), len(t)
 
-    def _catch_up(self, rows: list[_Row], histories: list[list[int]]) -> torch.Tensor:
-        """Feed each row's unseen history tokens; return logits [B, V] after its last token."""
+    def _catch_up(
+        self, rows: list[_Row], histories: list[list[int]], static: bool = False
+    ) -> torch.Tensor:
+        """Feed each row's unseen history tokens; return the hidden state [B, 1, H] after its
+        last token. ``static``: row b in slot b over the whole cache (no host read), padding
+        tokens at the cache's last position."""
         starts = [r.valid(h) for r, h in zip(rows, histories, strict=True)]
         starts = [min(s, len(h) - 1) for s, h in zip(starts, histories, strict=True)]
         width = max(len(h) - s for s, h in zip(starts, histories, strict=True))
@@ -160,12 +218,15 @@ class DraftModelProposer:
             n = len(h) - s
             ids[i, :n] = torch.tensor(h[s:])
             positions[i] = torch.arange(s, s + width)
+            if static:
+                positions[i, n:] = self.cache.max_len - 1
             last[i, 0] = n - 1
         slots = torch.tensor([r.slot for r in rows])
-        kv_len = max(s + width for s in starts)
+        kv_len = STATIC if static else max(s + width for s in starts)
         ids, positions, last, slots = on(self.device, ids, positions, last, slots)
-        out = self.model(ids, positions, self.cache, kv_len=kv_len, logits_at=last, slots=slots)
-        return out.logits[:, 0].float()
+        h, _ = self.model.hidden_states(ids, positions, self.cache, kv_len,
+                                        slots=None if static else slots)  # fmt: skip
+        return h.gather(1, last[:, :, None].expand(b, 1, h.shape[-1]))
 
     def _step(
         self, tokens: torch.Tensor, positions: list[int], slots: torch.Tensor
@@ -173,6 +234,20 @@ class DraftModelProposer:
         (pos,) = on(self.device, torch.tensor(positions)[:, None])
         out = self.model(tokens[:, None], pos, self.cache, kv_len=max(positions) + 1, slots=slots)
         return out.logits[:, 0].float()
+
+
+def model_draft_step(model: Transformer, cache: KVCache, key: DraftKey, x: Inputs) -> Drafted:
+    """The static drafting step: ``key.k`` draws over W rows (``x``: ``step_inputs``, start is
+    h [W, 1, H]), row b's cache in slot b; tokens [W, k] and q [W, k, V]. Reads no device data
+    on the host (capturable)."""
+
+    def advance(i: int, idx: torch.Tensor) -> torch.Tensor:
+        out = model(idx[:, None], x["positions"][:, i : i + 1], cache, kv_len=STATIC)
+        return out.logits[:, 0].float()
+
+    sampling, u = static_draft.unpack_sampling(x, key)
+    logits = model.lm_head(x["start"])[:, 0].float()
+    return static_draft.chain(logits, key.k, sampling, u, advance, key.hints)
 
 
 @register_proposer("self")
