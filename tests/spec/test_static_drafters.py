@@ -5,6 +5,8 @@ vocabulary switch drops them; the drafting step reads no device data on the host
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from specrl.spec.proposers.base import ProposerBatch
 from specrl.spec.proposers.draft_model import DraftModelProposer, model_draft_step
 from specrl.spec.proposers.eagle3 import Eagle3Proposer, head_draft_step
 from specrl.spec.proposers.mtp import MtpProposer
-from specrl.spec.proposers.static_draft import DraftKey, place
+from specrl.spec.proposers.static_draft import PAD_SETTINGS, DraftKey, StaticDrafts, place
 from tests.conftest import make_tiny, tiny_config
 from tests.drafters.test_lossless_learned import noisy_head
 from tests.engine.test_static_steps import SwitchingEngine
@@ -106,7 +108,7 @@ STEPS = [([10, 11, 12], 3), ([12, 10, 13], 3), ([13, 14, 10, 12], 2), ([12, 13],
 
 
 def settings(rows: int) -> list[tuple[float, int, float]]:
-    cycle = [(0.0, 0, 1.0), (0.8, 5, 0.9), (1.0, 0, 1.0), (0.6, 0, 0.8)]
+    cycle = [(0.0, 0, 1.0), (0.75, 5, 0.875), (1.0, 0, 1.0), (0.5, 0, 0.75)]  # exact in fp32
     return [cycle[i % 4] for i in range(rows)]
 
 
@@ -195,6 +197,20 @@ def test_place_binds_rows_to_batch_slots() -> None:
     assert sorted(zip(src, dst, strict=True)) == sorted([(1, 0), (0, 1), (2, new[9])])
     with pytest.raises(RuntimeError, match="cache is full"):
         place({1: 0, 2: 1}, [3, 4], 3)
+
+
+def test_hints_from_host_settings_or_read_and_counted() -> None:
+    """Hints come from the batch's host settings, padding rows plain; a batch without them
+    (built by hand) has its tensors read: the same hints, one host read counted."""
+    drafts = StaticDrafts(StepGraphs(torch.device("cpu"), capture=False), buckets(4))
+    histories = {r: [1, 2] for r in (1, 2, 3)}
+    batch = batch_of([1, 2, 3], histories, None)
+    hints = drafts.hints(batch, 4, VOCAB)
+    assert drafts.host_reads == 0
+    temps, top_ks, top_ps = zip(*settings(3), PAD_SETTINGS, strict=True)
+    assert hints == SamplingHints.of(temps, top_ks, top_ps, VOCAB)
+    assert drafts.hints(replace(batch, settings=None), 4, VOCAB) == hints
+    assert drafts.host_reads == 1
 
 
 # ---------------------------------------------------------------------- weights
