@@ -23,6 +23,8 @@ import torch
 from specrl.kernels import gemv
 
 MASK32 = 0xFFFFFFFF
+# (temperature, top_k, top_p) of a padding row in a static step: plain sampling, no truncation
+PAD_SETTINGS = (1.0, 0, 1.0)
 MAX_SEED = (1 << 63) - 1  # largest request seed (the engine derives sample seeds mod 2**63)
 # Stream ids: independent random streams of one request.
 STREAM_SAMPLE = 1

@@ -23,11 +23,8 @@ from specrl.engine.rows import Sampled, Seq
 from specrl.models.cache import KVCache
 from specrl.models.graphs import StepGraphs, bucket_for, buckets
 from specrl.models.transformer import STATIC, ForwardOutput, Transformer
-from specrl.sampling import STREAM_SAMPLE, SamplingHints, sample_logits, uniforms
+from specrl.sampling import PAD_SETTINGS, STREAM_SAMPLE, SamplingHints, sample_logits, uniforms
 from specrl.spec.verify import Verified, verify
-
-# Settings of a padding row: plain sampling, no truncation (they change no hint of real rows').
-PAD_SETTINGS = (1.0, 0, 1.0)
 
 
 class StaticSteps:

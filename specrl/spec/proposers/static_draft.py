@@ -23,11 +23,8 @@ import torch
 from specrl.models.cache import KVCache
 from specrl.models.device import on
 from specrl.models.graphs import StepGraphs, bucket_for
-from specrl.sampling import SamplingHints, draw, uniforms
+from specrl.sampling import PAD_SETTINGS, SamplingHints, draw, uniforms
 from specrl.spec.proposers.base import ProposerBatch
-
-# Settings of a padding row (temperature, top_k, top_p): plain sampling, no truncation.
-PAD_SETTINGS = (1.0, 0, 1.0)
 
 Sampling = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # temperature, top_k, top_p [W]
 Inputs = dict[str, torch.Tensor]  # a static drafting step's inputs (``step_inputs``)
