@@ -1,6 +1,6 @@
-"""specrl on one GPU in one script and one JSON: floors, the learner, GRPO steps, exactness.
+"""specrl on one GPU in one script and one JSON: floors, engine steps, learner, GRPO, exactness.
 
-Usage (on the GPU machine, from the repository root; at most 5 minutes on one H200):
+Usage (on the GPU machine, from the repository root; at most 7 minutes on one H200):
     python3 benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
 Smoke test, the same code path on the CPU in seconds (a CI test: tests/test_gpu_check.py):
     python benchmarks/gpu_check.py --smoke [--out /tmp/gpu_check_smoke.json]
@@ -13,6 +13,24 @@ its traceback and the others still run; a time budget, ``--budget-s``, stops rep
 - ``floors``: this run's own ceilings: device-to-device copy bandwidth (read + write bytes/s of a
   4 GiB float32 copy, far beyond any cache) and a bf16 8192^3 matmul's FLOP/s (against the
   datasheet peak, ``specrl.models.device.peak_flops``).
+- ``engine`` (benchmarks/gpu_engine.py; right after the exactness tests, with 0.6 of the time
+  left then): specrl's ``Engine`` in bf16 on a random model with Llama-3.1-8B's shapes
+  (``gpu_calibrate.LLAMA_8B``), B rows sampling (temperature 1) one 512-token random prompt.
+  (a) decode step time at B = 1, 8, 64, 256, (T(64 new tokens) - T(16)) / 48 over whole
+  ``generate`` calls (medians of 3 after a warm-up call), for ``step_graphs=--step-graphs``
+  (capture), for ``off`` and for transformers' static-cache ``generate`` (the same weights,
+  compiled as ``generate`` compiles on CUDA), against the floor: weight bytes / the floors'
+  copy bandwidth. (b) a verify step with k = 3, 5, 7 drafts at B = 1, 64, 256 over a decode
+  step (median step records). (c) 256-token rollouts at B = 1, 64 with an oracle drafter (k =
+  5) at acceptance lengths 2.0, 2.8, 3.3 against plain (sample-exact: the same tokens,
+  checked). The step records of (a) and (b) form a calibration trace (``engine.trace``).
+  Points run in that order, then (a) with ``off``, then transformers (B = 64 first); a point
+  is skipped once the section's deadline passes, a transformers point after the first also
+  when less than the first one's time is left. Estimated on an H200: ~5 s to build the model,
+  ~15 s (a), ~20 s (b), ~20 s (c), ~25 s (a) with ``off``, then transformers ~10 s to build,
+  ~1 min to compile and ~10 s at B = 64: ~2.5-3 min. Its B = 8 and 256 need a second compile
+  (dynamic in the batch; ~25 s of prefills at 256) and B = 1 a third (dynamo specialises a
+  batch of 1): ~2-3 more minutes, so on the default budget expect them skipped.
 - ``learner``: one GRPO learner step on a random model with Llama-3.2-1B's shapes (hidden 2048,
   16 layers, 32/8 heads of 64, MLP 8192, vocabulary 128256, tied embeddings; RoPE theta 500000
   without llama3 scaling: the same FLOPs), 64 sequences of 256 prompt + 512 completion tokens
@@ -39,8 +57,11 @@ its traceback and the others still run; a time budget, ``--budget-s``, stops rep
   tests/engine/test_spec_engine.py, parametrised over devices) on CUDA (``-k cuda``) in a
   pytest subprocess; passed / failed counts. It runs right after the floors, before the long
   sections, so that a slow section cannot crowd it out of the budget.
-``summary``: gpu, learner_mfu_1b, learner_over_transformers, grpo_generation_share,
-grpo_spec_step_speedup (plain step / oracle-speculation step), exactness_tests_passed.
+``summary``: gpu, decode_bs1_over_floor (specrl's step / the floor), decode_bs64_over_transformers
+(transformers' step / specrl's: > 1 is specrl faster), verify_k3_bs1_over_decode,
+oracle_al3.3_bs1_speedup (plain rollout time / oracle rollout time), learner_mfu_1b,
+learner_over_transformers, grpo_generation_share, grpo_spec_step_speedup (plain step /
+oracle-speculation step), exactness_tests_passed.
 ``--smoke`` shrinks every size (tiny models, a few short sequences, the CPU exactness subset
 ``-k "cpu and greedy"``) and writes to a temporary file by default.
 """
@@ -70,8 +91,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(REPO), str(REPO / "benchmarks")) if p not in sys.path]
 
 import torch  # noqa: E402
+from gpu_engine import ENGINE_KEYS, engine_section  # noqa: E402
 
 from specrl.bench import check_writable, run_metadata  # noqa: E402
+from specrl.engine.engine import STEP_GRAPHS  # noqa: E402
 from specrl.errors import one_line  # noqa: E402
 from specrl.fsutil import atomic_write  # noqa: E402
 from specrl.models.config import ModelConfig  # noqa: E402
@@ -87,6 +110,7 @@ from specrl.models.transformer import Transformer  # noqa: E402
 RESULT = REPO / "benchmarks" / "results" / "gpu_check.json"
 SUMMARY_KEYS = (
     "gpu",
+    *ENGINE_KEYS,
     "learner_mfu_1b",
     "learner_over_transformers",
     "grpo_generation_share",
@@ -95,6 +119,7 @@ SUMMARY_KEYS = (
 )
 # Not installed on the GPU machine (docs/gpu.md): no path of this script may import them.
 ABSENT_ON_GPU = ("reasoning_gym", "gguf", "vllm", "ray")
+ENGINE_SHARE = 0.6  # of the time left after the exactness tests, for the engine section
 EXACTNESS_FILES = ("tests/spec/test_verify.py", "tests/engine/test_spec_engine.py")
 CLOSING_LINE = re.compile(r"^=+ (.*\d+ (?:passed|failed|error|skipped|deselected).*) =+$", re.M)
 
@@ -161,7 +186,7 @@ class Sizes:
 
 
 GPU = Sizes(
-    budget_s=250,
+    budget_s=390,
     copy_bytes=4 << 30,
     gemm_n=8192,
     floor_repeats=10,
@@ -742,8 +767,10 @@ def summarize(result: dict, device: torch.device) -> dict:
     """The summary's keys (None for what was not measured)."""
     learner, grpo = result["learner"] or {}, (result["grpo"] or {}).get("summary", {})
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    engine = (result["engine"] or {}).get("summary", {})
     return {
         "gpu": name or f"{device.type} (smoke)",
+        **{k: engine.get(k) for k in ENGINE_KEYS},
         "learner_mfu_1b": learner.get("mfu"),
         "learner_over_transformers": learner.get("over_transformers"),
         "grpo_generation_share": grpo.get("generation_share"),
@@ -764,6 +791,7 @@ def run(device: torch.device, s: Sizes, args: argparse.Namespace, out: Path) -> 
         | {"smoke": args.smoke, "sizes": asdict(s)},
         "summary": {},
         "floors": None,
+        "engine": None,
         "learner": None,
         "grpo": None,
         "exactness": None,
@@ -771,6 +799,15 @@ def run(device: torch.device, s: Sizes, args: argparse.Namespace, out: Path) -> 
     sections = {
         "floors": lambda: floors(device, s),
         "exactness": lambda: exactness(s, min(s.exactness_timeout_s, 0.5 * clock.left())),
+        "engine": lambda: engine_section(
+            device,
+            args.smoke,
+            result["floors"],
+            args.step_graphs or ("static" if args.smoke else "capture"),
+            clock.deadline(ENGINE_SHARE),
+            lambda name, fn: guarded(clock, name, fn),
+            out,
+        ),
         "learner": lambda: learner_section(device, s, clock, clock.deadline(0.5, reserve=5)),
         "grpo": lambda: grpo_section(
             device,
@@ -818,7 +855,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--budget-s",
         type=float,
         default=None,
-        help="time budget in seconds (default 250 on a GPU, 300 with --smoke: a ceiling)",
+        help="time budget in seconds (default 390 on a GPU, 300 with --smoke: a ceiling)",
     )
     ap.add_argument(
         "--oracle-accept",
@@ -827,6 +864,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="per-token acceptance of the oracle drafter (default 0.8)",
     )
     ap.add_argument("--oracle-k", type=int, default=6, help="the oracle's largest k (default 6)")
+    ap.add_argument(
+        "--step-graphs",
+        choices=STEP_GRAPHS,
+        default=None,
+        help="the engine section's step_graphs (default capture; static with --smoke); its "
+        "decode points also run with off",
+    )
     args = ap.parse_args(argv)
     if not 0 < args.oracle_accept <= 1:
         ap.error(f"--oracle-accept: {args.oracle_accept} is outside (0, 1]")

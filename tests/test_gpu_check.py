@@ -13,9 +13,12 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+CONTENDERS = ("specrl", "specrl_off", "transformers")
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+ENGINE_KEYS = {"decode_bs1_over_floor", "decode_bs64_over_transformers",
+               "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup"}  # fmt: skip
 SUMMARY_KEYS = {"gpu", "learner_mfu_1b", "learner_over_transformers", "grpo_generation_share",
-                "grpo_spec_step_speedup", "exactness_tests_passed"}  # fmt: skip
+                "grpo_spec_step_speedup", "exactness_tests_passed"} | ENGINE_KEYS  # fmt: skip
 
 
 def run_script(*args: str, timeout: float = 420) -> subprocess.CompletedProcess:
@@ -40,11 +43,13 @@ def test_summary_holds_every_key(smoke: dict) -> None:
     assert 0 < s["grpo_generation_share"] < 1
     assert s["grpo_spec_step_speedup"] > 0
     assert s["exactness_tests_passed"] is True
+    for key in ENGINE_KEYS:
+        assert isinstance(s[key], float) and s[key] > 0, (key, s[key])
 
 
 def test_every_section_ran_without_error(smoke: dict) -> None:
-    sections = ("floors", "learner", "grpo", "exactness")
-    assert smoke["meta"]["sections_done"] == ["floors", "exactness", "learner", "grpo"]
+    sections = ("floors", "engine", "learner", "grpo", "exactness")
+    assert smoke["meta"]["sections_done"] == ["floors", "exactness", "engine", "learner", "grpo"]
     for name in sections:
         assert "error" not in smoke[name], (name, smoke[name].get("traceback"))
     for row in smoke["learner"]["rows"]:
@@ -80,6 +85,80 @@ def test_grpo_steps_time_generation_and_learning(smoke: dict) -> None:
         assert step["oracle_same_tokens"] and step["head_same_tokens"]
         assert step["oracle_acceptance_length"] >= 1
     assert grpo["summary"]["same_tokens"] is True
+
+
+def engine_points(engine: dict) -> list[dict]:
+    """Every point of the engine section: decode contenders, verify and rollout rows."""
+    decode = [row[name] for row in engine["decode"] for name in CONTENDERS if name in row]
+    return decode + engine["verify"] + engine["rollouts"] + [engine["transformers"]]
+
+
+def test_engine_points_ran_side_by_side(smoke: dict) -> None:
+    engine = smoke["engine"]
+    assert engine["step_graphs"] == "static" and engine["skipped"] == []
+    for point in engine_points(engine):
+        assert "error" not in point and "skipped" not in point, point
+    rows = {r["batch_size"]: r for r in engine["decode"]}
+    assert set(rows) == {1, 64}
+    assert "transformers" in rows[64]
+    for b, row in rows.items():
+        assert row["specrl"]["step_graphs"] == "static"
+        assert row["specrl_off"]["step_graphs"] == "off"
+        for name in CONTENDERS:
+            if name in row:
+                assert row[name]["step_s"] > 0
+        assert row["specrl"]["record_batch_sizes"] == [b]  # every step decoded all B rows
+    (verify,) = engine["verify"]
+    assert (verify["batch_size"], verify["k"]) == (1, 3)
+    assert verify["verify_s"] > 0 and verify["verify_steps"] > 0
+    assert engine["floor"]["floor_s"] > 0
+
+
+def test_engine_trace_calibrates_the_simulator(smoke: dict) -> None:
+    """The trace parses, names a model spec the simulator loads, and fits on one batch size's
+    records while predicting the other's."""
+    from specrl.sim.calibrate import fit_trace, parse_trace
+    from specrl.sim.specs import load_hardware, load_model
+
+    trace = parse_trace(smoke["engine"]["trace"])
+    assert {r.kind for r in trace.records} == {"decode", "verify"}
+    assert all(r.config == f"bs{r.batch_size}" for r in trace.records)
+    assert {r.batch_size for r in trace.records if r.kind == "decode"} == {1, 64}
+    assert load_model(trace.model).layers == 2
+    report = fit_trace(trace, load_hardware(trace.hardware), heldout_configs=("bs64",))
+    assert report.n_heldout == sum(r.batch_size == 64 for r in trace.records)
+
+
+def test_engine_oracle_rollouts_emit_plain_tokens_at_their_acceptance(smoke: dict) -> None:
+    rows = smoke["engine"]["rollouts"]
+    assert {(r["batch_size"], r["acceptance_length"]) for r in rows} == {
+        (b, al) for b in (1, 8) for al in (2.0, 2.8, 3.3)
+    }
+    for r in rows:
+        assert r["same_tokens"] is True, r["config"]
+        assert r["speedup"] == pytest.approx(r["plain_s"] / r["spec_s"])
+        assert r["spec_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
+        # the acceptance pattern depends on the seeds only: 8 rows x 64 tokens measure it to
+        # within ~0.1 (alpha from the untruncated 1 / (1 - alpha) misses 2.8 and 3.3 by ~0.5, ~0.8)
+        if r["batch_size"] == 8:
+            assert abs(r["measured_acceptance_length"] - r["acceptance_length"]) < 0.15, r
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 7])
+@pytest.mark.parametrize("target", [1.5, 2.0, 2.8, 3.3])
+def test_solve_alpha_gives_the_acceptance_length(
+    monkeypatch: pytest.MonkeyPatch, k: int, target: float
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu_engine import solve_alpha
+
+    if target >= k + 1:
+        with pytest.raises(ValueError, match="outside"):
+            solve_alpha(target, k)
+        return
+    alpha = solve_alpha(target, k)
+    assert 0 < alpha < 1
+    assert (1 - alpha ** (k + 1)) / (1 - alpha) == pytest.approx(target, abs=1e-9)
 
 
 def test_exactness_tests_ran_and_passed(smoke: dict) -> None:

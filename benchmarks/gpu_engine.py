@@ -1,0 +1,495 @@
+"""The ``engine`` section of benchmarks/gpu_check.py: specrl's engine on a random Llama-3.1-8B.
+
+Contract: ``engine_section(device, smoke, floors, mode, deadline, guard, out)`` returns the
+section's dict (layout in docs/gpu.md): (a) decode step time at each batch for specrl's engine
+with ``step_graphs=mode``, with ``"off"`` and for transformers' static-cache ``generate``, against
+the floor (weight bytes / ``floors``' copy bandwidth); (b) a verify step at k drafts against a
+decode step; (c) rollouts with an oracle drafter at set acceptance lengths against plain; the
+engine's step records of (a) and (b) as a calibration trace (``specrl simulate calibrate``).
+Points run in priority order, each through ``guard(name, fn)``, skipped once ``deadline``
+(``perf_counter``) passes. Imports only what the GPU machine has (no sim, no pydantic here).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_calibrate import LLAMA_8B, TINY, build_model, hardware_name, model_spec_toml
+
+from specrl.engine import Engine
+from specrl.models.config import ModelConfig
+from specrl.models.device import synchronize
+from specrl.models.transformer import Transformer
+from specrl.rollout_types import Request, StepRecord
+from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
+from specrl.spec.proposers import Draft, register_proposer
+
+Guard = Callable[[str, Callable[[], dict]], dict]
+# the run summary's keys from this section (``section_summary``)
+ENGINE_KEYS = ("decode_bs1_over_floor", "decode_bs64_over_transformers",
+               "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup")  # fmt: skip
+CONTENDERS = ("specrl", "specrl_off", "transformers")  # (a): step_graphs=mode, "off", theirs
+SEED = 1  # every request's seed: its B samples get sample seeds sample_seed(SEED, i)
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """The section's sizes: the GPU's, or ``--smoke``'s."""
+
+    model: ModelConfig
+    model_name: str  # the simulator's bundled spec ("" = write one beside the result)
+    prompt: int  # tokens of the one prompt every row samples from (a GRPO group)
+    batches: tuple[int, ...]  # decode points (a), in the order they run
+    short_tokens: int  # (a): step time = (T(long) - T(short)) / (long - short)
+    long_tokens: int
+    repeats: int  # (a): timed (short, long) pairs after one warm-up long call
+    transformers_batches: tuple[int, ...]  # (a) for transformers, in the order they run
+    verify_points: tuple[tuple[int, int], ...]  # (b): (batch, k), in the order they run
+    verify_tokens: int
+    rollout_batches: tuple[int, ...]  # (c)
+    rollout_tokens: int
+    rollout_k: int
+    acceptance_lengths: tuple[float, ...]  # (c): targets, emitted tokens per verify step
+
+
+GPU = EngineSizes(
+    LLAMA_8B, "llama-3.1-8b", prompt=512, batches=(1, 8, 64, 256), short_tokens=16,
+    long_tokens=64, repeats=3, transformers_batches=(64, 8, 256, 1),
+    verify_points=tuple((b, k) for b in (1, 64, 256) for k in (3, 5, 7)), verify_tokens=32,
+    rollout_batches=(1, 64), rollout_tokens=256, rollout_k=5, acceptance_lengths=(2.0, 2.8, 3.3),
+)  # fmt: skip
+SMOKE = EngineSizes(
+    TINY, "", prompt=16, batches=(1, 64), short_tokens=4, long_tokens=12, repeats=2,
+    transformers_batches=(64,), verify_points=((1, 3),), verify_tokens=8,
+    rollout_batches=(1, 8), rollout_tokens=64, rollout_k=3, acceptance_lengths=(2.0, 2.8, 3.3),
+)  # fmt: skip
+
+
+def solve_alpha(acceptance_length: float, k: int) -> float:
+    """The per-token acceptance a whose expected acceptance length at k drafts, bonus token
+    included, 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a), is ``acceptance_length``."""
+    if not 1.0 < acceptance_length < k + 1:
+        raise ValueError(f"acceptance length {acceptance_length} is outside (1, {k + 1}) at k={k}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the sum rises with a: bisection to below 1e-15
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < acceptance_length else (lo, mid)
+    return (lo + hi) / 2
+
+
+@register_proposer("gpu-check-fixed")
+class FixedProposer:
+    """Drafts k tokens per row that verification all but always rejects (the ids after the
+    row's last token): a verify step of exactly k drafts, whatever the model."""
+
+    deterministic = True
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def propose(self, batch, k: int) -> Draft:
+        rows = [[(h[-1] + 1 + i) % self.vocab for i in range(k)] for h in batch.histories]
+        return Draft.from_lists(rows, k)
+
+    def observe(self, row_ids, accepted) -> None: ...
+    def finish(self, row_id, group_key, tokens) -> None: ...
+    def load_weights(self, state) -> None: ...
+
+
+@dataclass
+class Points:
+    """Runs points in priority order, each guarded, skipping those the deadline has passed."""
+
+    deadline: float
+    guard: Guard
+    skipped: list[str] = field(default_factory=list)
+
+    def run(self, name: str, fn: Callable[[], dict], needs_s: float = 0.0) -> dict:
+        """``guard(name, fn)``, or skipped when less than ``needs_s`` is left."""
+        if time.perf_counter() + needs_s > self.deadline:
+            self.skipped.append(name)
+            return {"skipped": "deadline"}
+        return self.guard(name, fn)
+
+
+def requests(prompt: list[int], batch: int, new_tokens: int) -> list[Request]:
+    """``batch`` samples of ``prompt`` (one request, n = batch), exactly ``new_tokens`` each."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=batch, seed=SEED)
+    return [Request(prompt, params)]
+
+
+def seconds(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Wall seconds of ``fn()`` (synchronised) and its result."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def median_time(records: list[StepRecord], batch: int, tokens: int) -> float | None:
+    """The median step time of ``records`` of ``batch`` rows and ``tokens`` per row."""
+    times = [r.step_time_s for r in records if (r.batch_size, r.tokens_per_seq) == (batch, tokens)]
+    return statistics.median(times) if times else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# --------------------------------------------------------------------------- (a) decode
+
+
+def step_times(
+    call: Callable[[int], Any], z: EngineSizes, device: torch.device, deadline: float
+) -> dict:
+    """A warm-up ``call(long)``, then (short, long) pairs until ``z.repeats`` or the deadline:
+    the per-step time (T(long) - T(short)) / (long - short) of the medians (the prefill, the
+    first token and per-call costs cancel)."""
+    warmup_s, _ = seconds(partial(call, z.long_tokens), device)
+    shorts: list[float] = []
+    longs: list[float] = []
+    while len(longs) < z.repeats and (not longs or time.perf_counter() < deadline):
+        shorts.append(seconds(partial(call, z.short_tokens), device)[0])
+        longs.append(seconds(partial(call, z.long_tokens), device)[0])
+    step_s = (statistics.median(longs) - statistics.median(shorts)) / (
+        z.long_tokens - z.short_tokens
+    )
+    return {"step_s": step_s, "warmup_s": warmup_s, "short_s": shorts, "long_s": longs,
+            "new_tokens": [z.short_tokens, z.long_tokens]}  # fmt: skip
+
+
+def engine_decode(
+    engine: Engine,
+    prompt: list[int],
+    batch: int,
+    z: EngineSizes,
+    deadline: float,
+    trace: list[StepRecord],
+) -> dict:
+    """specrl's decode step at ``batch`` rows (``step_times``, step records on), and the median
+    decode record (sampling and bookkeeping included); the last long call's records to
+    ``trace``."""
+
+    def call(n: int) -> None:
+        out = engine.generate(requests(prompt, batch, n))
+        assert all(len(c.token_ids) == n for c in out), "a row stopped early"
+
+    engine.record_steps = True
+    try:
+        row = step_times(call, z, engine.device, deadline)
+    finally:
+        engine.record_steps = False
+    decode = [r for r in engine.stats.step_records if r.kind == "decode"]
+    trace += decode
+    return row | {
+        "step_graphs": engine.step_graphs,
+        "tokens_per_s": batch / row["step_s"],
+        "record_step_s": median_time(decode, batch, 1),
+        "record_batch_sizes": sorted({r.batch_size for r in decode}),
+        "mean_context": statistics.fmean(r.context_len for r in decode),
+    }
+
+
+def transformers_model(model: Transformer, device: torch.device):
+    """transformers' ``LlamaForCausalLM`` in bf16 on ``device`` holding ``model``'s weights (no
+    end-of-sequence token: every row runs to ``max_new_tokens``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specrl.models.checkpoints import hf_state_dict
+
+    config = model.config
+    hf_config = LlamaConfig(**(config.to_hf_dict() | {"eos_token_id": None}))
+    with torch.device(device):
+        hf = LlamaForCausalLM._from_config(hf_config, dtype=torch.bfloat16)
+    hf.load_state_dict(hf_state_dict(model), strict=not config.tie_word_embeddings)
+    return hf.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def same_logits(model: Transformer, hf, prompt: list[int]) -> dict:
+    """Both models' last-position logits on a prefix of ``prompt`` (the same weights: equal up
+    to bf16 rounding)."""
+    ids = torch.tensor([prompt[:16]], device=hf.device)  # [1, T]
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, T]
+    ours = model(ids, positions).logits[0, -1].float()  # [V]
+    theirs = hf(input_ids=ids).logits[0, -1].float()  # [V]
+    diff = float((ours - theirs).abs().max())
+    return {"logits_max_abs_diff": diff, "logits_max_abs": float(ours.abs().max())}
+
+
+def transformers_decode(hf, prompt: list[int], batch: int, z: EngineSizes, deadline: float) -> dict:
+    """transformers' static-cache ``generate`` (sampling at temperature 1, compiled as
+    ``generate`` does it on CUDA: ``torch.compile`` of the decode forward, reduce-overhead) at
+    ``batch`` rows: ``step_times``; the warm-up compiles."""
+    ids = torch.tensor([prompt] * batch, device=hf.device)  # [B, P]
+
+    def call(n: int) -> None:
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
+                          cache_implementation="static", pad_token_id=0)  # fmt: skip
+        assert out.shape == (batch, len(prompt) + n), "a row stopped early"
+
+    row = step_times(call, z, hf.device, deadline)
+    return row | {"tokens_per_s": batch / row["step_s"], "cache_implementation": "static"}
+
+
+# --------------------------------------------------------------------------- (b) verify
+
+
+def verify_point(
+    engine: Engine, prompt: list[int], batch: int, k: int, z: EngineSizes, trace: list
+) -> dict:
+    """A verify step of ``batch`` rows with k drafts each (``FixedProposer``, k fixed): the
+    median verify record (the k+1-token forward, the rejection sampler, bookkeeping) of one
+    timed call after a warm-up call; its verify records to ``trace``."""
+    spec = SpecConfig("gpu-check-fixed", k, options={"vocab": z.model.vocab_size},
+                      exact="sample", adaptive=False)  # fmt: skip
+    reqs = requests(prompt, batch, z.verify_tokens)
+    engine.generate(reqs, spec=spec)  # warm-up: captures this batch's verify step
+    engine.record_steps = True
+    try:
+        call_s, _ = seconds(partial(engine.generate, reqs, spec=spec), engine.device)
+    finally:
+        engine.record_steps = False
+    records = [r for r in engine.stats.step_records if r.kind == "verify"]
+    trace += records
+    full = sum(r.tokens_per_seq == k + 1 for r in records)
+    return {"verify_s": median_time(records, batch, k + 1), "verify_steps": full, "call_s": call_s}
+
+
+# --------------------------------------------------------------------------- (c) rollouts
+
+
+def rollout_batch(
+    engine: Engine, prompt: list[int], batch: int, z: EngineSizes, deadline: float
+) -> dict:
+    """Plain and oracle-drafted rollouts of ``batch`` rows (sample-exact verification, fixed k:
+    the same tokens as plain, checked), each timed once after a warm-up call."""
+    from reasoning_spec_vs_plain import OracleProposer  # noqa: F401 (registers "oracle")
+
+    reqs = requests(prompt, batch, z.rollout_tokens)
+    tokens = batch * z.rollout_tokens
+    engine.generate(reqs)  # warm-up
+    plain_s, plain = seconds(partial(engine.generate, reqs), engine.device)
+    book = {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in plain}
+    rows = []
+    for i, target in enumerate(z.acceptance_lengths):
+        config = f"al{target}_bs{batch}"
+        if i and time.perf_counter() > deadline:
+            rows.append({"config": config, "batch_size": batch, "skipped": "deadline"})
+            continue
+        alpha = solve_alpha(target, z.rollout_k)
+        spec = SpecConfig("oracle", z.rollout_k, options={"book": book, "accept": alpha},
+                          exact="sample", adaptive=False)  # fmt: skip
+        if i == 0:
+            engine.generate(reqs, spec=spec)  # warm-up: captures the verify steps
+        spec_s, out = seconds(partial(engine.generate, reqs, spec=spec), engine.device)
+        rows.append({
+            "config": config,
+            "batch_size": batch,
+            "prompt_tokens": len(prompt),
+            "new_tokens": z.rollout_tokens,
+            "k": z.rollout_k,
+            "acceptance_length": target,
+            "alpha": alpha,
+            "measured_acceptance_length": engine.stats.acceptance_length,
+            "plain_s": plain_s,
+            "spec_s": spec_s,
+            "plain_tokens_per_s": tokens / plain_s,
+            "spec_tokens_per_s": tokens / spec_s,
+            "speedup": plain_s / spec_s,
+            "same_tokens": [c.token_ids for c in out] == [c.token_ids for c in plain],
+        })  # fmt: skip
+    return {"rows": rows}
+
+
+# --------------------------------------------------------------------------- the section
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: every parameter once, less the input embedding
+    table when it is not the head's (a step gathers B of its rows)."""
+    total = sum(p.nbytes for p in model.parameters())
+    return total - (0 if model.config.tie_word_embeddings else model.embed.weight.nbytes)
+
+
+def floor_of(model: Transformer, floors: dict | None) -> dict:
+    """The run's decode floor: weight bytes over the measured copy bandwidth."""
+    bandwidth = (floors or {}).get("copy_bandwidth_bytes_s")
+    wb, kv = weight_bytes(model), model.new_cache(1, 1).nbytes
+    return {"weight_bytes": wb, "kv_bytes_per_token": kv, "copy_bandwidth_bytes_s": bandwidth,
+            "floor_s": wb / bandwidth if bandwidth else None}  # fmt: skip
+
+
+def decode_row(batch: int, floor: dict, points: dict[tuple[int, str], dict]) -> dict:
+    """One batch's decode contenders side by side (``points`` keyed by (batch, contender)),
+    with the floor (weights only, and weights plus the KV cache read at the mean context)."""
+    row: dict[str, Any] = {"batch_size": batch, "floor_s": floor["floor_s"]}
+    for name in CONTENDERS:
+        if (batch, name) in points:
+            row[name] = points[batch, name]
+    step = {name: row.get(name, {}).get("step_s") for name in CONTENDERS}
+    context = row.get("specrl", {}).get("mean_context")
+    kv = batch * context * floor["kv_bytes_per_token"] if context else None
+    bandwidth = floor["copy_bandwidth_bytes_s"]
+    return row | {
+        "floor_with_kv_s": (floor["weight_bytes"] + kv) / bandwidth if kv and bandwidth else None,
+        "specrl_over_floor": ratio(step["specrl"], floor["floor_s"]),
+        "specrl_off_over_floor": ratio(step["specrl_off"], floor["floor_s"]),
+        "transformers_over_specrl": ratio(step["transformers"], step["specrl"]),
+        "specrl_off_over_specrl": ratio(step["specrl_off"], step["specrl"]),
+    }
+
+
+def trace_of(
+    records: list[StepRecord], device: torch.device, z: EngineSizes, mode: str, out: Path
+) -> dict:
+    """The decode and verify records as a calibration trace (``specrl.sim.calibrate``), each
+    record's ``config`` its batch size; in smoke the tiny model's spec is written beside
+    ``out``."""
+    machine, hardware = hardware_name(str(device))
+    model = z.model_name
+    if not model:
+        spec = out.with_suffix(".model.toml")
+        spec.write_text(model_spec_toml(z.model, "tiny-llama"))
+        model = str(spec.resolve())
+    rows = [r.to_json() | {"config": f"bs{r.batch_size}"} for r in records]
+    meta = {"step_graphs": mode, "prompt_tokens": z.prompt}
+    return {"machine": machine, "model": model, "dtype": "bf16", "hardware": hardware,
+            "records": rows, "meta": meta}  # fmt: skip
+
+
+def section_summary(decode: list[dict], verify: list[dict], rollouts: list[dict]) -> dict:
+    """The run summary's engine keys (None for what was not measured)."""
+    by_batch = {r["batch_size"]: r for r in decode}
+    k3 = next((r for r in verify if (r.get("batch_size"), r.get("k")) == (1, 3)), {})
+    al = next((r for r in rollouts if r["config"] == "al3.3_bs1"), {})
+    values = (
+        by_batch.get(1, {}).get("specrl_over_floor"),
+        by_batch.get(64, {}).get("transformers_over_specrl"),
+        k3.get("over_decode"),
+        al.get("speedup"),
+    )
+    return dict(zip(ENGINE_KEYS, values, strict=True))
+
+
+def new_engine(model: Transformer, z: EngineSizes, mode: str) -> Engine:
+    """An engine for every point of the section: rows up to the largest batch, a context of
+    the prompt, the longest call and a verify step's margin."""
+    ks = [k for _, k in z.verify_points] + [z.rollout_k]
+    batches = [*z.batches, *(b for b, _ in z.verify_points), *z.rollout_batches]
+    longest = max(z.long_tokens, z.verify_tokens, z.rollout_tokens)
+    context = z.prompt + longest + max(ks) + 2
+    return Engine(model, max_batch=max(batches), max_context=context, step_graphs=mode)
+
+
+def specrl_points(
+    model: Transformer,
+    prompt: list[int],
+    z: EngineSizes,
+    mode: str,
+    pts: Points,
+    points: dict[tuple[int, str], dict],
+    trace: list[StepRecord],
+) -> tuple[list[dict], list[dict]]:
+    """(a), (b) and (c) on an engine with ``step_graphs=mode`` (its records to ``trace``), then
+    (a) on one with 'off': the verify and rollout rows."""
+    engine = new_engine(model, z, mode)
+    for b in z.batches:
+        fn = partial(engine_decode, engine, prompt, b, z, pts.deadline, trace)
+        points[b, "specrl"] = pts.run(f"decode {mode} bs{b}", fn)
+    verify = []
+    for b, k in z.verify_points:
+        fn = partial(verify_point, engine, prompt, b, k, z, trace)
+        verify.append({"batch_size": b, "k": k} | pts.run(f"verify k{k} bs{b}", fn))
+    rollouts = []
+    for b in z.rollout_batches:
+        out = pts.run(f"rollouts bs{b}", partial(rollout_batch, engine, prompt, b, z, pts.deadline))
+        rollouts += out.pop("rows", None) or [{"config": f"bs{b}", "batch_size": b} | out]
+    del engine
+    if mode != "off":
+        engine = new_engine(model, z, "off")
+        for b in z.batches:
+            fn = partial(engine_decode, engine, prompt, b, z, pts.deadline, [])
+            points[b, "specrl_off"] = pts.run(f"decode off bs{b}", fn)
+        del engine
+    gc.collect()  # the engines' caches (and captured graphs), before transformers' model
+    return verify, rollouts
+
+
+def transformers_points(
+    model: Transformer,
+    prompt: list[int],
+    z: EngineSizes,
+    pts: Points,
+    points: dict[tuple[int, str], dict],
+) -> dict:
+    """transformers' model with ``model``'s weights (checked on one forward), then (a) for it;
+    a batch after the first starts only with the first one's time left (it may compile again)."""
+    t0 = time.perf_counter()
+    hf = transformers_model(model, model.embed.weight.device)
+    info = {"build_s": time.perf_counter() - t0, **same_logits(model, hf, prompt)}
+    needs_s = 0.0
+    for b in z.transformers_batches:
+        fn = partial(transformers_decode, hf, prompt, b, z, pts.deadline)
+        points[b, "transformers"] = pts.run(f"decode transformers bs{b}", fn, needs_s)
+        needs_s = needs_s or points[b, "transformers"].get("seconds", 0.0)
+    return info
+
+
+def engine_section(
+    device: torch.device,
+    smoke: bool,
+    floors: dict | None,
+    mode: str,
+    deadline: float,
+    guard: Guard,
+    out: Path,
+) -> dict:
+    """The section (module docstring); ``out`` is the result's path (smoke's model spec goes
+    beside it)."""
+    z = SMOKE if smoke else GPU
+    pts = Points(deadline, guard)
+    t0 = time.perf_counter()
+    model = build_model(z.model, str(device), torch.bfloat16)
+    synchronize(device)
+    build_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    prompt = [rng.randrange(2, z.model.vocab_size) for _ in range(z.prompt)]
+    points: dict[tuple[int, str], dict] = {}
+    trace: list[StepRecord] = []
+    verify, rollouts = specrl_points(model, prompt, z, mode, pts, points, trace)
+    hf = pts.run("transformers", partial(transformers_points, model, prompt, z, pts, points))
+    torch._dynamo.reset()  # transformers' compiled forward held its model
+    gc.collect()
+    floor = floor_of(model, floors)
+    decode = [decode_row(b, floor, points) for b in sorted({b for b, _ in points})]
+    decode_s = {r["batch_size"]: r.get("specrl", {}).get("record_step_s") for r in decode}
+    for r in verify:
+        r |= {"decode_s": decode_s.get(r["batch_size"])}
+        r |= {"over_decode": ratio(r.get("verify_s"), r["decode_s"])}
+    return {
+        "sizes": asdict(z),
+        "dtype": "bf16",
+        "step_graphs": mode,
+        "build_s": build_s,
+        "floor": floor,
+        "decode": decode,
+        "verify": verify,
+        "rollouts": rollouts,
+        "transformers": hf,
+        "skipped": pts.skipped,
+        "summary": section_summary(decode, verify, rollouts),
+        "trace": trace_of(trace, device, z, mode, out),
+    }
