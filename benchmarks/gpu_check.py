@@ -53,10 +53,10 @@ its traceback and the others still run; a time budget, ``--budget-s``, stops rep
   is, reported as measured). Per variant: generation seconds, step seconds (generation + the
   learner step and weight push; the head's step also pays its training), generation's share of
   the plain step, acceptance.
-- ``exactness``: the tiny-model exactness tests (tests/spec/test_verify.py and
-  tests/engine/test_spec_engine.py, parametrised over devices) on CUDA (``-k cuda``) in a
-  pytest subprocess; passed / failed counts. It runs right after the floors, before the long
-  sections, so that a slow section cannot crowd it out of the budget.
+- ``exactness``: the tiny-model exactness tests (``EXACTNESS_FILES``: tests/spec/test_verify.py,
+  tests/engine/test_spec_engine.py and the captured steps' tests, parametrised over devices) on
+  CUDA (``-k cuda``) in a pytest subprocess; passed / failed counts. It runs right after the
+  floors, before the long sections, so that a slow section cannot crowd it out of the budget.
 ``summary``: gpu, decode_bs1_over_floor (specrl's step / the floor), decode_bs64_over_transformers
 (transformers' step / specrl's: > 1 is specrl faster), verify_k3_bs1_over_decode,
 oracle_al3.3_bs1_speedup (plain rollout time / oracle rollout time), learner_mfu_1b,
@@ -120,7 +120,13 @@ SUMMARY_KEYS = (
 # Not installed on the GPU machine (docs/gpu.md): no path of this script may import them.
 ABSENT_ON_GPU = ("reasoning_gym", "gguf", "vllm", "ray")
 ENGINE_SHARE = 0.6  # of the time left after the exactness tests, for the engine section
-EXACTNESS_FILES = ("tests/spec/test_verify.py", "tests/engine/test_spec_engine.py")
+EXACTNESS_FILES = (
+    "tests/spec/test_verify.py",
+    "tests/engine/test_spec_engine.py",
+    "tests/engine/test_static_steps.py",  # captured == uncaptured, greedy token for token
+    "tests/spec/test_verify_hints.py",  # the hinted sampler and verifier inside a CUDA graph
+    "tests/test_sampling_hints.py",
+)
 CLOSING_LINE = re.compile(r"^=+ (.*\d+ (?:passed|failed|error|skipped|deselected).*) =+$", re.M)
 
 LLAMA_3_2_1B = ModelConfig(
