@@ -129,6 +129,24 @@ def test_engine_trace_calibrates_the_simulator(smoke: dict) -> None:
     assert report.n_heldout == sum(r.batch_size == 64 for r in trace.records)
 
 
+def test_specrl_simulate_calibrate_reads_the_result(smoke: dict, tmp_path: Path) -> None:
+    """`specrl simulate calibrate RESULT --fit-configs bs1` fits the smoke run's own trace,
+    reports the held-out batch size and predicts every measured rollout (no error bound: a
+    2-layer model on 2 CPU cores; the GPU run's figures are the issue's)."""
+    result = tmp_path / "gpu_check.json"
+    result.write_text(json.dumps(smoke))
+    cmd = [sys.executable, "-m", "specrl.cli", "simulate", "calibrate", str(result),
+           "--fit-configs", "bs1", "--out", str(tmp_path / "fit.toml"), "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out["heldout_configs"]) == {"bs64"}
+    done = [r for r in smoke["engine"]["rollouts"] if "speedup" in r]
+    predicted = out["rollouts"]["rollouts"]
+    assert [r["config"] for r in predicted] == [r["config"] for r in done] and predicted
+    assert all(r["predicted_plain_s"] > 0 and r["predicted_spec_s"] > 0 for r in predicted)
+
+
 def test_engine_oracle_rollouts_emit_plain_tokens_at_their_acceptance(smoke: dict) -> None:
     rows = smoke["engine"]["rollouts"]
     assert {(r["batch_size"], r["acceptance_length"]) for r in rows} == {

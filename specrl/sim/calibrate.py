@@ -65,6 +65,11 @@ class FitReport:
     n_heldout: int
     drafter: DrafterSpec | None = None  # fitted model-free drafter (cpu_s_per_seq)
 
+    @property
+    def coef(self) -> np.ndarray:
+        """The coefficients [6] in ``features``' order."""
+        return np.array(list(self.coefficients.values()))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "coefficients": self.coefficients,
@@ -81,7 +86,8 @@ def parse_trace(data: dict[str, Any]) -> Trace:
     """A Trace from its JSON object; a missing or mistyped field raises SimInputError."""
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise SimInputError(
-            "a trace is a JSON object with a 'records' list (see docs/simulator.md)"
+            "a trace is a JSON object with a 'records' list, or a gpu_check result with "
+            "'engine.trace' (see docs/simulator.md)"
         )
     for key in ("machine", "model"):
         if not isinstance(data.get(key), str):
@@ -122,8 +128,15 @@ def _record(index: int, r: Any) -> Record:
 
 
 def load_trace(path: Path) -> Trace:
-    """Read and parse a trace file; a missing, unreadable or malformed one raises
-    SimInputError naming the file."""
+    """Read and parse a trace file, or the trace in a ``benchmarks/gpu_check.py`` result
+    (``engine.trace``); a missing, unreadable or malformed one raises SimInputError naming the
+    file."""
+    return read_calibration(path)[0]
+
+
+def read_calibration(path: Path) -> tuple[Trace, Any]:
+    """``load_trace``'s trace and, from a gpu_check result, its ``engine.rollouts`` (None
+    from a plain trace file)."""
     path = Path(path)
     text = read_text(path, "a JSON trace file")
     try:
@@ -131,7 +144,15 @@ def load_trace(path: Path) -> Trace:
     except json.JSONDecodeError as e:
         raise SimInputError(f"trace {path}: malformed JSON ({e})") from None
     try:
-        return parse_trace(data)
+        if isinstance(data, dict) and "records" not in data and "engine" in data:
+            engine = data["engine"] if isinstance(data["engine"], dict) else {}
+            if not isinstance(engine.get("trace"), dict):
+                raise SimInputError(
+                    "a gpu_check result without an engine trace (its 'engine' section did not "
+                    "run or failed)"
+                )
+            return parse_trace(engine["trace"]), engine.get("rollouts")
+        return parse_trace(data), None
     except SimInputError as e:
         raise SimInputError(f"trace {path}: {e}") from None
 

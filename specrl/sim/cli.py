@@ -20,8 +20,9 @@ from typer.core import TyperGroup
 
 from specrl.cli_util import fail
 from specrl.fsutil import atomic_write, writable_problem
-from specrl.sim.calibrate import fit_trace, load_trace, write_drafter, write_profile
+from specrl.sim.calibrate import fit_trace, read_calibration, write_drafter, write_profile
 from specrl.sim.errors import SimInputError
+from specrl.sim.holdout import complement, held_out_checks, parse_rollouts
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
 from specrl.sim.runner import ScenarioResult, check_inputs, run_scenario
 from specrl.sim.scenario import field_help, load_scenario
@@ -193,19 +194,33 @@ def calibrate_command(
             " --heldout)",
         ),
     ] = "",
+    fit_configs: Annotated[
+        str,
+        typer.Option(
+            "--fit-configs",
+            help="comma-separated record 'config' labels to fit on; every other config is held"
+            " out as a whole run (gpu_check: bs1,bs64 fits on batches 1 and 64)",
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the fit report as JSON")] = False,
 ) -> None:
-    """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace; write a hardware profile."""
+    """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace (or a gpu_check result's
+    engine trace); write a hardware profile; report held-out configs and predicted rollouts."""
     if not 0.0 <= heldout < 1.0:
         fail(f"--heldout {heldout} must be in [0, 1)")
+    if fit_configs and heldout_configs:
+        fail("--fit-configs and --heldout-configs: give one (each names the other's complement)")
     drafter_out = drafter_out or out.with_stem(f"{out.stem}-drafter")
     _check_writable(out, "--out", "file")
     _check_writable(drafter_out, "--drafter-out", "file")
     held = tuple(c for c in heldout_configs.split(",") if c)
     try:
-        tr = load_trace(trace)
+        tr, raw_rollouts = read_calibration(trace)
+        rollouts = parse_rollouts(raw_rollouts)
+        if fit_configs:
+            held = complement(tr, tuple(c for c in fit_configs.split(",") if c))
         base_hw = load_hardware(base or tr.hardware or "cpu-2core")
-        load_model(tr.model)  # the specs the fit needs, checked before it starts
+        model = load_model(tr.model)  # the specs the fit needs, checked before it starts
         if tr.drafter:
             load_drafter(tr.drafter)
         report = fit_trace(tr, base_hw, heldout, seed, name, held)
@@ -215,8 +230,9 @@ def calibrate_command(
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {e.filename or out}: {e.strerror or e}")
+    checks = held_out_checks(model, report, tr, held, rollouts)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        typer.echo(json.dumps(report.to_json() | checks, indent=2))
         return
     p = report.profile
     typer.echo(
@@ -228,9 +244,26 @@ def calibrate_command(
         f"({report.n_fit} records), held-out MAPE {report.heldout_error:.1%} "
         f"({report.n_heldout} records)"
     )
+    _echo_checks(checks)
     if drafter_path is not None:
         cpu = report.drafter.cpu_s_per_seq
         typer.echo(f"wrote {drafter_path}: cpu_s_per_seq={cpu:.3g}")
+
+
+def _echo_checks(checks: dict) -> None:
+    """One line per held-out config and per predicted rollout."""
+    for config, e in checks["heldout_configs"].items():
+        typer.echo(f"held-out {config}: MAPE {e['mape']:.1%}, worst {e['worst']:.1%} "
+                   f"({e['n']} records)")  # fmt: skip
+    rollouts = checks["rollouts"]
+    for r in rollouts["rollouts"]:
+        typer.echo(
+            f"rollout {r['config']}: plain {r['plain_s']:.3g}s predicted "
+            f"{r['predicted_plain_s']:.3g}s ({r['plain_error']:.1%}), speculative "
+            f"{r['spec_s']:.3g}s predicted {r['predicted_spec_s']:.3g}s ({r['spec_error']:.1%})"
+        )
+    if rollouts["rollouts"]:
+        typer.echo(f"rollouts: MAPE {rollouts['mape']:.1%}, worst {rollouts['worst']:.1%}")
 
 
 def list_command() -> None:
