@@ -135,8 +135,8 @@ def load_trace(path: Path) -> Trace:
 
 
 def read_calibration(path: Path) -> tuple[Trace, Any]:
-    """``load_trace``'s trace and, from a gpu_check result, its ``engine.rollouts`` (None
-    from a plain trace file)."""
+    """``load_trace``'s trace and the rollouts measured beside it: a gpu_check result's
+    ``engine.rollouts``, a trace file's own ``rollouts`` (None when there are none)."""
     path = Path(path)
     text = read_text(path, "a JSON trace file")
     try:
@@ -152,7 +152,7 @@ def read_calibration(path: Path) -> tuple[Trace, Any]:
                     "run or failed)"
                 )
             return parse_trace(engine["trace"]), engine.get("rollouts")
-        return parse_trace(data), None
+        return parse_trace(data), data.get("rollouts")
     except SimInputError as e:
         raise SimInputError(f"trace {path}: {e}") from None
 

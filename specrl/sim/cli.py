@@ -3,7 +3,8 @@
 ``register(app)`` adds the ``simulate`` group; a first argument that is not a subcommand is a
 scenario for ``run``. ``run`` prints a summary (or ``--json``) and, with ``--out DIR``, writes
 result.json, gantt.png and tornado.png; ``calibrate TRACE.json`` fits a hardware profile (and a
-model-free drafter's spec) to an engine trace; ``list`` names the bundled specs. Every bad
+model-free drafter's spec) to an engine trace (or a gpu_check result's), reports the held-out
+configs and predicts the measured rollouts beside it; ``list`` names the bundled specs. Every bad
 input, unwritable paths included, prints one ``error: ...`` line and exits 2 before any work.
 Details: docs/internals.md.
 """
@@ -22,7 +23,7 @@ from specrl.cli_util import fail
 from specrl.fsutil import atomic_write, writable_problem
 from specrl.sim.calibrate import fit_trace, read_calibration, write_drafter, write_profile
 from specrl.sim.errors import SimInputError
-from specrl.sim.holdout import complement, held_out_checks, parse_rollouts
+from specrl.sim.holdout import complement, held_out_checks, left_out, parse_rollouts
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
 from specrl.sim.runner import ScenarioResult, check_inputs, run_scenario
 from specrl.sim.scenario import field_help, load_scenario
@@ -157,7 +158,13 @@ def _write_outputs(res: ScenarioResult, result: dict, out: Path, tornado: bool) 
 
 
 def calibrate_command(
-    trace: Annotated[Path, typer.Argument(help="engine trace JSON (see docs/simulator.md)")],
+    trace: Annotated[
+        Path,
+        typer.Argument(
+            help="engine trace JSON, or a benchmarks/gpu_check.py result (its engine.trace and"
+            " engine.rollouts; see docs/simulator.md)"
+        ),
+    ],
     base: Annotated[
         str,
         typer.Option(
@@ -230,7 +237,7 @@ def calibrate_command(
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {e.filename or out}: {e.strerror or e}")
-    checks = held_out_checks(model, report, tr, held, rollouts)
+    checks = held_out_checks(model, report, tr, held, rollouts, left_out(raw_rollouts))
     if as_json:
         typer.echo(json.dumps(report.to_json() | checks, indent=2))
         return
@@ -251,19 +258,31 @@ def calibrate_command(
 
 
 def _echo_checks(checks: dict) -> None:
-    """One line per held-out config and per predicted rollout."""
+    """One line per held-out config (with its worst point) and per predicted rollout."""
     for config, e in checks["heldout_configs"].items():
-        typer.echo(f"held-out {config}: MAPE {e['mape']:.1%}, worst {e['worst']:.1%} "
-                   f"({e['n']} records)")  # fmt: skip
+        w = e["worst_point"]
+        typer.echo(
+            f"held-out {config}: MAPE {e['mape']:.1%}, worst {e['worst']:.1%} ({e['n']} records;"
+            f" worst {w['kind']} B={w['batch_size']} T={w['tokens_per_seq']} context"
+            f" {w['context_len']:.0f}: {w['measured_s']:.4g}s measured, predicted"
+            f" {w['predicted_s']:.4g}s)"
+        )
     rollouts = checks["rollouts"]
     for r in rollouts["rollouts"]:
+        batch = "a fitted batch" if r["batch_fitted"] else "a batch not fitted"
         typer.echo(
             f"rollout {r['config']}: plain {r['plain_s']:.3g}s predicted "
             f"{r['predicted_plain_s']:.3g}s ({r['plain_error']:.1%}), speculative "
-            f"{r['spec_s']:.3g}s predicted {r['predicted_spec_s']:.3g}s ({r['spec_error']:.1%})"
+            f"{r['spec_s']:.3g}s predicted {r['predicted_spec_s']:.3g}s ({r['spec_error']:.1%});"
+            f" speedup {r['speedup']:.2f} predicted {r['predicted_speedup']:.2f} ({batch})"
         )
     if rollouts["rollouts"]:
-        typer.echo(f"rollouts: MAPE {rollouts['mape']:.1%}, worst {rollouts['worst']:.1%}")
+        typer.echo(
+            f"rollouts: MAPE {rollouts['mape']:.1%}, worst {rollouts['worst']:.1%}"
+            f" ({rollouts['worst_prediction']})"
+        )
+    if rollouts["skipped"]:
+        typer.echo(f"rollouts not measured: {', '.join(rollouts['skipped'])}")
 
 
 def list_command() -> None:
