@@ -70,8 +70,10 @@ class StepGraphs:
         return step.replay()
 
     def clear(self) -> None:
-        """Drop every step (their buffers and graphs)."""
+        """Drop every step (their buffers and graphs) and the pool they shared."""
         self._steps.clear()
+        self._pool = None  # a pool is never reopened once its graphs are gone
+        self.captures = 0
 
     def _build(
         self, fn: Callable[[dict[str, torch.Tensor]], Any], inputs: Mapping[str, torch.Tensor]
@@ -90,7 +92,8 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread (the async learner) may allocate while this captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn(static)
         return _Step(static, fn, graph, out, staging)
 

@@ -104,7 +104,7 @@ def grouped_sdpa(
     g = h // kv
     rows = mask[:, :, None].expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
     out = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, d), k, v, attn_mask=rows)
-    return out.view(b, h, t, d)
+    return out.reshape(b, h, t, d)  # CUDA's kernel returns a transposed (strided) view
 
 
 FP32_ATTENTION_ROWS = 4  # batch rows up to which grouped_attention computes in float32

@@ -231,13 +231,13 @@ def calibrate_command(
         if tr.drafter:
             load_drafter(tr.drafter)
         report = fit_trace(tr, base_hw, heldout, seed, name, held)
+        checks = held_out_checks(model, report, tr, held, rollouts, left_out(raw_rollouts))
         write_profile(report, out, tr)
         drafter_path = write_drafter(report, drafter_out, tr)
-    except SimInputError as e:
+    except (SimInputError, ValueError) as e:
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {e.filename or out}: {e.strerror or e}")
-    checks = held_out_checks(model, report, tr, held, rollouts, left_out(raw_rollouts))
     if as_json:
         typer.echo(json.dumps(report.to_json() | checks, indent=2))
         return

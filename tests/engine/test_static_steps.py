@@ -174,3 +174,21 @@ def test_modes_and_cache_slots() -> None:
     e = engine("static", "none", max_batch=8)
     e.generate([Request(p, GREEDY.replace(n=1)) for p in PROMPTS[:3]])
     assert e._kv.cache.slots >= 4
+
+
+def test_grouped_sdpa_takes_a_strided_kernel_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's memory-efficient kernel returns [B, H, M, D] as a transposed view of [B, M, H, D]:
+    the grouped layout must not assume a contiguous output."""
+    from specrl.models import transformer
+
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(q, k, v, attn_mask=None):  # noqa: ANN001, ANN202
+        return real(q, k, v, attn_mask=attn_mask).transpose(1, 2).contiguous().transpose(1, 2)
+
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.rand(2, 1, 3, 5) < 0.7
+    mask[..., 0] = True
+    want = transformer.grouped_sdpa(q, k, v, mask)
+    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", strided)
+    torch.testing.assert_close(transformer.grouped_sdpa(q, k, v, mask), want)
