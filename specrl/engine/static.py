@@ -21,7 +21,7 @@ import torch
 from specrl.engine.call import Call
 from specrl.engine.rows import Sampled, Seq
 from specrl.models.cache import KVCache
-from specrl.models.graphs import StepGraphs, bucket_for, buckets
+from specrl.models.graphs import StepGraphs, bucket_for, buckets, pad_rows
 from specrl.models.transformer import STATIC, ForwardOutput, Transformer
 from specrl.sampling import PAD_SETTINGS, STREAM_SAMPLE, SamplingHints, sample_logits, uniforms
 from specrl.spec.verify import Verified, verify
@@ -68,10 +68,12 @@ class StaticSteps:
         b, kk = drafts.shape
         width = self._bucket(call, b)
         ints, floats, hints = _inputs(call, rows, width, kk + 1)
-        inputs = {"ints": ints, "floats": floats, "drafts": _pad_rows(drafts, width),
-                  "lengths": _pad_rows(lengths, width)}  # fmt: skip
+        inputs = {"ints": ints, "floats": floats, "drafts": pad_rows(drafts, width),
+                  "lengths": pad_rows(lengths, width)}  # fmt: skip
+        if rule == "sample":  # plain sampling's tokens: the drafts' q is never read
+            probs = None
         if probs is not None:
-            inputs["probs"] = _pad_rows(probs, width)
+            inputs["probs"] = pad_rows(probs, width)
         key = ("verify", width, kk, hints, rule, probs is not None, call.active.capture,
                self._cache)  # fmt: skip
         step = partial(verify_step, call.model, call.kv.cache, call.active.capture, hints, rule)
@@ -170,12 +172,6 @@ def _split_ints(
     """ids [W, T], positions [W, T], top_k [W], seeds [W], counters [W] of ``_inputs``' ints."""
     return (ints[:, :tokens], ints[:, tokens : 2 * tokens], ints[:, 2 * tokens],
             ints[:, 2 * tokens + 1], ints[:, 2 * tokens + 2])  # fmt: skip
-
-
-def _pad_rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` [B, ...] with zero rows appended up to ``width`` rows (where it lives)."""
-    pad = width - t.shape[0]
-    return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
 
 
 def _features(out: ForwardOutput) -> Features:

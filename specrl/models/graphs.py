@@ -10,8 +10,8 @@ idempotent in its effects (a KV cache write at the given positions is: warm-up a
 the same values), must read no device data on the host (no ``bool(t)``, ``.item()``) and must
 return tensors only. Its outputs are the graph's own buffers: valid until the next ``run``.
 ``buckets(limit)`` / ``bucket_for`` give the batch sizes steps are padded to (vLLM's: 1, 2, 4,
-then multiples of 8). ``clear`` drops every graph (a KV cache reallocated, weights replaced by
-new tensors). No module-level state.
+then multiples of 8), ``pad_rows`` pads a batch to one. ``clear`` drops every graph (a KV
+cache reallocated, weights replaced by new tensors). No module-level state.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def buckets(limit: int) -> tuple[int, ...]:
 def bucket_for(rows: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest size in ``sizes`` holding ``rows`` rows, None when none does."""
     return next((b for b in sizes if b >= rows), None)
+
+
+def pad_rows(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:
+    """``t`` [B, ...] with rows of ``value`` appended up to ``width`` rows (where it lives)."""
+    pad = width - t.shape[0]
+    return t if pad == 0 else torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
 
 
 class StepGraphs:

@@ -22,7 +22,7 @@ import torch
 
 from specrl.models.cache import KVCache
 from specrl.models.device import on
-from specrl.models.graphs import StepGraphs, bucket_for
+from specrl.models.graphs import StepGraphs, bucket_for, pad_rows
 from specrl.sampling import PAD_SETTINGS, SamplingHints, draw, uniforms
 from specrl.spec.proposers.base import ProposerBatch
 
@@ -100,8 +100,8 @@ def step_inputs(
     positions[: len(bases)] = torch.tensor(bases)[:, None] + torch.arange(k - 1)[None, :]
     floats = torch.stack([batch.temperature.float(), batch.top_p.float()], 1)
     ints = torch.stack([batch.top_k, batch.seeds, batch.counters], 1).to(torch.int64)
-    return {"start": _pad_rows(start, width, 0), "positions": positions,
-            "floats": _pad_rows(floats, width, 1.0), "ints": _pad_rows(ints, width, 0)}  # fmt: skip
+    return {"start": pad_rows(start, width), "positions": positions,
+            "floats": pad_rows(floats, width, 1.0), "ints": pad_rows(ints, width)}  # fmt: skip
 
 
 def unpack_sampling(x: Inputs, key: DraftKey) -> tuple[Sampling, torch.Tensor]:
@@ -176,9 +176,3 @@ def _uniforms(seeds: torch.Tensor, counters: torch.Tensor, k: int, stream: int) 
     """Uniforms [W, k] of draft slots 0..k-1 of rows with ``seeds`` and ``counters`` [W]."""
     steps = counters[:, None] + torch.arange(k, device=counters.device)[None, :]  # [W, k]
     return uniforms(seeds, steps, stream)
-
-
-def _pad_rows(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """``t`` [B, ...] with rows of ``value`` appended up to ``width`` rows (where it lives)."""
-    pad = width - t.shape[0]
-    return t if pad == 0 else torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
