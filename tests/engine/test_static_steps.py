@@ -179,7 +179,7 @@ def test_modes_and_cache_slots() -> None:
 def test_grouped_sdpa_takes_a_strided_kernel_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's memory-efficient kernel returns [B, H, M, D] as a transposed view of [B, M, H, D]:
     the grouped layout must not assume a contiguous output."""
-    from specrl.models import transformer
+    from specrl.models import attention
 
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -189,6 +189,6 @@ def test_grouped_sdpa_takes_a_strided_kernel_output(monkeypatch: pytest.MonkeyPa
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     mask = torch.rand(2, 1, 3, 5) < 0.7
     mask[..., 0] = True
-    want = transformer.grouped_sdpa(q, k, v, mask)
-    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", strided)
-    torch.testing.assert_close(transformer.grouped_sdpa(q, k, v, mask), want)
+    want = attention.grouped_sdpa(q, k, v, mask)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", strided)
+    torch.testing.assert_close(attention.grouped_sdpa(q, k, v, mask), want)
