@@ -17,7 +17,7 @@ its traceback and the others still run; a time budget, ``--budget-s``, stops rep
   left then): specrl's ``Engine`` in bf16 on a random model with Llama-3.1-8B's shapes
   (``gpu_calibrate.LLAMA_8B``), B rows sampling (temperature 1) one 512-token random prompt.
   (a) decode step time at B = 1, 8, 64, 256, (T(64 new tokens) - T(16)) / 48 over whole
-  ``generate`` calls (medians of 3 after a warm-up call), for ``step_graphs=--step-graphs``
+  ``generate`` calls (the fastest of 3 after a warm-up call), for ``step_graphs=--step-graphs``
   (capture), for ``off`` and for transformers' static-cache ``generate`` (the same weights,
   compiled as ``generate`` compiles on CUDA), against the floor: weight bytes / the floors'
   copy bandwidth. (b) a verify step with k = 3, 5, 7 drafts at B = 1, 64, 256 over a decode

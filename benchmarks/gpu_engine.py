@@ -39,6 +39,7 @@ Guard = Callable[[str, Callable[[], dict]], dict]
 ENGINE_KEYS = ("decode_bs1_over_floor", "decode_bs64_over_transformers",
                "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup")  # fmt: skip
 CONTENDERS = ("specrl", "specrl_off", "transformers")  # (a): step_graphs=mode, "off", theirs
+MAX_PAIRS_FACTOR = 4  # (a): extra (short, long) pairs while the step estimate is not positive
 SEED = 1  # every request's seed: its B samples get sample seeds sample_seed(SEED, i)
 
 
@@ -50,7 +51,7 @@ class EngineSizes:
     model_name: str  # the simulator's bundled spec ("" = write one beside the result)
     prompt: int  # tokens of the one prompt every row samples from (a GRPO group)
     batches: tuple[int, ...]  # decode points (a), in the order they run
-    short_tokens: int  # (a): step time = (T(long) - T(short)) / (long - short)
+    short_tokens: int  # (a): step time = (min T(long) - min T(short)) / (long - short)
     long_tokens: int
     repeats: int  # (a): timed (short, long) pairs after one warm-up long call
     transformers_batches: tuple[int, ...]  # (a) for transformers, in the order they run
@@ -69,7 +70,7 @@ GPU = EngineSizes(
     rollout_batches=(1, 64), rollout_tokens=256, rollout_k=5, acceptance_lengths=(2.0, 2.8, 3.3),
 )  # fmt: skip
 SMOKE = EngineSizes(
-    TINY, "", prompt=16, batches=(1, 64), short_tokens=4, long_tokens=12, repeats=2,
+    TINY, "", prompt=16, batches=(1, 64), short_tokens=4, long_tokens=20, repeats=2,
     transformers_batches=(64,), verify_points=((1, 3),), verify_tokens=8,
     rollout_batches=(1, 8), rollout_tokens=64, rollout_k=3, acceptance_lengths=(2.0, 2.8, 3.3),
 )  # fmt: skip
@@ -153,19 +154,32 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def step_times(
     call: Callable[[int], Any], z: EngineSizes, device: torch.device, deadline: float
 ) -> dict:
-    """A warm-up ``call(long)``, then (short, long) pairs until ``z.repeats`` or the deadline:
-    the per-step time (T(long) - T(short)) / (long - short) of the medians (the prefill, the
-    first token and per-call costs cancel)."""
+    """A warm-up ``call(long)``, then (short, long) pairs: the per-step time
+    (T(long) - T(short)) / (long - short) of the fastest call of each length (the prefill, the
+    first token and per-call costs cancel; interference only ever adds time, so the fastest is
+    the least disturbed). Pairs run until ``z.repeats``, and on while that estimate is not
+    positive (a noisy host: up to ``MAX_PAIRS_FACTOR`` times as many), both stopping at the
+    deadline."""
     warmup_s, _ = seconds(partial(call, z.long_tokens), device)
     shorts: list[float] = []
     longs: list[float] = []
-    while len(longs) < z.repeats and (not longs or time.perf_counter() < deadline):
+
+    def estimate() -> float:
+        return (min(longs) - min(shorts)) / (z.long_tokens - z.short_tokens)
+
+    def more() -> bool:
+        if not longs:
+            return True
+        if time.perf_counter() >= deadline:
+            return False
+        if len(longs) < z.repeats:
+            return True
+        return estimate() <= 0 and len(longs) < MAX_PAIRS_FACTOR * z.repeats
+
+    while more():
         shorts.append(seconds(partial(call, z.short_tokens), device)[0])
         longs.append(seconds(partial(call, z.long_tokens), device)[0])
-    step_s = (statistics.median(longs) - statistics.median(shorts)) / (
-        z.long_tokens - z.short_tokens
-    )
-    return {"step_s": step_s, "warmup_s": warmup_s, "short_s": shorts, "long_s": longs,
+    return {"step_s": estimate(), "warmup_s": warmup_s, "short_s": shorts, "long_s": longs,
             "new_tokens": [z.short_tokens, z.long_tokens]}  # fmt: skip
 
 
