@@ -40,6 +40,7 @@ ENGINE_KEYS = ("decode_bs1_over_floor", "decode_bs64_over_transformers",
                "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup")  # fmt: skip
 CONTENDERS = ("specrl", "specrl_off", "transformers")  # (a): step_graphs=mode, "off", theirs
 MAX_PAIRS_FACTOR = 4  # (a): extra (short, long) pairs while the step estimate is not positive
+BOOK_ROUNDS = 8  # (c): at most this many oracle rollouts settle the book (``settle_book``)
 SEED = 1  # every request's seed: its B samples get sample seeds sample_seed(SEED, i)
 
 
@@ -285,18 +286,50 @@ def verify_point(
 # --------------------------------------------------------------------------- (c) rollouts
 
 
+def oracle_spec(z: EngineSizes, book: dict[int, list[int]], alpha: float) -> SpecConfig:
+    """The oracle drafter at fixed k drafting ``book`` with per-token acceptance ``alpha``."""
+    from reasoning_spec_vs_plain import OracleProposer  # noqa: F401 (registers "oracle")
+
+    return SpecConfig("oracle", z.rollout_k, options={"book": book, "accept": alpha},
+                      exact="sample", adaptive=False)  # fmt: skip
+
+
+def book_of(out: list) -> dict[int, list[int]]:
+    """Each sample seed's prompt + completion in ``out`` (the oracle's book)."""
+    return {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in out}
+
+
+def settle_book(
+    engine: Engine, reqs: list[Request], book: dict[int, list[int]], z: EngineSizes
+) -> tuple[dict[int, list[int]], int]:
+    """The book the oracle's own rollouts reproduce, and the rounds it took: oracle rollouts at
+    acceptance 1, each drafting the last one's tokens, until one reproduces its book (at most
+    ``BOOK_ROUNDS``). A position sampled in a verify step (k + 1 tokens per row) may round
+    differently from the plain step's (1 token) in bf16 on a GPU, and a sampled token can
+    flip; the oracle drafts nothing for a row past a flip. Each round moves every row's first
+    flip on; on the CPU the verify step rounds like the plain one and round 0 settles it (the
+    plain book)."""
+    for rounds in range(BOOK_ROUNDS):
+        out = book_of(engine.generate(reqs, spec=oracle_spec(z, book, 1.0)))
+        if out == book:
+            return book, rounds
+        book = out
+    return book, BOOK_ROUNDS
+
+
 def rollout_batch(
     engine: Engine, prompt: list[int], batch: int, z: EngineSizes, deadline: float
 ) -> dict:
-    """Plain and oracle-drafted rollouts of ``batch`` rows (sample-exact verification, fixed k:
-    the same tokens as plain, checked), each timed once after a warm-up call."""
-    from reasoning_spec_vs_plain import OracleProposer  # noqa: F401 (registers "oracle")
-
+    """Plain and oracle-drafted rollouts of ``batch`` rows (sample-exact verification, fixed k),
+    each timed once after a warm-up call; the oracle drafts the settled book (``settle_book``,
+    whose first round is the oracle's warm-up). ``same_tokens``: the oracle's rollout equals
+    plain's (sample-exact; on a GPU only where the step shapes round alike); ``same_as_book``:
+    it equals the book it drafted."""
     reqs = requests(prompt, batch, z.rollout_tokens)
     tokens = batch * z.rollout_tokens
     engine.generate(reqs)  # warm-up
     plain_s, plain = seconds(partial(engine.generate, reqs), engine.device)
-    book = {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in plain}
+    book, rounds = settle_book(engine, reqs, book_of(plain), z)
     rows = []
     for i, target in enumerate(z.acceptance_lengths):
         config = f"al{target}_bs{batch}"
@@ -304,11 +337,8 @@ def rollout_batch(
             rows.append({"config": config, "batch_size": batch, "skipped": "deadline"})
             continue
         alpha = solve_alpha(target, z.rollout_k)
-        spec = SpecConfig("oracle", z.rollout_k, options={"book": book, "accept": alpha},
-                          exact="sample", adaptive=False)  # fmt: skip
-        if i == 0:
-            engine.generate(reqs, spec=spec)  # warm-up: captures the verify steps
-        spec_s, out = seconds(partial(engine.generate, reqs, spec=spec), engine.device)
+        spec_s, out = seconds(partial(engine.generate, reqs, spec=oracle_spec(z, book, alpha)),
+                              engine.device)  # fmt: skip
         rows.append({
             "config": config,
             "batch_size": batch,
@@ -323,7 +353,9 @@ def rollout_batch(
             "plain_tokens_per_s": tokens / plain_s,
             "spec_tokens_per_s": tokens / spec_s,
             "speedup": plain_s / spec_s,
+            "book_rounds": rounds,
             "same_tokens": [c.token_ids for c in out] == [c.token_ids for c in plain],
+            "same_as_book": book_of(out) == book,
         })  # fmt: skip
     return {"rows": rows}
 

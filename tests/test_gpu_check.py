@@ -154,12 +154,38 @@ def test_engine_oracle_rollouts_emit_plain_tokens_at_their_acceptance(smoke: dic
     }
     for r in rows:
         assert r["same_tokens"] is True, r["config"]
+        assert r["same_as_book"] is True and r["book_rounds"] == 0, r  # the CPU rounds alike
         assert r["speedup"] == pytest.approx(r["plain_s"] / r["spec_s"])
         assert r["spec_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
         # the acceptance pattern depends on the seeds only: 8 rows x 64 tokens measure it to
         # within ~0.1 (alpha from the untruncated 1 / (1 - alpha) misses 2.8 and 3.3 by ~0.5, ~0.8)
         if r["batch_size"] == 8:
             assert abs(r["measured_acceptance_length"] - r["acceptance_length"]) < 0.15, r
+
+
+def test_settle_book_moves_past_a_flipped_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A book that leaves the engine's own rollout (as a token flipped by a verify step's
+    rounding on a GPU would) is replaced by the rollout the oracle reproduces: one round to
+    find the rollout, a second that reproduces it; the settled book drafts every token again."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu_calibrate import TINY, build_model
+    from gpu_engine import SMOKE, book_of, oracle_spec, requests, settle_book
+
+    from specrl.engine import Engine
+
+    model = build_model(TINY, "cpu", torch.bfloat16)
+    engine = Engine(model, max_batch=4, max_context=96)
+    reqs = requests(list(range(3, 19)), 4, 40)
+    plain = book_of(engine.generate(reqs))
+    assert settle_book(engine, reqs, plain, SMOKE) == (plain, 0)
+    damaged = {s: t[:30] + [t[30] + 1] + t[31:] for s, t in plain.items()}  # a flip at 30
+    book, rounds = settle_book(engine, reqs, damaged, SMOKE)
+    assert (book, rounds) == (plain, 1)  # sample-exact: past the flip, plain's tokens
+    accepted = {}
+    for name, b in (("plain", plain), ("damaged", damaged), ("settled", book)):
+        engine.generate(reqs, spec=oracle_spec(SMOKE, b, 1.0))
+        accepted[name] = engine.stats.acceptance_length
+    assert accepted["settled"] == accepted["plain"] > accepted["damaged"]  # none past 30
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 7])
