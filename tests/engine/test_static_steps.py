@@ -163,6 +163,33 @@ def test_step_graphs_reuse_static_buffers() -> None:
         StepGraphs(torch.device("cpu"), capture=True)
 
 
+def test_step_graphs_share_buffers_across_keys() -> None:
+    """Keys share one buffer per input name / output index and dtype: widths visited from the
+    largest down hold the largest key's bytes once; visited upwards at most 4x (a buffer too
+    small is at least doubled); every key's results stay right; an output is valid until the
+    next run of any key."""
+
+    def step(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, None, torch.Tensor]:
+        return x["a"] * 2, None, x["a"].sum(1, keepdim=True).to(torch.int64)  # [W, 3], [W, 1]
+
+    widths = [64, 56, 8, 4, 1]
+    for order in (widths, widths[::-1]):
+        graphs = StepGraphs(torch.device("cpu"), capture=False)
+        for w in order + order:  # built, then run again with new values
+            a = torch.arange(3 * w, dtype=torch.float32).view(w, 3) + len(graphs)
+            doubled, none, sums = graphs.run(w, step, {"a": a})
+            assert none is None and torch.equal(doubled, a * 2)
+            assert torch.equal(sums, a.sum(1, keepdim=True).to(torch.int64))
+        largest = 64 * 3 * (4 + 4) + 64 * 8  # input and doubled (float32), sums (int64)
+        assert graphs.nbytes == largest if order[0] == 64 else largest < graphs.nbytes <= 4 * largest
+    graphs = StepGraphs(torch.device("cpu"), capture=False)
+    graphs.run(4, step, {"a": torch.ones(4, 3)})
+    first = graphs.run(1, step, {"a": torch.ones(1, 3)})[0]
+    assert first.tolist() == [[2.0, 2.0, 2.0]]
+    graphs.run(4, step, {"a": torch.zeros(4, 3)})
+    assert first.tolist() == [[0.0, 0.0, 0.0]]  # key 4's run rewrote key 1's output
+
+
 def test_modes_and_cache_slots() -> None:
     """'auto' is off on the CPU; 'capture' there is a one-line error; a static engine's cache
     has a slot for each padding row of its bucket (3 rows -> bucket 4)."""
