@@ -2,13 +2,16 @@
 
 ``StaticSteps(device, capture, max_rows)`` runs a call's plain step (``decode``) and its verify
 step without a draft tree (``verify``) as one static step each (``specrl.models.graphs``): the
-target forward over the whole KV cache (``Transformer`` with ``kv_len=STATIC``), then sampling or
+target forward over a span of the KV cache (``Transformer`` with ``kv_len=Static(span)``: the
+first ``span_for`` positions holding every live row's), then sampling or
 the rejection sampler on the device with host-known ``SamplingHints``, the results packed into
 one float64 tensor that crosses to the host in ONE copy per step (``host_copies`` counts them).
-Keys: (kind, bucket, tokens per row, hints, rule, draft probabilities or not, captured layers,
-cache); a reallocated cache drops the steps. Live rows are slots 0..B-1; padding rows take the
-free slots B..bucket-1 and write only the cache's last position, which no history reaches
-(``KVSpace.reserve`` keeps it spare), so nothing they do is read. The results are those of the
+Keys: (kind, bucket, tokens per row, span, hints, rule, draft probabilities or not, captured
+layers, cache); a reallocated cache drops the steps (with static steps the cache is made at the
+call's full length up front, ``KVSpace.ensure``, so it is not regrown mid-call). Live rows are
+slots 0..B-1; padding rows take the free slots B..bucket-1 and write only the cache's last
+position, which no history reaches (``KVSpace.reserve`` keeps it spare), so nothing they do is
+read. The results are those of the
 uncaptured step (``specrl.engine.decode``) for the same rows: greedy token for token (tests).
 """
 
@@ -21,8 +24,8 @@ import torch
 from specrl.engine.call import Call
 from specrl.engine.rows import Sampled, Seq
 from specrl.models.cache import KVCache
-from specrl.models.graphs import StepGraphs, bucket_for, buckets, pad_rows
-from specrl.models.transformer import STATIC, ForwardOutput, Transformer
+from specrl.models.graphs import StepGraphs, bucket_for, buckets, pad_rows, span_for
+from specrl.models.transformer import ForwardOutput, Static, Transformer
 from specrl.sampling import PAD_SETTINGS, STREAM_SAMPLE, SamplingHints, sample_logits, uniforms
 from specrl.spec.verify import Verified, verify
 
@@ -45,8 +48,9 @@ class StaticSteps:
         drafter's features [B, 1, F] (or None)."""
         b, width = len(rows), self._bucket(call, len(rows))
         ints, floats, hints = _inputs(call, rows, width, 1)
-        key = ("decode", width, hints, call.active.capture, self._cache)
-        step = partial(decode_step, call.model, call.kv.cache, call.active.capture, hints)
+        span = self._span(call, rows, 1)
+        key = ("decode", width, span, hints, call.active.capture, self._cache)
+        step = partial(decode_step, call.model, call.kv.cache, span, call.active.capture, hints)
         packed, feats = self.graphs.run(key, step, {"ints": ints, "floats": floats})
         host = self._to_host(packed[:b])  # [B, 3]
         call.shaped(b, 1, sum(s.pos for s in rows) / b)
@@ -74,9 +78,11 @@ class StaticSteps:
             probs = None
         if probs is not None:
             inputs["probs"] = pad_rows(probs, width)
-        key = ("verify", width, kk, hints, rule, probs is not None, call.active.capture,
+        span = self._span(call, rows, kk + 1)
+        key = ("verify", width, kk, span, hints, rule, probs is not None, call.active.capture,
                self._cache)  # fmt: skip
-        step = partial(verify_step, call.model, call.kv.cache, call.active.capture, hints, rule)
+        step = partial(verify_step, call.model, call.kv.cache, span, call.active.capture, hints,
+                       rule)  # fmt: skip
         packed, feats = self.graphs.run(key, step, inputs)
         host = self._to_host(packed[:b])  # [B, 2 + 3 (kk+1)]
         call.shaped(b, kk + 1, sum(s.pos for s in rows) / b)
@@ -96,6 +102,13 @@ class StaticSteps:
             raise RuntimeError(f"static step of {width} rows over a cache of {cache.slots} slots")
         return width
 
+    @staticmethod
+    def _span(call: Call, rows: list[Seq], tokens: int) -> Static:
+        """The cache span a step of ``tokens`` per row reads (``span_for``: every live row's
+        positions inside it)."""
+        need = max(s.pos for s in rows) + tokens
+        return Static(span_for(need, call.kv.cache.max_len))
+
     def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
         """The step's packed results on the host: the step's one device-to-host copy."""
         self.host_copies += 1
@@ -108,6 +121,7 @@ Features = torch.Tensor | None  # [W, T, F] the drafter's features of a step, No
 def decode_step(
     model: Transformer,
     cache: KVCache,
+    span: Static,
     capture: tuple[int, ...],
     hints: SamplingHints,
     x: dict[str, torch.Tensor],  # ints [W, 5], floats [W, 2] (``_inputs``)
@@ -115,7 +129,7 @@ def decode_step(
     """A plain step's device work: forward, sample; packed [W, 3] (token, processed and raw
     logprob) and features. Reads no device data on the host (capturable)."""
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], 1)
-    out = model(ids, positions, cache, kv_len=STATIC, capture=capture)
+    out = model(ids, positions, cache, kv_len=span, capture=capture)
     temperature, top_p = x["floats"].unbind(1)
     u = uniforms(seeds, counters, STREAM_SAMPLE)
     s = sample_logits(out.logits[:, 0], temperature, top_k, top_p, u, hints=hints)
@@ -125,6 +139,7 @@ def decode_step(
 def verify_step(
     model: Transformer,
     cache: KVCache,
+    span: Static,
     capture: tuple[int, ...],
     hints: SamplingHints,
     rule: str,
@@ -136,7 +151,7 @@ def verify_step(
     kk = x["drafts"].shape[1]
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], kk + 1)
     ids = torch.cat([ids[:, :1], x["drafts"].clamp(min=0)], 1)  # [W, kk+1]
-    out = model(ids, positions, cache, kv_len=STATIC, capture=capture)
+    out = model(ids, positions, cache, kv_len=span, capture=capture)
     temperature, top_p = x["floats"].unbind(1)
     v = verify(x["drafts"], x["lengths"], x.get("probs"), out.logits.float(), temperature, top_k,
                top_p, seeds, counters, rule=rule, hints=hints)  # fmt: skip

@@ -15,7 +15,8 @@ with the number of keys; a captured step copies its outputs into them at the end
 (the outputs ``fn`` allocated are the pool's again for the next capture). Outputs are valid
 until the next ``run`` of any key.
 ``buckets(limit)`` / ``bucket_for`` give the batch sizes steps are padded to (vLLM's: 1, 2, 4,
-then multiples of 8), ``pad_rows`` pads a batch to one. ``clear`` drops every graph (a KV
+then multiples of 8), ``pad_rows`` pads a batch to one, ``span_for`` the cache span a step
+reads. ``clear`` drops every graph (a KV
 cache reallocated, weights replaced by new tensors). No module-level state.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+SPAN_MIN = 256  # the shortest cache span a static step reads (``span_for``)
 WARMUP = 2  # eager runs on a side stream before a capture (lazy inits, cuBLAS workspaces)
 
 
@@ -41,6 +43,16 @@ def buckets(limit: int) -> tuple[int, ...]:
 def bucket_for(rows: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest size in ``sizes`` holding ``rows`` rows, None when none does."""
     return next((b for b in sizes if b >= rows), None)
+
+
+def span_for(need: int, limit: int) -> int:
+    """The cache positions a static step reads when its rows reach position ``need - 1``: the
+    smallest of 256, 384, 512, 768, 1024, ... (2^i and 1.5 * 2^i, two spans per doubling, at
+    most a third of them unused) holding ``need``, at most ``limit`` (the cache's length)."""
+    length = SPAN_MIN
+    while length < need:
+        length = length // 2 * 3 if length & (length - 1) == 0 else length // 3 * 4
+    return min(length, limit)
 
 
 def pad_rows(t: torch.Tensor, width: int, value: float = 0) -> torch.Tensor:

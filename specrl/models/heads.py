@@ -21,11 +21,11 @@ from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import run_layers
 from specrl.models.transformer import (
-    STATIC,
     AttnContext,
     Block,
     Linear,
     RMSNorm,
+    Static,
     Transformer,
     cache_mask,
 )
@@ -183,15 +183,15 @@ class DraftHead(nn.Module):
         cache: KVCache | None = None,
         rows: torch.Tensor | None = None,  # [B, T] cache slot written by each token
         slots: torch.Tensor | None = None,  # [B] cache slot each row reads
-        kv_len: int | None = None,
+        kv_len: int | Static | None = None,
     ) -> torch.Tensor:
         """Run the decoder layer; returns g [B, T, H]. Without a cache: causal over T;
-        ``kv_len=STATIC``: a static step (as ``Transformer``'s): row b writes and reads slot b,
-        its whole cache under a mask built on the device (``rows``/``slots`` unused)."""
+        ``kv_len=STATIC`` (a ``Static``): a static step (as ``Transformer``'s): row b writes and
+        reads slot b, its cache under a mask built on the device (``rows``/``slots`` unused)."""
         if cache is None:
             ctx = self.target.attn_context(positions, None, None)
-        elif kv_len == STATIC:
-            ctx = self.target.attn_context(positions, cache, STATIC)
+        elif isinstance(kv_len, Static):
+            ctx = self.target.attn_context(positions, cache, kv_len)
         else:
             kv_len = kv_len or int(positions.max()) + 1
             mask = cache_mask(positions, kv_len)  # [B, 1, T, kv_len] or None

@@ -27,8 +27,17 @@ from specrl.models.linear import Linear
 from specrl.models.packed_attention import PackedAttention, PackedMask, use_flex
 from specrl.models.rope import rope_inv_freq, rotate_half
 
-# ``kv_len`` of a static step (``specrl.models.graphs``): attention reads the whole cache
-STATIC = -1
+
+@dataclass(frozen=True)
+class Static:
+    """``kv_len`` of a static step (``specrl.models.graphs``): every row reads the first
+    ``length`` positions of its slot's cache (None: all of them) under a mask built on the
+    device, so nothing is read on the host and the shapes are the key's."""
+
+    length: int | None = None
+
+
+STATIC = Static()  # a static step over the whole cache
 
 
 def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
@@ -294,7 +303,7 @@ class Transformer(nn.Module):
         self,
         positions: torch.Tensor,  # [B, T]
         cache: KVCache | None,
-        kv_len: int | None,
+        kv_len: int | Static | None,
         segments: torch.Tensor | None = None,  # [B, T] packed-sequence ids (no cache)
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         prefill: bool = False,
@@ -319,8 +328,8 @@ class Transformer(nn.Module):
             return AttnContext(positions, mask[:, None], cache, rows, t, read_cache=False)
         if tree is not None:
             return self._tree_context(positions, cache, kv_len, slots, tree)
-        if kv_len == STATIC:
-            return _static_context(positions, cache)
+        if isinstance(kv_len, Static):
+            return _static_context(positions, cache, kv_len.length or cache.max_len)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
@@ -332,7 +341,7 @@ class Transformer(nn.Module):
     def _tree_context(
         positions: torch.Tensor,  # [B, T] RoPE positions
         cache: KVCache,
-        kv_len: int | None,
+        kv_len: int | Static | None,
         slots: torch.Tensor | None,
         tree: torch.Tensor,  # [T, T] bool: tree[i, j] = token j is token i or its ancestor
     ) -> AttnContext:
@@ -356,7 +365,7 @@ class Transformer(nn.Module):
         ids: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
         cache: KVCache | None = None,
-        kv_len: int | None = None,
+        kv_len: int | Static | None = None,
         capture: tuple[int, ...] = (),
         segments: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
@@ -401,7 +410,7 @@ class Transformer(nn.Module):
         ids: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
         cache: KVCache | None = None,
-        kv_len: int | None = None,
+        kv_len: int | Static | None = None,
         logits_at: torch.Tensor | None = None,  # [B, T'] indices into T; None = all
         capture: tuple[int, ...] = (),
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
@@ -419,15 +428,15 @@ class Transformer(nn.Module):
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
 
 
-def _static_context(positions: torch.Tensor, cache: KVCache) -> AttnContext:
-    """A static step's context: rows 0..B-1 read their slots' whole cache through SDPA, each
-    query the keys at positions <= its own; built on the device from ``positions`` [B, T] (no
-    host read: shapes come from the inputs and the cache)."""
+def _static_context(positions: torch.Tensor, cache: KVCache, length: int) -> AttnContext:
+    """A static step's context: rows 0..B-1 read the first ``length`` positions of their slots'
+    cache through SDPA, each query the keys at positions <= its own; built on the device from
+    ``positions`` [B, T] (no host read: shapes come from the inputs and ``length``)."""
     b, t = positions.shape
-    keys = torch.arange(cache.max_len, device=positions.device)
-    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, max_len]
+    keys = torch.arange(length, device=positions.device)
+    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, length]
     rows = torch.arange(b, device=positions.device)[:, None].expand(b, t)
-    return AttnContext(positions, mask, cache, rows, cache.max_len, static=True)
+    return AttnContext(positions, mask, cache, rows, length, static=True)
 
 
 def cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor | None:

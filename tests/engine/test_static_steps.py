@@ -10,8 +10,8 @@ import torch
 
 from specrl.engine import Engine
 from specrl.engine.static import decode_step, verify_step
-from specrl.models.graphs import StepGraphs, bucket_for, buckets
-from specrl.models.transformer import Transformer
+from specrl.models.graphs import StepGraphs, bucket_for, buckets, span_for
+from specrl.models.transformer import STATIC, Static, Transformer
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingHints, SamplingParams
 from specrl.spec.config import SpecConfig
@@ -28,9 +28,11 @@ def mode_for(device: str) -> str:
     return "capture" if device == "cuda" else "static"
 
 
-def engine(step_graphs: str, method: str, device: str = "cpu", max_batch: int = 4) -> Engine:
+def engine(
+    step_graphs: str, method: str, device: str = "cpu", max_batch: int = 4, positions: int = 256
+) -> Engine:
     """An engine over the tiny target (the same weights every time) with ``method``."""
-    target = make_tiny(seed=11, vocab_size=VOCAB).to(device)
+    target = make_tiny(seed=11, vocab_size=VOCAB, max_position_embeddings=positions).to(device)
     draft = make_tiny(seed=5, vocab_size=VOCAB) if method == "draft" else None
     spec = SpecConfig(method, 3) if method != "none" else None
     return Engine(target, max_batch=max_batch, spec=spec, draft_model=draft,
@@ -58,6 +60,29 @@ def test_greedy_static_equals_uncaptured(method: str, device: str) -> None:
     assert e.static.host_copies == e.stats.steps  # every step static, one copy each
     if method != "none":
         assert e.stats.spec_steps > 0 and e.stats.drafted > 0
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_steps_read_a_span_of_a_cache_made_at_full_length(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """480 new tokens: the cache is made once at the call's full length (the steps are never
+    rebuilt for a regrown cache) and each step reads the span its rows reach (256, 384, then
+    the whole ~490 positions), giving the uncaptured engine's tokens."""
+    params = GREEDY.replace(max_new_tokens=480, stop_token_ids=(), n=1)
+    plain = engine("off", method, positions=1024).generate(
+        [Request(p, params) for p in PROMPTS[:2]]
+    )
+    e = engine("static", method, positions=1024)
+    clears = []
+    monkeypatch.setattr(e.static.graphs, "clear", lambda: clears.append(1))
+    static = e.generate([Request(p, params) for p in PROMPTS[:2]])
+    assert [c.token_ids for c in static] == [c.token_ids for c in plain]
+    max_len = e._kv.cache.max_len
+    assert max(len(p) for p in PROMPTS[:2]) + 480 < max_len < 512
+    spans = {key[2 if key[0] == "decode" else 3].length for key in e.static.graphs._steps}
+    assert spans == {256, 384, max_len}
+    assert clears == [1]  # the steps were built on one cache: its first step's
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
@@ -128,14 +153,14 @@ def test_steps_read_no_device_data_on_the_host(rule: str) -> None:
     cache = model.new_cache(4, 16)
     layers = (0, 1)
     hints = SamplingHints.of([0.0, 0.7, 1.0, 1.0], [0, 5, 0, 0], [1.0, 0.9, 1.0, 1.0], VOCAB)
-    packed, feats = decode_step(model, cache, layers, hints, meta_inputs(4, 1))
+    packed, feats = decode_step(model, cache, Static(8), layers, hints, meta_inputs(4, 1))
     assert packed.shape == (4, 3) and feats.shape[:2] == (4, 1)
     x = meta_inputs(4, 4) | {
         "drafts": torch.zeros(4, 3, dtype=torch.int64, device="meta"),
         "lengths": torch.zeros(4, dtype=torch.int64, device="meta"),
         "probs": torch.zeros(4, 3, VOCAB, device="meta"),
     }
-    packed, _ = verify_step(model, cache, (), hints, rule, x)
+    packed, _ = verify_step(model, cache, STATIC, (), hints, rule, x)
     assert packed.shape == (4, 2 + 3 * 4)
 
 
@@ -148,6 +173,9 @@ def test_buckets() -> None:
     assert bucket_for(21, buckets(20)) is None
     with pytest.raises(ValueError, match="bucket limit"):
         buckets(0)
+    spans = [span_for(n, 10_000) for n in (1, 256, 257, 385, 513, 769, 1025, 1537, 2049)]
+    assert spans == [256, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    assert span_for(300, 290) == 290  # never past the cache
 
 
 def test_step_graphs_reuse_static_buffers() -> None:
@@ -181,7 +209,9 @@ def test_step_graphs_share_buffers_across_keys() -> None:
             assert none is None and torch.equal(doubled, a * 2)
             assert torch.equal(sums, a.sum(1, keepdim=True).to(torch.int64))
         largest = 64 * 3 * (4 + 4) + 64 * 8  # input and doubled (float32), sums (int64)
-        assert graphs.nbytes == largest if order[0] == 64 else largest < graphs.nbytes <= 4 * largest
+        assert (
+            graphs.nbytes == largest if order[0] == 64 else largest < graphs.nbytes <= 4 * largest
+        )
     graphs = StepGraphs(torch.device("cpu"), capture=False)
     graphs.run(4, step, {"a": torch.ones(4, 3)})
     first = graphs.run(1, step, {"a": torch.ones(1, 3)})[0]
