@@ -19,6 +19,7 @@ import torch
 from specrl.engine.call import Call
 from specrl.engine.rows import Seq, sample_rows
 from specrl.engine.static import StaticSteps
+from specrl.models.device import device_mark, marked_seconds
 from specrl.rollout_types import EngineStats
 from specrl.sampling import STREAM_DRAFT, STREAM_SAMPLE
 from specrl.spec.config import SpecConfig
@@ -114,6 +115,7 @@ class Decoder:
         """Draft, verify k+1 positions in one target forward, advance each row by its count
         (``drafts`` caps a deterministic draft through its controller and records the step)."""
         t0 = time.perf_counter()
+        mark = None if self.static is None else device_mark(call.device)  # drafting's start
         spec, proposer = call.active.spec, call.active.proposer
         t = call.tensors(rows)
         counters = _counters(call, rows)
@@ -136,8 +138,13 @@ class Decoder:
         room_left = [s.max_total - len(s.history) - 1 for s in rows]
         if self.static is not None and spec.siblings == 0 and self.static.fits(len(rows)):
             lengths, kk = _static_lengths(call, draft, room_left, drafts)
-            call.stats.draft_s += time.perf_counter() - t0
-            return self._static_verify(call, rows, start, batch, draft, lengths, kk, drafts)
+            host_s = time.perf_counter() - t0
+            drafted = device_mark(call.device)
+            call.stats.draft_s += host_s
+            finished = self._static_verify(call, rows, start, batch, draft, lengths, kk, drafts)
+            if mark is not None:  # the verify step's copy waited for the drafting too
+                _retime_draft(call.stats, host_s, marked_seconds(mark, drafted))
+            return finished
         draft = draft.to(call.device)  # host drafts: one copy per step
         (room,) = call.on(torch.tensor(room_left))
         lengths = torch.minimum(draft.lengths, room.clamp(min=0))  # [B]
@@ -218,6 +225,15 @@ def _static_lengths(
     (bound,) = call.on(torch.tensor(room))
     lengths = drafts.capped(torch.minimum(draft.lengths, bound), draft.probs is None)
     return lengths, min(draft.k, max(room))
+
+
+def _retime_draft(stats: EngineStats, host_s: float, device_s: float) -> None:
+    """A static step's drafting took ``device_s`` on the device, of which the host saw
+    ``host_s`` (it does not wait for a device drafter's step): the rest, which the verify
+    step's wait counted, moves from ``verify_s`` to ``draft_s``."""
+    moved = max(0.0, device_s - host_s)
+    stats.draft_s += moved
+    stats.verify_s -= moved
 
 
 def _record_step(call: Call, k: int, elapsed: float, draft_s: float) -> None:

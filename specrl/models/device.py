@@ -69,6 +69,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_mark(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded now on ``device``'s current stream (CUDA), to time device work
+    the host does not wait for (``marked_seconds``); None elsewhere (the host waits for it)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def marked_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+    """Device seconds between two ``device_mark`` events (both done: the host waited since)."""
+    return start.elapsed_time(end) / 1000
+
+
 def autocast(device: torch.device, enabled: bool, dtype: torch.dtype = torch.bfloat16):
     """``torch.autocast`` for ``device``'s type, or a null context when not ``enabled``."""
     if not enabled:

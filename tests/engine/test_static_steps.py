@@ -85,6 +85,23 @@ def test_steps_read_a_span_of_a_cache_made_at_full_length(
     assert clears == [1]  # the steps were built on one cache: its first step's
 
 
+def test_device_drafting_time_moves_from_verify_to_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the host does not wait for a static drafter step: the device's marks time it
+    (``device_mark`` is None on the CPU, so stand-ins say drafting took 2 s on the device); each
+    speculative step's draft record and the call's ``draft_s`` carry it, taken off verify."""
+    from specrl.engine import decode
+
+    e = engine("static", "eagle3")
+    monkeypatch.setattr(decode, "device_mark", lambda device: object())
+    monkeypatch.setattr(decode, "marked_seconds", lambda start, end: 2.0)
+    e.record_steps = True
+    run(e, GREEDY)
+    drafted = [r.step_time_s for r in e.stats.step_records if r.kind == "draft"]
+    assert drafted and drafted == pytest.approx([2.0] * len(drafted))
+    assert e.stats.draft_s == pytest.approx(2.0 * len(drafted))
+    assert e.stats.verify_s < 0  # the stand-in's 2 s were never spent: taken off all the same
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
 def test_sampled_static_equals_uncaptured(method: str) -> None:
     """Temperature, top-k and top-p rows (hints other than plain): the same samples."""
