@@ -287,11 +287,12 @@ def verify_point(
 
 
 def oracle_spec(z: EngineSizes, book: dict[int, list[int]], alpha: float) -> SpecConfig:
-    """The oracle drafter at fixed k drafting ``book`` with per-token acceptance ``alpha``."""
+    """The oracle drafter at fixed k drafting ``book`` with per-token acceptance ``alpha``; a
+    row off its book drafts k wrong tokens (every step of a row a verify step of k + 1)."""
     from reasoning_spec_vs_plain import OracleProposer  # noqa: F401 (registers "oracle")
 
-    return SpecConfig("oracle", z.rollout_k, options={"book": book, "accept": alpha},
-                      exact="sample", adaptive=False)  # fmt: skip
+    options = {"book": book, "accept": alpha, "off_book": True}
+    return SpecConfig("oracle", z.rollout_k, options=options, exact="sample", adaptive=False)
 
 
 def book_of(out: list) -> dict[int, list[int]]:
@@ -305,10 +306,13 @@ def settle_book(
     """The book the oracle's own rollouts reproduce, and the rounds it took: oracle rollouts at
     acceptance 1, each drafting the last one's tokens, until one reproduces its book (at most
     ``BOOK_ROUNDS``). A position sampled in a verify step (k + 1 tokens per row) may round
-    differently from the plain step's (1 token) in bf16 on a GPU, and a sampled token can
-    flip; the oracle drafts nothing for a row past a flip. Each round moves every row's first
-    flip on; on the CPU the verify step rounds like the plain one and round 0 settles it (the
-    plain book)."""
+    differently from the plain step's (1 token) in bf16 on a GPU, and with near-uniform
+    logits (random weights) an inverse-CDF sample flips often. Past a row's first flip the
+    oracle drafts k wrong tokens, so every token of a round comes from a verify step of the
+    timed runs' shape; where a position rounds alike at every offset of that step (one GEMM
+    shape) the next round reproduces it: two rounds settle the book (more where it does not).
+    On the CPU the verify step rounds like the plain one and round 0 settles it (the plain
+    book)."""
     for rounds in range(BOOK_ROUNDS):
         out = book_of(engine.generate(reqs, spec=oracle_spec(z, book, 1.0)))
         if out == book:

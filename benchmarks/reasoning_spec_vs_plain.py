@@ -60,16 +60,21 @@ FEW_ROWS = 4
 @register_proposer("oracle")
 class OracleProposer:
     """Drafts the tokens plain sampling will draw: ``book`` maps a sample seed to the plain
-    rollout's prompt + completion; a row whose history has left it drafts nothing. With
-    ``accept`` < 1 each drafted token is kept with that probability (one uniform per sample
-    seed and position, drawn once) and the first one not kept is replaced by a neighbouring
-    token id, which verification rejects; the draft keeps its length."""
+    rollout's prompt + completion; a row whose history has left it drafts nothing, or with
+    ``off_book`` k copies of token 0 (rejected unless sampling draws it: the row's steps keep
+    the shape of drafted ones). With ``accept`` < 1 each drafted token is kept with that
+    probability (one uniform per sample seed and position, drawn once) and the first one not
+    kept is replaced by a neighbouring token id, which verification rejects; the draft keeps
+    its length."""
 
     deterministic = True
 
-    def __init__(self, book: dict[int, list[int]] | None = None, accept: float = 1.0) -> None:
+    def __init__(
+        self, book: dict[int, list[int]] | None = None, accept: float = 1.0, off_book: bool = False
+    ) -> None:
         self.book = {} if book is None else book
         self.accept = accept
+        self.off_book = off_book
         self.uniforms = {s: np.random.default_rng(s).random(len(f)) for s, f in self.book.items()}
 
     def propose(self, batch, k: int) -> Draft:
@@ -77,7 +82,10 @@ class OracleProposer:
         for seed, history in zip(batch.seeds.tolist(), batch.histories, strict=True):
             full = self.book.get(seed, [])
             n = len(history)
-            rows.append(self._spoil(full[n : n + k], seed, n) if full[:n] == history else [])
+            if full[:n] == history:
+                rows.append(self._spoil(full[n : n + k], seed, n))
+            else:
+                rows.append([0] * k if self.off_book else [])
         return Draft.from_lists(rows, k)
 
     def _spoil(self, draft: list[int], seed: int, position: int) -> list[int]:
