@@ -6,9 +6,8 @@ in the memory left under that share of the device, ``models.device.memory_budget
 steps rounded down to a batch bucket, with slots for the bucket's padding rows) plus one for a
 stashed prompt, and room for the call's longest prompt plus ``chunk`` positions. The cache is
 not reserved for prompt + ``max_new_tokens`` up front: ``reserve`` doubles it, up to the longest
-the call can need (``limit``), only when a row outgrows it; with static steps it is (a grown
-cache is a new tensor, and every step built on the old one is built again; the steps read only
-the span of it their rows reach). ``cache`` is None before the first call and after its owner
+the call can need (``limit``), only when a row outgrows it (static steps read only the span
+of it their rows reach). ``cache`` is None before the first call and after its owner
 frees it.
 """
 
@@ -72,8 +71,6 @@ class KVSpace:
         )
         longest_prompt = max(len(r.prompt_ids) for r, _ in pending)
         need_len = min(longest_prompt + margin + 1 + chunk, self.limit)
-        if self.sizes is not None:  # static steps: the call's full length now (a new cache
-            need_len = self.limit  # drops every step; they read a span of it, not all of it)
         total = sum(len(c) for _, c in pending)
         self.batch_cap = cap = self._rows_that_fit(self.limit, max_batch)
         rows = min(cap, total)

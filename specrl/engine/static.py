@@ -7,8 +7,7 @@ first ``span_for`` positions holding every live row's), then sampling or
 the rejection sampler on the device with host-known ``SamplingHints``, the results packed into
 one float64 tensor that crosses to the host in ONE copy per step (``host_copies`` counts them).
 Keys: (kind, bucket, tokens per row, span, hints, rule, draft probabilities or not, captured
-layers, cache); a reallocated cache drops the steps (with static steps the cache is made at the
-call's full length up front, ``KVSpace.ensure``, so it is not regrown mid-call). Live rows are
+layers, cache); a reallocated cache drops the steps. Live rows are
 slots 0..B-1; padding rows take the free slots B..bucket-1 and write only the cache's last
 position, which no history reaches (``KVSpace.reserve`` keeps it spare), so nothing they do is
 read. The results are those of the
