@@ -99,7 +99,8 @@ class Engine:
         self.record_steps = record_steps  # time each forward into stats.step_records
         self.spec = (spec or SpecConfig()).validate()
         self.static = static_steps(step_graphs, self.device, max_batch)
-        self._kv.sizes = None if self.static is None else self.static.sizes
+        if self.static is not None:
+            self._kv.sizes, self._kv.on_replace = self.static.sizes, self.static.drop
         self.proposer = self.make_proposer(self.spec)
         self._active = ActiveSpec(self.spec)  # the running call's speculation
         self._call: Call | None = None  # the running call
@@ -124,6 +125,7 @@ class Engine:
 
     @_cache.setter
     def _cache(self, cache: KVCache | None) -> None:
+        self._kv.on_replace()  # the static steps let go of the old one
         self._kv.cache = cache
 
     # ------------------------------------------------------------------ public API

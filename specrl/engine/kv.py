@@ -8,12 +8,13 @@ stashed prompt, and room for the call's longest prompt plus ``chunk`` positions.
 not reserved for prompt + ``max_new_tokens`` up front: ``reserve`` doubles it, up to the longest
 the call can need (``limit``), only when a row outgrows it (static steps read only the span
 of it their rows reach). ``cache`` is None before the first call and after its owner
-frees it.
+frees it. ``on_replace`` runs before a cache is replaced by a new one (the engine's static
+steps drop what holds the old one, so it is freed before the new one is made).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,6 +49,7 @@ class KVSpace:
         # batch buckets of static steps (``specrl.engine.static``): a call's rows are at most a
         # bucket and the cache has slots for its bucket's padding rows; None: no static steps
         self.sizes: tuple[int, ...] | None = None
+        self.on_replace: Callable[[], None] = lambda: None  # before a cache is replaced
 
     def ensure(
         self,
@@ -86,7 +88,9 @@ class KVSpace:
             keep = cache is not None and not extra
             slots = max(slots, cache.slots if keep else 0)
             need_len = max(need_len, cache.max_len if keep else 0)
-            self.cache = None  # free the old one first
+            del cache
+            self.on_replace()  # nothing else holds the old one ...
+            self.cache = None  # ... so it is freed first
             self.cache = self.model.new_cache(slots, need_len)
 
     def _rows_that_fit(self, limit: int, max_batch: int) -> int:

@@ -7,7 +7,8 @@ first ``span_for`` positions holding every live row's), then sampling or
 the rejection sampler on the device with host-known ``SamplingHints``, the results packed into
 one float64 tensor that crosses to the host in ONE copy per step (``host_copies`` counts them).
 Keys: (kind, bucket, tokens per row, span, hints, rule, draft probabilities or not, captured
-layers, cache); a reallocated cache drops the steps. Live rows are
+layers, cache); a reallocated cache drops the steps (``drop``: before it is replaced, so
+the steps' references do not keep it alive). Live rows are
 slots 0..B-1; padding rows take the free slots B..bucket-1 and write only the cache's last
 position, which no history reaches (``KVSpace.reserve`` keeps it spare), so nothing they do is
 read. The results are those of the
@@ -90,12 +91,17 @@ class StaticSteps:
         v = Verified(tokens.to(torch.int64), accepted + 1, lp.float(), raw.float(), accepted)
         return v, lengths_host, None if feats is None else feats[:b].clone()
 
+    def drop(self) -> None:
+        """Drop every step (and with them their references to the KV cache)."""
+        self.graphs.clear()
+        self._cache = None
+
     def _bucket(self, call: Call, rows: int) -> int:
         """The bucket of ``rows`` rows; drops the steps when the cache was reallocated."""
         cache = call.kv.cache
         ident = (cache.k.data_ptr(), cache.max_len)
         if ident != self._cache:
-            self.graphs.clear()
+            self.drop()
             self._cache = ident
         if cache.slots < (width := bucket_for(rows, self.sizes)):
             raise RuntimeError(f"static step of {width} rows over a cache of {cache.slots} slots")

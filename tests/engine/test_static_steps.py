@@ -5,6 +5,9 @@ data inside a step (it runs on the meta device), buckets and the cache slots the
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -245,6 +248,41 @@ def test_modes_and_cache_slots() -> None:
     e = engine("static", "none", max_batch=8)
     e.generate([Request(p, GREEDY.replace(n=1)) for p in PROMPTS[:3]])
     assert e._kv.cache.slots >= 4
+
+
+def freed_at_new(owner, old, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Filled in each time ``owner`` makes a new cache: whether ``old`` (the cache it had, held
+    weakly) was freed by then."""
+    seen, made = [], owner.new_cache
+
+    def new_cache(*shape):
+        gc.collect()
+        seen.append(old() is None)
+        return made(*shape)
+
+    monkeypatch.setattr(owner, "new_cache", new_cache)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_a_replaced_cache_is_freed_before_the_new_one(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call with more rows than the cache has slots makes a new target cache and drafter cache:
+    the static steps built on the old ones let go of them first (old + new never both held);
+    freeing the engine's cache (a backend's close) frees it."""
+    e = engine("static", method)
+    e.generate([Request(PROMPTS[0], GREEDY.replace(n=1))])
+    assert len(e.static.graphs) and len(e.proposer.static.graphs)
+    drafter = e.proposer.model if method == "draft" else e.proposer.head
+    target_seen = freed_at_new(e.model, weakref.ref(e._kv.cache), monkeypatch)
+    drafter_seen = freed_at_new(drafter, weakref.ref(e.proposer.cache), monkeypatch)
+    e.generate([Request(p, GREEDY.replace(n=1)) for p in PROMPTS])
+    assert target_seen == [True] and drafter_seen == [True]
+    current = weakref.ref(e._kv.cache)
+    e._cache = None
+    gc.collect()
+    assert current() is None
 
 
 def test_grouped_sdpa_takes_a_strided_kernel_output(monkeypatch: pytest.MonkeyPatch) -> None:

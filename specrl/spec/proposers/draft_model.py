@@ -78,6 +78,7 @@ class DraftModelProposer:
         """Check, then allocate the cache for a generate call."""
         self.check(max_len, vocab_size)
         if self.cache is None or self.cache.slots < max_batch or self.cache.max_len < max_len:
+            static_draft.free_cache(self)
             self.cache = self.model.new_cache(max_batch, max_len)
             self.rows, self.free, self._unread = {}, list(range(max_batch))[::-1], None
 

@@ -74,6 +74,8 @@ class Eagle3Proposer:
         self.check(max_len, vocab_size)
         c = self.cache
         if c is None or c.slots < max_batch + 1 or c.max_len < max_len:
+            del c
+            static_draft.free_cache(self)
             self.cache = self.head.new_cache(max_batch + 1, max_len)
         self.slots, self.free = {}, list(range(self.cache.slots - 1))[::-1]
 

@@ -5,11 +5,12 @@ draw led to (``advance``): the drafting loop of uncaptured and static steps alik
 ``StaticDrafts(graphs, sizes)`` is a drafter's share of the engine's static steps: ``width``
 the batch bucket of a step (None: too many rows), ``run`` a drafting step keyed by its
 ``DraftKey`` (rows, draws, stream, hints from host settings; every step is dropped when the
-storage it reads is replaced: a cache, a draft vocabulary). A static step reads row b's cache
-in slot b: ``bind_rows`` puts each batch row there (carrying cached rows that move);
-``step_inputs`` pads rows to the bucket: padding rows sample with ``PAD_SETTINGS`` from zeros
-and write only the cache's last position, which no row reaches. ``host_reads`` counts the
-drafter's reads of device data.
+storage it reads is replaced: a cache, a draft vocabulary; ``free_cache`` drops them before a
+drafter makes a new cache, so their references do not keep the old one alive). A static step
+reads row b's cache in slot b: ``bind_rows`` puts each batch row there (carrying cached rows
+that move); ``step_inputs`` pads rows to the bucket: padding rows sample with ``PAD_SETTINGS``
+from zeros and write only the cache's last position, which no row reaches. ``host_reads``
+counts the drafter's reads of device data.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -53,6 +55,11 @@ class StaticDrafts:
         self.host_reads = 0  # reads of device data by the drafter (counted where it makes them)
         self._reads: tuple | None = None  # identity of the storage the steps were built on
 
+    def drop(self) -> None:
+        """Drop every step (and with them their references to the storage they read)."""
+        self.graphs.clear()
+        self._reads = None
+
     def width(self, rows: int) -> int | None:
         """The bucket a step over ``rows`` rows is padded to; None when none holds them."""
         return bucket_for(rows, self.sizes)
@@ -64,7 +71,7 @@ class StaticDrafts:
         tokens; ``reads`` names the storage the steps read besides parameters updated in place
         (a change drops every step)."""
         if reads != self._reads:
-            self.graphs.clear()
+            self.drop()
             self._reads = reads
         width = x["positions"].shape[0]
         key = DraftKey(width, k, batch.draft_stream, self.hints(batch, width, vocab))
@@ -82,6 +89,21 @@ class StaticDrafts:
         rows = [*settings, *[PAD_SETTINGS] * (width - len(settings))]
         temps, top_ks, top_ps = zip(*rows, strict=True)
         return SamplingHints.of(temps, top_ks, top_ps, vocab)
+
+
+class CachedDrafter(Protocol):
+    """A drafter with its own KV cache and (maybe) static steps reading it."""
+
+    cache: KVCache | None
+    static: StaticDrafts | None
+
+
+def free_cache(drafter: CachedDrafter) -> None:
+    """Let go of ``drafter``'s cache before it makes a new one: its static steps (which hold
+    the old one) are dropped and its reference cleared, so the old cache is freed first."""
+    if drafter.static is not None:
+        drafter.static.drop()
+    drafter.cache = None
 
 
 def step_inputs(
