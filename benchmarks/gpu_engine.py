@@ -13,6 +13,7 @@ Points run in priority order, each through ``guard(name, fn)``, skipped once ``d
 from __future__ import annotations
 
 import gc
+import math
 import random
 import statistics
 import time
@@ -301,12 +302,17 @@ def book_of(out: list) -> dict[int, list[int]]:
 
 
 def settle_book(
-    engine: Engine, reqs: list[Request], book: dict[int, list[int]], z: EngineSizes
-) -> tuple[dict[int, list[int]], int]:
-    """The book the oracle's own rollouts reproduce, and the rounds it took: oracle rollouts at
-    acceptance 1, each drafting the last one's tokens, until one reproduces its book (at most
-    ``BOOK_ROUNDS``). A position sampled in a verify step (k + 1 tokens per row) may round
-    differently from the plain step's (1 token) in bf16 on a GPU, and with near-uniform
+    engine: Engine,
+    reqs: list[Request],
+    book: dict[int, list[int]],
+    z: EngineSizes,
+    deadline: float = math.inf,
+) -> tuple[dict[int, list[int]], int, bool]:
+    """The book the oracle's own rollouts reproduce, the rounds it took and whether one did:
+    oracle rollouts at acceptance 1, each drafting the last one's tokens, until one reproduces
+    its book (at most ``BOOK_ROUNDS``, none begun past ``deadline`` after the first). A
+    position sampled in a verify step (k + 1 tokens per row) may round differently from the
+    plain step's (1 token) in bf16 on a GPU, and with near-uniform
     logits (random weights) an inverse-CDF sample flips often. Past a row's first flip the
     oracle drafts k wrong tokens, so every token of a round comes from a verify step of the
     timed runs' shape; where a position rounds alike at every offset of that step (one GEMM
@@ -314,11 +320,32 @@ def settle_book(
     On the CPU the verify step rounds like the plain one and round 0 settles it (the plain
     book)."""
     for rounds in range(BOOK_ROUNDS):
+        if rounds and time.perf_counter() > deadline:
+            return book, rounds, False
         out = book_of(engine.generate(reqs, spec=oracle_spec(z, book, 1.0)))
         if out == book:
-            return book, rounds
+            return book, rounds, True
         book = out
-    return book, BOOK_ROUNDS
+    return book, BOOK_ROUNDS, False
+
+
+def static_builds(engine: Engine) -> int:
+    """Static steps the engine and its drafter have built so far (0 without static steps)."""
+    owners = (engine.static, getattr(engine.proposer, "static", None))
+    return sum(o.graphs.built for o in owners if o is not None)
+
+
+def warm_seconds(engine: Engine, fn: Callable[[], Any]) -> tuple[float, Any, int]:
+    """Seconds and result of ``fn`` (a generate call), and its runs: run again (once) when it
+    built static steps (captured a CUDA graph) on the way, so the time is of warm steps. An
+    oracle at acceptance < 1 meets batch buckets and spans a lockstep run does not (rows finish
+    apart), and its rollouts repeat exactly, so the second run builds none."""
+    before = static_builds(engine)
+    t, out = seconds(fn, engine.device)
+    if static_builds(engine) == before:
+        return t, out, 1
+    t, out = seconds(fn, engine.device)
+    return t, out, 2
 
 
 def rollout_batch(
@@ -326,14 +353,15 @@ def rollout_batch(
 ) -> dict:
     """Plain and oracle-drafted rollouts of ``batch`` rows (sample-exact verification, fixed k),
     each timed once after a warm-up call; the oracle drafts the settled book (``settle_book``,
-    whose first round is the oracle's warm-up). ``same_tokens``: the oracle's rollout equals
+    whose first round is the oracle's warm-up; a timed oracle run that built static steps is
+    run again, ``warm_seconds``). ``same_tokens``: the oracle's rollout equals
     plain's (sample-exact; on a GPU only where the step shapes round alike); ``same_as_book``:
     it equals the book it drafted."""
     reqs = requests(prompt, batch, z.rollout_tokens)
     tokens = batch * z.rollout_tokens
     engine.generate(reqs)  # warm-up
     plain_s, plain = seconds(partial(engine.generate, reqs), engine.device)
-    book, rounds = settle_book(engine, reqs, book_of(plain), z)
+    book, rounds, settled = settle_book(engine, reqs, book_of(plain), z, deadline)
     rows = []
     for i, target in enumerate(z.acceptance_lengths):
         config = f"al{target}_bs{batch}"
@@ -341,8 +369,8 @@ def rollout_batch(
             rows.append({"config": config, "batch_size": batch, "skipped": "deadline"})
             continue
         alpha = solve_alpha(target, z.rollout_k)
-        spec_s, out = seconds(partial(engine.generate, reqs, spec=oracle_spec(z, book, alpha)),
-                              engine.device)  # fmt: skip
+        spec = oracle_spec(z, book, alpha)
+        spec_s, out, runs = warm_seconds(engine, partial(engine.generate, reqs, spec=spec))
         rows.append({
             "config": config,
             "batch_size": batch,
@@ -357,7 +385,9 @@ def rollout_batch(
             "plain_tokens_per_s": tokens / plain_s,
             "spec_tokens_per_s": tokens / spec_s,
             "speedup": plain_s / spec_s,
+            "spec_runs": runs,
             "book_rounds": rounds,
+            "book_settled": settled,
             "same_tokens": [c.token_ids for c in out] == [c.token_ids for c in plain],
             "same_as_book": book_of(out) == book,
         })  # fmt: skip

@@ -155,6 +155,7 @@ def test_engine_oracle_rollouts_emit_plain_tokens_at_their_acceptance(smoke: dic
     for r in rows:
         assert r["same_tokens"] is True, r["config"]
         assert r["same_as_book"] is True and r["book_rounds"] == 0, r  # the CPU rounds alike
+        assert r["book_settled"] is True and r["spec_runs"] in (1, 2), r
         assert r["speedup"] == pytest.approx(r["plain_s"] / r["spec_s"])
         assert r["spec_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
         # the acceptance pattern depends on the seeds only: 8 rows x 64 tokens measure it to
@@ -173,14 +174,16 @@ def test_settle_book_moves_past_a_flipped_token(monkeypatch: pytest.MonkeyPatch)
 
     from specrl.engine import Engine
 
+    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
     model = build_model(TINY, "cpu", torch.bfloat16)
     engine = Engine(model, max_batch=4, max_context=96)
     reqs = requests(list(range(3, 19)), 4, 40)
     plain = book_of(engine.generate(reqs))
-    assert settle_book(engine, reqs, plain, SMOKE) == (plain, 0)
+    assert settle_book(engine, reqs, plain, SMOKE) == (plain, 0, True)
     damaged = {s: t[:30] + [t[30] + 1] + t[31:] for s, t in plain.items()}  # a flip at 30
-    book, rounds = settle_book(engine, reqs, damaged, SMOKE)
-    assert (book, rounds) == (plain, 1)  # sample-exact: past the flip, plain's tokens
+    assert settle_book(engine, reqs, damaged, SMOKE, deadline=0.0) == (plain, 1, False)
+    book, rounds, settled = settle_book(engine, reqs, damaged, SMOKE)
+    assert (book, rounds, settled) == (plain, 1, True)  # sample-exact: past the flip, plain's
     accepted = {}
     for name, b in (("plain", plain), ("damaged", damaged), ("settled", book)):
         engine.generate(reqs, spec=oracle_spec(SMOKE, b, 1.0))
@@ -206,6 +209,7 @@ def test_settle_book_under_shape_dependent_rounding(
 
     from specrl.engine import Engine
 
+    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
     model = build_model(TINY, "cpu", torch.bfloat16)
     forward = model.forward
 
@@ -221,12 +225,43 @@ def test_settle_book_under_shape_dependent_rounding(
     engine = Engine(model, max_batch=8, max_context=128)
     reqs = requests(list(range(3, 19)), batch, 64)
     plain = book_of(engine.generate(reqs))
-    book, rounds = settle_book(engine, reqs, plain, SMOKE)
-    assert book != plain and rounds == 1
+    book, rounds, settled = settle_book(engine, reqs, plain, SMOKE)
+    assert book != plain and rounds == 1 and settled
     target = 2.8
     out = engine.generate(reqs, spec=oracle_spec(SMOKE, book, solve_alpha(target, SMOKE.rollout_k)))
     assert book_of(out) == book
     assert abs(engine.stats.acceptance_length - target) < (0.3 if batch == 8 else 0.8)
+
+
+def test_a_timed_run_that_built_steps_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_seconds``: a call that built static steps (a new batch bucket) is timed again,
+    one that built none once; an engine without static steps never runs twice."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from functools import partial
+
+    from gpu_calibrate import TINY, build_model
+    from gpu_engine import requests, warm_seconds
+
+    from specrl.engine import Engine
+
+    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
+    model = build_model(TINY, "cpu", torch.bfloat16)
+    runs = {}
+    for mode in ("static", "off"):
+        engine = Engine(model, max_batch=8, max_context=96, step_graphs=mode)
+        for b in (1, 1, 4):
+            calls = []
+            generate = partial(engine.generate, requests([3, 4, 5], b, 8))
+            _, out, n = warm_seconds(engine, partial(counted, calls, generate))
+            assert len(out) == b and len(calls) == n
+            runs[mode, b] = [*runs.get((mode, b), []), n]
+    assert runs == {("static", 1): [2, 1], ("static", 4): [2], ("off", 1): [1, 1], ("off", 4): [1]}
+
+
+def counted(calls: list, fn):
+    """``fn()``, its call noted in ``calls``."""
+    calls.append(1)
+    return fn()
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 7])

@@ -73,6 +73,7 @@ class StepGraphs:
         self._arena = _Arena(device)
         self._pool = None  # the graphs' shared memory pool, made with the first capture
         self.captures = 0  # graphs captured (or static steps built) since the last clear
+        self.built = 0  # static steps built since this object was made (never reset)
         self.replays = 0  # runs
 
     def __len__(self) -> int:
@@ -89,6 +90,7 @@ class StepGraphs:
         if step is None:
             step = self._steps[key] = self._build(fn, inputs)
             self.captures += 1
+            self.built += 1
         else:
             step.fill(inputs)
         self.replays += 1
