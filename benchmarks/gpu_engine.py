@@ -330,9 +330,9 @@ def settle_book(
 
 
 def static_builds(engine: Engine) -> int:
-    """Static steps the engine and its drafter have built so far (0 without static steps)."""
-    owners = (engine.static, getattr(engine.proposer, "static", None))
-    return sum(o.graphs.built for o in owners if o is not None)
+    """Static steps the engine has built so far (0 without static steps; the oracle drafts on
+    the host, so it has none of its own)."""
+    return 0 if engine.static is None else engine.static.graphs.built
 
 
 def warm_seconds(engine: Engine, fn: Callable[[], Any]) -> tuple[float, Any, int]:

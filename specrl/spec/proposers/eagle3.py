@@ -72,9 +72,7 @@ class Eagle3Proposer:
     def bind(self, max_batch: int, max_len: int, vocab_size: int) -> None:
         """Check, then allocate the head cache (max_batch slots + 1 scratch) for a generate."""
         self.check(max_len, vocab_size)
-        c = self.cache
-        if c is None or c.slots < max_batch + 1 or c.max_len < max_len:
-            del c
+        if self.cache is None or self.cache.slots <= max_batch or self.cache.max_len < max_len:
             static_draft.free_cache(self)
             self.cache = self.head.new_cache(max_batch + 1, max_len)
         self.slots, self.free = {}, list(range(self.cache.slots - 1))[::-1]
