@@ -1,12 +1,14 @@
-"""The ``specrl`` command line: generate | bench | train | train-drafter | report | simulate.
+"""The ``specrl`` command line: generate | bench | train | report | export | train-drafter |
+export-drafter | simulate.
 
 Contract: every command validates its inputs before doing work and reports a bad value as one
 line (``error: ...``) with exit code 2, never a traceback. Commands are thin: they parse options
 and call library functions. Each group registers itself on ``app``: ``generate``
 (``specrl.cli_generate``), ``bench`` (``specrl.cli_bench``), ``train``/``report``
-(``specrl.pipelines.cli``), the drafter commands (``specrl.drafters.cli``) and ``simulate``
-(``specrl.sim.cli``). Ctrl-C ends any command but ``train`` (whose pipeline handles signals
-itself) with the line ``error: interrupted by Ctrl-C`` and exit code 130.
+(``specrl.pipelines.cli``), ``export`` (``specrl.cli_export``), the drafter commands
+(``specrl.drafters.cli``) and ``simulate`` (``specrl.sim.cli``). Ctrl-C ends any command but
+``train`` (whose pipeline handles signals itself) with the line ``error: interrupted by Ctrl-C``
+and exit code 130.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import typer
 
 from specrl.cli_bench import register as register_bench
+from specrl.cli_export import register as register_export
 from specrl.cli_generate import register as register_generate
 from specrl.cli_util import OneLineErrors
 from specrl.drafters.cli import register as register_drafters
@@ -31,6 +34,7 @@ app = typer.Typer(
 )
 register_bench(app)
 register_pipelines(app)
+register_export(app)
 register_drafters(app)
 register_simulate(app)
 register_generate(app)

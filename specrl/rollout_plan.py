@@ -34,6 +34,9 @@ from specrl.spec.proposers import (
 )
 
 IN_FLIGHT = "in_flight"  # a backend feature: weights can change between decode steps of a call
+# a backend feature: generate(..., on_done=f) calls f(i, comps) as soon as request i's
+# completions are all finished, while the rest of the call still generates (rewards start meanwhile)
+GROUP_DONE = "group_done"
 
 
 def _nothing_missing() -> str | None:

@@ -38,6 +38,7 @@ NOT_FINITE = ["nan", "inf", "-inf"]
 # Arguments that get each command past its own argument checks to the option under test.
 BASE_ARGS = {
     ("bench", "generate"): [],
+    ("export",): ["RUN", "OUT"],
     ("generate",): ["hi"],
     ("simulate", "calibrate"): ["{trace}"],
     ("train-drafter",): [],

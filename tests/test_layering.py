@@ -12,6 +12,8 @@ package of specrl (``specrl/<unit>``); a *CLI module* is ``specrl/cli.py``, ``sp
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import specrl
@@ -66,13 +68,13 @@ def _is_cli(module: str) -> bool:
 # every other unit placed where its imports put it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
-    ("cli_generate", "cli_bench"),
+    ("cli_generate", "cli_bench", "cli_export"),
     ("cli_options",),
     ("pipelines", "bench"),
     ("backends",),
     ("rollout_plan",),
     ("drafters",),
-    ("engine", "rl", "envs"),
+    ("engine", "rl", "envs", "rewards"),
     ("spec",),
     ("sim",),
     ("cli_util", "rollout_types"),
@@ -201,3 +203,18 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
     assert _imports("specrl.pkg.mod", src, known) == known
     assert _is_cli("specrl.cli") and _is_cli("specrl.sim.cli") and not _is_cli("specrl.clix")
     assert _is_cli("specrl.cli_bench") and not _is_cli("specrl.sim.cli_x")
+
+
+def test_the_reward_library_never_imports_torch():
+    """Reward functions run in worker processes that must start light: ``specrl.rewards`` (its
+    built-ins run once, math-verify included) imports no torch, in a fresh interpreter."""
+    code = (
+        "import sys; import specrl.rewards as r; from specrl.rewards import pool\n"
+        "assert r.math(['p'], ['Answer: 2'], answer=[2]) == [1.0]\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"specrl.rewards imports torch: {out.stdout[:200]}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from specrl.backends.base import IN_FLIGHT, Rollout, RolloutBackend, Served, Versions
+from specrl.backends.base import GROUP_DONE, IN_FLIGHT, Rollout, RolloutBackend, Served, Versions
 from specrl.rollout_plan import BackendTraits, RolloutPlan, make_plan
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from specrl.config import Config
 
 __all__ = [
+    "GROUP_DONE",
     "IN_FLIGHT",
     "REGISTRY",
     "Rollout",

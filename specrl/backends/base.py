@@ -6,7 +6,9 @@ in request order, ``specrl.rollout_types.Completion``; the call's own stats, wal
 ``update_drafter`` (copied before returning, served from the next safe point), ``versions()``,
 ``served()`` (the engine's own tensors fingerprinted, for ``pipelines.guard``), ``state_dict`` /
 ``load_state_dict`` (JSON-able resume state) and ``close()`` (idempotent); ``spec`` and
-``features`` (``IN_FLIGHT``), so a pipeline refuses what a backend cannot honour.
+``features`` (``IN_FLIGHT``; ``GROUP_DONE``: ``generate`` also takes ``on_done``, called with a
+request's index and completions as soon as they are all finished), so a pipeline refuses what a
+backend cannot honour and uses what it can.
 Details: docs/internals.md.
 """
 
@@ -18,11 +20,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specrl.rollout_plan import IN_FLIGHT
+from specrl.rollout_plan import GROUP_DONE, IN_FLIGHT
 from specrl.rollout_types import Completion, EngineStats, Request
 from specrl.spec.config import SpecConfig
 
-__all__ = ["IN_FLIGHT", "Rollout", "RolloutBackend", "Served", "Versions"]
+__all__ = ["GROUP_DONE", "IN_FLIGHT", "Rollout", "RolloutBackend", "Served", "Versions"]
 
 
 @dataclass(frozen=True)

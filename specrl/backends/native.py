@@ -14,12 +14,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from specrl.backends.base import IN_FLIGHT, Rollout, Served, Versions
+from specrl.backends.base import GROUP_DONE, IN_FLIGHT, Rollout, Served, Versions
 from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.models.device import model_device
@@ -28,7 +28,7 @@ from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import copy_weights, engine_copy, snapshot
 from specrl.rollout_plan import RolloutPlan, refusing
-from specrl.rollout_types import Request
+from specrl.rollout_types import Completion, Request
 from specrl.spec.config import SpecConfig
 from specrl.spec.proposers import proposer_takes
 
@@ -39,7 +39,7 @@ class NativeBackend:
     def __init__(self, engine: Engine, in_flight: str | None = None) -> None:
         self.engine = engine
         self.in_flight = in_flight
-        self.features = frozenset({IN_FLIGHT}) if in_flight else frozenset()
+        self.features = frozenset({GROUP_DONE, *([IN_FLIGHT] if in_flight else [])})
         self._lock = threading.Lock()  # guards _busy, _pending and the engine's weights
         self._idle = threading.Condition(self._lock)  # notified when a generate call ends
         self._busy = False
@@ -55,13 +55,18 @@ class NativeBackend:
     def spec(self) -> SpecConfig:
         return self.engine.spec
 
-    def generate(self, requests: Sequence[Request], spec: SpecConfig | None = None) -> Rollout:
+    def generate(
+        self,
+        requests: Sequence[Request],
+        spec: SpecConfig | None = None,
+        on_done: Callable[[int, list[Completion]], None] | None = None,
+    ) -> Rollout:
         with self._lock:
             self._apply_pending()
             self._busy = True
         try:
             t0 = time.perf_counter()
-            comps = self.engine.generate(list(requests), spec=spec)
+            comps = self.engine.generate(list(requests), spec=spec, on_done=on_done)
             seconds = time.perf_counter() - t0
         finally:
             with self._lock:

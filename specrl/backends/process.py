@@ -30,7 +30,7 @@ import torch.multiprocessing as mp  # registers the reductions that share tensor
 from torch import nn
 from tqdm import tqdm
 
-from specrl.backends.base import Rollout, Served, Versions
+from specrl.backends.base import GROUP_DONE, Rollout, Served, Versions
 from specrl.backends.native import NativeBackend, build_native
 from specrl.config import ConfigError
 from specrl.models.precision import torch_dtype
@@ -181,7 +181,8 @@ class ProcessBackend:
         self._worker = _Worker(plan, self._staging, worker_threads(plan.threads))
         self._finalizer = weakref.finalize(self, self._worker.stop)
         try:
-            self.spec, self.features = _unwrap(self._worker.wait(self._worker.request, "start"))
+            self.spec, features = _unwrap(self._worker.wait(self._worker.request, "start"))
+            self.features = features - {GROUP_DONE}  # completions come back when a call ends
         except BaseException:
             self.close()
             raise

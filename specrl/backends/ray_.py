@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specrl.backends import build_local
-from specrl.backends.base import Rollout, Served, Versions
+from specrl.backends.base import GROUP_DONE, Rollout, Served, Versions
 from specrl.backends.ray_session import (
     RaySession,
     actor_threads,
@@ -251,7 +251,8 @@ class RayBackend:
         self._faults = 0  # deaths not yet reported in a Rollout
         self._slots.extend(_Slot(i, self._spawn()) for i in range(cluster.count))
         starts = [self._get(slot.actor.ready.remote(), slot) for slot in self._slots]
-        self.spec, self.features = starts[0]
+        self.spec, features = starts[0]
+        self.features = features - {GROUP_DONE}  # completions come back when a call ends
 
     # ----------------------------------------------------------------- actors and faults
 

@@ -14,8 +14,8 @@ Details: docs/internals.md.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 
 import torch
 from tqdm import tqdm
@@ -54,6 +54,30 @@ def static_steps(mode: str, device: torch.device, max_batch: int) -> StaticSteps
     if mode == "capture" and device.type != "cuda":
         raise ValueError(f"step_graphs='capture' needs a CUDA device, the model is on {device}")
     return None if mode == "off" else StaticSteps(device, mode == "capture", max_batch)
+
+
+class GroupsDone:
+    """Announces a request once all of its completions have finished (``Engine.generate``'s
+    ``on_done``)."""
+
+    def __init__(
+        self, valid: list[Completion], on_done: Callable[[int, list[Completion]], None] | None
+    ) -> None:
+        self.on_done = on_done
+        self.groups: dict[int, list[Completion]] = {}  # request -> its completions
+        for c in valid:
+            self.groups.setdefault(c.request_index, []).append(c)
+        self.left = Counter(c.request_index for c in valid)  # request -> unfinished completions
+
+    def finished(self, rows: list[Seq], finished: list[int]) -> list[int]:
+        """Count the rows at ``finished`` (indices into ``rows``) as done; returns them."""
+        if self.on_done is not None:
+            for i in finished:
+                request = rows[i].comp.request_index
+                self.left[request] -= 1
+                if self.left[request] == 0:
+                    self.on_done(request, self.groups[request])
+        return finished
 
 
 class Engine:
@@ -132,11 +156,17 @@ class Engine:
 
     @torch.inference_mode()
     def generate(
-        self, requests: list[Request], progress: bool = False, spec: SpecConfig | None = None
+        self,
+        requests: list[Request],
+        progress: bool = False,
+        spec: SpecConfig | None = None,
+        on_done: Callable[[int, list[Completion]], None] | None = None,
     ) -> list[Completion]:
         """n completions per request, in request order (see the module docstring).
 
-        ``spec`` overrides the engine's speculation for this call.
+        ``spec`` overrides the engine's speculation for this call; ``on_done(i, comps)`` is
+        called (in this thread) as soon as every completion of request ``i`` (``comps``) has
+        finished, while the other rows keep decoding (a refused request is never announced).
         """
         self.stats = EngineStats()
         self._apply_staged([], 0.0)  # an update staged while idle
@@ -157,12 +187,13 @@ class Engine:
             self.model, self._kv, active, self.stats, self.policy_version, self.record_steps
         )
         bar = tqdm(total=len(valid), disable=not progress, desc="generate", unit="seq")
+        groups = GroupsDone(valid, on_done)
         rows: list[Seq] = []
         while pending or rows:
             self._admit(rows, pending, start)
             self._kv.reserve(rows)
-            call.retire(rows, self._apply_staged(rows, start))
-            finished = self._step(rows, start)
+            call.retire(rows, groups.finished(rows, self._apply_staged(rows, start)))
+            finished = groups.finished(rows, self._step(rows, start))
             bar.update(len(finished))
             call.retire(rows, finished)
         bar.close()

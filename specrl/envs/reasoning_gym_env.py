@@ -49,9 +49,17 @@ class Prompt:
 
 @runtime_checkable
 class Env(Protocol):
-    """Prompts with metadata and a verifiable reward."""
+    """Prompts with metadata (``meta``: the columns a reward sees). An environment that scores
+    completions itself also has ``reward(text, meta) -> float`` and ``correct(text, meta) ->
+    bool`` (``ScoredEnv``: the 'env' reward); ``default_rewards``, where present, names the
+    rewards a run uses when its config names none (else 'env')."""
 
     def prompts(self, split: str, seed: int | None = None) -> list[Prompt]: ...
+
+
+@runtime_checkable
+class ScoredEnv(Env, Protocol):
+    """An environment with its own verifiable reward (reasoning-gym's scorers)."""
 
     def reward(self, completion_text: str, meta: Mapping[str, Any]) -> float: ...
 
@@ -204,6 +212,8 @@ def is_eval_question(question: str) -> bool:
 
 class ReasoningGymEnv:
     """A reasoning-gym task with fixed, disjoint train and eval splits."""
+
+    default_rewards = ("env",)  # the task's own scorer
 
     def __init__(
         self,

@@ -34,6 +34,8 @@ class IdCodec:
 class ModFourEnv:
     """Random-id prompts; reward = share of completion ids divisible by 4 (module docstring)."""
 
+    default_rewards = ("env",)  # its own reward
+
     def __init__(
         self,
         num_train: int = 24,

@@ -23,6 +23,7 @@ from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.state import StepState, TrainStream
 from specrl.pipelines.step import Batch, collect, learn
+from specrl.rewards import RewardError
 
 _POLL_S = 0.1  # how often a waiting thread checks whether the other one stopped
 
@@ -92,6 +93,8 @@ class Producer(threading.Thread):
                 if not self.is_alive() and self.buffer.empty():
                     raise RuntimeError("the rollout producer stopped without a batch") from None
                 continue
+            if isinstance(self.error, RewardError):  # the user's reward, not the producer
+                raise self.error
             if batch is None:
                 raise RuntimeError(f"rollout producer failed: {self.error}") from self.error
             return batch

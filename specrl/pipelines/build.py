@@ -1,16 +1,20 @@
 """Building a run: check everything that can fail, then make its parts.
 
-``build_run(cfg, model=None, codec=None, env=None, backend=None)`` checks the config's names,
-makes its rollout plan (``specrl.backends.plan_rollout``) and checks the tracking extras before
-any work (``ConfigError``: one line naming the bad value), then returns the frozen ``RunParts``:
-env, codec, learner, the rollout backend built from the plan, the weight-sync guard, the
-acceptance alarm and a learned head's trainer. ``RunParts.push_weights(version)`` sends the
+``build_run(cfg, model=None, codec=None, env=None, backend=None, rewards=None)`` checks the
+config's names, makes its rollout plan (``specrl.backends.plan_rollout``), checks the tracking
+extras, reads the environment (a file environment's rows all checked) and resolves the reward
+functions before any model is loaded (``ConfigError``, ``FileEnvError``, ``RewardError``: one
+line naming the bad value), then returns the frozen ``RunParts``: env, codec, learner, the
+rollout backend built from the plan, the weight-sync guard, the acceptance alarm, a learned
+head's trainer, the rewards (``pipelines.scoring``) and console notes (prompts dropped for
+length). ``RunParts.push_weights(version)`` sends the
 learner's weights through the guard. Tests pass a tiny model, codec and env, or a fake backend.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,15 +23,17 @@ from typing import Any, Protocol
 import torch
 
 from specrl.backends import RolloutBackend, build_backend, plan_rollout
-from specrl.config import Config
+from specrl.config import Config, ConfigError, EnvCfg
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
 from specrl.pipelines.alarm import AcceptanceAlarm
 from specrl.pipelines.drafter import DrafterSide, build_drafter_side
 from specrl.pipelines.guard import WeightGuard
+from specrl.pipelines.scoring import Rewards
 from specrl.pipelines.tracking import check_tracking
 from specrl.pipelines.train_workers import TrainGroup
 from specrl.pipelines.validate import check_names
+from specrl.rewards import RewardFn
 from specrl.rl import Learner
 from specrl.rollout_plan import RolloutPlan, check_backend
 
@@ -70,6 +76,8 @@ class RunParts:
     guard: WeightGuard = field(default_factory=WeightGuard)
     alarm: AcceptanceAlarm = field(default_factory=AcceptanceAlarm)
     drafter: DrafterSide | None = None  # a learned head: its trainer / training length
+    rewards: Rewards | None = None  # the reward functions and their worker pool
+    notes: tuple[str, ...] = ()  # console lines about how the run was built (prompts dropped)
 
     def push_weights(self, version: int) -> float:
         """Send the learner's weights to the backend as ``version`` and check what it serves
@@ -82,12 +90,16 @@ class RunParts:
         return time.perf_counter() - t0 + self.guard.push(self.backend, named, version)
 
     def close(self) -> None:
-        """Close the backend, then the train workers if any (idempotent)."""
+        """Close the backend, then the train workers and the reward workers (idempotent)."""
         try:
             self.backend.close()
         finally:
-            if isinstance(self.learner, TrainGroup):
-                self.learner.close()
+            try:
+                if isinstance(self.learner, TrainGroup):
+                    self.learner.close()
+            finally:
+                if self.rewards is not None:
+                    self.rewards.close()
 
 
 def build_run(
@@ -96,31 +108,75 @@ def build_run(
     codec: Codec | None = None,
     env: Env | None = None,
     backend: RolloutBackend | None = None,
+    rewards: Sequence[str | RewardFn] | None = None,
 ) -> RunParts:
     """Check and build a run; ``model``/``codec``/``env``/``backend`` default to the configured
-    ones (a given ``backend`` must serve the same weights as ``model``)."""
+    ones (a given ``backend`` must serve the same weights as ``model``); ``rewards`` (names or
+    callables) replace ``reward.funcs``."""
     check_names(cfg, env_given=env is not None)
     plan = plan_rollout(cfg)
     check_tracking(cfg)
+    env = env or make_env(cfg.env)  # a bad file: one line, before any model is loaded
+    scoring = Rewards.build(cfg.reward, env, rewards)  # a bad reward too
+    try:
+        return _build_model_side(cfg, plan, env, scoring, model, codec, backend)
+    except BaseException:
+        scoring.close()
+        raise
+
+
+def _build_model_side(
+    cfg: Config,
+    plan: RolloutPlan,
+    env: Env,
+    scoring: Rewards,
+    model: torch.nn.Module | None,
+    codec: Codec | None,
+    backend: RolloutBackend | None,
+) -> RunParts:
+    """The tokenizer, the model, the prompts that fit, the learner and the parts around it."""
     if model is None or codec is None:
         from specrl.models.checkpoints import load_model, load_tokenizer, resolve_model
 
         resolve_model(cfg.model.name)  # unknown model: CheckpointError, before any work
         codec = codec or ChatCodec(load_tokenizer(cfg.model.name))
-    if env is None:
-        from specrl.envs.reasoning_gym_env import ReasoningGymEnv
-
-        env = ReasoningGymEnv.from_config(cfg.env)
     if model is None:
         model = load_model(cfg.model.name, dtype=torch.float32)
+    notes = fit_prompts(cfg, env, codec, model.config.max_position_embeddings)
     model = model.to(plan.device)  # the learner's copy; the engine's is made from it, on it
     learner = make_learner(cfg, plan, model)
     try:
-        return _assemble(cfg, plan, env, codec, learner, backend)
+        parts = _assemble(cfg, plan, env, codec, learner, backend)
     except BaseException:
         if isinstance(learner, TrainGroup):
             learner.close()
         raise
+    return dataclasses.replace(parts, rewards=scoring, notes=notes)
+
+
+def make_env(cfg: EnvCfg) -> Env:
+    """The configured environment (``env.kind``)."""
+    from specrl.envs import ENV_KINDS
+
+    return ENV_KINDS[cfg.kind](cfg)
+
+
+def fit_prompts(cfg: Config, env: Env, codec: Codec, context: int) -> tuple[str, ...]:
+    """Drop a file environment's prompts longer than ``env.max_prompt_tokens`` (default: the
+    context less ``rollout.max_new_tokens``) once rendered; the console note saying how many."""
+    drop = getattr(env, "drop_long", None)
+    if drop is None:
+        return ()
+    limit = cfg.env.max_prompt_tokens or context - cfg.rollout.max_new_tokens
+    if limit < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+            f"the model's {context}-token context"
+        )
+    dropped = drop(lambda p: len(codec.prompt_ids(p)), limit)
+    if not dropped:
+        return ()
+    return (f"dropped {dropped} prompts longer than {limit} tokens (env.max_prompt_tokens)",)
 
 
 def make_learner(cfg: Config, plan: RolloutPlan, model: torch.nn.Module) -> Learner | TrainGroup:

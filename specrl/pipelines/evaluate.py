@@ -15,7 +15,7 @@ from typing import Any
 
 from specrl.config import Config
 from specrl.pipelines.build import RunParts
-from specrl.pipelines.step import STREAM_GREEDY, STREAM_SAMPLED, rollout, score
+from specrl.pipelines.step import STREAM_GREEDY, STREAM_SAMPLED, scored_rollout
 
 
 def evaluate(parts: RunParts, updates: int) -> dict[str, Any]:
@@ -26,10 +26,10 @@ def evaluate(parts: RunParts, updates: int) -> dict[str, Any]:
     if not prompts:
         return row
     for name, stream, temp in (("greedy", STREAM_GREEDY, 0.0), ("sampled", STREAM_SAMPLED, None)):
-        out = rollout(parts, prompts, updates, stream, n=1, temperature=temp)
-        rewards, correct = score(parts.env, parts.codec, prompts, out.completions)
-        row[f"{name}_accuracy"] = float(correct.mean())
-        row[f"{name}_reward"] = float(rewards.mean())
+        out, scores = scored_rollout(parts, prompts, updates, stream, n=1, temperature=temp)
+        row[f"{name}_accuracy"] = float(scores.correct.mean())
+        row[f"{name}_reward"] = float(scores.rewards.mean())
+        row[f"{name}_reward_errors"] = scores.errors
         version = min(c.policy_version for c in out.completions)
         row["policy_version"] = min(row.get("policy_version", version), version)
     row["eval_time_s"] = time.perf_counter() - t0

@@ -46,6 +46,7 @@ TIMING_KEYS = frozenset(
     {"gen_time_s", "rollout_tokens_per_s", "train_time_s", "refit_time_s", "step_time_s",
      "logprob_time_s", "score_time_s", "prefill_s", "decode_s", "draft_s", "verify_s",
      "eval_time_s", "learner_time_s", "learner_idle_s", "generator_idle_s", "samples_per_s",
+     "reward_overlap_s", "reward_wait_s",
      "learner_tokens_per_s", "learner_model_tflops", "learner_mfu",
      # speculation statistics: the controller's k per step follows measured step times
      "acceptance_length", "draft_acceptance_rate", "draft_acceptance_length", "drafting_steps",

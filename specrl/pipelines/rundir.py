@@ -1,11 +1,12 @@
 """A run directory: its files, its JSONL logs, and the list of its checkpoints.
 
-``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, summary.json, tensorboard/ and
-checkpoints/; ``append`` fsyncs a log row, ``rows`` reads a log (a last line cut by a kill is
-dropped), ``truncate`` drops the rows a resume writes again. ``.tmp``/``.old``/``.del``
-directories are never checkpoints: ``recover_interrupted`` finishes a replace cut between its
-renames, ``clear_interrupted`` removes leftovers, ``prune`` keeps the newest
-``run.keep_checkpoints``. Details: docs/internals.md.
+``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, summary.json, tensorboard/,
+checkpoints/ and dataset/ (a ``datasets.Dataset`` handed to ``specrl.train``, saved before the
+run starts: a directory holding only it is not yet used); ``append`` fsyncs a log row, ``rows``
+reads a log (a last line cut by a kill is dropped), ``truncate`` drops the rows a resume writes
+again. ``.tmp``/``.old``/``.del`` directories are never checkpoints: ``recover_interrupted``
+finishes a replace cut between its renames, ``clear_interrupted`` removes leftovers, ``prune``
+keeps the newest ``run.keep_checkpoints``. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ class RunDir:
         self.summary = self.path / "summary.json"
         self.tensorboard = self.path / "tensorboard"  # event files (``run.tensorboard``)
         self.checkpoints = self.path / "checkpoints"
+        self.dataset = self.path / "dataset"  # a dataset given to ``specrl.train``, saved first
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self
 
     def is_used(self) -> bool:
-        """Whether the path holds anything (a file in its place counts)."""
+        """Whether the path holds anything but ``dataset/`` (a file in its place counts)."""
         if not self.path.exists():
             return False
-        return not self.path.is_dir() or any(self.path.iterdir())
+        return not self.path.is_dir() or any(p != self.dataset for p in self.path.iterdir())
 
     def append(self, log: Path, row: Mapping[str, Any]) -> None:
         with log.open("a") as f:

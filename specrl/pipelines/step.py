@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from specrl.backends import Rollout, Served, Versions
+from specrl.backends import GROUP_DONE, Rollout, Served, Versions
 from specrl.config import Config
-from specrl.envs.reasoning_gym_env import Env, Prompt
+from specrl.envs.reasoning_gym_env import Prompt
 from specrl.pipelines.alarm import alarm_fields
-from specrl.pipelines.build import Codec, RunParts
+from specrl.pipelines.build import RunParts
 from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import WeightGuard
+from specrl.pipelines.scoring import Scorer, Scores
 from specrl.pipelines.state import StepState
 from specrl.rl import FeatureSink, Learner, TrainSample, compute_advantages
 from specrl.rollout_types import Completion, Request
@@ -65,8 +66,11 @@ def rollout(
     n: int | None = None,
     temperature: float | None = None,
     spec: SpecConfig | None = None,
+    scorer: Scorer | None = None,
 ) -> Rollout:
-    """n completions per prompt (request order) from the backend; a failed request raises."""
+    """n completions per prompt (request order) from the backend; a failed request raises.
+    With a ``scorer``, each prompt's group is submitted to it as soon as the backend says it
+    finished (backends with ``GROUP_DONE``; the others' groups are scored after the call)."""
     r, codec = parts.plan.sampling, parts.codec
     t = r.temperature if temperature is None else temperature
     reqs = [
@@ -76,23 +80,31 @@ def rollout(
             seed=request_seed(parts.plan.seed, step, i, stream)))
         for i, p in enumerate(prompts)
     ]  # fmt: skip
-    out = parts.backend.generate(reqs, spec=spec)
+    if scorer is not None and GROUP_DONE in parts.backend.features:
+        out = parts.backend.generate(reqs, spec=spec, on_done=scorer.submit)
+    else:
+        out = parts.backend.generate(reqs, spec=spec)
     bad = out.first_error()
     if bad is not None:
         raise RuntimeError(f"generation failed for prompt {bad.request_index}: {bad.error}")
     return out
 
 
-def score(
-    env: Env, codec: Codec, prompts: Sequence[Prompt], comps: Sequence[Completion]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards and correctness ``[num_prompts, n]`` (completions are grouped per prompt)."""
-    texts = [codec.decode(c.token_ids) for c in comps]
-    metas = [prompts[c.request_index].meta for c in comps]
-    pairs = list(zip(texts, metas, strict=True))
-    rewards = torch.tensor([env.reward(t, m) for t, m in pairs], dtype=torch.float32)
-    correct = torch.tensor([float(env.correct(t, m)) for t, m in pairs])
-    return rewards.view(len(prompts), -1), correct.view(len(prompts), -1)
+def scored_rollout(
+    parts: RunParts,
+    prompts: Sequence[Prompt],
+    step: int,
+    stream: int = STREAM_TRAIN,
+    n: int | None = None,
+    temperature: float | None = None,
+    spec: SpecConfig | None = None,
+) -> tuple[Rollout, Scores]:
+    """``rollout`` with its rewards: groups scored as they finish (``pipelines.scoring``)."""
+    if parts.rewards is None:
+        raise RuntimeError("the run's parts have no rewards: build them with build_run")
+    scorer = parts.rewards.scorer(parts.codec, prompts)
+    out = rollout(parts, prompts, step, stream, n, temperature, spec, scorer)
+    return out, scorer.result(out.completions, time.monotonic())
 
 
 def rollout_metrics(out: Rollout) -> dict[str, Any]:
@@ -147,16 +159,16 @@ def collect(parts: RunParts, prompts: list[Prompt], step: int) -> Batch:
     docstring)."""
     cfg = parts.cfg
     floor = parts.guard.floor()  # read before the call: a call serves at least these
-    out = rollout(parts, prompts, step, spec=parts.alarm.spec_override())
+    out, scores = scored_rollout(parts, prompts, step, spec=parts.alarm.spec_override())
     served = parts.backend.served()
-    t0 = time.perf_counter()
-    rewards, correct = score(parts.env, parts.codec, prompts, out.completions)  # [P, G]
+    rewards = scores.rewards  # [P, G]
     adv = compute_advantages(cfg.learner.advantage, rewards, **_adv_kwargs(cfg))
     metrics = rollout_metrics(out) | {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "accuracy": float(correct.mean()),
-        "score_time_s": time.perf_counter() - t0,
+        "accuracy": float(scores.correct.mean()),
+        "score_time_s": scores.wait_s,
+        **scores.metrics(),
         "prompts": [p.id for p in prompts],
     }
     return Batch(step, prompts, out.completions, rewards, adv,

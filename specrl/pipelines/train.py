@@ -4,7 +4,9 @@
 runs (or resumes) ``run.steps`` steps with the ``pipeline.mode`` loop, rows to every sink that
 is on (``tracking.open_tracker``), and returns this call's metric rows; after SIGINT/SIGTERM
 the step in progress is checkpointed and ``signals.Stopped`` raised; a dead train worker is
-``TrainWorkerDied`` naming it and the checkpoint a resume starts from. ``run_training(...)``:
+``TrainWorkerDied`` naming it and the checkpoint a resume starts from, a failed reward
+(``reward.on_error='fail'``) a ``RewardError`` naming the function, the prompt's row and that
+checkpoint. ``run_training(...)``:
 ``train``, then the speed check; writes and returns ``summary.json`` (a signal once every step
 is done skips the check and raises ``Stopped(complete=True)``). Console lines go to ``echo``;
 nothing here prints. Details: docs/internals.md.
@@ -31,6 +33,7 @@ from specrl.pipelines.speed import measure_speedup
 from specrl.pipelines.sync import train_sync
 from specrl.pipelines.tracking import open_tracker
 from specrl.pipelines.train_workers import TrainWorkerDied
+from specrl.rewards import RewardError
 
 LOOPS = {"sync": train_sync, "async": train_async}
 SPEED_CHECK = "the speed check"
@@ -51,8 +54,8 @@ def train(
     with handlers as request:
         try:
             return _train(parts, run, resume, progress, stop_after, echo, request)
-        except TrainWorkerDied as e:
-            raise TrainWorkerDied(f"{e}; {last_checkpoint(run)}") from None
+        except (TrainWorkerDied, RewardError) as e:
+            raise type(e)(f"{e}; {last_checkpoint(run)}") from None
 
 
 def _train(

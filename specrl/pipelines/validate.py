@@ -2,8 +2,8 @@
 
 ``check_names(cfg)`` returns None when every name in ``cfg`` is registered, else raises
 ``ConfigError``: one line in ``load_config``'s form (``bad value for KEY: WHY (got VALUE)``,
-several joined by ``; ``). Checked: ``env.task``, ``env.task_config``, ``env.template``,
-``learner.loss``, ``learner.advantage`` and
+several joined by ``; ``). Checked: ``env.task``, ``env.task_config``, ``env.template`` (for
+``env.kind='reasoning_gym'``), ``learner.loss``, ``learner.advantage`` and
 ``learner.correction``. ``specrl.config`` stays a leaf (types and bounds only); ``build_run``
 calls this before any work (the rollout names are the rollout plan's to check). Details:
 docs/internals.md.
@@ -39,7 +39,7 @@ def check_names(cfg: Config, env_given: bool = False) -> None:
         ("env.template", env.template, lambda: get_template(env.template)),
     ]
     checks: list[tuple[str, Any, Callable[[], object]]] = [
-        *([] if env_given else env_checks),
+        *([] if env_given or env.kind != "reasoning_gym" else env_checks),
         ("learner.loss", learner.loss, lambda: get_loss(learner.loss)),
         ("learner.advantage", learner.advantage, lambda: get_advantage(learner.advantage)),
         ("learner.correction", learner.correction, lambda: get_correction(learner.correction)),

@@ -112,3 +112,41 @@ def test_timing_and_version_recorded(tiny):
     assert 0 < c.first_token_s <= c.latency_s
     assert c.acceptance_length == 1.0
     assert engine.stats.tokens == 4
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_on_done_announces_each_group_as_it_finishes(tiny, spec):
+    """A request is announced once, with its n completions all finished, while a longer
+    request still decodes; the announced completions are the ones returned."""
+    from specrl.spec.config import SpecConfig
+
+    short = SamplingParams(temperature=1.0, max_new_tokens=2, n=3, seed=1, stop_token_ids=())
+    long = SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=2, stop_token_ids=())
+    reqs = [Request(PROMPTS[0], long), Request(PROMPTS[1], short), Request([], short)]
+    seen: list[tuple[int, list, list[int]]] = []
+
+    def on_done(index, comps):  # the other requests' token counts right now
+        live = [len(c.token_ids) for c in out_ref[0]] if out_ref else []
+        seen.append((index, list(comps), live))
+        assert all(c.latency_s > 0 and c.request_index == index for c in comps)
+
+    engine = Engine(tiny, max_batch=8, spec=SpecConfig(method=spec, k=2) if spec else None)
+    out_ref: list = []
+    engine._admission.plan = _capturing(engine._admission.plan, out_ref)
+    out = engine.generate(reqs, on_done=on_done)
+    assert [i for i, _, _ in seen] == [1, 0]  # the refused request (empty prompt) never
+    short_done = seen[0]
+    assert short_done[1] == out[2:5] and all(len(c.token_ids) == 2 for c in short_done[1])
+    assert max(short_done[2][:2]) < 20  # the long request was still decoding then
+    assert seen[1][1] == out[0:2] and all(len(c.token_ids) == 20 for c in out[0:2])
+
+
+def _capturing(plan, into: list):
+    """``Admission.plan`` that also hands its completions list to the test."""
+
+    def wrapped(*args, **kwargs):
+        completions, pending = plan(*args, **kwargs)
+        into.append(completions)
+        return completions, pending
+
+    return wrapped

@@ -12,8 +12,9 @@ import typer
 from typer.testing import CliRunner
 
 from specrl.config import ConfigError, load_config
-from specrl.pipelines.cli import free_run_dir, register, resolve_config
+from specrl.pipelines.cli import register
 from specrl.pipelines.report import samples_axis, summarize, summary_text
+from specrl.pipelines.runconfig import free_run_dir, resolve_config
 from specrl.pipelines.train import run_training
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts
 
@@ -38,7 +39,7 @@ def app() -> typer.Typer:
         (["--set", "rollout.spec=suffx"], "did you mean suffix"),
         (["--config", "/no/such.toml"], "cannot read config file"),
         (["--resume", "/no/such/run"], "cannot resume"),
-        (["--preset", "reasonin"], "unknown preset 'reasonin' (presets: reasoning)"),
+        (["--preset", "reasonin"], "unknown preset 'reasonin' (presets: dapo-math, reasoning)"),
         (["--resume", "/no/such/run", "--preset", "reasoning"], "--resume reads RUN_DIR"),
         # issue 42: bounded where parsed, and nothing set where it cannot apply
         (["--set", "rollout.top_k=9223372036854775808"], "rollout.top_k: Input should be less"),

@@ -1,0 +1,87 @@
+"""A run's configuration and directory, resolved before any work: the CLI's and the API's.
+
+``resolve_config(config, sets, run_dir, resume, preset)`` returns the validated ``Config`` and the
+run directory: a new run gets ``run_dir`` (or ``run.run_dir``), or the first unused
+``NAME-1``, ``NAME-2``, ... beside it (``free_run_dir``: a used run directory is never
+overwritten); ``--resume`` reads the run's own config.toml, where ``--set`` may change what a
+resume can change. Every problem is a ``ConfigError`` or ``RunDirError`` (``ValueError``s, one
+line). ``with_run_dir(cfg, path)``: ``cfg`` with ``run.run_dir`` set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specrl.config import Config, ConfigError, load_config, load_run_config, parse_override
+from specrl.fsutil import writable_problem
+from specrl.pipelines.rundir import RunDir
+
+
+def free_run_dir(path: Path) -> Path:
+    """``path`` if unused, else the first unused ``path-1``, ``path-2``, ..."""
+    candidate, i = path, 0
+    while RunDir(candidate).is_used():
+        i += 1
+        candidate = path.with_name(f"{path.name}-{i}")
+    return candidate
+
+
+def require_writable_dir(path: Path, what: str) -> None:
+    """``ConfigError`` (``"<what> <why>"``) unless ``path`` is a directory this user can write
+    in, or can be created as one (``fsutil.writable_problem``)."""
+    problem = writable_problem(path, "dir")
+    if problem is not None:
+        raise ConfigError(f"{what} {problem}")
+
+
+def check_resumable(run: RunDir) -> None:
+    """What a resume reads before any work: config.toml, the logs, a writable directory."""
+    if not run.config.is_file():
+        raise ConfigError(f"cannot resume {run.path}: no config.toml there")
+    require_writable_dir(run.path, "run dir")
+    for log in (run.metrics, run.evals):
+        run.rows(log)  # a line that is not JSON: RunDirError naming it
+
+
+def resolve_config(
+    config: Path | dict[str, Any] | None,
+    sets: list[str],
+    run_dir: Path | None,
+    resume: Path | None,
+    preset: str | None = None,
+) -> tuple[Config, Path]:
+    """The validated config and the run directory (``ConfigError`` or ``RunDirError``, both
+    ``ValueError``, on any bad input)."""
+    if resume is not None:
+        if config is not None or preset is not None:
+            raise ConfigError("--resume reads RUN_DIR/config.toml; change values with --set")
+        check_resumable(RunDir(resume))
+        if run_dir is not None and run_dir != resume:
+            raise ConfigError(f"--run-dir {run_dir} with --resume {resume}: a resumed run "
+                              "stays in its own directory")  # fmt: skip
+        cfg = load_run_config(resume / "config.toml", sets)
+        check_resume_overrides(cfg, RunDir(resume), sets)
+        return with_run_dir(cfg, resume), resume
+    cfg = load_config(config, sets, preset)
+    base = run_dir or Path(cfg.run.run_dir)
+    require_writable_dir(base, "run dir")
+    target = free_run_dir(base)
+    require_writable_dir(target, "run dir")
+    return with_run_dir(cfg, target), target
+
+
+def check_resume_overrides(cfg: Config, run: RunDir, sets: list[str]) -> None:
+    """What ``--set`` cannot change on a resume: the run's directory, and ``run.steps`` below
+    the steps it has already run (nothing would be done)."""
+    if any(parse_override(item)[0] == ["run", "run_dir"] for item in sets):
+        raise ConfigError(f"--set run.run_dir with --resume {run.path}: a resumed run stays "
+                          "in its own directory")  # fmt: skip
+    done = len(run.rows(run.metrics))
+    if cfg.run.steps < done:
+        raise ConfigError(f"run.steps={cfg.run.steps} with --resume {run.path}: it has already "
+                          f"run {done} steps (set run.steps >= {done})")  # fmt: skip
+
+
+def with_run_dir(cfg: Config, run_dir: Path) -> Config:
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
