@@ -8,15 +8,20 @@ reward (math-verify), 48 prompts held out by hash; per-step reward and the held-
 sampled accuracy, and ``docs/img/own_task_learn.png``.
 
 ``overlap``: rewards off the critical path. Three runs of the same steps side by side: the
-``math`` reward alone (generation + learner, rewards ~free), plus a reward that sleeps 50 ms
-per completion scored by the worker pool as groups finish (``reward.workers=2``), and the same
-reward in the trainer's thread after generation (``reward.workers=0``). Reported: mean step
-time of each, the reward seconds generation hid (``reward_overlap_s``) and the wait after it.
-Sleep stands for a verifier that waits (a sandbox, a server); a CPU-bound reward on this
-2-core machine would compete with generation instead.
+``math`` reward alone (generation + learner, rewards ~free); plus a reward that sleeps
+``--reward-ms`` per call (one GRPO group) or per completion, scored by the worker pool as each
+group finishes (``reward.workers=--workers``); and the same reward in the trainer's thread after
+generation (``reward.workers=0``). Reported: mean step time of each (the first step, a warm-up,
+left out), the reward seconds generation hid (``reward_overlap_s``), the wait after it, and
+the step time each slow-reward run adds to the math-only one. Sleep stands for a verifier that
+waits (a sandbox, a server); a CPU-bound reward on this 2-core machine would compete with
+generation instead. ``--long`` asks for step-by-step replies, whose groups finish apart.
 
     .venv/bin/python benchmarks/own_task.py learn --out benchmarks/results/own_task_learn.json
     .venv/bin/python benchmarks/own_task.py overlap --out benchmarks/results/reward_overlap.json
+    .venv/bin/python benchmarks/own_task.py overlap --long --per completion --workers 4 \
+        --set rollout.max_new_tokens=256 --set rollout.prompts_per_step=4 --steps 5 \
+        --out benchmarks/results/reward_overlap_long.json
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from specrl.pipelines.rundir import RunDir
 NAMES = ("Sam", "Mia", "Tom", "Ana", "Leo", "Zoe", "Max", "Ivy")
 THINGS = ("apples", "pens", "cards", "shells", "coins", "books", "stickers", "marbles")
 ASK = " Reply with only the final answer."
+STEPS = " Explain your reasoning step by step, then end with 'The answer is <answer>.'"
 FILE_SETS = ('env.kind="file"', 'reward.funcs=["math"]')
 
 
-def word_problems() -> list[dict[str, Any]]:
+def word_problems(ask: str = ASK) -> list[dict[str, Any]]:
     """Distinct one-digit addition / subtraction word problems with integer answers."""
     rows = {}
     for name in NAMES:
@@ -50,12 +56,13 @@ def word_problems() -> list[dict[str, Any]]:
                     if b <= a:
                         rows[f"{name} has {a} {thing} and gives away {b}. How many {thing} "
                              f"are left?"] = a - b  # fmt: skip
-    return [{"prompt": q + ASK, "answer": ans} for q, ans in rows.items()]
+    return [{"prompt": q + ask, "answer": ans} for q, ans in rows.items()]
 
 
-def write_problems(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` of the word problems, in a seeded order, as JSONL at ``path``."""
-    rows = word_problems()
+def write_problems(path: Path, n: int, long: bool = False, seed: int = 0) -> Path:
+    """``n`` of the word problems, in a seeded order, as JSONL at ``path`` (``long``: asking for
+    step-by-step reasoning: long replies of varied length)."""
+    rows = word_problems(STEPS if long else ASK)
     random.Random(seed).shuffle(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
@@ -74,7 +81,7 @@ def train(run_dir: Path, data: Path, sets: list[str]) -> tuple[Path, float]:
 
 
 def learn(args: argparse.Namespace) -> dict[str, Any]:
-    data = write_problems(args.work / "word_problems.jsonl", args.rows)
+    data = write_problems(args.work / "word_problems.jsonl", args.rows, args.long)
     run_dir, wall = train(args.work / "learn", data, args.set)
     run = RunDir(run_dir)
     rows, evals = run.rows(run.metrics), run.rows(run.evals)
@@ -114,47 +121,59 @@ def plot(rows: list[dict], evals: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def slow_reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
-    """A reward that takes 50 ms per completion and scores nothing (weight 0 in the runs)."""
-    time.sleep(0.05 * len(completions))
+def slow_reward(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    ms_per_call: float = 0.0,
+    ms_per_completion: float = 0.0,
+    **columns: Any,
+) -> list[float]:
+    """A reward that takes ``ms_per_call`` + ``ms_per_completion`` per completion of the call
+    (sleeping, as a verifier that waits on a sandbox or a server) and scores 0 (weight 0)."""
+    time.sleep((ms_per_call + ms_per_completion * len(completions)) / 1000)
     return [0.0] * len(completions)
 
 
-OVERLAP_RUNS = {
-    "math_only": [],
-    "slow_pool": [
-        f'reward.funcs=["math", "{__file__}:slow_reward"]',
-        "reward.weights=[1, 0]",
-        "reward.workers=2",
-    ],  # fmt: skip
-    "slow_inline": [
-        f'reward.funcs=["math", "{__file__}:slow_reward"]',
-        "reward.weights=[1, 0]",
-        "reward.workers=0",
-    ],  # fmt: skip
-}
+def slow_reward_file(args: argparse.Namespace) -> Path:
+    """A reward file binding ``slow_reward``'s cost: ``file.py:slow`` is what the runs name."""
+    path = args.work / "slow_reward.py"
+    key = "ms_per_call" if args.per == "call" else "ms_per_completion"
+    path.write_text(f"from functools import partial\nimport sys\nsys.path.insert(0, "
+                    f"{str(Path(__file__).parent)!r})\nfrom own_task import slow_reward\n"
+                    f"slow = partial(slow_reward, {key}={args.reward_ms})\n")  # fmt: skip
+    return path
+
+
+def overlap_runs(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The three contenders: the math reward alone; plus the slow reward in the worker pool
+    (``--workers``); plus the slow reward in the trainer's thread after generation."""
+    funcs = f'reward.funcs=["math", "{slow_reward_file(args)}:slow"]'
+    return {
+        "math_only": [],
+        "slow_pool": [funcs, "reward.weights=[1, 0]", f"reward.workers={args.workers}"],
+        "slow_inline": [funcs, "reward.weights=[1, 0]", "reward.workers=0"],
+    }
 
 
 def overlap(args: argparse.Namespace) -> dict[str, Any]:
-    data = write_problems(args.work / "word_problems.jsonl", args.rows)
+    data = write_problems(args.work / "word_problems.jsonl", args.rows, args.long)
     base = [f"run.steps={args.steps}", "run.eval_every=0", "run.checkpoint_every=0", *args.set]
-    out: dict[str, Any] = {"sets": base, "runs": {}}
-    for name, sets in OVERLAP_RUNS.items():
+    out: dict[str, Any] = {"sets": base, "reward": {"ms": args.reward_ms, "per": args.per,
+                           "workers": args.workers}, "long": args.long, "runs": {}}  # fmt: skip
+    for name, sets in overlap_runs(args).items():
         run_dir, _ = train(args.work / f"overlap-{name}", data, [*base, *sets])
         rows = RunDir(run_dir).rows(RunDir(run_dir).metrics)[1:]  # the first step warms up
         out["runs"][name] = {
             key: statistics.mean(r[key] for r in rows)
             for key in ("step_time_s", "gen_time_s", "train_time_s", "refit_time_s",
-                        "reward_overlap_s", "reward_wait_s")
+                        "response_length", "reward_overlap_s", "reward_wait_s")
         }  # fmt: skip
     runs = out["runs"]
-    out["reward_s_per_step"] = 0.05 * 64  # 8 prompts x 8 completions x 50 ms
-    out["step_ratio_pool_vs_math_only"] = (
-        runs["slow_pool"]["step_time_s"] / runs["math_only"]["step_time_s"]
-    )
-    out["step_ratio_inline_vs_math_only"] = (
-        runs["slow_inline"]["step_time_s"] / runs["math_only"]["step_time_s"]
-    )
+    base_s = runs["math_only"]["step_time_s"]
+    for name in ("slow_pool", "slow_inline"):
+        out[f"step_ratio_{name}_vs_math_only"] = runs[name]["step_time_s"] / base_s
+        out[f"exposed_reward_s_{name}"] = runs[name]["step_time_s"] - base_s
     return out
 
 
@@ -164,6 +183,16 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/own_task"), help="runs and data")
     ap.add_argument("--rows", type=int, default=1000, help="word problems in the JSONL file")
     ap.add_argument("--steps", type=int, default=6, help="overlap: steps per run")
+    ap.add_argument("--reward-ms", type=float, default=50.0, help="overlap: the slow reward's ms")
+    ap.add_argument(
+        "--per",
+        choices=("call", "completion"),
+        default="call",
+        help="overlap: the slow reward's ms per call (one group) or per completion",
+    )
+    ap.add_argument("--workers", type=int, default=2, help="overlap: reward.workers of the pool")
+    ap.add_argument("--long", action="store_true",
+                    help="ask for step-by-step replies (long, of varied length)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], help="config override for all runs")
     ap.add_argument("--plot", type=Path, default=Path("docs/img/own_task_learn.png"))
     ap.add_argument("--out", type=Path, required=True)

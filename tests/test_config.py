@@ -206,3 +206,23 @@ def test_unknown_preset_is_one_line_naming_the_presets():
     with pytest.raises(ConfigError, match="unknown preset 'reasonin'.*reasoning") as e:
         load_config(None, [], preset="reasonin")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        (['env.kind="file"'], "env.kind='file' needs env.train_file"),
+        (['env.kind="file"', 'env.train_file="a.jsonl"', 'env.task="leg_counting"'],
+         "env.task='leg_counting' needs env.kind='reasoning_gym'"),
+        (['env.train_file="a.jsonl"'], "env.train_file='a.jsonl' needs env.kind='file'"),
+        (['reward.funcs=["math", "exact"]', "reward.weights=[1.0]"],
+         "reward.weights has 1 values for 2 reward.funcs"),
+        (['reward.funcs=["regex"]'], "reward.funcs has 'regex' but reward.pattern is unset"),
+        (['reward.pattern="x"'], "reward.pattern is set but reward.funcs has no 'regex'"),
+        (["reward.workers=0", "reward.timeout_s=5"], "reward.timeout_s=5.0 needs reward.workers"),
+    ],
+)  # fmt: skip
+def test_own_task_settings_that_cannot_hold(sets, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert words in str(e.value) and "\n" not in str(e.value)

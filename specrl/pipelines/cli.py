@@ -39,7 +39,9 @@ def train_command(
             "--preset",
             help="start from a shipped config (--config and --set apply over it): "
             "'reasoning' = step-by-step answers with long, variable lengths and a tail of "
-            "few live rows (docs/training.md)",
+            "few live rows; 'dapo-math' = the published workload: DAPO-Math-17K's columns, the "
+            "math reward, long replies (set model.name and env.train_file to your copies) "
+            "(docs/training.md)",
         ),
     ] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="run directory")] = None,

@@ -26,7 +26,8 @@ def evaluate(parts: RunParts, updates: int) -> dict[str, Any]:
     if not prompts:
         return row
     for name, stream, temp in (("greedy", STREAM_GREEDY, 0.0), ("sampled", STREAM_SAMPLED, None)):
-        out, scores = scored_rollout(parts, prompts, updates, stream, n=1, temperature=temp)
+        out, scores = scored_rollout(parts, prompts, updates, stream=stream, n=1,
+                                     temperature=temp)  # fmt: skip
         row[f"{name}_accuracy"] = float(scores.correct.mean())
         row[f"{name}_reward"] = float(scores.rewards.mean())
         row[f"{name}_reward_errors"] = scores.errors

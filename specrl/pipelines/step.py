@@ -1,9 +1,10 @@
 """One RL step, split in two: ``collect(parts, prompts, step) -> Batch`` and
 ``learn(parts, state, batch, waited_s)``.
 
-``collect``: G seeded completions per prompt from the backend, rewards, group advantages,
-rollout metrics, the behaviour version and what the backend served. ``learn`` (the learner's
-thread): ``check_served`` (weight-sync check), the acceptance alarm, staleness,
+``collect``: G seeded completions per prompt from the backend, rewards (``scored_rollout``:
+each group sent to the reward workers as soon as it finishes, ``pipelines.scoring``), group
+advantages, rollout metrics, the behaviour version and what the backend served. ``learn`` (the
+learner's thread): ``check_served`` (weight-sync check), the acceptance alarm, staleness,
 ``train_policy`` (one learner step, the engine/learner logprob mismatch), ``publish``
 (``state`` advanced, the weights pushed through the guard), ``train_drafter``; it returns the
 row fields. Generation goes only through ``parts.backend``. Details: docs/internals.md.
@@ -91,19 +92,14 @@ def rollout(
 
 
 def scored_rollout(
-    parts: RunParts,
-    prompts: Sequence[Prompt],
-    step: int,
-    stream: int = STREAM_TRAIN,
-    n: int | None = None,
-    temperature: float | None = None,
-    spec: SpecConfig | None = None,
+    parts: RunParts, prompts: Sequence[Prompt], step: int, **kw: Any
 ) -> tuple[Rollout, Scores]:
-    """``rollout`` with its rewards: groups scored as they finish (``pipelines.scoring``)."""
+    """``rollout`` (``kw``: its stream, n, temperature, spec) with its rewards: groups scored as
+    they finish (``pipelines.scoring``)."""
     if parts.rewards is None:
         raise RuntimeError("the run's parts have no rewards: build them with build_run")
     scorer = parts.rewards.scorer(parts.codec, prompts)
-    out = rollout(parts, prompts, step, stream, n, temperature, spec, scorer)
+    out = rollout(parts, prompts, step, scorer=scorer, **kw)
     return out, scorer.result(out.completions, time.monotonic())
 
 

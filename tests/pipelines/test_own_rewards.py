@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from specrl.pipelines.train import train
 from specrl.rewards import RewardError
@@ -100,3 +101,66 @@ def test_on_error_zero_counts_the_rows_and_goes_on(tmp_path, fault):
     _, out = run_steps(tmp_path, f"reward.funcs={bad}", "reward.on_error=zero", "run.steps=2")
     assert [r["reward_errors"] for r in out] == [16, 16]  # 4 prompts x 4 completions
     assert all(r["reward_mean"] == 0.0 and r["accuracy"] == 0.0 for r in out)
+
+
+def test_a_callable_that_cannot_reach_the_workers_is_refused_before_work():
+    from specrl.envs.synthetic import IdCodec, ModFourEnv
+    from specrl.pipelines.build import build_run
+    from tests.conftest import make_tiny
+
+    def local(prompts, completions, **kwargs):  # a closure: not picklable by name
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="cannot be sent to the reward worker processes"):
+        build_run(tiny_config(), model=make_tiny(0), codec=IdCodec(), env=ModFourEnv(),
+                  rewards=[lambda p, c, **k: [0.0] * len(c)])  # fmt: skip
+    parts = build_run(tiny_config("reward.workers=0", "run.steps=1"), model=make_tiny(0),
+                      codec=IdCodec(), env=ModFourEnv(), rewards=[local])  # fmt: skip
+    try:
+        from specrl.pipelines.step import collect
+        from tests.pipelines.pipeline_fakes import draw_prompts
+
+        batch = collect(parts, draw_prompts(parts, 0), 0)
+    finally:
+        parts.close()
+    assert batch.metrics["reward_local_mean"] == 1.0 and float(batch.rewards.mean()) == 1.0
+
+
+def test_a_group_is_scored_while_the_rest_still_generates(tmp_path):
+    """A backend with GROUP_DONE announces group 0, then keeps 'generating' until group 0's
+    reward calls have finished in the workers: that reward time lies before generation's end
+    (``reward_overlap_s`` > 0), and the scores equal scoring after the call."""
+    import time
+
+    from specrl.backends import GROUP_DONE
+    from specrl.pipelines.step import collect
+    from tests.pipelines.pipeline_fakes import FakeBackend, draw_prompts, fake_parts
+
+    class Announcing(FakeBackend):
+        features = frozenset({GROUP_DONE})
+
+        def generate(self, requests, spec=None, on_done=None):
+            out = super().generate(requests, spec)
+            groups = [[c for c in out.completions if c.request_index == i]
+                      for i in range(len(requests))]  # fmt: skip
+            on_done(0, groups[0])
+            scorer, deadline = on_done.__self__, time.monotonic() + 120
+            while not all(p.done() for p in scorer.pending[0]) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the rest of the batch "generates" meanwhile
+            for i in range(1, len(requests)):
+                on_done(i, groups[i])
+            return out
+
+    cfg = tiny_config('reward.funcs=["env", "tests.rewards.faulty:sleeps_50ms"]',
+                      "reward.weights=[1, 0]")  # fmt: skip
+    batches = []
+    for backend in (Announcing(), FakeBackend()):
+        parts = fake_parts(cfg, backend)
+        try:
+            batches.append(collect(parts, draw_prompts(parts, 0), 0))
+        finally:
+            parts.close()
+    streamed, after = batches
+    assert streamed.metrics["reward_overlap_s"] > 0 and after.metrics["reward_overlap_s"] == 0
+    assert torch.equal(streamed.rewards, after.rewards)
+    assert streamed.metrics["reward_sleeps_50ms_mean"] == 1.0

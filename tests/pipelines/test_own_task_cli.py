@@ -104,3 +104,31 @@ def test_the_dapo_math_preset_runs_on_its_fixture(tmp_path):
     assert len(row["prompts"]) == 2 and all(p.startswith("train/") for p in row["prompts"])
     cfg = (tmp_path / "run" / "config.toml").read_text()
     assert 'answer_column = "reward_model.ground_truth"' in cfg
+
+
+def test_prompts_too_long_for_the_context_are_dropped_and_counted(tmp_path):
+    """``fit_prompts``: the limit defaults to the context less max_new_tokens; the note counts
+    what was dropped; an explicit env.max_prompt_tokens wins."""
+    from specrl.config import load_config
+    from specrl.envs import FileEnv
+    from specrl.pipelines.build import fit_prompts
+
+    class Chars:  # one token per character of the user turn
+        stop_token_ids = (0,)
+
+        def prompt_ids(self, prompt):
+            return list(range(len(prompt.text)))
+
+    rows = [{"prompt": "x" * n, "answer": n} for n in (5, 10, 20, 40, 80, 160)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = load_config(None, file_sets(path, "env.num_eval=1", "rollout.max_new_tokens=48"))
+    env = FileEnv(str(path), num_eval=1)
+    assert fit_prompts(cfg, env, Chars(), context=100) == (
+        "dropped 2 prompts longer than 52 tokens (env.max_prompt_tokens)",
+    )
+    kept = env.prompts("train") + env.prompts("eval")
+    assert sorted(len(p.text) for p in kept) == [5, 10, 20, 40]
+    cfg = load_config(None, file_sets(path, "env.num_eval=1", "env.max_prompt_tokens=12"))
+    assert fit_prompts(cfg, FileEnv(str(path), num_eval=1), Chars(), context=100) == (
+        "dropped 4 prompts longer than 12 tokens (env.max_prompt_tokens)",
+    )
