@@ -294,10 +294,10 @@ def test_served_during_a_generate_call_answers_at_once(monkeypatch, one_thread):
     entered, release = threading.Event(), threading.Event()
     generate = backend.engine.generate
 
-    def blocking(requests, spec=None):
+    def blocking(requests, spec=None, on_done=None):
         entered.set()
         release.wait()
-        return generate(requests, spec=spec)
+        return generate(requests, spec=spec, on_done=on_done)
 
     monkeypatch.setattr(backend.engine, "generate", blocking)
     caller = threading.Thread(

@@ -220,7 +220,8 @@ def ray_session(one_thread):
 
 
 @ON_SERVER_WORKER
-def test_a_two_worker_runs_sharded_checkpoint_exports_the_same_way(ray_session, model, tmp_path):
+def test_a_two_worker_runs_sharded_checkpoint_exports_the_same_way(ray_session, model, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
     from specrl.rl.learner import Learner
     from specrl.rl.sharded_checkpoint import load_learner
 
@@ -243,6 +244,7 @@ def test_a_two_worker_runs_sharded_checkpoint_exports_the_same_way(ray_session, 
     base = load_model(model)
     diff = (hf_logits(hf, PROMPTS[0]) - specrl_logits(base, PROMPTS[0])).abs().max()
     assert diff > 1e-3, diff  # trained
+    assert_vllm_greedy_equal(out, fresh.model, monkeypatch)
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -262,9 +264,9 @@ def specrl_greedy(model: Transformer, prompt: list[int], n: int) -> tuple[list[i
     return ids[len(prompt) :], logprobs
 
 
-@ON_SERVER_WORKER
-def test_vllm_loads_the_export_and_its_greedy_tokens_equal_specrls(run, model, exported,
-                                                                  monkeypatch):  # fmt: skip
+def assert_vllm_greedy_equal(exported: Path, policy: Transformer, monkeypatch) -> None:
+    """vLLM (fp32, eager) loads ``exported``; its greedy tokens equal ``policy``'s, their
+    logprobs to 1e-4."""
     from specrl.backends.vllm import ENV_DEFAULTS, vllm_available
     from specrl.backends.vllm_worker import patch_vllm, process_state_kept
 
@@ -285,13 +287,19 @@ def test_vllm_loads_the_export_and_its_greedy_tokens_equal_specrls(run, model, e
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-    policy = checkpoint_policy(RunDir(run).latest_checkpoint(), model)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         tokens, logprobs = specrl_greedy(policy, prompt, 12)
         assert list(out.outputs[0].token_ids) == tokens, prompt
         theirs = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
         torch.testing.assert_close(torch.tensor(theirs), torch.tensor(logprobs), rtol=0,
                                    atol=1e-4)  # fmt: skip
+
+
+@ON_SERVER_WORKER
+def test_vllm_loads_the_export_and_its_greedy_tokens_equal_specrls(run, model, exported,
+                                                                  monkeypatch):  # fmt: skip
+    policy = checkpoint_policy(RunDir(run).latest_checkpoint(), model)
+    assert_vllm_greedy_equal(exported, policy, monkeypatch)
 
 
 # --------------------------------------------------------------------------- sharding, bf16
