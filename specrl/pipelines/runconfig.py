@@ -36,10 +36,12 @@ def require_writable_dir(path: Path, what: str) -> None:
 
 
 def check_resumable(run: RunDir) -> None:
-    """What a resume reads before any work: config.toml, the logs, a writable directory."""
+    """What a resume reads before any work: config.toml, the logs, a writable directory no
+    other process is writing (its lock)."""
     if not run.config.is_file():
         raise ConfigError(f"cannot resume {run.path}: no config.toml there")
     require_writable_dir(run.path, "run dir")
+    run.check_unlocked()
     for log in (run.metrics, run.evals):
         run.rows(log)  # a line that is not JSON: RunDirError naming it
 

@@ -2,7 +2,9 @@
 
 ``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, summary.json, tensorboard/,
 checkpoints/ and dataset/ (a ``datasets.Dataset`` handed to ``specrl.train``, saved before the
-run starts: a directory holding only it is not yet used); ``append`` fsyncs a log row, ``rows``
+run starts: a directory holding only it is not yet used) and ``.lock``: ``locked`` holds the
+one writer's lock for a run's life (a second writer is refused naming the holder's pid; the OS
+drops the lock of a killed writer); ``append`` fsyncs a log row, ``rows``
 reads a log (a last line cut by a kill is dropped), ``truncate`` drops the rows a resume writes
 again. ``.tmp``/``.old``/``.del`` directories are never checkpoints: ``recover_interrupted``
 finishes a replace cut between its renames, ``clear_interrupted`` removes leftovers, ``prune``
@@ -11,10 +13,12 @@ keeps the newest ``run.keep_checkpoints``. Details: docs/internals.md.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +45,48 @@ class RunDir:
         self.tensorboard = self.path / "tensorboard"  # event files (``run.tensorboard``)
         self.checkpoints = self.path / "checkpoints"
         self.dataset = self.path / "dataset"  # a dataset given to ``specrl.train``, saved first
+        self.lock_file = self.path / ".lock"  # the writer's lock (``locked``), its pid inside
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self
 
     def is_used(self) -> bool:
-        """Whether the path holds anything but ``dataset/`` (a file in its place counts)."""
+        """Whether the path holds anything but ``dataset/`` and the lock file (a file in its
+        place counts)."""
         if not self.path.exists():
             return False
-        return not self.path.is_dir() or any(p != self.dataset for p in self.path.iterdir())
+        skip = (self.dataset, self.lock_file)
+        return not self.path.is_dir() or any(p not in skip for p in self.path.iterdir())
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the run's writer lock for the block (the directory is created): an exclusive
+        ``flock`` on ``.lock``, which the OS releases when the holder dies, so a killed run never
+        blocks its resume. Another holder: ``RunDirError`` naming its pid."""
+        self.create()
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise RunDirError(
+                    f"run dir {self.path} is in use by another specrl process (pid {holder}): "
+                    "one writer at a time; wait for it or stop it, then resume"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def check_unlocked(self) -> None:
+        """``RunDirError`` (naming the holder) if another process holds the writer lock now
+        (nothing is written: no lock file, no holder)."""
+        if self.lock_file.is_file():
+            with self.locked():
+                pass
 
     def append(self, log: Path, row: Mapping[str, Any]) -> None:
         with log.open("a") as f:

@@ -2,13 +2,14 @@
 
 ``train(parts, run_dir, resume=False, progress=True, stop_after=None, echo=None, stop=None)``
 runs (or resumes) ``run.steps`` steps with the ``pipeline.mode`` loop, rows to every sink that
-is on (``tracking.open_tracker``), and returns this call's metric rows; after SIGINT/SIGTERM
-the step in progress is checkpointed and ``signals.Stopped`` raised; a dead train worker is
-``TrainWorkerDied`` naming it and the checkpoint a resume starts from, a failed reward
-(``reward.on_error='fail'``) a ``RewardError`` naming the function, the prompt's row and that
-checkpoint. ``run_training(...)``:
-``train``, then the speed check; writes and returns ``summary.json`` (a signal once every step
-is done skips the check and raises ``Stopped(complete=True)``). Console lines go to ``echo``;
+is on (``tracking.open_tracker``), and returns this call's metric rows, holding the run
+directory's writer lock (``RunDir.locked``: another writer is a ``RunDirError``); after
+SIGINT/SIGTERM the step in progress is checkpointed and ``signals.Stopped`` raised; a dead
+train worker is ``TrainWorkerDied`` naming it and the checkpoint a resume starts from, a failed
+reward (``reward.on_error='fail'``) a ``RewardError`` naming the function, the prompt's row and
+that checkpoint. ``run_training(...)``: ``train``, then the speed check; writes and returns
+``summary.json`` (a signal once every step is done skips the check and raises
+``Stopped(complete=True)``). Console lines go to ``echo``;
 nothing here prints. Details: docs/internals.md.
 """
 
@@ -49,6 +50,20 @@ def train(
     stop: StopRequest | None = None,
 ) -> list[dict[str, Any]]:
     """See the module docstring."""
+    with RunDir(run_dir).locked():  # one writer at a time
+        return _unlocked_train(parts, run_dir, resume, progress, stop_after, echo, stop)
+
+
+def _unlocked_train(
+    parts: RunParts,
+    run_dir: str,
+    resume: bool,
+    progress: bool,
+    stop_after: int | None,
+    echo: Echo | None,
+    stop: StopRequest | None,
+) -> list[dict[str, Any]]:
+    """``train`` once the caller holds the run's lock."""
     handlers = nullcontext(stop) if stop is not None else stop_on_signals()
     run = RunDir(run_dir)
     with handlers as request:
@@ -108,9 +123,9 @@ def run_training(
     t0, run = time.perf_counter(), RunDir(run_dir)
     wanted = compare_plain and parts.backend.spec.enabled
     handlers = nullcontext(stop) if stop is not None else stop_on_signals()
-    with handlers as request:
+    with handlers as request, run.locked():  # the summary too: one writer at a time
         try:
-            train(parts, run_dir, resume=resume, progress=progress, echo=echo, stop=request)
+            _unlocked_train(parts, run_dir, resume, progress, None, echo, request)
         except Stopped as e:
             if not e.complete:
                 raise
