@@ -502,6 +502,15 @@ class Config(Section):
     cluster: ClusterCfg = Field(default_factory=ClusterCfg, description="Ray placement.")
 
     @model_validator(mode="after")
+    def _something_to_evaluate(self) -> Config:
+        if self.run.eval_every > 0 and self.env.num_eval == 0:
+            raise ValueError(
+                f"env.num_eval=0 with run.eval_every={self.run.eval_every}: there is nothing to "
+                "evaluate; set run.eval_every=0 or env.num_eval >= 1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _only_what_applies(self, info: ValidationInfo) -> Config:
         """A field set (in a file or an override, whatever its value) where it cannot apply
         is refused, naming both fields (see ``APPLIES_ONLY``)."""

@@ -93,7 +93,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
-    """Set ``data[key[0]][key[1]]... = value`` in place, creating missing tables."""
+    """Set ``data[key[0]][key[1]]... = value`` in place, creating missing tables; a table
+    ``value`` (``--set 'rollout={group_size=2}'``) is merged key by key into a table already
+    there, never replacing it whole."""
     node = data
     for i, part in enumerate(key[:-1]):
         child = node.setdefault(part, {})
@@ -102,7 +104,9 @@ def set_path(data: dict[str, Any], key: list[str], value: Any) -> None:
                 f"cannot set {'.'.join(key)}: {'.'.join(key[: i + 1])} is not a table"
             )
         node = child
-    node[key[-1]] = value
+    here = node.get(key[-1])
+    both = isinstance(value, dict) and isinstance(here, dict)
+    node[key[-1]] = merge(here, value) if both else value
 
 
 def apply_overrides(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:

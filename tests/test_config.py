@@ -34,7 +34,8 @@ def test_toml_round_trip(tmp_path):
 
 def test_overrides_parse_types_and_bare_strings():
     cfg = load_config(None, ["env.task=leg_counting", "rollout.spec=none", "learner.dtype=fp32",
-                             "rollout.temperature=0.7", "env.num_eval=0"])  # fmt: skip
+                             "rollout.temperature=0.7", "env.num_eval=0",
+                             "run.eval_every=0"])  # fmt: skip
     assert cfg.env.task == "leg_counting" and cfg.rollout.spec == "none"
     assert cfg.rollout.temperature == 0.7 and cfg.env.num_eval == 0
     assert parse_override("a.b = 3") == (["a", "b"], 3)
@@ -226,3 +227,19 @@ def test_own_task_settings_that_cannot_hold(sets, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_inline_table_override_merges_key_by_key():
+    """``--set 'rollout={group_size=2}'`` changes group_size only: earlier overrides and the
+    file's values of the section stay (it never replaces the section whole)."""
+    sets = ["rollout.max_new_tokens=17", "rollout={group_size=2}",
+            "env.task_config={max_terms=3}", "env.task_config={min_terms=3}"]  # fmt: skip
+    cfg = load_config(None, sets)
+    assert cfg.rollout.group_size == 2 and cfg.rollout.max_new_tokens == 17
+    assert cfg.env.task_config == {"max_terms": 3, "min_terms": 3}
+
+
+def test_nothing_to_evaluate_is_refused():
+    with pytest.raises(ConfigError, match="env.num_eval=0 with run.eval_every=8"):
+        load_config(None, ["env.num_eval=0"])
+    assert load_config(None, ["env.num_eval=0", "run.eval_every=0"]).env.num_eval == 0

@@ -65,6 +65,10 @@ def resolve_config(
         cfg = load_run_config(resume / "config.toml", sets)
         check_resume_overrides(cfg, RunDir(resume), sets)
         return with_run_dir(cfg, resume), resume
+    if run_dir is not None and any(parse_override(i)[0] == ["run", "run_dir"] for i in sets):
+        raise ConfigError(
+            f"--run-dir {run_dir} with --set run.run_dir: name the run directory once"
+        )
     cfg = load_config(config, sets, preset)
     base = run_dir or Path(cfg.run.run_dir)
     require_writable_dir(base, "run dir")

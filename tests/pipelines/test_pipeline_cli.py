@@ -185,3 +185,9 @@ def test_damage_notes_and_warnings_go_to_stderr(capsys):
     assert out == "step   0 reward 0.5\n"
     assert err.splitlines() == ["checkpoint step_000003 is damaged (x); resuming from step_000002",
                                 "warning: acceptance collapsed"]  # fmt: skip
+
+
+def test_the_run_directory_named_twice_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--run-dir .* with --set run.run_dir: name the run"):
+        resolve_config(None, [f'run.run_dir="{tmp_path / "x"}"'], tmp_path / "y", None)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
