@@ -480,6 +480,7 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
         for key in ("task", "task_config", "template", "format_bonus")
     ),
     AppliesOnly("reward.timeout_s", "reward.workers", lambda n: n > 0, " > 0"),
+    AppliesOnly("learner.is_cap", "learner.correction", lambda c: c != "ppo", " other than 'ppo'"),
     AppliesOnly(
         "model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"
     ),

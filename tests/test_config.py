@@ -243,3 +243,9 @@ def test_nothing_to_evaluate_is_refused():
     with pytest.raises(ConfigError, match="env.num_eval=0 with run.eval_every=8"):
         load_config(None, ["env.num_eval=0"])
     assert load_config(None, ["env.num_eval=0", "run.eval_every=0"]).env.num_eval == 0
+
+
+def test_is_cap_is_refused_where_no_correction_reads_it():
+    with pytest.raises(ConfigError, match="learner.is_cap=3.0 needs learner.correction other"):
+        load_config(None, ["learner.is_cap=3.0"])
+    assert load_config(None, ["learner.correction=tis", "learner.is_cap=3.0"]).learner.is_cap == 3
