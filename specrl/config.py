@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 MAX_RUN_SEED = 2**28 - 1
 MAX_TOP_K = 10_000_000  # rollout.top_k: more than any vocabulary (the same as 0, off)
 MAX_TOKENS_PER_FORWARD = 1_000_000  # rollout.max_tokens_per_forward
+RG_NUM_TRAIN = 2000  # env.num_train of a reasoning-gym task when unset
 
 
 class ModelCfg(Section):
@@ -120,12 +121,13 @@ class EnvCfg(Section):
         description="reasoning-gym dataset config kwargs, merged over the task's preset "
         "(basic_arithmetic: 1-digit add/sub, 2 terms).",
     )
-    num_train: int = Field(
-        2000,
+    num_train: int | None = Field(
+        None,
         ge=1,
         le=1_000_000,
-        description="Prompts in the train split (kind='file': the most train rows used, in file "
-        "order, when set; unset: all of them).",
+        description="Prompts in the train split: kind='reasoning_gym' draws this many "
+        f"(unset: {RG_NUM_TRAIN}); kind='file' uses at most this many train rows, in file "
+        "order (unset: all of them).",
     )
     num_eval: int = Field(
         48,
@@ -567,15 +569,18 @@ def preset_path(name: str) -> Path:
 
 def load_run_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """A run directory's config.toml (``Config.to_toml``) <- overrides, validated. The file
-    was written whole: fields of it that cannot apply (``APPLIES_ONLY``; an older specrl wrote
-    them) are dropped, having had no effect; an override is checked like any other."""
+    was written whole: fields of it that cannot apply once the overrides are in
+    (``APPLIES_ONLY``; an older specrl wrote them, or ``--set reward.workers=0`` made the stored
+    ``reward.timeout_s`` moot) are dropped, having had no effect; an override is checked like
+    any other."""
     with errors_as(ConfigError):
-        data = read_toml(path)
+        data = settings.apply_overrides(read_toml(path), overrides)
+        given = {".".join(parse_override(item)[0]) for item in overrides}
         for key, *_ in validate_config(data, check_applies=False).inapplicable():
             section, name = key.split(".")
-            if isinstance(data.get(section), dict):
-                data[section].pop(name, None)
-        return validate_config(settings.apply_overrides(data, overrides))
+            if key not in given and isinstance(data.get(section), dict):
+                data[section].pop(name, None)  # written whole, never set: it had no effect
+        return validate_config(data)
 
 
 def validate_config(data: dict[str, Any], check_applies: bool = True) -> Config:

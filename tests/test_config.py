@@ -249,3 +249,16 @@ def test_is_cap_is_refused_where_no_correction_reads_it():
     with pytest.raises(ConfigError, match="learner.is_cap=3.0 needs learner.correction other"):
         load_config(None, ["learner.is_cap=3.0"])
     assert load_config(None, ["learner.correction=tis", "learner.is_cap=3.0"]).learner.is_cap == 3
+
+
+def test_a_resume_may_set_what_makes_a_stored_field_moot(tmp_path):
+    """config.toml holds every field: ``--set reward.workers=0`` on a resume drops the stored
+    reward.timeout_s (it no longer applies) instead of refusing; an override that cannot apply
+    is still refused."""
+    from specrl.config import load_run_config
+
+    path = tmp_path / "config.toml"
+    path.write_text(Config().to_toml())
+    assert load_run_config(path, ["reward.workers=0"]).reward.workers == 0
+    with pytest.raises(ConfigError, match="reward.timeout_s=5.0 needs reward.workers"):
+        load_run_config(path, ["reward.workers=0", "reward.timeout_s=5"])

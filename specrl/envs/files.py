@@ -398,17 +398,16 @@ class FileEnv:
 
     @classmethod
     def from_config(cls, cfg: EnvCfg) -> FileEnv:
-        """From ``env.*``; ``num_train`` caps the train rows only when the user set it."""
+        """From ``env.*``; ``num_train`` (None: all rows) caps the train rows."""
         if cfg.train_file is None:
             raise FileEnvError("env.kind='file' needs env.train_file")
-        num_train = cfg.num_train if "num_train" in cfg.model_fields_set else None
         return cls(
             cfg.train_file,
             cfg.eval_file,
             cfg.prompt_column,
             cfg.answer_column,
             cfg.system_prompt,
-            num_train,
+            cfg.num_train,
             cfg.num_eval,
         )
 

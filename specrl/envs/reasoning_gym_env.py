@@ -239,7 +239,10 @@ class ReasoningGymEnv:
     @classmethod
     def from_config(cls, cfg: EnvCfg) -> ReasoningGymEnv:
         config = task_config_with_preset(cfg.task, cfg.task_config)
-        return cls(cfg.task, config, cfg.num_train, cfg.num_eval, cfg.template, cfg.seed,
+        from specrl.config import RG_NUM_TRAIN
+
+        num_train = RG_NUM_TRAIN if cfg.num_train is None else cfg.num_train
+        return cls(cfg.task, config, num_train, cfg.num_eval, cfg.template, cfg.seed,
                    cfg.format_bonus)  # fmt: skip
 
     def _draw(self, n: int, seed: int, want_eval: bool, unique: bool) -> list[dict]:

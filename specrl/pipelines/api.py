@@ -6,17 +6,20 @@ run_dir=None, resume=None, compare=True, progress=True, echo=print) -> Path`` re
 (a ``Config``, a dict in the TOML's shape, or a TOML path; ``overrides`` as ``--set``; ``preset``
 as ``--preset``) and the run directory exactly as the CLI does (``pipelines.runconfig``), builds
 the run and trains it (``run_training``); it returns the run directory. ``reward_funcs``: names
-as ``reward.funcs`` takes them or callables in TRL's convention; a callable importable by its
-module and name is recorded in config.toml as ``module:function`` (so ``specrl train --resume``
-can rebuild it), others are used as given. ``dataset``: a path (``env.kind='file'``) or a
-``datasets.Dataset`` (saved into ``RUN/dataset`` with ``save_to_disk`` and read from there, so
-the run directory holds what it trained on). Errors are the CLI's ``ValueError``s (one line);
-a failed reward is a ``RewardError``. Same seed, same config: the same metrics as the CLI.
+as ``reward.funcs`` takes them or callables in TRL's convention, used as given and recorded in
+config.toml by ``reward_spec`` (``package.module:fn`` or ``/abs/file.py:fn``, so ``specrl train
+--resume`` rebuilds them; ``python:<name>`` for a callable that cannot be named, which a resume
+refuses unless it is handed to ``specrl.train`` again). ``dataset``: a path
+(``env.kind='file'``, made absolute) or a ``datasets.Dataset`` (saved into ``RUN/dataset``
+with ``save_to_disk`` and read from there, so the run directory holds what it trained on).
+Errors are the CLI's ``ValueError``s (one line); a failed reward is a ``RewardError``. Same
+seed, same config: the same metrics as the CLI.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +28,8 @@ from typing import Any
 from specrl.config import Config, validate_config
 from specrl.pipelines.runconfig import resolve_config, with_run_dir
 from specrl.pipelines.rundir import RunDir
+from specrl.pipelines.scoring import UNNAMED
+from specrl.rewards import reward_name
 
 
 def train(
@@ -86,38 +91,60 @@ def _resolve(
 def _reward_specs(
     funcs: Sequence[str | Callable[..., Any]] | None,
 ) -> tuple[list[str], list[str | Callable[..., Any]]]:
-    """The rewards as config names where each can be named (a callable importable as
-    ``module:function``), and, if any cannot, the whole list as given to ``build_run``."""
+    """The rewards as config.toml names them (``reward_spec``), and, if any is a callable, the
+    whole list as given to ``build_run``."""
     if not funcs:
         return [], []
-    specs = [f if isinstance(f, str) else _importable_name(f) for f in funcs]
-    if all(s is not None for s in specs):
-        return [s for s in specs if s is not None], []
-    return [], list(funcs)
+    names = [f if isinstance(f, str) else reward_spec(f) for f in funcs]
+    return names, ([] if all(isinstance(f, str) for f in funcs) else list(funcs))
 
 
-def _importable_name(fn: Callable[..., Any]) -> str | None:
-    """``module:function`` when importing it gives ``fn`` back (not a lambda, a closure or a
-    function of ``__main__``), else None."""
+def reward_spec(fn: Callable[..., Any]) -> str:
+    """How config.toml names a callable, so that a resume rebuilds it: ``package.module:fn``
+    for a function of a package module, ``/abs/path/file.py:fn`` for one of a plain module or
+    script (``__main__`` included: found whatever the working directory), else
+    ``python:<name>`` (a lambda, a closure, a notebook's function), which a resume refuses
+    unless the callable is handed to ``specrl.train`` again."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module or module == "__main__" or "." in name or "<" in name:
-        return None
+    plain = bool(module) and "." not in name and "<" not in name
+    if plain and module != "__main__" and "." in module and _importable(fn, module, name):
+        return f"{module}:{name}"
+    source = _source_file(fn) if plain else None
+    return f"{source}:{name}" if source else f"{UNNAMED}{reward_name(fn)}"
+
+
+def _importable(fn: Callable[..., Any], module: str, name: str) -> bool:
     try:
-        found = getattr(importlib.import_module(module), name, None)
+        return getattr(importlib.import_module(module), name, None) is fn
     except Exception:
+        return False
+
+
+def _source_file(fn: Callable[..., Any]) -> str | None:
+    """The absolute path of the ``.py`` file defining ``fn`` at module level, if any."""
+    try:
+        path = inspect.getsourcefile(fn)
+    except TypeError:
         return None
-    return f"{module}:{name}" if found is fn else None
+    if path is None or not path.endswith(".py") or not Path(path).is_file():
+        return None
+    return str(Path(path).resolve())
 
 
 def _reward_sets(names: list[str], given: list[Any]) -> list[str]:
-    return [f"reward.funcs={json.dumps(names)}"] if names and not given else []
+    return [f"reward.funcs={json.dumps(names)}"] if names else []
 
 
 def _dataset_sets(dataset: Any) -> list[str]:
-    """The overrides of a dataset given as a path."""
-    if dataset is None or not isinstance(dataset, str | Path):
+    """The overrides of a dataset: its absolute path, or (a ``datasets.Dataset``) a
+    placeholder ``_with_saved_dataset`` replaces, so the file settings apply either way."""
+    if dataset is None:
         return []
-    return ['env.kind="file"', f"env.train_file={json.dumps(str(dataset))}"]
+    path = Path(dataset).resolve() if isinstance(dataset, str | Path) else SAVED_PLACEHOLDER
+    return ['env.kind="file"', f"env.train_file={json.dumps(str(path))}"]
+
+
+SAVED_PLACEHOLDER = "<the datasets.Dataset given to specrl.train>"
 
 
 def _with_saved_dataset(cfg: Config, dataset: Any, target: Path) -> Config:
@@ -130,5 +157,5 @@ def _with_saved_dataset(cfg: Config, dataset: Any, target: Path) -> Config:
     path = RunDir(target).dataset
     dataset.save_to_disk(str(path))
     data = cfg.model_dump(exclude_unset=True)
-    data.setdefault("env", {}).update(kind="file", train_file=str(path))
+    data.setdefault("env", {}).update(kind="file", train_file=str(path.resolve()))
     return with_run_dir(validate_config(data), target)

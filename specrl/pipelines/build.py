@@ -162,12 +162,13 @@ def make_env(cfg: EnvCfg) -> Env:
 
 
 def fit_prompts(cfg: Config, env: Env, codec: Codec, context: int) -> tuple[str, ...]:
-    """Drop a file environment's prompts longer than ``env.max_prompt_tokens`` (default: the
-    context less ``rollout.max_new_tokens``) once rendered; the console note saying how many."""
+    """Drop a file environment's prompts longer than ``env.max_prompt_tokens`` (at most, and by
+    default, the context less ``rollout.max_new_tokens``) once rendered; the console note
+    saying how many."""
     drop = getattr(env, "drop_long", None)
     if drop is None:
         return ()
-    limit = cfg.env.max_prompt_tokens or context - cfg.rollout.max_new_tokens
+    limit = min(cfg.env.max_prompt_tokens or context, context - cfg.rollout.max_new_tokens)
     if limit < 1:
         raise ConfigError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in "

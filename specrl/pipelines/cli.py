@@ -133,7 +133,7 @@ def ray_and_report(cfg: Config, target: Path, resume: bool, compare: bool, progr
         try:
             return run_training_on_ray(cfg, str(target), resume=resume, compare_plain=compare,
                                        progress=progress, echo=console_line)  # fmt: skip
-        except (ConfigError, CheckpointError) as e:
+        except (ConfigError, CheckpointError, ValueError) as e:  # a file or reward too
             fail(str(e))
 
     report(produce, target)

@@ -26,8 +26,9 @@ from specrl.backends import plan_rollout
 from specrl.backends.ray_session import RaySession, actor_threads, import_ray
 from specrl.config import Config
 from specrl.malloc import keep_freed_memory
-from specrl.pipelines.build import RunParts, build_run
+from specrl.pipelines.build import RunParts, build_run, make_env
 from specrl.pipelines.loop import Echo
+from specrl.pipelines.scoring import Rewards
 from specrl.pipelines.signals import Stopped, StopRequest, stop_on_signals
 from specrl.pipelines.train import run_training, train
 from specrl.pipelines.validate import check_names
@@ -203,10 +204,13 @@ def _drive(
 
 
 def precheck(cfg: Config) -> None:
-    """What can be checked before Ray starts (``ConfigError``, one line): the names and the
-    rollout plan (as ``build.build_run`` checks them), and that the ray package is installed."""
+    """What can be checked before Ray starts (``ConfigError``, ``FileEnvError``,
+    ``RewardError``: one line): the names and the rollout plan (as ``build.build_run`` checks
+    them), the environment (a prompt file's every row) and the reward functions, and that the
+    ray package is installed."""
     check_names(cfg)
     plan_rollout(cfg)
+    Rewards.build(cfg.reward, make_env(cfg.env)).close()  # no worker started: nothing to stop
     import_ray()
 
 

@@ -1,7 +1,8 @@
 """A run's configuration and directory, resolved before any work: the CLI's and the API's.
 
 ``resolve_config(config, sets, run_dir, resume, preset)`` returns the validated ``Config`` and the
-run directory: a new run gets ``run_dir`` (or ``run.run_dir``), or the first unused
+run directory: a new run (its prompt files and file-named rewards made absolute:
+``absolute_paths``) gets ``run_dir`` (or ``run.run_dir``), or the first unused
 ``NAME-1``, ``NAME-2``, ... beside it (``free_run_dir``: a used run directory is never
 overwritten); ``--resume`` reads the run's own config.toml, where ``--set`` may change what a
 resume can change. Every problem is a ``ConfigError`` or ``RunDirError`` (``ValueError``s, one
@@ -69,7 +70,7 @@ def resolve_config(
         raise ConfigError(
             f"--run-dir {run_dir} with --set run.run_dir: name the run directory once"
         )
-    cfg = load_config(config, sets, preset)
+    cfg = absolute_paths(load_config(config, sets, preset))
     base = run_dir or Path(cfg.run.run_dir)
     require_writable_dir(base, "run dir")
     target = free_run_dir(base)
@@ -91,3 +92,20 @@ def check_resume_overrides(cfg: Config, run: RunDir, sets: list[str]) -> None:
 
 def with_run_dir(cfg: Config, run_dir: Path) -> Config:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with the prompt files and file-named rewards (``path/f.py:fn``) made absolute:
+    config.toml names what the run read wherever a resume starts from."""
+    env = {key: str(Path(value).resolve()) for key in ("train_file", "eval_file")
+           if (value := getattr(cfg.env, key)) is not None}  # fmt: skip
+    funcs = [_absolute_reward(f) for f in cfg.reward.funcs]
+    reward = cfg.reward.model_copy(update={"funcs": funcs})
+    return cfg.model_copy(update={"env": cfg.env.model_copy(update=env), "reward": reward})
+
+
+def _absolute_reward(spec: str) -> str:
+    path, sep, name = spec.rpartition(":")
+    if sep and path.endswith(".py") and not Path(path).is_absolute():
+        return f"{Path(path).resolve()}:{name}"
+    return spec

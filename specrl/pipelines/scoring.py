@@ -33,6 +33,7 @@ from specrl.rewards.pool import Named, Outcome, Pending, RewardCall, RewardPool
 from specrl.rollout_types import Completion
 
 ENV_REWARD = "env"  # the environment's own reward (reasoning-gym's scorer)
+UNNAMED = "python:"  # config.toml's name of a callable given to specrl.train that has no name
 
 
 class Decoder(Protocol):
@@ -57,6 +58,12 @@ def _resolve(item: str | Callable[..., Any], env: Env, cfg: RewardCfg) -> Reward
     if callable(item):
         check_signature(item, reward_name(item))
         return RewardFunc(reward_name(item), reward_name(item), item, 1.0)
+    if item.startswith(UNNAMED):
+        raise RewardError(
+            f"reward {item!r} was a Python callable handed to specrl.train that config.toml "
+            "cannot name (a lambda, a closure, a notebook's function): pass it again, "
+            "specrl.train(..., resume=RUN, reward_funcs=[...]), or define it in a .py file"
+        )
     if item == ENV_REWARD:
         if not isinstance(env, ScoredEnv):
             raise RewardError(
@@ -73,7 +80,15 @@ def _resolve(item: str | Callable[..., Any], env: Env, cfg: RewardCfg) -> Reward
 def _picklable(func: RewardFunc) -> None:
     """``RewardError`` unless ``func`` can be sent to a worker process."""
     import pickle
+    import sys
 
+    main = sys.modules.get("__main__")
+    if getattr(func.fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
+        raise RewardError(
+            f"reward {func.label!r} is defined in an interactive session (a notebook, a REPL), "
+            "which the reward worker processes cannot import; define it in a .py file, or set "
+            "reward.workers=0 to score in the trainer's thread"
+        )
     try:
         pickle.dumps(func.fn)
     except Exception as e:

@@ -122,7 +122,7 @@ def regex(
 # Where an answer starts: the last of these begins the text math-verify reads first.
 _MARKER = re.compile(r"\\boxed|\\fbox|answer", re.IGNORECASE)
 _MAX_TAILS = 4  # markers tried, last first, before the whole text
-_ANSWER_LINE = re.compile(r"answer\b\W{0,4}?(?:is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
+_ANSWER_LINE = re.compile(r"answer\b(?:\s*is\b)?\W{0,4}?\s*[:=]?\s*(.+)", re.IGNORECASE)
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
 
 

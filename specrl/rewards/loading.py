@@ -38,7 +38,7 @@ from typing import Any
 from specrl.errors import did_you_mean, one_line, unknown
 from specrl.rewards.builtin import BUILTIN, RewardFn
 
-TRL_SIGNATURE = "fn(prompts, completions, **kwargs)"
+TRL_SIGNATURE = "fn(prompts, completions, **kwargs) or fn(completions, **kwargs)"
 
 
 class RewardError(ValueError):
@@ -115,20 +115,21 @@ def _function(name: str, module: ModuleType, attr: str) -> RewardFn:
 
 
 def check_signature(fn: Callable[..., Any], name: str) -> None:
-    """``RewardError`` unless ``fn`` can be called as ``fn(prompts, completions, **columns)``."""
+    """``RewardError`` unless ``fn`` can be called as TRL calls a reward: by keyword,
+    ``fn(prompts=..., completions=..., **columns)`` (``**kwargs`` taking what it does not name;
+    nothing positional-only without a default)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise RewardError(f"reward {name!r}: cannot read its signature ({one_line(e)})") from None
     kind = inspect.Parameter
-    kinds = [p.kind for p in sig.parameters.values()]
-    positional = sum(k in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD) for k in kinds)
-    takes_two = positional >= 2 or kind.VAR_POSITIONAL in kinds
-    if not takes_two or kind.VAR_KEYWORD not in kinds:
+    params = list(sig.parameters.values())
+    positional_only = [p for p in params if p.kind == kind.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only or not any(p.kind == kind.VAR_KEYWORD for p in params):
         raise RewardError(
             f"reward {name!r} has the signature {sig}; a reward must be callable as "
-            f"{TRL_SIGNATURE} (TRL's convention: two positional lists and the dataset's other "
-            "columns as keywords, **kwargs taking those it does not use)"
+            f"{TRL_SIGNATURE} (TRL's convention: prompts, completions and the dataset's other "
+            "columns passed by keyword, **kwargs taking those it does not use)"
         )
 
 

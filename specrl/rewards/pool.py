@@ -7,8 +7,11 @@ or, with ``workers=0``, in the calling thread when its outcome is first asked fo
 ``submit(call) -> Pending``; ``Pending.outcome()`` waits and returns an ``Outcome``: the raw
 return value or a one-line ``error`` ("raised E: msg", "timed out after Ns", "killed its worker
 (exit code N)"), and the call's start and end on the host's monotonic clock (shared by every
-process on the host). Nothing a reward does reaches the caller as an exception. The pool starts
-its processes on the first submit; ``close()`` stops them (idempotent). ``Named(spec)``: a
+process on the host). Nothing a reward does (``SystemExit`` included) reaches the caller as an
+exception: the worker sends back text, never an exception object; a pool a call broke is
+replaced; a worker ends once the trainer is gone. Rewards are called by keyword
+(``fn(prompts=..., completions=..., **columns)``), as TRL calls them. The pool starts its
+processes on the first submit; ``close()`` stops them (idempotent). ``Named(spec)``: a
 reward named as the config names it, resolved in the process that calls it (a file-loaded
 function cannot be pickled by reference). Torch-free.
 """
@@ -16,6 +19,7 @@ function cannot be pickled by reference). Torch-free.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -45,7 +49,8 @@ class Named:
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> Any:
         from specrl.rewards.loading import resolve_reward
 
-        return resolve_reward(self.spec)(prompts, completions, **columns, **dict(self.bound))
+        fn = resolve_reward(self.spec)
+        return fn(prompts=prompts, completions=completions, **columns, **dict(self.bound))
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,18 @@ class Outcome:
     end: float = 0.0  # ... and when it returned or failed
 
 
-def run_call(call: RewardCall) -> tuple[Any, float, float]:
-    """The function's value and its start and end (``time.monotonic``); runs in a worker."""
+def run_call(call: RewardCall) -> tuple[Any, str | None, float, float]:
+    """The function's value (or, whatever it raised, even ``SystemExit``, a one-line error as
+    plain text: no exception object crosses back from a worker) and its start and end
+    (``time.monotonic``). Called by keyword, as TRL calls rewards."""
     start = time.monotonic()
-    value = call.fn(call.prompts, call.completions, **call.columns)
+    try:
+        value = call.fn(prompts=call.prompts, completions=call.completions, **call.columns)
+    except BaseException as e:  # the user's code: anything it raises is its outcome
+        return None, f"raised {one_line(e)}", start, time.monotonic()
     if not isinstance(value, list | tuple | int | float | str | type(None)):
         value = _plain(value)
-    return value, start, time.monotonic()
+    return value, None, start, time.monotonic()
 
 
 def _plain(value: Any) -> Any:
@@ -100,28 +110,22 @@ class Pending:
         return self._outcome
 
     def _run_here(self) -> Outcome:
-        start = time.monotonic()
-        try:
-            value, start, end = run_call(self._call)
-        except Exception as e:
-            return Outcome(error=f"raised {one_line(e)}", start=start, end=time.monotonic())
-        return Outcome(value, None, start, end)
+        return Outcome(*run_call(self._call))
 
     def _wait(self) -> Outcome:
         from pebble import ProcessExpired
 
         assert self._future is not None
         try:
-            value, start, end = self._future.result()
-        except (FutureTimeout, TimeoutError):
+            return Outcome(*self._future.result())
+        except (FutureTimeout, TimeoutError):  # pebble's: a reward's own is caught in run_call
             return Outcome(error=f"timed out after {self._timeout_s:g}s (worker killed)")
         except ProcessExpired as e:
             return Outcome(error=f"killed its worker (exit code {e.exitcode})")
         except BrokenProcessPool:
             return Outcome(error=NO_WORKERS)
-        except Exception as e:
-            return Outcome(error=f"raised {one_line(e)}")
-        return Outcome(value, None, start, end)
+        except Exception as e:  # the call or its value could not cross (e.g. not picklable)
+            return Outcome(error=f"could not run in a worker: {one_line(e)}")
 
 
 class RewardPool:
@@ -141,7 +145,11 @@ class RewardPool:
             raise RuntimeError("the reward pool is closed")
         if self.workers == 0:
             return Pending(None, call, None)
-        future = self._started().schedule(run_call, (call,), timeout=self.timeout_s)
+        try:
+            future = self._started().schedule(run_call, (call,), timeout=self.timeout_s)
+        except RuntimeError:  # a pool broken by an earlier call: a new one
+            self._discard()
+            future = self._started().schedule(run_call, (call,), timeout=self.timeout_s)
         return Pending(future, call, self.timeout_s)
 
     def _started(self) -> Any:
@@ -149,13 +157,34 @@ class RewardPool:
             from pebble import ProcessPool
 
             context = multiprocessing.get_context("spawn")  # no fork of a threaded trainer
-            self._pool = ProcessPool(max_workers=self.workers, context=context)
+            self._pool = ProcessPool(max_workers=self.workers, context=context,
+                                     initializer=die_with_parent)  # fmt: skip
         return self._pool
 
-    def close(self) -> None:
-        """Stop the workers (a call still running is killed)."""
-        self._closed = True
+    def _discard(self) -> None:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.stop()
             pool.join(timeout=10)
+
+    def close(self) -> None:
+        """Stop the workers (a call still running is killed)."""
+        self._closed = True
+        self._discard()
+
+
+def die_with_parent() -> None:
+    """A worker's initializer: a daemon thread that ends the worker once the process that
+    started it is gone (its parent pid changes), so a reward that hangs never outlives a
+    killed trainer. (Not ``PR_SET_PDEATHSIG``: that follows the parent *thread*, and the pool
+    may be started from a pipeline thread that ends before the run.)"""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()

@@ -97,11 +97,12 @@ def test_prompt_carries_template_and_question(env):
 
 
 def test_default_config_builds_the_default_env():
-    from specrl.config import Config
+    from specrl.config import RG_NUM_TRAIN, Config
 
     cfg = Config().env
     env = ReasoningGymEnv.from_config(cfg)
-    assert len(env.prompts("train")) == cfg.num_train and len(env.prompts("eval")) == cfg.num_eval
+    assert cfg.num_train is None  # unset: reasoning-gym draws RG_NUM_TRAIN
+    assert len(env.prompts("train")) == RG_NUM_TRAIN and len(env.prompts("eval")) == cfg.num_eval
     p = env.prompts("eval")[0]
     assert "Reply with only the final answer" in p.text
     assert env.config["operators"] == ("+", "-") and env.config["max_digits"] == 1

@@ -204,6 +204,13 @@ def test_num_train_caps_train_rows_in_file_order_only_when_set(tmp_path):
     )  # fmt: skip
     assert texts(capped.prompts("train")) == ["question 0", "question 1", "question 2"]
     assert capped.prompts("eval")[0].system == "S."
+    # config.toml round trip (a resume): an unset num_train stays unset, so all rows again
+    from specrl.config import Config, load_run_config
+
+    cfg = Config(env=EnvCfg(kind="file", train_file=str(path), num_eval=5))
+    (tmp_path / "config.toml").write_text(cfg.to_toml())
+    again = load_run_config(tmp_path / "config.toml").env
+    assert len(FileEnv.from_config(again).prompts("train")) == 2005
 
 
 def test_drop_long_counts_and_removes_from_both_splits(tmp_path):

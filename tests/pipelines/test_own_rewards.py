@@ -164,3 +164,24 @@ def test_a_group_is_scored_while_the_rest_still_generates(tmp_path):
     assert streamed.metrics["reward_overlap_s"] > 0 and after.metrics["reward_overlap_s"] == 0
     assert torch.equal(streamed.rewards, after.rewards)
     assert streamed.metrics["reward_sleeps_50ms_mean"] == 1.0
+
+
+def test_config_toml_names_every_callable_the_api_is_given(tmp_path):
+    """A package function by module, a plain file's function by its absolute path (a resume
+    finds it from any directory), anything else by a placeholder a resume refuses in one line
+    (never a silent fallback to the default reward)."""
+    from specrl.envs.synthetic import ModFourEnv
+    from specrl.pipelines.api import reward_spec
+    from specrl.pipelines.scoring import Rewards
+    from specrl.rewards import resolve_reward
+    from tests.rewards import faulty
+
+    assert reward_spec(faulty.length_reward) == "tests.rewards.faulty:length_reward"
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent(TRL_STYLE))
+    loaded = resolve_reward(f"{path}:divisible")
+    assert reward_spec(loaded) == f"{path.resolve()}:divisible"
+    assert reward_spec(lambda prompts, completions, **k: []) == "python:lambda"
+    cfg = tiny_config('reward.funcs=["python:lambda"]').reward
+    with pytest.raises(RewardError, match="'python:lambda' was a Python callable .* pass it again"):
+        Rewards.build(cfg, ModFourEnv())

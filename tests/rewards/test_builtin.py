@@ -139,3 +139,13 @@ def test_the_registry_is_read_only():
     assert dict(BUILTIN) == {"math": math, "exact": exact, "regex": regex}
     with pytest.raises(TypeError):
         BUILTIN["mine"] = exact  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("text", "gold", "want"),
+    [("The answer is 42.", "42", 1.0), ("So the answer is 42", "42", 1.0),
+     ("Thus the answer is 42.", "42", 1.0), ("answer is: -3", "-3", 1.0),
+     ("The answer is 41.", "42", 0.0)],
+)  # fmt: skip
+def test_math_reads_the_answer_is_sentences(text, gold, want):
+    assert math(["p"], [text], answer=[gold]) == [want]

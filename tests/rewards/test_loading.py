@@ -144,7 +144,11 @@ def _no_kwargs(prompts, completions):
     return []
 
 
-def _one_positional(completions, **kwargs):
+def _one_positional(completions, **kwargs):  # TRL's reward_len shape: called by keyword
+    return []
+
+
+def _positional_only(prompts, completions, /, **kwargs):  # cannot be called by keyword
     return []
 
 
@@ -154,13 +158,13 @@ class _Callable:
 
 
 @pytest.mark.parametrize(
-    "fn", [_trl, _star, _Callable(), functools.partial(_trl), *BUILTIN.values()]
+    "fn", [_trl, _star, _one_positional, _Callable(), functools.partial(_trl), *BUILTIN.values()]
 )
 def test_trl_signatures_pass(fn):
     check_signature(fn, "f")
 
 
-@pytest.mark.parametrize("fn", [_no_kwargs, _one_positional, lambda: None])
+@pytest.mark.parametrize("fn", [_no_kwargs, _positional_only, lambda: None])
 def test_other_signatures_fail_in_one_line(fn):
     with pytest.raises(RewardError) as info:
         check_signature(fn, "mymod:f")
