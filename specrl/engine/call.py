@@ -6,13 +6,16 @@ each distinct prompt once and copies its cache to the other slots given; ``tenso
 rows' sampling tensors (rebuilt after ``rows_changed``); ``emit`` appends a step's tokens to
 rows' completions, cut at a stop token or the row's limit and tagged with ``version``, and
 returns the finished rows' indices; ``retire`` removes those, moving the last live rows into the
-holes; ``record`` appends the last forward's shape and time to ``stats.step_records`` (callers
-check ``record_steps``).
+holes, and first announces (``GroupsDone``: ``Engine.generate``'s ``on_done``) each request whose
+rows have all finished; ``record`` appends the last forward's shape and time to
+``stats.step_records`` (callers check ``record_steps``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -20,8 +23,31 @@ from specrl.engine.kv import KVSpace
 from specrl.engine.rows import ActiveSpec, RowTensors, Sampled, Seq
 from specrl.models.device import on
 from specrl.models.transformer import Transformer
-from specrl.rollout_types import EngineStats, StepRecord
+from specrl.rollout_types import Completion, EngineStats, StepRecord
 from specrl.spec.verify import Verified
+
+
+class GroupsDone:
+    """Announces a request once all of its completions have finished (``Engine.generate``'s
+    ``on_done``)."""
+
+    def __init__(
+        self, valid: list[Completion], on_done: Callable[[int, list[Completion]], None] | None
+    ) -> None:
+        self.on_done = on_done
+        self.groups: dict[int, list[Completion]] = {}  # request -> its completions
+        for c in valid:
+            self.groups.setdefault(c.request_index, []).append(c)
+        self.left = Counter(c.request_index for c in valid)  # request -> unfinished completions
+
+    def finished(self, rows: list[Seq], finished: list[int]) -> None:
+        """Count the rows at ``finished`` (indices into ``rows``) as done."""
+        if self.on_done is not None:
+            for i in finished:
+                request = rows[i].comp.request_index
+                self.left[request] -= 1
+                if self.left[request] == 0:
+                    self.on_done(request, self.groups[request])
 
 
 class Call:
@@ -35,8 +61,10 @@ class Call:
         stats: EngineStats,
         version: int,
         record_steps: bool,
+        groups_done: GroupsDone | None = None,
     ) -> None:
         self.model = model
+        self.groups_done = groups_done  # announces requests whose rows have all finished
         self.kv = kv
         self.device = kv.device
         self.active = active
@@ -175,9 +203,13 @@ class Call:
         return finished
 
     def retire(self, rows: list[Seq], finished: list[int]) -> None:
-        """Remove finished rows, moving the last live rows into the holes."""
+        """Remove finished rows, moving the last live rows into the holes (announcing first,
+        through ``groups_done``, every request whose rows have now all finished: at a stop in
+        the first token, in a decode step or in a rewrite after an in-flight update alike)."""
         if not finished:
             return
+        if self.groups_done is not None:
+            self.groups_done.finished(rows, finished)
         for i in sorted(finished, reverse=True):
             last = len(rows) - 1
             if i != last:

@@ -14,14 +14,14 @@ Details: docs/internals.md.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import torch
 from tqdm import tqdm
 
 from specrl.engine.admission import Admission
-from specrl.engine.call import Call
+from specrl.engine.call import Call, GroupsDone
 from specrl.engine.decode import Decoder
 from specrl.engine.inflight import InflightUpdates, rewrite
 from specrl.engine.kv import KVSpace
@@ -54,30 +54,6 @@ def static_steps(mode: str, device: torch.device, max_batch: int) -> StaticSteps
     if mode == "capture" and device.type != "cuda":
         raise ValueError(f"step_graphs='capture' needs a CUDA device, the model is on {device}")
     return None if mode == "off" else StaticSteps(device, mode == "capture", max_batch)
-
-
-class GroupsDone:
-    """Announces a request once all of its completions have finished (``Engine.generate``'s
-    ``on_done``)."""
-
-    def __init__(
-        self, valid: list[Completion], on_done: Callable[[int, list[Completion]], None] | None
-    ) -> None:
-        self.on_done = on_done
-        self.groups: dict[int, list[Completion]] = {}  # request -> its completions
-        for c in valid:
-            self.groups.setdefault(c.request_index, []).append(c)
-        self.left = Counter(c.request_index for c in valid)  # request -> unfinished completions
-
-    def finished(self, rows: list[Seq], finished: list[int]) -> list[int]:
-        """Count the rows at ``finished`` (indices into ``rows``) as done; returns them."""
-        if self.on_done is not None:
-            for i in finished:
-                request = rows[i].comp.request_index
-                self.left[request] -= 1
-                if self.left[request] == 0:
-                    self.on_done(request, self.groups[request])
-        return finished
 
 
 class Engine:
@@ -184,16 +160,21 @@ class Engine:
         if active.proposer is not None and hasattr(active.proposer, "bind"):
             active.proposer.bind(self._kv.cache.slots, self._kv.limit, self.model.config.vocab_size)
         self._call = call = Call(
-            self.model, self._kv, active, self.stats, self.policy_version, self.record_steps
+            self.model,
+            self._kv,
+            active,
+            self.stats,
+            self.policy_version,
+            self.record_steps,
+            GroupsDone(valid, on_done),
         )
         bar = tqdm(total=len(valid), disable=not progress, desc="generate", unit="seq")
-        groups = GroupsDone(valid, on_done)
         rows: list[Seq] = []
         while pending or rows:
             self._admit(rows, pending, start)
             self._kv.reserve(rows)
-            call.retire(rows, groups.finished(rows, self._apply_staged(rows, start)))
-            finished = groups.finished(rows, self._step(rows, start))
+            call.retire(rows, self._apply_staged(rows, start))
+            finished = self._step(rows, start)
             bar.update(len(finished))
             call.retire(rows, finished)
         bar.close()

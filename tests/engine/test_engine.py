@@ -122,7 +122,9 @@ def test_on_done_announces_each_group_as_it_finishes(tiny, spec):
 
     short = SamplingParams(temperature=1.0, max_new_tokens=2, n=3, seed=1, stop_token_ids=())
     long = SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=2, stop_token_ids=())
-    reqs = [Request(PROMPTS[0], long), Request(PROMPTS[1], short), Request([], short)]
+    first = SamplingParams(temperature=1.0, max_new_tokens=1, n=2, seed=3, stop_token_ids=())
+    reqs = [Request(PROMPTS[0], long), Request(PROMPTS[1], short), Request([], short),
+            Request(PROMPTS[2], first)]  # fmt: skip
     seen: list[tuple[int, list, list[int]]] = []
 
     def on_done(index, comps):  # the other requests' token counts right now
@@ -134,11 +136,14 @@ def test_on_done_announces_each_group_as_it_finishes(tiny, spec):
     out_ref: list = []
     engine._admission.plan = _capturing(engine._admission.plan, out_ref)
     out = engine.generate(reqs, on_done=on_done)
-    assert [i for i, _, _ in seen] == [1, 0]  # the refused request (empty prompt) never
-    short_done = seen[0]
+    # done at its first token (in admission), then the short one, then the long one; the
+    # refused request (an empty prompt) never
+    assert [i for i, _, _ in seen] == [3, 1, 0]
+    assert seen[0][1] == out[8:10] and all(len(c.token_ids) == 1 for c in seen[0][1])
+    short_done = seen[1]
     assert short_done[1] == out[2:5] and all(len(c.token_ids) == 2 for c in short_done[1])
     assert max(short_done[2][:2]) < 20  # the long request was still decoding then
-    assert seen[1][1] == out[0:2] and all(len(c.token_ids) == 20 for c in out[0:2])
+    assert seen[2][1] == out[0:2] and all(len(c.token_ids) == 20 for c in out[0:2])
 
 
 def _capturing(plan, into: list):
