@@ -74,7 +74,34 @@ def _resolve(item: str | Callable[..., Any], env: Env, cfg: RewardCfg) -> Reward
     fn = resolve_reward(item)  # imports it here: a bad name fails before any work
     check_signature(fn, item)
     bound = (("pattern", cfg.pattern),) if item == "regex" else ()
+    _check_columns(fn, item, _columns(env) | {name for name, _ in bound})
     return RewardFunc(reward_name(item), item, Named(item, bound), 1.0)
+
+
+def _columns(env: Env) -> set[str]:
+    """The column names a reward sees (a train prompt's ``meta``), and prompts/completions."""
+    train = env.prompts("train")
+    return {"prompts", "completions", *(train[0].meta if train else {})}
+
+
+def _check_columns(fn: Callable[..., Any], label: str, columns: set[str]) -> None:
+    """``RewardError`` naming a parameter ``fn`` requires that no column provides (the 'math'
+    reward's ``answer`` with ``env.answer_column`` unset, say), before any work."""
+    import inspect
+
+    fn = getattr(fn, "func", fn)  # a functools.partial: its function
+    required = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    missing = [name for name in required if name not in columns]
+    if missing:
+        have = ", ".join(sorted(columns - {"prompts", "completions"})) or "none"
+        raise RewardError(
+            f"reward {label!r} needs the column {missing[0]!r}, which the prompts do not have "
+            f"(columns: {have}; env.answer_column names the one passed as 'answer')"
+        )
 
 
 def _picklable(func: RewardFunc) -> None:

@@ -132,3 +132,20 @@ def test_prompts_too_long_for_the_context_are_dropped_and_counted(tmp_path):
     assert fit_prompts(cfg, FileEnv(str(path), num_eval=1), Chars(), context=100) == (
         "dropped 4 prompts longer than 12 tokens (env.max_prompt_tokens)",
     )
+
+
+def test_a_reward_needing_a_column_the_prompts_lack_is_refused_before_work(tmp_path):
+    """``math`` without an answer column (``env.answer_column=None``, from Python), a TRL-style
+    function naming a column the file does not have: one line at build, not a failure per call."""
+    from specrl.config import RewardCfg
+    from specrl.envs import FileEnv
+    from specrl.pipelines.scoring import Rewards
+    from specrl.rewards import RewardError
+
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": r["prompt"]} for r in GOOD])
+    with pytest.raises(RewardError, match="reward 'math' needs the column 'answer'"):
+        Rewards.build(RewardCfg(workers=0), FileEnv(str(bare), answer_column=None, num_eval=2))
+    env = FileEnv(str(write_jsonl(tmp_path / "d.jsonl", GOOD)), num_eval=2)
+    with pytest.raises(RewardError, match="column 'solution'.*columns: answer, file, row"):
+        Rewards.build(RewardCfg(funcs=["tests.rewards.faulty:accuracy_like"], workers=0), env)
+    Rewards.build(RewardCfg(funcs=["math", "tests.rewards.faulty:reward_len"], workers=0), env)
