@@ -81,7 +81,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "sampling"),
     ("kernels",),
     ("config",),
-    ("config_training",),
+    ("config_training", "config_task"),
     ("settings", "paths", "fsutil", "errors", "jsonl_prompts", "malloc"),
 )
 
@@ -133,7 +133,8 @@ def test_the_order_check_flags_upward_and_sideways_imports():
 LEAVES = {
     "specrl.settings": set(),
     "specrl.config_training": {"specrl.settings"},
-    "specrl.config": {"specrl.settings", "specrl.config_training"},
+    "specrl.config_task": {"specrl.settings"},
+    "specrl.config": {"specrl.settings", "specrl.config_training", "specrl.config_task"},
     "specrl.paths": set(),
     "specrl.fsutil": set(),
     "specrl.errors": set(),

@@ -239,7 +239,7 @@ class ReasoningGymEnv:
     @classmethod
     def from_config(cls, cfg: EnvCfg) -> ReasoningGymEnv:
         config = task_config_with_preset(cfg.task, cfg.task_config)
-        from specrl.config import RG_NUM_TRAIN
+        from specrl.config_task import RG_NUM_TRAIN
 
         num_train = RG_NUM_TRAIN if cfg.num_train is None else cfg.num_train
         return cls(cfg.task, config, num_train, cfg.num_eval, cfg.template, cfg.seed,

@@ -51,7 +51,7 @@ def train(
     from specrl.pipelines.train import run_training
 
     names, given = _reward_specs(reward_funcs)
-    sets = [*overrides, *_dataset_sets(dataset), *_reward_sets(names, given)]
+    sets = [*overrides, *_dataset_sets(dataset), *_reward_sets(names)]
     cfg, target = _resolve(config, sets, run_dir, resume, preset)
     if dataset is not None and not isinstance(dataset, str | Path):
         cfg = _with_saved_dataset(cfg, dataset, target)
@@ -131,7 +131,7 @@ def _source_file(fn: Callable[..., Any]) -> str | None:
     return str(Path(path).resolve())
 
 
-def _reward_sets(names: list[str], given: list[Any]) -> list[str]:
+def _reward_sets(names: list[str]) -> list[str]:
     return [f"reward.funcs={json.dumps(names)}"] if names else []
 
 

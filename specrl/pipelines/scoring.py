@@ -17,7 +17,6 @@ completion. Details: docs/training.md ("Your own task").
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +52,9 @@ class RewardFunc:
     weight: float
 
 
-def _resolve(item: str | Callable[..., Any], env: Env, cfg: RewardCfg) -> RewardFunc:
+def _resolve(
+    item: str | Callable[..., Any], env: Env, cfg: RewardCfg, columns: set[str]
+) -> RewardFunc:
     """A configured name or a given callable as a checked ``RewardFunc`` (weight 1)."""
     if callable(item):
         check_signature(item, reward_name(item))
@@ -74,7 +75,7 @@ def _resolve(item: str | Callable[..., Any], env: Env, cfg: RewardCfg) -> Reward
     fn = resolve_reward(item)  # imports it here: a bad name fails before any work
     check_signature(fn, item)
     bound = (("pattern", cfg.pattern),) if item == "regex" else ()
-    _check_columns(fn, item, _columns(env) | {name for name, _ in bound})
+    _check_columns(fn, item, columns | {name for name, _ in bound})
     return RewardFunc(reward_name(item), item, Named(item, bound), 1.0)
 
 
@@ -144,7 +145,8 @@ class Rewards:
         weights = list(cfg.weights) or [1.0] * len(names)
         if len(weights) != len(names):
             raise RewardError(f"reward.weights has {len(weights)} values for {len(names)} rewards")
-        funcs = [_resolve(item, env, cfg) for item in names]
+        columns = _columns(env)  # what every reward is called with
+        funcs = [_resolve(item, env, cfg, columns) for item in names]
         funcs = [RewardFunc(f.name, f.label, f.fn, w) for f, w in zip(funcs, weights, strict=True)]
         _unique_names(funcs)
         if cfg.workers > 0:
@@ -183,13 +185,13 @@ class Scores:
     overlap_s: float = 0.0  # reward seconds that ran before generation ended
     wait_s: float = 0.0  # seconds waited for rewards after generation ended
 
-    def metrics(self, prefix: str = "") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The metric-row fields of these scores."""
-        means = {f"{prefix}reward_{name}_mean": v for name, v in self.means.items()}
+        means = {f"reward_{name}_mean": v for name, v in self.means.items()}
         return means | {
-            f"{prefix}reward_errors": self.errors,
-            f"{prefix}reward_overlap_s": self.overlap_s,
-            f"{prefix}reward_wait_s": self.wait_s,
+            "reward_errors": self.errors,
+            "reward_overlap_s": self.overlap_s,
+            "reward_wait_s": self.wait_s,
         }
 
 
@@ -278,6 +280,6 @@ def _groups(comps: Sequence[Completion], prompts: int) -> list[list[Completion]]
 
 def _before(outcome: Outcome, gen_end: float) -> float:
     """Seconds of a call that ran before ``gen_end``."""
-    if not outcome.end or math.isnan(outcome.start):
+    if not outcome.end:  # never ran
         return 0.0
     return max(0.0, min(outcome.end, gen_end) - outcome.start)

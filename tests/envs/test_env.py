@@ -97,7 +97,8 @@ def test_prompt_carries_template_and_question(env):
 
 
 def test_default_config_builds_the_default_env():
-    from specrl.config import RG_NUM_TRAIN, Config
+    from specrl.config import Config
+    from specrl.config_task import RG_NUM_TRAIN
 
     cfg = Config().env
     env = ReasoningGymEnv.from_config(cfg)
