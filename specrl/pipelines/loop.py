@@ -3,10 +3,12 @@
 ``open_run(parts, run, resume, say)`` starts a fresh run (a used directory is refused) or
 resumes the newest checkpoint that verifies (policy, optimizer, RNG, step state, alarm, backend
 and drafter state; damaged newer ones named in one line), pushes the restored weights and
-returns the run's ``StepState``. ``finish_step(parts, state, run, row, log, stop)`` logs the
-row, checkpoints when due and returns whether the loop goes on; ``stop_checkpoint`` writes the
-checkpoint a stopped loop resumes from. ``METRIC_KEYS``: every step row's numeric keys;
-``TIMING_KEYS``: those that vary from run to run. Details: docs/internals.md.
+returns the run's ``StepState``; a resume's changed settings go to ``changes.jsonl``
+(``record_changes``) before config.toml is rewritten. ``finish_step(parts, state, run, row,
+log, stop)`` logs the row, checkpoints when due and returns whether the loop goes on;
+``stop_checkpoint`` writes the checkpoint a stopped loop resumes from. ``METRIC_KEYS``: every
+step row's numeric keys; ``TIMING_KEYS``: those that vary from run to run. Details:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specrl.config import Config
+from specrl.config import Config, load_run_config
 from specrl.fsutil import atomic_write
 from specrl.pipelines.alarm import alarm_line
 from specrl.pipelines.build import RunParts
@@ -31,6 +33,7 @@ from specrl.pipelines.checkpoint import (
 )
 from specrl.pipelines.evaluate import evaluate
 from specrl.pipelines.manifest import CheckpointDamaged, RunDirError, is_complete
+from specrl.pipelines.runconfig import changed_settings
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.state import StepState
@@ -165,8 +168,19 @@ def open_run(parts: RunParts, run: RunDir, resume: bool, say: Echo | None = None
         run.recover_interrupted()
     state = restore(parts, run, say) if resume else StepState()
     run.clear_interrupted()
+    if resume:
+        record_changes(parts.cfg, run, state.step)
     atomic_write(run.config, parts.cfg.to_toml())
     return state
+
+
+def record_changes(cfg: Config, run: RunDir, step: int) -> None:
+    """Append to ``changes.jsonl`` the settings a resume changed (``runconfig.changed_settings``
+    against the stored config.toml, which is then rewritten), with the step they apply from."""
+    changed = changed_settings(load_run_config(run.config), cfg)
+    if changed:
+        row = {"step": step, "changed": {k: {"from": a, "to": b} for k, (a, b) in changed.items()}}
+        run.append(run.changes, row)
 
 
 def log_eval(parts: RunParts, updates: int, log: Log) -> None:

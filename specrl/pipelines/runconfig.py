@@ -4,9 +4,13 @@
 run directory: a new run (its prompt files and file-named rewards made absolute:
 ``absolute_paths``) gets ``run_dir`` (or ``run.run_dir``), or the first unused
 ``NAME-1``, ``NAME-2``, ... beside it (``free_run_dir``: a used run directory is never
-overwritten); ``--resume`` reads the run's own config.toml, where ``--set`` may change what a
-resume can change. Every problem is a ``ConfigError`` or ``RunDirError`` (``ValueError``s, one
-line). ``with_run_dir(cfg, path)``: ``cfg`` with ``run.run_dir`` set.
+overwritten); ``--resume`` reads the run's own config.toml, where ``--set`` may change only
+what does not change what a step computes (``RESUME_MAY_CHANGE``: length, evaluation,
+checkpointing, logging, where and with how much memory it runs); any other change is refused,
+so config.toml stays a true record (``changed_settings`` lists the changes, which
+``loop.open_run`` logs to ``changes.jsonl`` with the step they apply from). Every problem is a
+``ConfigError`` or ``RunDirError`` (``ValueError``s, one line). ``with_run_dir(cfg, path)``:
+``cfg`` with ``run.run_dir`` set.
 """
 
 from __future__ import annotations
@@ -17,6 +21,28 @@ from typing import Any
 from specrl.config import Config, ConfigError, load_config, load_run_config, parse_override
 from specrl.fsutil import writable_problem
 from specrl.pipelines.rundir import RunDir
+
+# What ``--set`` may change on a resume: how long the run goes, what it evaluates, keeps and
+# logs, where and in how much memory it runs; never what a step computes (a section name: all of
+# its fields). The stored config.toml takes the new values; ``changes.jsonl`` records them.
+RESUME_MAY_CHANGE = (
+    "run.steps",
+    "run.eval_every",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.tensorboard",
+    "run.wandb",
+    "model.device",
+    "model.gpu_memory_utilization",
+    "reward.workers",
+    "reward.timeout_s",
+    "rollout.threads",
+    "rollout.step_graphs",
+    "learner.micro_batch_tokens",
+    "learner.logprob_chunk",
+    "learner.activation_checkpointing",
+    "cluster",
+)
 
 
 def free_run_dir(path: Path) -> Path:
@@ -65,6 +91,7 @@ def resolve_config(
                               "stays in its own directory")  # fmt: skip
         cfg = load_run_config(resume / "config.toml", sets)
         check_resume_overrides(cfg, RunDir(resume), sets)
+        check_record_kept(load_run_config(resume / "config.toml"), cfg, resume)
         return with_run_dir(cfg, resume), resume
     if run_dir is not None and any(parse_override(i)[0] == ["run", "run_dir"] for i in sets):
         raise ConfigError(
@@ -88,6 +115,35 @@ def check_resume_overrides(cfg: Config, run: RunDir, sets: list[str]) -> None:
     if cfg.run.steps < done:
         raise ConfigError(f"run.steps={cfg.run.steps} with --resume {run.path}: it has already "
                           f"run {done} steps (set run.steps >= {done})")  # fmt: skip
+
+
+def changed_settings(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.field": (before, after)}`` for every field that differs (``run.run_dir``
+    aside: where the run is, not how it runs)."""
+    old, new = before.model_dump(mode="json"), after.model_dump(mode="json")
+    return {
+        f"{section}.{name}": (value, new[section][name])
+        for section, fields in old.items()
+        for name, value in fields.items()
+        if value != new[section][name] and f"{section}.{name}" != "run.run_dir"
+    }
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether ``--set key=...`` may change a resumed run (``RESUME_MAY_CHANGE``)."""
+    return key in RESUME_MAY_CHANGE or key.split(".")[0] in RESUME_MAY_CHANGE
+
+
+def check_record_kept(stored: Config, cfg: Config, run: Path) -> None:
+    """``ConfigError`` naming the first setting ``cfg`` changes from the run's stored config
+    that a resume may not change: the run's steps were made with the stored value."""
+    for key, (old, new) in changed_settings(stored, cfg).items():
+        if not may_change_on_resume(key):
+            raise ConfigError(
+                f"--set {key}={new!r} with --resume {run}: the run's steps were made with "
+                f"{key}={old!r} and config.toml records that; a resume may change only "
+                f"{', '.join(RESUME_MAY_CHANGE)} (start a new run to change it)"
+            )
 
 
 def with_run_dir(cfg: Config, run_dir: Path) -> Config:

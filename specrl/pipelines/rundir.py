@@ -1,6 +1,7 @@
 """A run directory: its files, its JSONL logs, and the list of its checkpoints.
 
-``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, summary.json, tensorboard/,
+``RunDir(path)`` names config.toml, metrics.jsonl, eval.jsonl, changes.jsonl (the settings a
+resume changed and the step from which they apply), summary.json, tensorboard/,
 checkpoints/ and dataset/ (a ``datasets.Dataset`` handed to ``specrl.train``, saved before the
 run starts: a directory holding only it is not yet used) and ``.lock``: ``locked`` holds the
 one writer's lock for a run's life (a second writer is refused naming the holder's pid; the OS
@@ -46,6 +47,7 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.dataset = self.path / "dataset"  # a dataset given to ``specrl.train``, saved first
         self.lock_file = self.path / ".lock"  # the writer's lock (``locked``), its pid inside
+        self.changes = self.path / "changes.jsonl"  # settings a resume changed, from which step
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -191,7 +193,7 @@ class RunDir:
         files (``.metrics.jsonl.<random>.tmp``)."""
         for p in self.leftovers():
             shutil.rmtree(p, ignore_errors=True)
-        for own in (self.config, self.metrics, self.evals, self.summary):
+        for own in (self.config, self.metrics, self.evals, self.summary, self.changes):
             for tmp in self.path.glob(f".{own.name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
 

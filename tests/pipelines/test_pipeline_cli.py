@@ -191,3 +191,55 @@ def test_the_run_directory_named_twice_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="--run-dir .* with --set run.run_dir: name the run"):
         resolve_config(None, [f'run.run_dir="{tmp_path / "x"}"'], tmp_path / "y", None)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_resume_refuses_a_setting_its_steps_were_made_with(app, four_steps):
+    """On 54e03a2 this exited 0 and rewrote config.toml to temperature 0.3 although no step
+    was made with it."""
+    record = (four_steps / "config.toml").read_bytes()
+    result = CliRunner().invoke(
+        app, ["train", "--resume", str(four_steps), "--set", "rollout.temperature=0.3"]
+    )
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "--set rollout.temperature=0.3 with --resume" in lines[0]
+    assert "made with rollout.temperature=1.0" in lines[0]
+    assert (four_steps / "config.toml").read_bytes() == record
+    assert not (four_steps / "changes.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "item", ["run.steps=6", "cluster.train_workers=2", "reward.workers=0", "model.device=cpu"]
+)
+def test_a_resume_may_change_how_long_and_where(four_steps, item):
+    cfg, _ = resolve_config(None, [item], None, four_steps)
+    key, value = item.split("=")
+    section, name = key.split(".")
+    assert str(getattr(getattr(cfg, section), name)) == value
+
+
+def test_a_resume_records_what_it_changed_with_its_step(tmp_path):
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    parts = tiny_parts(tiny_config("run.steps=1", "run.eval_every=0"))
+    try:
+        run_training(parts, str(run), progress=False, compare_plain=False)
+    finally:
+        parts.close()
+    parts = tiny_parts(tiny_config("run.steps=2", "run.eval_every=0", "run.keep_checkpoints=5"))
+    try:
+        run_training(parts, str(run), resume=True, progress=False, compare_plain=False)
+    finally:
+        parts.close()
+    assert _rows(run / "changes.jsonl") == [
+        {
+            "step": 1,
+            "changed": {
+                "run.steps": {"from": 1, "to": 2},
+                "run.keep_checkpoints": {"from": 3, "to": 5},
+            },
+        }  # fmt: skip
+    ]
+    assert "steps = 2" in (run / "config.toml").read_text()
+    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [0, 1]
