@@ -3,8 +3,11 @@
 ``fail(message, code=2)`` prints ``error: <message>`` to stderr and exits (never a traceback);
 ``refuse_unless_applies`` fails on an option given where it cannot apply; ``OneLineErrors`` (the
 root group's class) prints every usage error as one ``error: ... (see specrl CMD --help)`` line,
-exit 2; ``parse_device`` resolves ``--device`` or fails in one line. Only CLI modules import
-this; at import time it imports nothing from specrl. Details: docs/internals.md.
+exit 2, and an OSError of a full disk, a quota, a permission or a read-only file system that a
+command did not handle as one ``error: no space left on device: PATH`` line
+(``fsutil.disk_problem``), exit 2; ``parse_device`` resolves ``--device`` or fails in one
+line. Only CLI modules import this; at import time it imports nothing from specrl. Details:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ class OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except UsageError as e:
             raise _one_line(e) from None
+        except OSError as e:
+            from specrl.fsutil import disk_problem
+
+            if (line := disk_problem(e)) is None:
+                raise
+            fail(line)
 
 
 def parse_device(name: str):

@@ -9,15 +9,22 @@ line saying why ``path`` cannot be written as a file or dir (it creates nothing)
 ``manifest.json`` (written last); ``manifest_problem(folder)`` is ``None`` or one line naming
 the first file that does not match it. ``replace_dir(tmp, dest)`` renames a finished directory
 into place (an old ``dest`` is moved aside first and removed after).
+Out of space or permission: ``disk_problem(e)`` is one line for an OSError that says so
+(``ENOSPC``, ``EDQUOT``, ``EACCES``, ``EPERM``, ``EROFS``) naming its path, else ``None``;
+``naming(path)`` gives such errors a path (a safetensors error carrying ``os error N`` becomes
+that OSError); ``room_problem(path, needed)`` is ``None`` or one line when the file system of
+``path`` has less than ``needed`` bytes free; ``tree_bytes`` sizes a file or directory.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -28,6 +35,15 @@ MANIFEST = "manifest.json"
 OLD_SUFFIX = ".old"  # a directory ``replace_dir`` is replacing
 TMP_SUFFIX = ".tmp"  # a directory being written, renamed into place when complete
 _CHUNK = 1 << 20
+# OS errors a user fixes outside specrl (space, quota, permission, a read-only mount): one line.
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+}
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports errno
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -61,7 +77,7 @@ def atomic_writer(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
 def atomic_write(path: str | os.PathLike, data: str | bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` atomically (see docs/internals.md)."""
     raw = data.encode() if isinstance(data, str) else data
-    with atomic_writer(path, mode) as tmp:
+    with naming(path), atomic_writer(path, mode) as tmp:  # a full disk names ``path``
         tmp.write_bytes(raw)
 
 
@@ -165,3 +181,65 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
     tmp.rename(dest)
     fsync_path(dest.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def disk_problem(e: BaseException) -> str | None:
+    """One line for an OSError of ``DISK_ERRORS`` (``"no space left on device: PATH"``), else
+    ``None``."""
+    what = DISK_ERRORS.get(getattr(e, "errno", None)) if isinstance(e, OSError) else None
+    if what is None:
+        return None
+    where = f": {e.filename}" if e.filename else ""
+    return f"{what}{where}" + (f" (and {e.filename2})" if e.filename2 else "")
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Errors of the block that carry an OS error code name ``path``: an OSError without a file
+    name gets it, a library's error whose message says ``(os error N)`` (safetensors) becomes
+    ``OSError(N, ..., path)``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    except Exception as e:
+        found = _OS_ERROR_CODE.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
+def tree_bytes(path: str | os.PathLike) -> int:
+    """Bytes in a file, or in the files under a directory (0 for a path that is not there)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes (for this user) on the file system that holds ``path`` or would hold it."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def room_problem(path: str | os.PathLike, needed: int) -> str | None:
+    """``None`` when ``path``'s file system has ``needed`` bytes free, else one line saying how
+    much is needed and free."""
+    free = free_bytes(path)
+    if free >= needed:
+        return None
+    return f"not enough space for {path}: needs ~{_size(needed)}, {_size(free)} free"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

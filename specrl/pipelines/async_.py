@@ -4,7 +4,8 @@
 staleness bound ``s = pipeline.max_staleness``: the producer (its own train stream, never
 ``state``) evaluates when due and collects step ``t`` once version ``>= t - s`` is pushed; the
 learner (the calling thread, owner of ``state``; versions and batches are handed over
-explicitly) admits a batch only if its staleness is ``<= s``, learns, logs and checkpoints.
+explicitly) admits a batch only if its staleness is ``<= s``, learns, logs and checkpoints
+(room for a due checkpoint checked before the step: ``loop.check_room``).
 ``stop`` ends it after the step in progress is checkpointed; ``s = 0`` runs the sync loop's
 sequence; an error in either thread stops both and is raised here. Details: docs/internals.md.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.evaluate import eval_due
-from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.loop import Log, check_room, finish_step, log_eval
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.state import StepState, TrainStream
@@ -128,6 +129,7 @@ def train_async(
     last = time.perf_counter()
     try:
         for step in range(state.step, end):
+            check_room(parts.cfg, run, step + 1)
             t0 = time.perf_counter()
             batch = producer.take()
             idle = time.perf_counter() - t0

@@ -47,7 +47,7 @@ from torch import nn
 from specrl.config import Config, load_run_config
 from specrl.drafters.export import ExportError, export_eagle3
 from specrl.errors import one_line
-from specrl.fsutil import fsync_path, writable_problem
+from specrl.fsutil import fsync_path, naming, room_problem, writable_problem
 from specrl.models.checkpoints import (
     CheckpointError,
     hf_state_dict,
@@ -370,11 +370,13 @@ def write_weights(
 
     shards = shard_names(tensors, shard_size)
     if len(shards) == 1:
-        save_file(dict(tensors), str(folder / SINGLE), metadata={"format": "pt"})
+        with naming(folder / SINGLE):  # a full disk: an OSError naming the file
+            save_file(dict(tensors), str(folder / SINGLE), metadata={"format": "pt"})
         return [SINGLE]
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for names, file in zip(shards, files, strict=True):
-        save_file({n: tensors[n] for n in names}, str(folder / file), metadata={"format": "pt"})
+        with naming(folder / file):
+            save_file({n: tensors[n] for n in names}, str(folder / file), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     weight_map = {n: file for names, file in zip(shards, files, strict=True) for n in names}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -540,6 +542,9 @@ def write_export(source: ExportSource, out: Path, shard_size: int = DEFAULT_SHAR
     tensors = read_policy(source.ckpt, source.config)
     dtype = tensors["model.embed_tokens.weight"].dtype
     out.parent.mkdir(parents=True, exist_ok=True)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    if problem := room_problem(out, needed):  # before a byte is written
+        raise ModelExportError(problem)
     with staged_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(source.config, dtype), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps(source.generation, indent=1))

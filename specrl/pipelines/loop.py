@@ -13,6 +13,7 @@ docs/internals.md.
 
 from __future__ import annotations
 
+import errno
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specrl.config import Config, load_run_config
-from specrl.fsutil import atomic_write
+from specrl.fsutil import atomic_write, disk_problem, room_problem, tree_bytes
 from specrl.pipelines.alarm import alarm_line
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.checkpoint import (
@@ -81,14 +82,38 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
     return every > 0 and (updates % every == 0 or updates == cfg.run.steps)
 
 
+def check_room(cfg: Config, run: RunDir, updates: int) -> None:
+    """Before a step that ends with a checkpoint (of ``updates`` updates): ``RunDirError`` when
+    the run's file system has less free space than its newest checkpoint takes, so the step's
+    work is not done only to be lost (the first checkpoint has no size to go by)."""
+    last = run.latest_checkpoint()
+    if not checkpoint_due(cfg, updates) or last is None:
+        return
+    if problem := room_problem(run.checkpoints, tree_bytes(last)):
+        raise RunDirError(f"the checkpoint after step {updates} cannot be saved: {problem} "
+                          f"(the size of {last.name}); {_ROOM_HINT}")  # fmt: skip
+
+
+_ROOM_HINT = "free space (or lower run.keep_checkpoints), then specrl train --resume the run"
+
+
 def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
     """Checkpoint ``state`` (its ``step`` updates), then remove the oldest beyond
-    ``run.keep_checkpoints``."""
+    ``run.keep_checkpoints``; a full disk is a ``RunDirError`` saying what it needed (the save's
+    ``.tmp`` removed, the previous checkpoints kept)."""
     saved = {"step": state.step, "policy_version": state.version,
              "alarm": parts.alarm.state_dict()}  # fmt: skip
     trainer = parts.drafter.trainer if parts.drafter is not None else None
-    ckpt = save_run_checkpoint(run.checkpoint_dir(state.step), parts.learner, saved,
-                               parts.backend.state_dict(), trainer)  # fmt: skip
+    ckpt = run.checkpoint_dir(state.step)
+    last = run.latest_checkpoint()
+    try:
+        save_run_checkpoint(ckpt, parts.learner, saved, parts.backend.state_dict(), trainer)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        size = f" (the last one, {last.name}, took {tree_bytes(last):,} bytes)" if last else ""
+        raise RunDirError(f"cannot save checkpoint {ckpt}: {disk_problem(e)}{size}; "
+                          f"{_ROOM_HINT}") from e  # fmt: skip
     run.prune(ckpt, parts.cfg.run.keep_checkpoints)
     return ckpt
 

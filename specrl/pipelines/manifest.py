@@ -24,6 +24,7 @@ from specrl.fsutil import (
     fsync_path,
     listed_problem,
     manifest_problem,
+    naming,
     read_manifest,
     replace_dir,
     write_manifest,
@@ -62,7 +63,8 @@ def write_atomically(ckpt: Path, write: Callable[[Path], list[str]]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_manifest(tmp, write(tmp))
+        with naming(tmp):  # a library's "(os error 28)": an OSError naming the checkpoint
+            write_manifest(tmp, write(tmp))
         fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

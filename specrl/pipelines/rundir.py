@@ -5,7 +5,8 @@ resume changed and the step from which they apply), summary.json, tensorboard/,
 checkpoints/ and dataset/ (a ``datasets.Dataset`` handed to ``specrl.train``, saved before the
 run starts: a directory holding only it is not yet used) and ``.lock``: ``locked`` holds the
 one writer's lock for a run's life (a second writer is refused naming the holder's pid; the OS
-drops the lock of a killed writer); ``append`` fsyncs a log row, ``rows``
+drops the lock of a killed writer; a run directory it created is removed again when the run
+fails before any work is recorded: ``holds_work``); ``append`` fsyncs a log row, ``rows``
 reads a log (a last line cut by a kill is dropped), ``truncate`` drops the rows a resume writes
 again. ``.tmp``/``.old``/``.del`` directories are never checkpoints: ``recover_interrupted``
 finishes a replace cut between its renames, ``clear_interrupted`` removes leftovers, ``prune``
@@ -66,6 +67,7 @@ class RunDir:
         """Hold the run's writer lock for the block (the directory is created): an exclusive
         ``flock`` on ``.lock``, which the OS releases when the holder dies, so a killed run never
         blocks its resume. Another holder: ``RunDirError`` naming its pid."""
+        fresh = not self.path.exists()
         self.create()
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -80,8 +82,19 @@ class RunDir:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
+        except Exception:
+            if fresh and not self.holds_work():  # a failed start leaves no empty run dir
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise
         finally:
             os.close(fd)  # releases the lock
+
+    def holds_work(self) -> bool:
+        """Whether a run's work is here: a step's row, a checkpoint (even a part of one) or a
+        saved dataset."""
+        rows = self.metrics.is_file() and self.metrics.stat().st_size > 0
+        saves = self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+        return rows or saves or self.dataset.exists()
 
     def check_unlocked(self) -> None:
         """``RunDirError`` (naming the holder) if another process holds the writer lock now

@@ -2,7 +2,8 @@
 
 ``train_sync(parts, state, run, end, log, stop)`` runs steps ``state.step .. end-1`` in one
 thread (owning ``state`` and the train stream): evaluate when due, ``collect`` (staleness 0),
-``learn`` (advances ``state``, pushes the weights), ``finish_step``; a requested ``stop`` ends
+``learn`` (advances ``state``, pushes the weights), ``finish_step`` (a step that ends with a
+checkpoint first checks there is room for it: ``loop.check_room``); a requested ``stop`` ends
 it after the step in progress is checkpointed. Returns the rows of the steps it ran. With a
 deterministic CPU configuration every metric except timings is a function of the config (a
 resume equals an uninterrupted run; async at ``max_staleness = 0`` equals this loop).
@@ -16,7 +17,7 @@ from typing import Any
 
 from specrl.pipelines.build import RunParts
 from specrl.pipelines.evaluate import eval_due
-from specrl.pipelines.loop import Log, finish_step, log_eval
+from specrl.pipelines.loop import Log, check_room, finish_step, log_eval
 from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import StopRequest
 from specrl.pipelines.state import StepState, TrainStream
@@ -29,6 +30,7 @@ def train_sync(
     """See the module docstring."""
     rows, stream = [], TrainStream.of(parts.plan, parts.env)
     for step in range(state.step, end):
+        check_room(parts.cfg, run, step + 1)
         if eval_due(parts.cfg, step):
             log_eval(parts, step, log)
         t0 = time.perf_counter()
