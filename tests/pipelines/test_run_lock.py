@@ -89,3 +89,37 @@ def test_cli_resume_of_a_run_in_use_is_one_line_before_any_work(tmp_path, monkey
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and f"pid {proc.pid}" in lines[0]
+
+
+def test_two_resumes_at_once_one_refused_and_every_step_once(tmp_path):
+    """The case found at 54e03a2: two ``specrl train --resume R`` at once both ran step 1 and
+    left steps [0, 1, 1]. Now the first holds the lock (stopped with SIGSTOP mid-run so the two
+    surely overlap), the second is one line naming it, and the run ends with [0, 1, 2]."""
+    import signal
+
+    from tests.pipelines.test_kill_resume import ROOT, finish, launch, make_model_dir, train_sets
+
+    model, run = make_model_dir(tmp_path / "model"), tmp_path / "run"
+    code, _, err = finish(launch(["--run-dir", str(run), *train_sets(model, "run.steps=1")]))
+    assert code == 0, err
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "specrl.cli", "train", "--no-compare", "--no-progress",
+           "--resume", str(run), "--set", "run.steps=3"]  # fmt: skip
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert first.stdout is not None
+        while not (line := first.stdout.readline()).startswith("step   1"):
+            assert line, "the first resume ended before its step 1"
+        first.send_signal(signal.SIGSTOP)  # holding the lock, mid-run
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=300)  # fmt: skip
+        first.send_signal(signal.SIGCONT)
+        _, first_err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stderr
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"in use by another specrl process (pid {first.pid})" in lines[0]
+    assert first.returncode == 0, first_err
+    assert steps(RunDir(run)) == [0, 1, 2]
