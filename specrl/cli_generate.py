@@ -3,7 +3,9 @@
 ``register(app)`` adds the command. Every good prompt is answered even when others are bad:
 each bad prompt gets one ``error: prompt N: <why>`` line on stderr and the exit code is 2 (0
 when every prompt was answered); N counts every prompt given, arguments first. A prompts file
-that cannot be read, or a line that is not JSON, fails the whole command before the model loads.
+that cannot be read, is larger than ``jsonl_prompts.MAX_PROMPTS_BYTES`` (256 MiB; /dev/zero is
+"larger" after 256 MiB + 1 byte read, not read forever), or has a line that is not JSON, fails
+the whole command before the model loads.
 Details: docs/internals.md.
 """
 
@@ -32,7 +34,7 @@ from specrl.cli_options import (
 from specrl.cli_util import fail, parse_device, refuse_unless_applies
 from specrl.config import MAX_TOP_K
 from specrl.errors import one_line
-from specrl.jsonl_prompts import Messages, numbered_lines, parse_line, prompt_of
+from specrl.jsonl_prompts import Messages, numbered_lines, parse_line, prompt_of, read_capped
 
 if TYPE_CHECKING:
     from specrl.sampling import SamplingParams
@@ -98,15 +100,18 @@ def read_prompts(prompts: list[str], prompts_file: Path | None, chat: bool = Tru
 
 
 def _file_lines(path: Path) -> list[tuple[int, str]]:
-    """The numbered non-blank lines of a UTF-8 text file, or one error line and exit."""
+    """The numbered non-blank lines of a UTF-8 text file of at most
+    ``jsonl_prompts.MAX_PROMPTS_BYTES``, or one error line and exit."""
     try:
-        data = path.read_bytes()
+        data = read_capped(path)
     except FileNotFoundError:
         fail(f"prompts file not found: {path}")
     except IsADirectoryError:
         fail(f"prompts file is a directory: {path}")
     except OSError as e:
         fail(f"cannot read prompts file {path}: {e.strerror or e}")
+    except ValueError as e:  # larger than the cap
+        fail(f"prompts file {e}")
     try:
         return numbered_lines(data, path)
     except ValueError as e:

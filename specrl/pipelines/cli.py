@@ -187,15 +187,21 @@ def report_command(
         ),
     ] = None,
 ) -> None:
-    """Write PNG plots and summary.md for a training run."""
-    from specrl.pipelines.report import write_comparison, write_report
+    """Write PNG plots and summary.md for a training run.
+
+    Every run (RUN_DIR and each --compare) is read and checked before anything is written; a
+    run whose metrics.jsonl logs a step twice or skips one gets one warning line (stderr and
+    summary.md) and is reported with the last row of each step."""
+    from specrl.pipelines.report import read_runs, write_runs
 
     dest = out if out is not None else run_dir
     try:
         require_writable_dir(dest, "--out" if out is not None else "RUN_DIR")
-        paths = write_report(run_dir, out)
-        if compare:
-            paths.append(write_comparison([run_dir, *compare], dest / "compare.png"))
+        runs = read_runs([run_dir, *(compare or [])])
+        for run in runs:
+            if run.warning is not None:
+                typer.echo(run.warning, err=True)
+        paths = write_runs(runs, dest, compare=bool(compare))
     except ValueError as e:
         fail(str(e))
     except OSError as e:

@@ -3,16 +3,29 @@
 ``summarize(rows, evals, speed)`` condenses metrics.jsonl and eval.jsonl rows and an optional
 speed check into a flat dict (first/last-window reward and accuracy, throughput, acceptance,
 mismatch, step-time breakdown, idle times, staleness, a trained drafter's figures);
-``summary_markdown`` / ``summary_text`` render it. ``write_report(run_dir, out=None)`` writes
-the PNG plots and summary.md (``ValueError`` without metrics) and returns their paths;
-``write_comparison(run_dirs, path)`` plots several runs' train reward on one figure. Reads files
-only; never touches models. Details: docs/internals.md.
+``summary_markdown`` / ``summary_text`` render it.
+
+``read_run(run_dir)`` reads and checks what a report uses of one run directory (``RunLogs``):
+no metric rows, an unreadable or damaged log or summary.json, or a row without a numeric
+``step_time_s`` / ``reward_mean`` (or with a non-number where a number is read) is a
+``ValueError`` naming the file. A metrics.jsonl the run did not write alone (two writers: a step
+logged twice; a gap: a step missing from 0 to the last) is not refused: each step keeps its last
+row, rows go in step order, and ``RunLogs.warning`` is one ``warning: ...`` line naming the
+duplicated and missing steps (``step_warning``), which ``write_runs`` puts in summary.md and
+``specrl report`` prints on stderr. ``write_runs(runs, dest, compare)`` writes the first run's
+PNG plots and summary.md (and with ``compare`` compare.png of all runs' train reward) into
+``dest``; ``write_report(run_dir, out=None, compare=())`` and ``write_comparison(run_dirs,
+path)`` read every run first, so a bad input raises before the first file or directory is
+written. Reads files only; never touches models. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import json
+import tomllib
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -26,6 +39,18 @@ BREAKDOWN = (
     ("logprob check", "logprob_time_s"),
     ("refit", "refit_time_s"),
 )
+REQUIRED = ("reward_mean", "step_time_s")  # in every metric row a report reads
+# what the report does arithmetic on, when a row has it
+NUMERIC = (
+    *REQUIRED,
+    *(key for _, key in BREAKDOWN),
+    *("accuracy", "response_length", "rollout_tokens_per_s", "acceptance_length"),
+    *("spec_step_share", "logprob_delta_mean", "learner_idle_s", "generator_idle_s"),
+    *("staleness_mean", "staleness_max", "reused_tokens", "gen_tokens", "drafter_updates"),
+    *("drafter_train_s", "draft_acceptance_length"),
+)
+EVAL_NUMERIC = ("greedy_accuracy", "sampled_accuracy")
+LISTED_SPANS = 5  # step ranges a warning lists before "..."
 
 
 def _mean(rows: Sequence[dict], key: str) -> float:
@@ -102,8 +127,12 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def summary_markdown(summary: dict[str, Any], title: str = "Training run") -> str:
-    lines = [f"# {title}", "", "| metric | value |", "|---|---|"]
+def summary_markdown(
+    summary: dict[str, Any], title: str = "Training run", warnings: Sequence[str] = ()
+) -> str:
+    """A markdown table of ``summary``; each of ``warnings`` a quoted line above it."""
+    lines = [f"# {title}", "", *(f"> {w}" for w in warnings), *([""] if warnings else [])]
+    lines += ["| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
     return "\n".join(lines) + "\n"
 
@@ -234,15 +263,156 @@ def plot_pipeline(rows: Sequence[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Plots and summary.md of the run in ``run_dir`` (see the module docstring)."""
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class RunLogs:
+    """What a report reads of one run directory, checked (``read_run``): one metric row per
+    step in step order, its eval rows, its speed check, its pipeline mode, and the warning about
+    its steps (``None`` when each step from 0 to the last is logged once)."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    speed: dict[str, Any] | None
+    mode: str
+    warning: str | None
+
+
+def read_run(run_dir: str | Path) -> RunLogs:
+    """The checked logs of the run in ``run_dir`` (``ValueError`` naming what is wrong)."""
     run = RunDir(run_dir)
-    rows, evals = run.rows(run.metrics), run.rows(run.evals)
-    if not rows:
+    logged = run.rows(run.metrics)  # an unreadable or garbled log: RunDirError (a ValueError)
+    if not logged:
         raise ValueError(f"no metrics in {run.metrics}: is {run.path} a run directory?")
-    dest = Path(out) if out is not None else run.path
+    check_numbers(logged, run.metrics, NUMERIC, REQUIRED)
+    evals = run.rows(run.evals)
+    check_numbers(evals, run.evals, EVAL_NUMERIC, ())
+    rows = one_row_per_step(logged)
+    warning = step_warning([r["step"] for r in logged], run.metrics)
+    return RunLogs(run.path, rows, evals, _speed(run), _mode(run), warning)
+
+
+def read_runs(run_dirs: Sequence[str | Path]) -> list[RunLogs]:
+    """``read_run`` of each, in order: the first bad one raises."""
+    return [read_run(d) for d in run_dirs]
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_numbers(
+    rows: Sequence[dict], log: Path, keys: Sequence[str], required: Sequence[str]
+) -> None:
+    """``ValueError`` naming the first row of ``log`` that lacks a ``required`` key or holds a
+    non-number under one of ``keys``."""
+    for r in rows:
+        for key in keys:
+            if (key in r or key in required) and not _is_number(r.get(key)):
+                got = "no" if key not in r else f"a non-numeric ({json.dumps(r[key])[:40]})"
+                raise ValueError(
+                    f"{log}: the row of step {r['step']} has {got} {key!r}: not a metrics log "
+                    "specrl wrote?"
+                )
+
+
+def one_row_per_step(rows: Sequence[dict]) -> list[dict]:
+    """One row per step (the last logged of a step wins), in step order."""
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def step_spans(steps: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ``steps`` as inclusive (first, last) runs of consecutive steps."""
+    spans: list[tuple[int, int]] = []
+    for s in sorted(set(steps)):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], s)
+        else:
+            spans.append((s, s))
+    return spans
+
+
+def gaps(steps: Sequence[int]) -> list[tuple[int, int]]:
+    """The inclusive spans of steps missing from 0 (or the lowest step) to the highest."""
+    present = step_spans(steps)
+    out, expect = [], min(0, present[0][0])
+    for first, last in present:
+        if first > expect:
+            out.append((expect, first - 1))
+        expect = last + 1
+    return out
+
+
+def describe_steps(spans: Sequence[tuple[int, int]]) -> str:
+    """``step 3`` / ``steps 1, 4-6``: the first ``LISTED_SPANS`` spans, then ``, ... (N steps)``
+    when there are more."""
+    count = sum(last - first + 1 for first, last in spans)
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans[:LISTED_SPANS])
+    if len(spans) > LISTED_SPANS:
+        text += f", ... ({count} steps)"
+    return f"step {text}" if count == 1 else f"steps {text}"
+
+
+def step_warning(steps: Sequence[int], log: Path) -> str | None:
+    """One ``warning:`` line naming the steps ``log`` holds more than once and those missing
+    from 0 to its last, or ``None`` when each is there once."""
+    counts = Counter(steps)
+    parts = []
+    twice = step_spans([s for s, n in counts.items() if n > 1])
+    if twice:
+        parts.append(f"{describe_steps(twice)} logged more than once (a second writer?): "
+                     "the last row of each is used")  # fmt: skip
+    missing = gaps(steps)
+    if missing:
+        parts.append(f"{describe_steps(missing)} missing")
+    return f"warning: {log}: {'; '.join(parts)}" if parts else None
+
+
+def _speed(run: RunDir) -> dict[str, Any] | None:
+    """The speed check in summary.json (``None`` without one); ``ValueError`` if unreadable."""
+    if not run.summary.exists():
+        return None
+    try:
+        data = json.loads(run.summary.read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot read {run.summary}: {e.strerror or e}") from None
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{run.summary}: not JSON ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{run.summary}: not a JSON object")
+    speed = data.get("speed")
+    if speed is not None and not isinstance(speed, dict):
+        raise ValueError(f"{run.summary}: 'speed' is not an object")
+    return speed
+
+
+def _mode(run: RunDir) -> str:
+    """The run's pipeline mode (and backend when not native), for a plot label; ``?`` when
+    config.toml is missing or unreadable (a label only: not worth refusing the report)."""
+    try:
+        cfg = tomllib.loads(run.config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, unreadable, not UTF-8 or not TOML
+        return "?"
+    pipeline, rollout = cfg.get("pipeline"), cfg.get("rollout")
+    mode = str(pipeline.get("mode", "sync")) if isinstance(pipeline, dict) else "sync"
+    backend = str(rollout.get("backend", "native")) if isinstance(rollout, dict) else "native"
+    return mode if backend == "native" else f"{mode}, {backend}"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_runs(runs: Sequence[RunLogs], dest: Path, compare: bool = False) -> list[Path]:
+    """The first run's plots and summary.md (the warnings of all ``runs`` in it), and with
+    ``compare`` compare.png of all, in ``dest`` (created); returns the paths written."""
+    main = runs[0]
+    rows, evals = main.rows, main.evals
+    warnings = [r.warning for r in runs if r.warning is not None]
+    md = summary_markdown(summarize(rows, evals, main.speed), f"Run {main.path}", warnings)
     dest.mkdir(parents=True, exist_ok=True)
-    speed = json.loads(run.summary.read_text()).get("speed") if run.summary.exists() else None
     paths = [
         plot_reward(rows, evals, dest / "reward_accuracy.png"),
         plot_key(rows, "rollout_tokens_per_s", "Rollout throughput", "tokens/s",
@@ -252,42 +422,46 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
         plot_step_time(rows, dest / "step_time.png"),
         plot_pipeline(rows, dest / "pipeline.png"),
     ]  # fmt: skip
-    md = summary_markdown(summarize(rows, evals, speed), f"Run {run.path}")
     atomic_write(dest / "summary.md", md)
-    return [*paths, dest / "summary.md"]
+    paths.append(dest / "summary.md")
+    if compare:
+        paths.append(plot_comparison(runs, dest / "compare.png"))
+    return paths
+
+
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, compare: Sequence[str | Path] = ()
+) -> list[Path]:
+    """Plots and summary.md of the run in ``run_dir`` (and compare.png with the ``compare``
+    runs) in ``out`` (default ``run_dir``); every run is read and checked before anything is
+    written (see the module docstring)."""
+    runs = read_runs([run_dir, *compare])
+    dest = Path(out) if out is not None else runs[0].path
+    return write_runs(runs, dest, compare=bool(compare))
 
 
 def samples_axis(rows: Sequence[dict]) -> list[int]:
     """Completions trained on after each step (``gen_tokens / response_length`` per step)."""
     total, out = 0, []
     for r in rows:
-        n = r["gen_tokens"] / r["response_length"] if r.get("response_length") else 0
+        n = r.get("gen_tokens", 0) / r["response_length"] if r.get("response_length") else 0
         total += round(n)
         out.append(total)
     return out
 
 
-def _mode(run: RunDir) -> str:
-    import tomllib
-
-    if not run.config.exists():
-        return "?"
-    cfg = tomllib.loads(run.config.read_text())
-    mode = str(cfg.get("pipeline", {}).get("mode", "sync"))
-    backend = str(cfg.get("rollout", {}).get("backend", "native"))
-    return mode if backend == "native" else f"{mode}, {backend}"
-
-
 def write_comparison(run_dirs: Sequence[str | Path], path: str | Path) -> Path:
-    """Reward curves of several runs on one plot (see the module docstring)."""
+    """Reward curves of several runs on one plot, every run read before it is drawn (see the
+    module docstring)."""
+    return plot_comparison(read_runs(run_dirs), Path(path))
+
+
+def plot_comparison(runs: Sequence[RunLogs], path: Path) -> Path:
+    """Train reward of each run against the completions it trained on."""
     fig, ax = _figure("Train reward", "reward (mean over the step's completions)")
     ax.set_xlabel("completions trained on")
-    for d in run_dirs:
-        run = RunDir(d)
-        rows = run.rows(run.metrics)
-        if not rows:
-            raise ValueError(f"no metrics in {run.metrics}: is {run.path} a run directory?")
-        ax.plot(samples_axis(rows), [r["reward_mean"] for r in rows], "o-", markersize=3,
-                label=f"{run.path.name} ({_mode(run)})")  # fmt: skip
+    for run in runs:
+        ax.plot(samples_axis(run.rows), [r["reward_mean"] for r in run.rows], "o-",
+                markersize=3, label=f"{run.path.name} ({run.mode})")  # fmt: skip
     ax.legend()
-    return _save(fig, Path(path))
+    return _save(fig, path)
