@@ -9,7 +9,8 @@ tokens, prefill excluded) with each of the two; and transformers' ``generate`` p
 batch 1. It reports ``hf_ms / gemv_ms``, the most any engine built on those GEMVs could be faster
 than transformers at batch 1, next to the ratio the engine reaches, the bandwidth the GEMVs
 achieve against the machine's measured copy bandwidth, and the engine step against the
-REFERENCE floor (270 MB of bf16 weights at 25 GB/s = 10.8 ms per token).
+reference floor (270 MB of bf16 weights at the 25 GB/s of ``specrl.bench``'s fixed roofline =
+10.8 ms per token).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/batch1_floor.py --threads 1
 
@@ -35,7 +36,7 @@ from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
-REFERENCE_FLOOR_MS = 10.8  # shared/REFERENCE.md: 270 MB of bf16 weights at ~25 GB/s
+REFERENCE_FLOOR_MS = 10.8  # 270 MB of bf16 weights at specrl.bench.CPU_BANDWIDTH_BYTES_S (25 GB/s)
 PATHS = {"": True, "_onednn": False}  # key suffix -> Linear.native (our kernel or oneDNN)
 
 

@@ -3,7 +3,7 @@
 Usage: python benchmarks/engine_vs_hf.py [--batch-sizes 1,8,32,64] [--new-tokens 128]
 Writes benchmarks/results/engine_vs_hf.json. Same prompts, T=1 sampling, exactly new_tokens per
 sequence (stop tokens ignored), bf16, both engines in this process. Also reports the fraction of
-this machine's roofline (REFERENCE.md figures and figures measured in the run).
+the roofline (``specrl.bench``'s fixed reference figures and figures measured in the run).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from specrl.models.transformer import Transformer
 from specrl.rollout_types import Request, StepRecord
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
-from specrl.spec.proposers import Draft, register_proposer
+from specrl.spec.proposers import Draft, Proposer, register_proposer
 
 Guard = Callable[[str, Callable[[], dict]], dict]
 # the run summary's keys from this section (``section_summary``)
@@ -91,7 +91,7 @@ def solve_alpha(acceptance_length: float, k: int) -> float:
 
 
 @register_proposer("gpu-check-fixed")
-class FixedProposer:
+class FixedProposer(Proposer):
     """Drafts k tokens per row that verification all but always rejects (the ids after the
     row's last token): a verify step of exactly k drafts, whatever the model."""
 
@@ -103,10 +103,6 @@ class FixedProposer:
     def propose(self, batch, k: int) -> Draft:
         rows = [[(h[-1] + 1 + i) % self.vocab for i in range(k)] for h in batch.histories]
         return Draft.from_lists(rows, k)
-
-    def observe(self, row_ids, accepted) -> None: ...
-    def finish(self, row_id, group_key, tokens) -> None: ...
-    def load_weights(self, state) -> None: ...
 
 
 @dataclass

@@ -14,7 +14,7 @@ so acceptance is measured at every step, not only where the controller drafts), 
 a cold start (no head at all: ``drafter.mode`` auto = refresh from a random head), the draft
 model drafter (``rollout.spec=draft``, k = 3) under every ``--draft-modes`` value, each starting
 from the untrained draft a fresh machine starts from (the policy's first 4 layers, final norm
-and LM head: ``backends.native.untrained_draft``, saved once so that 'frozen' has weights to
+and LM head: ``drafters.distill.untrained_draft``, saved once so that 'frozen' has weights to
 load), and one async run (online, from the in-domain head, ``--async-steps`` steps) for the
 drafter's time share there. The cold start checkpoints every 5 steps; each checkpoint's policy
 and drafter are then rolled out plain and speculative on 2 rows (where speculation can pay
@@ -137,9 +137,8 @@ def untrained_draft_dir(out: Path) -> Path:
     """The untrained draft model of the default policy (what a fresh machine trains), saved."""
     import torch
 
-    from specrl.backends.native import untrained_draft
     from specrl.config import load_config
-    from specrl.drafters.distill import save_draft_model
+    from specrl.drafters.distill import save_draft_model, untrained_draft
     from specrl.models.checkpoints import load_model, resolve_model
 
     name = load_config(None, []).model.name

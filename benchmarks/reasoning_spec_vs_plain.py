@@ -51,14 +51,14 @@ from specrl.pipelines.build import build_run
 from specrl.pipelines.state import StepState, TrainStream
 from specrl.pipelines.step import collect, learn, rollout
 from specrl.spec.config import SpecConfig
-from specrl.spec.proposers import Draft, register_proposer
+from specrl.spec.proposers import Draft, Proposer, register_proposer
 
 OUT = Path(__file__).parent / "results" / "reasoning_spec_vs_plain.json"
 FEW_ROWS = 4
 
 
 @register_proposer("oracle")
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts the tokens plain sampling will draw: ``book`` maps a sample seed to the plain
     rollout's prompt + completion; a row whose history has left it drafts nothing, or with
     ``off_book`` k copies of token 0 (rejected unless sampling draws it: the row's steps keep
@@ -98,10 +98,6 @@ class OracleProposer:
         j = int(np.argmin(kept))  # the first position not kept
         wrong = draft[j] - 1 if draft[j] > 0 else draft[j] + 1
         return [*draft[:j], wrong, *draft[j + 1 :]]
-
-    def observe(self, row_ids, accepted) -> None: ...
-    def finish(self, row_id, group_key, tokens) -> None: ...
-    def load_weights(self, state) -> None: ...
 
 
 def oracle_rollout(

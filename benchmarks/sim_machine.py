@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from specrl.bench import bench_prompts, group_for, run_metadata, write_result
+from specrl.costmodel.specs import load_drafter, load_hardware, load_model
 from specrl.sim.calibrate import FitReport, fit_trace, parse_trace
 from specrl.sim.machine import MeasuredRollout, error_summary, error_table, replay_seconds
-from specrl.sim.specs import load_drafter, load_hardware, load_model
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m-instruct"  # checkpoint name; its simulator spec is SIM_MODEL

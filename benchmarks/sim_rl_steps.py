@@ -46,6 +46,7 @@ import numpy as np
 
 from specrl.bench import run_metadata, write_result
 from specrl.config import load_config
+from specrl.costmodel.specs import load_drafter, load_hardware, load_model
 from specrl.malloc import keep_freed_memory
 from specrl.pipelines.build import build_run
 from specrl.pipelines.train import train
@@ -63,7 +64,6 @@ from specrl.sim.machine import (
     replay_seconds,
 )
 from specrl.sim.shared import Overlap
-from specrl.sim.specs import load_drafter, load_hardware, load_model
 
 RESULTS = Path(__file__).parent / "results"
 SIM_MODEL = "smollm2-135m"

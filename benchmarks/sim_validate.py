@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from specrl.bench import run_metadata
+from specrl.costmodel.specs import load_hardware, load_model
 from specrl.sim.paper import (
     PAPER_ROWS,
     RATIO_GRID,
@@ -50,7 +51,6 @@ from specrl.sim.report import sensitivity
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
 from specrl.sim.serving import SERVING, TARGET_HARDWARE, fit_group_acceptance, serving_value
-from specrl.sim.specs import load_hardware, load_model
 from specrl.sim.training import load_efficiency
 
 OUT = Path(__file__).parent / "results" / "sim_validate.json"

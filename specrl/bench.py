@@ -33,7 +33,11 @@ if TYPE_CHECKING:
     from specrl.models.tokenizer import TextTokenizer
     from specrl.models.transformer import Transformer
 
-# This machine class, from shared/REFERENCE.md: copy bandwidth and AMX bf16 GEMM peak.
+# A fixed reference roofline: copy bandwidth (read+write) and GEMM 2048^3 peaks measured once by
+# this project on a 2-core Intel Xeon with AMX (torch 2.13 CPU, 2 threads). Later runs on that
+# machine class measure more (34-37 GB/s, bf16 2.7-2.8 TFLOP/s: `machine_measured` in
+# benchmarks/results/engines_bf16.json, decode_overheads.json); `measure_machine` measures the
+# machine at hand, and `specrl bench` reports the roofline from both.
 CPU_BANDWIDTH_BYTES_S = 25e9
 CPU_PEAK_FLOPS = {torch.bfloat16: 2.36e12, torch.float32: 0.38e12}
 

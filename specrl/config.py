@@ -3,7 +3,9 @@
 ``Config()`` is the complete default run (sections model, env, reward, rollout, learner,
 pipeline, drafter, run, cluster). ``load_config(path, overrides, preset)`` layers a preset, a
 TOML file and ``section.key=value`` overrides, validated by ``specrl.settings``; every problem is a
-one-line ``ConfigError`` (a field set where it cannot apply too: ``APPLIES_ONLY``).
+one-line ``ConfigError`` (a field set where it cannot apply too: ``APPLIES_ONLY``). ``COVERAGE``
+classifies every field: a rule, always applying, checked at build (``rollout_plan``) or kept
+with its reason (``settings.Coverage``; a test fails on a field in no class).
 ``Config.to_toml()`` reads back equal; ``load_run_config`` reads a run's config.toml. Types and
 bounds only (names: ``pipelines.validate.check_names``). A leaf: imports ``settings``,
 ``config_task`` (the env and reward sections) and ``config_training`` only. Details:
@@ -21,7 +23,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from specrl import settings
 from specrl.config_task import EnvCfg, RewardCfg
 from specrl.config_training import DrafterCfg, LearnerCfg
-from specrl.settings import AppliesOnly, Section, errors_as, read_toml
+from specrl.settings import AppliesOnly, Section, each, errors_as, read_toml, under
 
 PRESETS_DIR = Path(__file__).parent / "presets"  # shipped run configs (``--preset NAME``)
 
@@ -234,6 +236,12 @@ class RunCfg(Section):
         "(the one just written always stays; each takes ~12 bytes per policy parameter, "
         "1.6 GB for SmolLM2-135M).",
     )
+    final_checkpoint: Literal["full", "weights"] = Field(
+        "full",
+        description="The run's last checkpoint: 'full' (resumable: policy and AdamW state) or "
+        "'weights' (the policy alone, a third of the bytes of a float32 learner's: it exports, "
+        "it does not continue the run; a resume goes back to the newest full one kept).",
+    )
     seed: int = Field(
         0,
         ge=0,
@@ -314,42 +322,107 @@ def _is(value: Any) -> Callable[[Any], bool]:
     return lambda v: v == value
 
 
+def _not(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v != value
+
+
+# rollout.spec values that draft with nothing specrl can train or load (``rollout_plan.
+# learned_drafter`` is False for them; a test checks it against the registry). A drafter
+# registered later counts as learned here; ``rollout_plan`` refuses what it cannot use.
+UNLEARNED_SPECS = ("none", "ngram", "suffix", "self")
+_LEARNED = " of a learned drafter (not 'none', 'ngram', 'suffix' or 'self')"
+_RAY = ("cluster.rollout_workers", "cluster.train_workers")  # either starts Ray actors
+_TRAINED = under("drafter", "time_share", "lr", "batch_tokens", "buffer_steps", "max_updates")
+_REFRESH = under("drafter", "drift_tolerance", "max_lag")
+_ENV_FILE = under(
+    "env", "train_file", "eval_file", "prompt_column", "answer_column", "system_prompt",
+    "max_prompt_tokens",
+)  # fmt: skip
+_ENV_RG = under("env", "task", "task_config", "template", "format_bonus", "seed")
+
 # Fields that apply only while another field holds. Setting one where it cannot apply is refused
-# (``Config``), and ``Config.to_toml`` writes it only as a comment there.
+# (``Config``), and ``Config.to_toml`` writes it only as a comment there. A field may have
+# several rules (each is checked). Every field is classified in ``COVERAGE``.
 APPLIES_ONLY: tuple[AppliesOnly, ...] = (
     AppliesOnly("pipeline.max_staleness", "pipeline.mode", _is("async"), "='async'"),
     AppliesOnly("pipeline.update", "pipeline.mode", _is("async"), "='async'"),
     AppliesOnly("pipeline.in_flight_tokens", "pipeline.update", _is("in_flight"), "='in_flight'"),
-    *(
-        AppliesOnly(f"cluster.{key}", "cluster.rollout_workers", lambda n: n > 0, " > 0")
-        for key in ("address", "threads", "worker_cpus", "worker_gpus", "max_restarts")
+    *each(
+        under("cluster", "address", "threads"), _RAY, lambda v: v[0] > 0 or v[1] > 1,
+        "cluster.rollout_workers > 0 or cluster.train_workers > 1",
     ),
-    *(
-        AppliesOnly(f"rollout.{key}", "rollout.spec", lambda m: m != "none", " other than 'none'")
-        for key in ("num_spec_tokens", "spec_siblings", "drafter_path")
+    *each(
+        under("cluster", "worker_cpus", "worker_gpus", "max_restarts"), "cluster.rollout_workers",
+        lambda n: n > 0, " > 0",
+    ),
+    *each(
+        under("rollout", "num_spec_tokens", "spec_siblings", "spec_exact"), "rollout.spec",
+        _not("none"), " other than 'none'",
     ),
     AppliesOnly("rollout.step_graphs", "rollout.backend", _is("native"), "='native'"),
-    *(
-        AppliesOnly(f"env.{key}", "env.kind", _is("file"), "='file'")
-        for key in (
-            "train_file",
-            "eval_file",
-            "prompt_column",
-            "answer_column",
-            "system_prompt",
-            "max_prompt_tokens",
-        )
-    ),  # fmt: skip
-    *(
-        AppliesOnly(f"env.{key}", "env.kind", _is("reasoning_gym"), "='reasoning_gym'")
-        for key in ("task", "task_config", "template", "format_bonus")
-    ),
+    *each(_ENV_FILE, "env.kind", _is("file"), "='file'"),
+    *each(_ENV_RG, "env.kind", _is("reasoning_gym"), "='reasoning_gym'"),
+    AppliesOnly("run.final_checkpoint", "run.checkpoint_every", lambda n: n > 0, " > 0"),
+    # train workers write one sharded (DCP) checkpoint with the optimizer's shards, always whole
+    AppliesOnly("run.final_checkpoint", "cluster.train_workers", lambda n: n <= 1, " <= 1"),
     AppliesOnly("reward.timeout_s", "reward.workers", lambda n: n > 0, " > 0"),
-    AppliesOnly("learner.is_cap", "learner.correction", lambda c: c != "ppo", " other than 'ppo'"),
-    AppliesOnly(
-        "model.gpu_memory_utilization", "model.device", lambda d: d != "cpu", " other than 'cpu'"
+    AppliesOnly("reward.pattern", "reward.funcs", lambda f: "regex" in f, " holding 'regex'"),
+    AppliesOnly("learner.is_cap", "learner.correction", _not("ppo"), " other than 'ppo'"),
+    AppliesOnly("learner.normalize_std", "learner.advantage", _is("grpo"), "='grpo'"),
+    *each(
+        under("learner", "bf16_mode", "head_precision"), "learner.dtype", _not("fp32"),
+        " other than 'fp32'",
     ),
-)
+    *each(
+        ("model.gpu_memory_utilization", "learner.head_precision"), "model.device", _not("cpu"),
+        " other than 'cpu'",
+    ),
+    *each(
+        ("rollout.drafter_path", *_TRAINED, *_REFRESH, "drafter.vocab"), "rollout.spec",
+        lambda s: s not in UNLEARNED_SPECS, _LEARNED,
+    ),
+    *each(_TRAINED, "drafter.mode", _not("frozen"), " other than 'frozen'"),
+    *each(_REFRESH, "drafter.mode", lambda m: m in ("auto", "refresh"), " 'refresh' or 'auto'"),
+)  # fmt: skip
+
+# Every field of ``Config`` in a class (``settings.Coverage``; tests/test_config_coverage.py walks
+# them). ``always``: read in every configuration (audited where the code reads it).
+COVERAGE = settings.Coverage(
+    rules=APPLIES_ONLY,
+    always=(
+        *under("model", "name", "dtype", "device"),
+        *under("env", "kind", "num_train", "num_eval"),
+        *under("reward", "funcs", "weights", "workers", "on_error"),
+        *under("rollout", "group_size", "prompts_per_step", "max_new_tokens", "temperature",
+               "top_p", "top_k", "spec", "max_batch", "backend", "placement"),
+        *under("learner", "loss", "advantage", "lr", "betas", "weight_decay", "max_grad_norm",
+               "micro_batch_tokens", "kl_coef", "share_prompts", "clip_eps_low", "clip_eps_high",
+               "dtype", "logprob_chunk", "correction", "activation_checkpointing"),
+        "pipeline.mode",
+        # keep_checkpoints: a stopped run's checkpoint prunes too (``loop.stop_checkpoint``)
+        *under("run", "steps", "eval_every", "checkpoint_every", "keep_checkpoints", "seed",
+               "run_dir", "tensorboard", "wandb"),
+        *under("cluster", "rollout_workers", "train_workers"),
+    ),
+    checked=(
+        ("rollout.threads", "rollout_plan._ignored: needs the engine in a worker process "
+         "(rollout.placement resolved)"),
+        ("rollout.spec_siblings", "rollout_plan._check_names: a deterministic drafter takes none"),
+        ("drafter.mode", "rollout_plan._training_mode: an explicit mode needs a learned drafter "
+         "(the proposer registry)"),
+    ),
+    kept=(
+        ("rollout.max_tokens_per_forward", "ignored with rollout.spec='none' (SpecConfig."
+         "k_for_batch); accepted: tests/pipelines/pipeline_fakes.TINY_OVERRIDES set it under "
+         "spec 'none' for the tests that turn speculation on"),
+        ("rollout.alarm_action", "ignored with rollout.spec='none' (nothing drafts, the alarm "
+         "never fires); accepted: tests/pipelines/test_acceptance_alarm.py drives the alarm "
+         "through a fake speculating backend under spec 'none'"),
+        ("drafter.vocab", "ignored with drafter.mode='frozen', rollout.spec='draft' or "
+         "rollout.drafter_path set (only a head trained from nothing picks a vocabulary); "
+         "accepted: tests/pipelines/test_online_drafter.py's EAGLE base sets it for such runs"),
+    ),
+)  # fmt: skip
 
 
 class Config(Section):
@@ -395,7 +468,7 @@ class Config(Section):
         ``load_config`` reads back to an equal config; a field that cannot apply here
         (``APPLIES_ONLY``) is only a comment."""
         return settings.toml_document(
-            self, {key: f"{other}{needs}" for key, other, _, needs in self.inapplicable()}
+            self, {rule.key: rule.condition for rule in self.inapplicable()}
         )
 
 

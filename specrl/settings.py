@@ -4,8 +4,15 @@
 ``specrl.config`` (the run) and the simulator (scenarios, specs) build on it, so both read,
 override and report alike: ``validate`` gives one line, ``bad value for KEY: EXPECTED (got
 VALUE)``, ``unknown WHAT key 'KEY'``, ``missing WHAT key 'KEY'``, joined by "; "; every problem
-is a ``SettingsError`` (``errors_as`` re-raises it as the caller's type). A leaf: imports nothing
-from specrl. Details: docs/internals.md.
+is a ``SettingsError`` (``errors_as`` re-raises it as the caller's type).
+
+Applies-only, complete by construction: each model declares a ``Coverage`` that puts every value
+field in a class: an ``AppliesOnly`` rule (set where its condition fails: refused by
+``misapplied``, naming both fields), ``always`` (read in every configuration), ``checked`` (the
+condition needs more than the model; the named check refuses it) or ``kept`` (ignored somewhere,
+accepted there for the stated reason). ``coverage_problems`` names every field that is in no
+class, and every name or condition field that is no field. A leaf: imports nothing from
+specrl. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -163,6 +170,22 @@ def _sets(item: str, key: str) -> bool:
     return bool(key) and (key == given or above or given.startswith(f"{key}."))
 
 
+def given_by(items: Iterable[str]) -> Callable[[str], bool]:
+    """Whether the overrides ``items`` gave the value at a dotted key (a table override gives
+    the keys it holds, not the whole table)."""
+    table = apply_overrides({}, items)
+
+    def given(key: str) -> bool:
+        node: Any = table
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    return given
+
+
 def describe(err: Any, what: str, hint: Callable[[str], str] | None = None) -> str:
     """One pydantic error (an item of ``ValidationError.errors()``) as one phrase."""
     key = dotted(err["loc"])
@@ -227,6 +250,15 @@ def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted key of every value field of ``model``, its sections walked (not listed)."""
+    keys: list[str] = []
+    for key, info in model.model_fields.items():
+        sub = submodel(info.annotation)
+        keys += [f"{prefix}{key}"] if sub is None else leaf_keys(sub, f"{prefix}{key}.")
+    return keys
+
+
 def model_at(model: type[BaseModel], path: Iterable[str]) -> type[BaseModel] | None:
     """The section of ``model`` at a dotted path (None if the path is not a section)."""
     found: type[BaseModel] | None = model
@@ -240,13 +272,36 @@ def model_at(model: type[BaseModel], path: Iterable[str]) -> type[BaseModel] | N
 
 
 class AppliesOnly(NamedTuple):
-    """Field ``key`` applies only while ``test`` holds for the value of field ``other``;
-    ``needs`` says what the test asks (``"='async'"``)."""
+    """Field ``key`` applies only while ``test`` holds for the value of field ``other`` (of
+    several fields: ``test`` gets their values as a tuple); ``needs`` says what the test asks:
+    after ``other`` for one field (``"='async'"``), the whole condition for several."""
 
     key: str
-    other: str
+    other: str | tuple[str, ...]
     test: Callable[[Any], bool]
     needs: str
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The fields the condition reads."""
+        return (self.other,) if isinstance(self.other, str) else self.other
+
+    @property
+    def condition(self) -> str:
+        """What the field needs, as a refusal says it: ``pipeline.mode='async'``."""
+        return f"{self.other}{self.needs}" if isinstance(self.other, str) else self.needs
+
+    def holds(self, model: BaseModel) -> bool:
+        """Whether the field can apply in ``model``."""
+        values = tuple(value_at(model, key) for key in self.others)
+        return self.test(values[0] if isinstance(self.other, str) else values)
+
+
+def each(
+    names: Iterable[str], other: str | tuple[str, ...], test: Callable[[Any], bool], needs: str
+) -> tuple[AppliesOnly, ...]:
+    """The same ``AppliesOnly`` rule for each of several fields."""
+    return tuple(AppliesOnly(name, other, test, needs) for name in names)
 
 
 def value_at(model: BaseModel, key: str) -> Any:
@@ -261,23 +316,70 @@ def was_set(model: BaseModel, key: str) -> bool:
     return name in (value_at(model, parent) if parent else model).model_fields_set
 
 
+def set_off_default(model: BaseModel, key: str) -> bool:
+    """Whether the field at a dotted key was given a value other than its default (for data
+    written whole, where a default value says nothing)."""
+    parent, _, name = key.rpartition(".")
+    section = value_at(model, parent) if parent else model
+    default = type(section).model_fields[name].get_default(call_default_factory=True)
+    return was_set(model, key) and getattr(section, name) != default
+
+
 def inapplicable(model: BaseModel, rules: Iterable[AppliesOnly]) -> list[AppliesOnly]:
     """The rules whose field cannot apply in ``model``."""
-    return [rule for rule in rules if not rule.test(value_at(model, rule.other))]
+    return [rule for rule in rules if not rule.holds(model)]
 
 
 def misapplied(
     model: BaseModel, rules: Iterable[AppliesOnly], given: Callable[[str], bool] | None = None
 ) -> list[str]:
     """One phrase for each field that cannot apply in ``model`` and is given (``given(key)``;
-    default: ``was_set``), naming both fields."""
+    default: ``was_set``), naming the fields of both sides."""
     given = given or (lambda key: was_set(model, key))
     return [
-        f"{key}={value_at(model, key)!r} needs {other}{needs} (it is set, and {other} is "
-        f"{value_at(model, other)!r})"
-        for key, other, _, needs in inapplicable(model, rules)
-        if given(key)
+        f"{rule.key}={value_at(model, rule.key)!r} needs {rule.condition} (it is set, and "
+        + ", ".join(f"{other} is {value_at(model, other)!r}" for other in rule.others)
+        + ")"
+        for rule in inapplicable(model, rules)
+        if given(rule.key)
     ]
+
+
+class Coverage(NamedTuple):
+    """Where each value field of a model applies (see the module docstring): ``rules``;
+    ``always`` (dotted keys); ``checked`` ((key, the check that refuses it where it cannot
+    apply)); ``kept`` ((key, where it is ignored and why it is accepted there)). A field may
+    have rules and be checked or kept besides; an ``always`` field is in no other class."""
+
+    rules: tuple[AppliesOnly, ...]
+    always: tuple[str, ...]
+    checked: tuple[tuple[str, str], ...] = ()
+    kept: tuple[tuple[str, str], ...] = ()
+
+    def conditional(self) -> set[str]:
+        """The fields with a rule, a check or a reason to be kept."""
+        named = [*self.checked, *self.kept]
+        return {rule.key for rule in self.rules} | {key for key, _ in named}
+
+
+def coverage_problems(model: type[BaseModel], coverage: Coverage) -> list[str]:
+    """One phrase per gap in ``coverage`` of ``model``: a field in no class, a field both always
+    applying and conditional, a name or a rule's condition field that is no field of ``model``
+    (an empty list: every field is classified)."""
+    fields, conditional = leaf_keys(model), coverage.conditional()
+    classified = {*coverage.always, *conditional}
+    named = [*coverage.always, *sorted(conditional)]
+    named += [other for rule in coverage.rules for other in rule.others]
+    return [
+        *(f"{key}: in no class" for key in fields if key not in classified),
+        *(f"{key}: always and conditional" for key in coverage.always if key in conditional),
+        *(f"{key}: no such field" for key in dict.fromkeys(named) if key not in fields),
+    ]
+
+
+def under(section: str, *names: str) -> tuple[str, ...]:
+    """``section.name`` for each name (a ``Coverage``'s ``always``, section by section)."""
+    return tuple(f"{section}.{name}" for name in names)
 
 
 # --------------------------------------------------------------------------- writing TOML

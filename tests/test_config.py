@@ -219,7 +219,7 @@ def test_unknown_preset_is_one_line_naming_the_presets():
         (['reward.funcs=["math", "exact"]', "reward.weights=[1.0]"],
          "reward.weights has 1 values for 2 reward.funcs"),
         (['reward.funcs=["regex"]'], "reward.funcs has 'regex' but reward.pattern is unset"),
-        (['reward.pattern="x"'], "reward.pattern is set but reward.funcs has no 'regex'"),
+        (['reward.pattern="x"'], "reward.pattern='x' needs reward.funcs holding 'regex'"),
         (["reward.workers=0", "reward.timeout_s=5"], "reward.timeout_s=5.0 needs reward.workers"),
     ],
 )  # fmt: skip

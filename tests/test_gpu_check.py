@@ -117,8 +117,8 @@ def test_engine_points_ran_side_by_side(smoke: dict) -> None:
 def test_engine_trace_calibrates_the_simulator(smoke: dict) -> None:
     """The trace parses, names a model spec the simulator loads, and fits on one batch size's
     records while predicting the other's."""
+    from specrl.costmodel.specs import load_hardware, load_model
     from specrl.sim.calibrate import fit_trace, parse_trace
-    from specrl.sim.specs import load_hardware, load_model
 
     trace = parse_trace(smoke["engine"]["trace"])
     assert {r.kind for r in trace.records} == {"decode", "verify"}

@@ -1,4 +1,4 @@
-"""Import layering: dependencies between specrl's parts point one way (../shared/DESIGN.md).
+"""Import layering: dependencies between specrl's parts point one way (README, "Architecture").
 
 ``LAYERS`` orders specrl's units top to bottom; a module may import its own unit and units of
 lower layers only (never a unit of its own layer or above), and every unit has a layer.
@@ -65,21 +65,23 @@ def _is_cli(module: str) -> bool:
 
 
 # Top to bottom: cli -> pipelines -> backends -> engine -> spec -> models/sampling -> config, with
-# every other unit placed where its imports put it.
+# every other unit placed where its imports put it. The simulator (sim) sits above the engine's
+# path, so that nothing on it imports the simulator (``test_the_simulator_stands_apart``); the
+# step-cost model it shares with the speculation controller (costmodel) sits below both.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("cli_generate", "cli_bench", "cli_export"),
     ("cli_options",),
-    ("pipelines", "bench"),
+    ("pipelines", "bench", "sim"),
     ("backends",),
     ("rollout_plan",),
     ("drafters",),
     ("engine", "rl", "envs", "rewards"),
     ("spec",),
-    ("sim",),
     ("cli_util", "rollout_types"),
     ("models", "sampling"),
     ("kernels",),
+    ("costmodel",),
     ("config",),
     ("config_training", "config_task"),
     ("settings", "paths", "fsutil", "errors", "jsonl_prompts", "malloc"),
@@ -127,6 +129,37 @@ def test_the_order_check_flags_upward_and_sideways_imports():
         "specrl.engine.a -> specrl.backends.b (engine is layer 1, backends is 0)",
         "specrl.rl.d -> specrl.envs.e (rl is layer 1, envs is 1)",
     ]
+
+
+def test_the_simulator_stands_apart():
+    """The simulator sits in the top layers, so that the order check refuses an import of it
+    anywhere on the engine's path (backends and every layer below: engine, spec, models, ...;
+    function-level imports included); the step-cost model it shares with the speculation
+    controller (``costmodel``) sits below both. (What the simulator itself loads, the cost model
+    and leaves only, no torch: tests/sim/test_sim_scenarios.py.)"""
+    depth = _layer_of(LAYERS)
+    assert depth["sim"] <= depth["backends"], "sim must sit above the engine's path in LAYERS"
+    assert depth["costmodel"] > max(depth["sim"], depth["spec"]), "costmodel must sit below both"
+
+
+def test_the_speculation_controller_loads_nothing_of_the_simulator():
+    """What the import scan cannot see: a fresh interpreter that imports the controller and
+    prices a step with it (its base hardware profile read, its cost model fitted) has loaded no
+    module of ``specrl.sim`` (``importlib.resources`` on ``specrl.sim`` would import it)."""
+    code = (
+        "import sys; from specrl.costmodel.fit import Record\n"
+        "from specrl.spec.controller import TargetCost\n"
+        "from specrl.costmodel.specs import load_model\n"
+        "recs = [Record(b, t, 64.0, 0.01 * b * t, 'decode' if t == 1 else 'verify')\n"
+        "        for b in (1, 8) for t in (1, 4)]\n"
+        "assert TargetCost(load_model('smollm2-135m'), recs).predict(4, 3, 100.0) > 0\n"
+        "print(sorted(m for m in sys.modules if m.startswith('specrl.sim')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the controller loads the simulator: {out.stdout[:300]}"
 
 
 # The bottom layer: each leaf and the only specrl modules it may import (other leaves below it).

@@ -3,10 +3,11 @@
 ``NativeBackend(engine, in_flight=None)`` wraps an ``Engine``: ``generate`` returns the call's
 completions with a copy of its statistics; ``update_weights`` / ``update_drafter`` apply at once
 when idle, else before the next call or, with ``in_flight`` ("reverify" | "keep" | "discard"),
-between two decode steps (``Engine.stage_weights``); ``served`` fingerprints the engine's own
-tensors. Thread-safe for one generating plus one updating thread. ``build_native(plan, policy)``
-is the engine of a ``RolloutPlan`` over its own copy of ``policy`` in ``plan.dtype``.
-Details: docs/internals.md.
+between two decode steps (``Engine.stage_weights``); policy weights always enter through
+``Engine.load_weights``. ``served`` fingerprints the engine's own tensors (the drafter's:
+``Proposer.tensors``). Thread-safe for one generating plus one updating thread.
+``build_native(plan, policy)`` is the engine of a ``RolloutPlan`` over its own copy of
+``policy`` in ``plan.dtype``. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ from specrl.engine.engine import Engine
 from specrl.engine.inflight import check_mode
 from specrl.models.device import model_device
 from specrl.models.fingerprint import fingerprint
-from specrl.models.linear import prepack
 from specrl.models.precision import torch_dtype
-from specrl.models.weights import copy_weights, engine_copy, snapshot
+from specrl.models.weights import engine_copy, snapshot
 from specrl.rollout_plan import RolloutPlan, refusing
 from specrl.rollout_types import Completion, Request
 from specrl.spec.config import SpecConfig
-from specrl.spec.proposers import proposer_takes
+from specrl.spec.proposers import Proposer, proposer_takes
 
 
 class NativeBackend:
@@ -80,8 +80,7 @@ class NativeBackend:
         with self._lock:
             self._newest = max(self._newest, version)
             if not self._busy:
-                self._load(named_tensors)
-                self.engine.policy_version = version
+                self.engine.load_weights(named_tensors, version)
                 self._pending = None
             else:
                 staged = snapshot(named_tensors, self._dtype())
@@ -98,22 +97,15 @@ class NativeBackend:
             self._drafter_version, self._pending_drafter = version, None
         if self._pending is not None:
             staged, version = self._pending
-            self._load(staged)
-            self.engine.policy_version = version
+            self.engine.load_weights(staged, version)
             self._pending = None
-
-    def _load(self, named: Mapping[str, torch.Tensor]) -> None:
-        """The engine's weights := ``named``, packed for inference now (the update pays for
-        that, not the next rollout's first forward)."""
-        copy_weights(self.engine.model, named)
-        prepack(self.engine.model)
 
     def _dtype(self) -> torch.dtype:
         return next(self.engine.model.parameters()).dtype
 
     def update_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         proposer = self.engine.proposer
-        if proposer is None or not hasattr(proposer, "load_weights"):
+        if proposer is None:
             raise ValueError("update_drafter: this backend runs no learned drafter")
         t0 = time.perf_counter()
         with self._lock:
@@ -146,7 +138,7 @@ class NativeBackend:
 
     def state_dict(self) -> dict[str, Any]:
         proposer = self.engine.proposer
-        if proposer is None or not hasattr(proposer, "state_dict"):
+        if proposer is None or not proposer.keeps_state:
             return {}
         with self._lock:
             self._idle.wait_for(lambda: not self._busy)  # the generating thread mutates it
@@ -156,29 +148,22 @@ class NativeBackend:
         if "drafter" not in state:
             return
         proposer = self.engine.proposer
-        if proposer is None or not hasattr(proposer, "load_state_dict"):
+        if proposer is None or not proposer.keeps_state:
             name = state["drafter"].get("name")
             raise ValueError(f"saved drafter state of {name!r}, but this run's drafter keeps none")
         proposer.load_state_dict(state["drafter"])
 
     def close(self) -> None:
-        self.engine._cache = None  # free the KV cache; the engine stays usable
+        self.engine.free_cache()  # the engine stays usable
 
 
-def drafter_tensors(proposer: object) -> tuple[dict[str, torch.Tensor], torch.dtype] | None:
+def drafter_tensors(
+    proposer: Proposer | None,
+) -> tuple[dict[str, torch.Tensor], torch.dtype] | None:
     """A learned drafter's tensors as the engine holds them, and its parameters' dtype: a
     head's state dict (eagle3, mtp: the names ``update_drafter`` takes), a draft model's
-    parameters (our names); ``None`` for a model-free drafter or none."""
-    head = getattr(proposer, "head", None)
-    model = getattr(proposer, "model", None)
-    if isinstance(head, torch.nn.Module):
-        module, named = head, dict(head.state_dict())
-    elif isinstance(model, torch.nn.Module):
-        module, named = model, dict(model.named_parameters())
-    else:
-        return None
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    return named, dtype
+    parameters (our names); ``None`` for a model-free drafter or none (``Proposer.tensors``)."""
+    return None if proposer is None else proposer.tensors()
 
 
 # --------------------------------------------------------------------------- building
@@ -194,24 +179,17 @@ def load_drafter(
     plan: RolloutPlan, dtype: torch.dtype, policy: torch.nn.Module | None = None
 ) -> torch.nn.Module | None:
     """The draft model of a ``draft``-style drafter (heads are loaded by their proposer): the
-    saved one, or, for a run that trains it from scratch (none saved), ``untrained_draft``."""
+    saved one, or, for a run that trains it from scratch (none saved),
+    ``drafters.distill.untrained_draft``."""
     if not proposer_takes(plan.spec.method, "draft_model"):
         return None
     if plan.drafter_dir is None and policy is not None:
+        from specrl.drafters.distill import untrained_draft
+
         return untrained_draft(policy, dtype).requires_grad_(False)
     from specrl.models.checkpoints import load_model
 
     return load_model(plan.drafter_dir, dtype=dtype)
-
-
-def untrained_draft(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The draft model a run without one starts from and trains: the policy's embedding, first
-    ``specrl.drafters.distill.DEFAULT_LAYERS`` layers (at most half of its layers, at least
-    one), final norm and LM head (a copy)."""
-    from specrl.drafters.distill import DEFAULT_LAYERS, init_draft
-
-    layers = max(1, min(DEFAULT_LAYERS, policy.config.num_layers // 2))
-    return init_draft(policy, layers).to(dtype)
 
 
 def make_engine(plan: RolloutPlan, policy: torch.nn.Module) -> Engine:

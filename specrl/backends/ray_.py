@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from specrl.backends import build_local
 from specrl.backends.base import GROUP_DONE, Rollout, Served, Versions
 from specrl.backends.ray_session import (
     RaySession,
@@ -35,6 +34,7 @@ from specrl.backends.ray_session import (
     import_ray,
     task_error,
 )
+from specrl.backends.registry import build_local
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import check_weights, engine_copy
 from specrl.rollout_plan import RolloutPlan, Workers, worker_plan

@@ -134,7 +134,7 @@ def served_drafter(
     as it is, else one written under ``out`` (a directory the caller owns): a specrl EAGLE-3
     head exported (``drafters.export.export_eagle3``), a head trained from nothing
     (``models.heads.fresh_head``, seeded by ``run.seed`` as the trainer starts it) exported, or
-    a draft model's untrained start (``backends.native.untrained_draft``, the tokenizer of
+    a draft model's untrained start (``drafters.distill.untrained_draft``, the tokenizer of
     ``model_dir`` with it). ``ValueError`` (one line) for a head vLLM cannot serve."""
     method, path = plan.spec.method, plan.drafter_dir
     if not plan.spec.enabled or method not in ("eagle3", "draft"):
@@ -142,8 +142,7 @@ def served_drafter(
     if method == "draft":
         if path is not None:
             return path
-        from specrl.backends.native import untrained_draft
-        from specrl.drafters.distill import save_draft_model
+        from specrl.drafters.distill import save_draft_model, untrained_draft
 
         draft = untrained_draft(policy, torch.float32)
         return str(save_draft_model(draft, out / "draft", policy.config, model_dir))

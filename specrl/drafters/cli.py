@@ -3,16 +3,21 @@
 ``register(app)`` adds both commands. ``train-drafter`` generates the target's own completions
 on a reasoning-gym task's train split (or ``--prompts F.jsonl``), trains a head (or, with
 ``--drafter draft``, distills a layer-prefix draft model), resumably with checkpoints and cached
-data in ``--out``, saves it, and prints held-out acceptance untrained vs trained.
-``export-drafter`` writes a trained drafter in the layout vLLM loads. Bad values, unusable
-paths and OSErrors exit 2 with one ``error:`` line (before any work where they can).
+data in ``--out``, saves it, and prints held-out acceptance untrained vs trained. The cached
+rollouts and examples are keyed by what made them (``_data_key``: the prompts' source, counts,
+lengths, temperatures, seed, the model's fingerprint, tokenizer and chat template; the examples
+also by the feature layers): a cache made by anything else, or before keys, is rebuilt with one
+``notice:`` line on stderr saying why (and the training states made from it are dropped), never
+reused. ``export-drafter`` writes a trained drafter in the layout vLLM loads, after checking
+its files against their manifest (``drafters.export``). Bad values, unusable paths, damaged
+drafters and OSErrors exit 2 with one ``error:`` line (before any work where they can); a failed
+export leaves no output directory it created.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from collections.abc import Callable
@@ -24,7 +29,7 @@ import typer
 
 from specrl.cli_util import fail, parse_device
 from specrl.errors import unknown
-from specrl.fsutil import atomic_write, writable_problem
+from specrl.fsutil import file_digest, writable_problem
 from specrl.paths import drafter_cache_dir
 
 if TYPE_CHECKING:
@@ -34,13 +39,14 @@ if TYPE_CHECKING:
 
 def register(app: typer.Typer) -> None:
     """Add ``train-drafter`` and ``export-drafter`` to ``app``."""
-    app.command("train-drafter")(_os_errors_in_one_line(train_drafter))
-    app.command("export-drafter")(_os_errors_in_one_line(export_drafter))
+    resume = " (rerun to resume from what was saved)"
+    app.command("train-drafter")(_os_errors_in_one_line(train_drafter, resume))
+    app.command("export-drafter")(_os_errors_in_one_line(export_drafter, ""))
 
 
-def _os_errors_in_one_line(command: Callable) -> Callable:
+def _os_errors_in_one_line(command: Callable, hint: str) -> Callable:
     """``command`` with an OSError (unwritable ``--out``, a full disk) ending in one ``error:``
-    line and exit 2 instead of a traceback; what was already written stays for a rerun."""
+    line (``hint`` appended) and exit 2 instead of a traceback."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
@@ -48,7 +54,7 @@ def _os_errors_in_one_line(command: Callable) -> Callable:
             return command(*args, **kwargs)
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
-            fail(f"{e.strerror or e}{where} (rerun to resume from what was saved)")
+            fail(f"{e.strerror or e}{where}{hint}")
 
     return run
 
@@ -191,9 +197,13 @@ def train_drafter(
         fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
               f"({target.config.vocab_size})")  # fmt: skip
     feature_layers = () if drafter == "draft" else default_layers(drafter, target.config.num_layers)
+    key = _data_key(target, tok, task, prompts, num_prompts, samples_per_prompt,
+                    max_new_tokens, temps, seed)  # fmt: skip
+    ex_key = key | {"feature_layers": ",".join(map(str, feature_layers))}
     ex_path = out / EXAMPLES_FILE
-    examples = _cached_examples(ex_path)
+    examples = _cached_examples(ex_path, ex_key)
     if examples is None:
+        _drop_states(out)  # trained on examples that are not these
         if prompts is not None:
             try:
                 train_ids = data.jsonl_prompt_ids(tok, prompts)[:num_prompts]
@@ -203,16 +213,16 @@ def train_drafter(
             train_ids = data.task_prompt_ids(tok, task, "train", num_prompts, seed)
         t0 = time.perf_counter()
         seq_path = out / "rollouts.json"
-        seqs = _cached_rollouts(seq_path)
+        seqs = _cached_rollouts(seq_path, key)
         if seqs is None:
             seqs = [s for t in temps for s in data.rollouts(
                 target, train_ids, samples_per_prompt if t > 0 else 1, t, max_new_tokens, stops,
                 seed, progress=True)]  # fmt: skip
-            atomic_write(seq_path, json.dumps([vars(s) for s in seqs]))
+            data.save_rollouts(seqs, seq_path, key)
         if not seqs:
             fail("the target produced no completions to train on (try more --num-prompts)")
         examples = data.build_examples(target, seqs, feature_layers, progress=True)
-        data.save_examples(examples, ex_path)
+        data.save_examples(examples, ex_path, ex_key)
         ntok = sum(len(e.tokens) for e in examples)
         typer.echo(f"{len(examples)} examples, {ntok} tokens in {time.perf_counter() - t0:.0f}s")
     eval_ids = data.task_prompt_ids(tok, task, "eval", eval_prompts, seed)
@@ -272,34 +282,93 @@ def _load_target(model: str, device) -> tuple[Transformer, TextTokenizer]:
         fail(str(e))
 
 
-def _cached_examples(path: Path) -> list | None:
-    """The examples saved in ``path`` by an earlier run; None (saying why) if unusable."""
+def _data_key(
+    target: Transformer,
+    tok: TextTokenizer,
+    task: str,
+    prompts: Path | None,
+    num_prompts: int,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    temps: list[float],
+    seed: int,
+) -> dict[str, str]:
+    """What the rollouts are made by (strings: safetensors metadata holds only those): the
+    prompts' source (the task, or the prompts file's sha256), the counts and lengths, the
+    temperatures, the seed, the target's weight fingerprint, and sha256s of its tokenizer and
+    chat template."""
+    from specrl.models.fingerprint import fingerprint
+
+    source = f"task {task}"
+    if prompts is not None:
+        source = f"prompts file sha256 {file_digest(prompts)['sha256'][:16]}"
+    template = str(tok.config.get("chat_template") or "")
+    return {
+        "source": source,
+        "num_prompts": str(num_prompts),
+        "samples_per_prompt": str(samples_per_prompt),
+        "max_new_tokens": str(max_new_tokens),
+        "temperatures": ",".join(f"{t:g}" for t in temps),
+        "seed": str(seed),
+        "model": fingerprint(dict(target.named_parameters())),
+        "tokenizer": _sha(tok.tok.to_str()),
+        "template": _sha(template),
+    }
+
+
+def _sha(text: str) -> str:
+    """The first 16 hex digits of the sha256 of ``text``."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _notice(line: str) -> None:
+    """A ``notice:`` line on stderr (a cache not used, and why)."""
+    typer.echo(f"notice: {line}", err=True)
+
+
+def _cached_examples(path: Path, key: dict[str, str]) -> list | None:
+    """The examples saved in ``path`` by an earlier run made by ``key``; None (saying why in
+    a notice) if there are none or they are unusable or were made by something else."""
     from specrl.drafters import data
 
     if not path.exists():
         return None
     try:
-        examples = data.load_examples(path)
-    except ValueError as e:
-        typer.echo(f"ignoring {path} ({e}); rebuilding the examples")
+        examples = data.load_examples(path, key)
+    except ValueError as e:  # StaleData too
+        _notice(f"not using {path}: {e}; building the examples again")
         return None
     typer.echo(f"loaded {len(examples)} examples from {path}")
     return examples
 
 
-def _cached_rollouts(path: Path) -> list | None:
-    """The rollouts saved in ``path`` by an earlier run; None (saying why) if unusable."""
+def _cached_rollouts(path: Path, key: dict[str, str]) -> list | None:
+    """The rollouts saved in ``path`` by an earlier run made by ``key``; None (saying why in a
+    notice) if there are none or they are unusable or were made by something else."""
     from specrl.drafters import data
 
     if not path.exists():
         return None
     try:
-        rows = json.loads(path.read_text())
-        seqs = [data.Sequence(list(map(int, d["tokens"])), int(d["prompt_len"])) for d in rows]
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        typer.echo(f"ignoring {path} ({type(e).__name__}: {e}); generating the rollouts again")
+        return data.load_rollouts(path, key)
+    except ValueError as e:  # StaleData too
+        _notice(f"not using {path}: {e}; generating the rollouts again")
         return None
-    return seqs
+
+
+def _drop_states(out: Path) -> None:
+    """Remove the training states in ``out`` (a notice if there were any): they were trained
+    on examples that are being rebuilt, so training starts again from step 0."""
+    from specrl.drafters.train import STATE_FILE
+
+    found = [out / n for n in (STATE_FILE, TV_STATE_FILE) if (out / n).exists()]
+    for path in found:
+        path.unlink()
+    if found:
+        names = ", ".join(p.name for p in found)
+        _notice(f"removed {names} (trained on other examples); training from step 0")
 
 
 def _report(what: str, steps: int, t0: float, losses: list[float]) -> None:

@@ -5,12 +5,19 @@ with the chat template; ``rollouts`` samples completions with the ``Engine`` (pl
 the target's distribution); ``build_examples`` runs the target teacher-forced and records per
 position the captured layer outputs ``feats`` [T, F] and the final normed hidden ``final``
 [T, H] (never logits); ``save_examples`` / ``load_examples`` keep them in one safetensors file
-written atomically (nothing unpickled; a bad file raises ``ValueError``).
+written atomically (nothing unpickled; a bad file raises ``ValueError``), ``save_rollouts`` /
+``load_rollouts`` the rollouts in a JSON file. Both record ``made_by``, the key of what made
+them (the prompts' source, counts and lengths, temperatures, seed, the model's fingerprint, the
+tokenizer and chat template, the feature layers: ``specrl.drafters.cli``); loading with a key
+refuses a file made by anything else, or made before keys, with ``StaleData`` (a ``ValueError``)
+naming the first field that differs: a cache is never reused for other data.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +25,19 @@ import torch
 from tqdm import tqdm
 
 from specrl.errors import one_line
-from specrl.fsutil import atomic_writer
-from specrl.jsonl_prompts import numbered_lines, parse_line, prompt_of
+from specrl.fsutil import atomic_write, atomic_writer
+from specrl.jsonl_prompts import numbered_lines, parse_line, prompt_of, read_capped
 from specrl.models.device import model_device, on
 from specrl.models.transformer import Transformer
 
 EXAMPLES_FORMAT = "specrl-drafter-examples"
 EXAMPLES_VERSION = 1
+ROLLOUTS_FORMAT = "specrl-drafter-rollouts"
+MADE_BY = "made_by"  # the metadata (examples) or JSON (rollouts) key of what made a file
+
+
+class StaleData(ValueError):
+    """A cached file was made by something other than what asks for it (one line saying what)."""
 
 
 @dataclass
@@ -59,9 +72,10 @@ def task_prompt_ids(
 def jsonl_prompt_ids(tokenizer, path: str | Path) -> list[list[int]]:
     """Chat-rendered token ids of the prompts in a JSONL file (``specrl.jsonl_prompts``: a
     string, {"prompt": str} or {"messages": [...]} per line); ``ValueError`` naming the file and
-    line for one that is none of these (or a file that is not UTF-8 text)."""
+    line for one that is none of these (or a file that is not UTF-8 text, or larger than
+    ``jsonl_prompts.MAX_PROMPTS_BYTES``: read at most one byte past it)."""
     out = []
-    for n, line in numbered_lines(Path(path).read_bytes(), path):
+    for n, line in numbered_lines(read_capped(path), path):
         where = f"{path}:{n}"
         prompt = prompt_of(parse_line(line, where), where, chat=True)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -161,8 +175,11 @@ def _forward(target: Transformer, ids: torch.Tensor, positions: torch.Tensor, la
     return torch.cat(captured, dim=-1), hidden
 
 
-def save_examples(examples: list[Example], path: str | Path) -> None:
-    """Write ``examples`` to one safetensors file (see docs/internals.md), atomically."""
+def save_examples(
+    examples: list[Example], path: str | Path, made_by: Mapping[str, str] | None = None
+) -> None:
+    """Write ``examples`` to one safetensors file (see docs/internals.md), atomically, with
+    ``made_by`` (what made them) in its metadata."""
     from safetensors.torch import save_file
 
     if not examples:
@@ -176,18 +193,23 @@ def save_examples(examples: list[Example], path: str | Path) -> None:
         "prompt_lens": torch.tensor([e.prompt_len for e in examples], dtype=torch.int64),
     }
     meta = {"format": EXAMPLES_FORMAT, "version": str(EXAMPLES_VERSION)}
+    if made_by is not None:
+        meta[MADE_BY] = json.dumps(dict(made_by), sort_keys=True)
     with atomic_writer(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
 
 
-def load_examples(path: str | Path) -> list[Example]:
+def load_examples(path: str | Path, made_by: Mapping[str, str] | None = None) -> list[Example]:
     """The examples ``save_examples`` wrote; ``ValueError`` naming the file if it is missing,
-    truncated, not this format or inconsistent. Nothing is unpickled."""
+    truncated, not this format or inconsistent, ``StaleData`` if ``made_by`` is given and the
+    file records another key (or none). Nothing is unpickled."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
+            if meta.get("format") == EXAMPLES_FORMAT and made_by is not None:
+                _check_made_by(path, meta.get(MADE_BY), made_by)  # before reading the tensors
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     except (OSError, SafetensorError) as e:  # missing / unreadable; damaged or not safetensors
         raise ValueError(f"cannot read examples file {path}: {one_line(e)}") from None
@@ -202,6 +224,48 @@ def load_examples(path: str | Path) -> list[Example]:
         Example(tok, int(p), feats, final)
         for tok, feats, final, p in zip(*parts, tensors["prompt_lens"].tolist(), strict=True)
     ]
+
+
+def save_rollouts(
+    seqs: list[Sequence], path: str | Path, made_by: Mapping[str, str] | None = None
+) -> None:
+    """Write ``seqs`` to the JSON file ``path`` atomically, with ``made_by``."""
+    rows = [vars(s) for s in seqs]
+    record = {"format": ROLLOUTS_FORMAT, MADE_BY: dict(made_by or {}), "rollouts": rows}
+    atomic_write(path, json.dumps(record))
+
+
+def load_rollouts(path: str | Path, made_by: Mapping[str, str] | None = None) -> list[Sequence]:
+    """The rollouts ``save_rollouts`` wrote; ``ValueError`` when the file is unreadable or
+    malformed, ``StaleData`` if ``made_by`` is given and the file records another key (or none:
+    an older specrl's list of rollouts)."""
+    try:
+        raw = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read rollouts file {path}: {one_line(e)}") from None
+    record = raw if isinstance(raw, dict) else {}
+    if made_by is not None:
+        key = record.get(MADE_BY)
+        _check_made_by(path, json.dumps(key) if isinstance(key, dict) else None, made_by)
+    rows = record.get("rollouts") if isinstance(raw, dict) else raw
+    try:
+        return [Sequence(list(map(int, d["tokens"])), int(d["prompt_len"])) for d in rows]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"malformed rollouts file {path}: {one_line(e)}") from None
+
+
+def _check_made_by(path: str | Path, saved: str | None, wanted: Mapping[str, str]) -> None:
+    """``StaleData`` naming the first field of ``wanted`` that ``saved`` (JSON) lacks or
+    differs in; ``saved`` None or not a JSON object: made before keys."""
+    try:
+        found = json.loads(saved) if saved is not None else None
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        raise StaleData(f"{path} records no key of what made it (made before keys)")
+    for name, value in wanted.items():
+        if found.get(name) != value:
+            raise StaleData(f"{path} was made with {name} {found.get(name)!r}, not {value!r}")
 
 
 def _examples_problem(t: dict[str, torch.Tensor]) -> str | None:

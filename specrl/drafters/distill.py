@@ -1,17 +1,19 @@
 """Distilling a small draft model (a layer prefix of the target) on the target's distributions.
 
 ``init_draft(target, num_layers)`` copies the target's embedding, first layers, final norm and
-LM head in fp32; ``distill(draft, target, examples, cfg, out=None)`` minimises the forward
-KL(target || draft) on completion positions, training only the draft's layers and final norm
+LM head in fp32 (``untrained_draft(policy, dtype)``: the one a run without a draft model starts
+from, the same for the engine that drafts with it and the trainer that trains it);
+``distill(draft, target, examples, cfg, out=None)`` minimises the forward KL(target || draft)
+on completion positions, training only the draft's layers and final norm
 (the loop is ``drafters.train.fit``: resumable, same losses), and returns the per-step losses;
 ``save_draft_model`` writes a Hugging Face style directory that ``load_model`` reads as is,
-plus ``distill.json``. Details: docs/internals.md.
+plus ``distill.json``, each file atomically and a ``manifest.json`` (size and sha256 of each)
+last (loaders check it: ``models.heads.verify_drafter``). Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,8 +21,10 @@ import torch.nn.functional as F
 
 from specrl.drafters.data import Example
 from specrl.drafters.train import STATE_FILE, TrainConfig, fit
+from specrl.fsutil import atomic_write, atomic_writer, write_manifest
 from specrl.models.config import ModelConfig
 from specrl.models.device import model_device, on
+from specrl.models.heads import CHECKSUMS, MODEL_FILES
 from specrl.models.linear import Linear
 from specrl.models.transformer import Transformer, layer_prefix_model
 
@@ -42,6 +46,14 @@ def init_draft(target: Transformer, num_layers: int = DEFAULT_LAYERS) -> Transfo
         )
     device = target.embed.weight.device  # where the target (the policy) is
     return layer_prefix_model(target, num_layers).to(device=device, dtype=torch.float32)
+
+
+def untrained_draft(policy: Transformer, dtype: torch.dtype) -> Transformer:
+    """The draft model a run without one starts from and trains: the policy's embedding, first
+    ``DEFAULT_LAYERS`` layers (at most half of its layers, at least one), final norm and LM
+    head (a copy), in ``dtype``."""
+    layers = max(1, min(DEFAULT_LAYERS, policy.config.num_layers // 2))
+    return init_draft(policy, layers).to(dtype)
 
 
 def set_trainable(draft: Transformer) -> None:
@@ -123,21 +135,26 @@ def save_draft_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.float() for k, v in hf_state_dict(draft).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=1))
+    with atomic_writer(out / "model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    atomic_write(out / "config.json", json.dumps(draft.config.to_hf_dict(), indent=1))
+    names = [*MODEL_FILES]
     for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
         src = Path(tokenizer_dir) / name
         if src.exists():
-            shutil.copyfile(src, out / name)
+            atomic_write(out / name, src.read_bytes())
+            names.append(name)
     n = draft.config.num_layers
     spec = {
         "format": FORMAT,
         "version": VERSION,
+        CHECKSUMS: True,
         "num_layers": n,
         "init": f"target embedding, layers 0..{n - 1}, final norm, LM head",
         "trained": ["layers", "norm"],
         "target": target_config.to_hf_dict(),
         "extra": extra or {},
     }
-    (out / SPEC_FILE).write_text(json.dumps(spec, indent=1))
+    atomic_write(out / SPEC_FILE, json.dumps(spec, indent=1))
+    write_manifest(out, [*names, SPEC_FILE])
     return out

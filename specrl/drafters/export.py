@@ -1,13 +1,18 @@
 """Exporting specrl's drafters to the layouts vLLM loads.
 
 ``export_eagle3(head_dir, target, out_dir, dtype=None)`` writes an EAGLE-3 drafter directory
-(``config.json`` + ``model.safetensors``) that vLLM's ``Eagle3LlamaForCausalLM`` /
-``Eagle3Qwen3ForCausalLM`` loads, from an ``--head-arch eagle3`` head (``import_eagle3`` reads
-one back as a ``DraftHead``); ``export_draft_model``
-checks that a draft model is a Hugging Face checkpoint vLLM's ``draft_model`` method loads and
-copies it with its tokenizer. What vLLM cannot load (an MTP head, a ``proj``-layout head, a head
-of another target, damaged files) raises ``ExportError`` (a ``ValueError``) in one line. Files
-are written atomically. Details (the exact layout): docs/internals.md.
+(``config.json`` + ``model.safetensors`` + ``manifest.json``) that vLLM's
+``Eagle3LlamaForCausalLM`` / ``Eagle3Qwen3ForCausalLM`` loads, from an ``--head-arch eagle3``
+head (``import_eagle3`` reads one back as a ``DraftHead``); ``export_draft_model`` checks that
+a draft model is a Hugging Face checkpoint vLLM's ``draft_model`` method loads and copies it
+with its tokenizer. What vLLM cannot load (an MTP head, a ``proj``-layout head, a head of
+another target, damaged files) raises ``ExportError`` (a ``ValueError``) in one line. What is
+read is checked against its manifest first (``models.heads.verify_drafter``: a file that does
+not match is an ``ExportError`` naming it; a drafter made before checksums is read, with one
+``notice:`` line on stderr). An export is written into a hidden directory beside the output
+with its ``manifest.json`` (sha256 of each file), then moved into place (``write_dir``): a
+failure (a full disk) leaves no half-written output, and no output directory it created.
+Details (the exact layout): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specrl.errors import one_line
-from specrl.fsutil import atomic_write, atomic_writer
+from specrl.fsutil import MANIFEST, TMP_SUFFIX, fsync_path, write_manifest
 from specrl.models.checkpoints import (
     CheckpointError,
     hf_state_dict,
@@ -30,11 +37,23 @@ from specrl.models.checkpoints import (
     split_sizes,
 )
 from specrl.models.config import ModelConfig
-from specrl.models.heads import DraftHead, cast_floats, check_compatible, read_head_config
+from specrl.models.heads import (
+    CHECKSUMS,
+    HEAD_FILES,
+    MODEL_FILES,
+    DrafterDamaged,
+    DraftHead,
+    cast_floats,
+    check_compatible,
+    notice,
+    read_head_config,
+    verify_drafter,
+)
 from specrl.models.transformer import Transformer
 
 FORMAT = "specrl-vllm-eagle3"
 VERSION = 1
+Say = Callable[[str], None]  # where a drafter's "made before checksums" notice goes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 HF_ARCHS = {
     "llama": "LlamaForCausalLM",
@@ -74,11 +93,16 @@ def export_eagle3(
     target: str | os.PathLike | Transformer,
     out_dir: str | os.PathLike,
     dtype: torch.dtype | None = None,
+    source: str | None = None,
+    say: Say = notice,
 ) -> Path:
-    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (docs/internals.md)."""
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (docs/internals.md) and
+    their manifest; ``source``: what config.json names as the head exported (default: the
+    resolved ``head_dir``); ``say``: the notice for a head made before checksums."""
     from safetensors.torch import save_file
 
     head_dir, out = Path(head_dir), Path(out_dir)
+    unverified = verified(head_dir, HEAD_FILES)
     cfg = eagle3_head_config(head_dir)
     tcfg, lm_head = _target_lm_head(target)  # lm_head [V, H]
     try:
@@ -98,22 +122,32 @@ def export_eagle3(
     config["specrl_export"] = {
         "format": FORMAT,
         "version": VERSION,
-        "source": str(head_dir.resolve()),
+        CHECKSUMS: True,
+        "source": source or str(head_dir.resolve()),
         "feature_layers": cfg["feature_layers"],
     }
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_writer(out / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write(out / "config.json", json.dumps(config, indent=1))
+
+    def write(tmp: Path) -> list[str]:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        return ["model.safetensors", "config.json"]
+
+    write_dir(out, write)
+    if unverified is not None:
+        say(unverified)
     return out
 
 
-def import_eagle3(model_dir: str | os.PathLike, target: Transformer) -> DraftHead:
+def import_eagle3(
+    model_dir: str | os.PathLike, target: Transformer, say: Say = notice
+) -> DraftHead:
     """The specrl head (``arch='eagle3'``, float32) a drafter directory in vLLM's EAGLE-3 layout
     holds for ``target``: ``export_eagle3`` read back (its LM head, rows of the target's, is not
     the head's own and is dropped). ``ExportError`` for a drafter specrl's head cannot hold
-    (another target, tensors without a place in it, no feature layer ids)."""
+    (another target, tensors without a place in it, no feature layer ids) or whose files do not
+    match their manifest; ``say``: the notice for an export made before checksums."""
     src = Path(model_dir)
+    unverified = verified(src, MODEL_FILES, "import")
     try:
         raw = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -143,6 +177,8 @@ def import_eagle3(model_dir: str | os.PathLike, target: Transformer) -> DraftHea
     except RuntimeError as e:  # missing or mis-shaped tensors (several lines)
         why = " ".join(str(e).split())
         raise ExportError(f"{src} does not fit an eagle3 head: {why}") from None
+    if unverified is not None:
+        say(unverified)
     return head.eval()
 
 
@@ -380,11 +416,17 @@ def export_draft_model(
     draft_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
+    say: Say = notice,
 ) -> Path:
-    """Check ``draft_dir`` is an HF checkpoint vLLM loads; copy it (and tokenizer files) to
-    ``out_dir`` unless that is the same directory (docs/internals.md)."""
+    """Check ``draft_dir`` is an HF checkpoint vLLM loads (its files matching its manifest);
+    copy it (and tokenizer files) to ``out_dir`` unless that is the same directory
+    (docs/internals.md); ``say``: the notice for a draft model made before checksums."""
     try:
         src = resolve_model(draft_dir)
+    except CheckpointError as e:
+        raise ExportError(f"{draft_dir} is not a model vLLM can load: {e}") from None
+    unverified = verified(src, MODEL_FILES)
+    try:
         model = load_model(src)  # every tensor present, named and shaped as HF's
     except CheckpointError as e:
         raise ExportError(f"{draft_dir} is not a model vLLM can load: {e}") from None
@@ -396,13 +438,66 @@ def export_draft_model(
         raise ExportError(f"{src} has no tokenizer.json: {how}")
     if same:
         _check_hf_config(src)
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    _write_hf_model(model, src, out)
-    for name in TOKENIZER_FILES:
-        if (Path(tok_src) / name).is_file():
-            shutil.copyfile(Path(tok_src) / name, out / name)
+    else:
+        write_dir(out, lambda tmp: _write_hf_model(model, src, Path(tok_src), tmp))
+    if unverified is not None:
+        say(unverified)
     return out
+
+
+def verified(path: Path, required: tuple[str, ...], doing: str = "export") -> str | None:
+    """``models.heads.verify_drafter`` with damage as an ``ExportError`` ('cannot ``doing``
+    the drafter: DIR/FILE: sha256 mismatch'): the notice line for a drafter made before
+    checksums, else None."""
+    try:
+        return verify_drafter(path, required)
+    except DrafterDamaged as e:
+        raise ExportError(f"cannot {doing} the drafter: {e}") from None
+
+
+def write_dir(out: Path, write: Callable[[Path], list[str]]) -> Path:
+    """Fill a hidden directory beside ``out`` through ``write`` (which returns the names of the
+    files it wrote), add their manifest, and move it into place (``_move_in``). On any failure
+    nothing half-written stays: the hidden directory is removed, and so is every directory this
+    call created (``out``, and its parents that were missing)."""
+    created = _first_missing(out)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        names = write(tmp)
+        write_manifest(tmp, names)
+        _move_in(tmp, out, [*names, MANIFEST])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return out
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist (None: ``path`` does)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _move_in(tmp: Path, out: Path, names: list[str]) -> None:
+    """``tmp`` renamed to ``out`` when that is missing or empty; else each of ``names`` renamed
+    over its namesake in ``out``, the manifest last (a reader in between finds files that do not
+    match the old manifest, so refuses them), and ``tmp`` removed."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        tmp.rename(out)  # over an empty directory too
+    else:
+        for name in sorted(names, key=lambda n: n == MANIFEST):
+            (tmp / name).replace(out / name)
+        fsync_path(out)
+        tmp.rmdir()
+    fsync_path(out.parent)
 
 
 def _check_hf_config(model_dir: Path) -> None:
@@ -417,21 +512,26 @@ def _check_hf_config(model_dir: Path) -> None:
         )
 
 
-def _write_hf_model(model: Transformer, src: Path, out: Path) -> None:
-    """config.json (architecture set from model_type, the rest kept) and model.safetensors
-    (HF names, the source's dtype) of ``model``, read from ``src``."""
+def _write_hf_model(model: Transformer, src: Path, tok_src: Path, out: Path) -> list[str]:
+    """config.json (architecture set from model_type, the rest kept), model.safetensors (HF
+    names, the source's dtype) of ``model``, read from ``src``, its distill.json and the
+    tokenizer files of ``tok_src``, written into ``out``; the names written."""
     from safetensors.torch import save_file
 
     raw = json.loads((src / "config.json").read_text())
     raw["architectures"] = [HF_ARCHS[model.config.model_type]]
     dtype = _source_dtype(src)
     state = {k: v.to(dtype) for k, v in hf_state_dict(model).items()}
-    with atomic_writer(out / "model.safetensors") as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
-    atomic_write(out / "config.json", json.dumps(raw, indent=1))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
+    names = ["model.safetensors", "config.json"]
     spec = src / "distill.json"  # specrl's record of how the draft was made
-    if spec.is_file():
-        shutil.copyfile(spec, out / spec.name)
+    copies = [spec] if spec.is_file() else []
+    copies += [tok_src / n for n in TOKENIZER_FILES if (tok_src / n).is_file()]
+    for path in copies:
+        shutil.copyfile(path, out / path.name)
+        names.append(path.name)
+    return names
 
 
 def _source_dtype(model_dir: Path) -> torch.dtype:

@@ -6,9 +6,13 @@ context (``"length"``). Sampling is counter-based per request seed, so a request
 same tokens alone or batched. Each iteration admits rows (``admission``), grows the cache
 (``kv``), applies a staged weight update (``stage_weights``: ``inflight``), runs one decode step
 (``decode``) and retires finished rows (``call``). ``stats`` / ``total_stats`` are the last
-call's and every call's counters. The engine runs on its model's device; ``step_graphs`` runs
-decode and verify steps at static shapes, captured as CUDA graphs on CUDA (``static``).
-Details: docs/internals.md.
+call's and every call's counters. ``load_weights(named, version)`` is the one way new policy
+weights enter the engine: between calls (the caller makes sure none runs) and, for a staged
+update, at a running call's safe point; ``free_cache()`` lets go of the KV cache (the next call
+makes a new one). The drafter's optional hooks (``check``, ``use_static``, ``bind``) are called
+unconditionally (``spec.proposers.base.Proposer``). The engine runs on its model's device;
+``step_graphs`` runs decode and verify steps at static shapes, captured as CUDA graphs on CUDA
+(``static``). Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -91,16 +95,16 @@ class Engine:
         self.step_graphs = step_graphs
         limit = model.config.max_position_embeddings
         self.max_context = min(max_context or limit, limit)
-        self._kv = KVSpace(model, self.device, self.max_context, memory_fraction)
+        self.spec = (spec or SpecConfig()).validate()
+        self.static = static = static_steps(step_graphs, self.device, max_batch)
+        self._kv = KVSpace(model, self.device, self.max_context, memory_fraction,
+                           None if static is None else static.sizes,
+                           None if static is None else static.drop)  # fmt: skip
         self.policy_version = policy_version
         self._admission = Admission(self._kv, model.config.vocab_size, seed)
         self.stats = EngineStats()  # the last generate() call
         self.total_stats = EngineStats()  # every call since the engine was built
         self.record_steps = record_steps  # time each forward into stats.step_records
-        self.spec = (spec or SpecConfig()).validate()
-        self.static = static_steps(step_graphs, self.device, max_batch)
-        if self.static is not None:
-            self._kv.sizes, self._kv.on_replace = self.static.sizes, self.static.drop
         self.proposer = self.make_proposer(self.spec)
         self._active = ActiveSpec(self.spec)  # the running call's speculation
         self._call: Call | None = None  # the running call
@@ -108,25 +112,26 @@ class Engine:
         self.controller: SpecController | None = None  # chooses k per step (spec.adaptive)
         self._decoder = Decoder(self._controller, self.static)
 
-    def make_proposer(self, spec: SpecConfig):
+    def make_proposer(self, spec: SpecConfig) -> Proposer | None:
         """Build and check a drafter for this engine (errors here, never mid-generation)."""
         proposer = build_proposer(spec, draft_model=self.draft_model, target_model=self.model)
-        if proposer is not None and hasattr(proposer, "check"):
-            proposer.check(self.max_context, self.model.config.vocab_size)
-        if self.static is not None and hasattr(proposer, "use_static"):  # its own steps
+        if proposer is None:
+            return None
+        proposer.check(self.max_context, self.model.config.vocab_size)
+        if self.static is not None:  # its own steps, if it has any, run static too
             proposer.use_static(StepGraphs(self.device, self.static.graphs.capture),
                                 self.static.sizes)  # fmt: skip
         return proposer
 
     @property
-    def _cache(self) -> KVCache | None:
-        """The KV cache (None frees it; the engine stays usable and makes a new one)."""
+    def cache(self) -> KVCache | None:
+        """The KV cache: None before the first call and after ``free_cache``."""
         return self._kv.cache
 
-    @_cache.setter
-    def _cache(self, cache: KVCache | None) -> None:
-        self._kv.on_replace()  # the static steps let go of the old one
-        self._kv.cache = cache
+    def free_cache(self) -> None:
+        """Let go of the KV cache (its static steps first); the engine stays usable and makes
+        a new one for its next call."""
+        self._kv.free()
 
     # ------------------------------------------------------------------ public API
 
@@ -157,7 +162,7 @@ class Engine:
         valid = [c for c in completions if c.error is None]
         margin = spec.k + 1 + spec.siblings if spec.enabled else 0
         self._kv.ensure(pending, margin, self.max_batch, self.cache_chunk)
-        if active.proposer is not None and hasattr(active.proposer, "bind"):
+        if active.proposer is not None:
             active.proposer.bind(self._kv.cache.slots, self._kv.limit, self.model.config.vocab_size)
         self._call = call = Call(
             self.model,
@@ -181,6 +186,19 @@ class Engine:
         self._active, self._call = ActiveSpec(self.spec), None
         self.total_stats.add(self.stats)
         return completions
+
+    def load_weights(self, named: Mapping[str, torch.Tensor], version: int) -> None:
+        """The model's weights := ``named`` (copied in place, ``ValueError`` naming a missing
+        or mis-shaped tensor), packed for inference now (the update pays for that, not the next
+        forward), served as policy ``version`` from now on. Between calls the caller makes sure
+        no ``generate`` runs; during one only the generating thread calls it (a staged update at
+        a safe point: the running call's later tokens are ``version``'s)."""
+        copy_weights(self.model, named)
+        prepack(self.model)
+        self.policy_version = version
+        if self._call is not None:
+            self._call.version = version
+        self._admission.stash = None  # a prompt cache and logits of the old weights
 
     def stage_weights(
         self, named_tensors: Mapping[str, torch.Tensor], version: int, mode: str
@@ -206,11 +224,7 @@ class Engine:
         update = self._updates.take(self.policy_version)
         if update is None:
             return []
-        copy_weights(self.model, update.named)
-        self.policy_version = update.version
-        if self._call is not None:  # the running call's tokens are the new version's from now
-            self._call.version = update.version
-        self._admission.stash = None  # its prompt cache and logits came from the old weights
+        self.load_weights(update.named, update.version)
         if not rows:
             return []
         return rewrite(self._call, rows, update, start, self.reverify_max_tokens)

@@ -8,8 +8,9 @@ stashed prompt, and room for the call's longest prompt plus ``chunk`` positions.
 not reserved for prompt + ``max_new_tokens`` up front: ``reserve`` doubles it, up to the longest
 the call can need (``limit``), only when a row outgrows it (static steps read only the span
 of it their rows reach). ``cache`` is None before the first call and after its owner
-frees it. ``on_replace`` runs before a cache is replaced by a new one (the engine's static
-steps drop what holds the old one, so it is freed before the new one is made).
+frees it (``free``). ``on_replace`` (a constructor argument) runs before a cache is replaced
+by a new one or freed (the engine's static steps drop what holds the old one, so it is freed
+before the new one is made); ``sizes`` are the static steps' batch buckets.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class KVSpace:
         device: torch.device,
         max_context: int,
         memory_fraction: float | None = None,
+        sizes: tuple[int, ...] | None = None,
+        on_replace: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.device = device  # where the cache and every forward's tensors live
@@ -48,8 +51,8 @@ class KVSpace:
         self.margin = 0  # positions a speculative forward writes past a row's last token
         # batch buckets of static steps (``specrl.engine.static``): a call's rows are at most a
         # bucket and the cache has slots for its bucket's padding rows; None: no static steps
-        self.sizes: tuple[int, ...] | None = None
-        self.on_replace: Callable[[], None] = lambda: None  # before a cache is replaced
+        self.sizes = sizes
+        self.on_replace: Callable[[], None] = on_replace or (lambda: None)  # before a cache goes
 
     def ensure(
         self,
@@ -92,6 +95,11 @@ class KVSpace:
             self.on_replace()  # nothing else holds the old one ...
             self.cache = None  # ... so it is freed first
             self.cache = self.model.new_cache(slots, need_len)
+
+    def free(self) -> None:
+        """Let go of the cache (``on_replace`` first); the next ``ensure`` makes a new one."""
+        self.on_replace()
+        self.cache = None
 
     def _rows_that_fit(self, limit: int, max_batch: int) -> int:
         """Concurrent rows for a call whose rows may reach ``limit`` cache positions: max_batch,

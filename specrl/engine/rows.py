@@ -84,4 +84,4 @@ class ActiveSpec(NamedTuple):
     def of(cls, spec: SpecConfig, proposer: Proposer | None) -> ActiveSpec:
         """``spec`` with its ``proposer`` when speculation is on."""
         proposer = proposer if spec.enabled else None
-        return cls(spec, proposer, tuple(getattr(proposer, "hidden_layers", ()) or ()))
+        return cls(spec, proposer, () if proposer is None else tuple(proposer.hidden_layers))

@@ -303,16 +303,34 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise CheckpointError(f"bad config.json in {model_dir}: {one_line(e)}") from None
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The directory's weights files as Hugging Face names them: the shards its
+    ``model.safetensors.index.json`` maps, else ``model.safetensors``, else every
+    ``*.safetensors`` (other files beside the weights, such as ``train-drafter``'s cached
+    ``examples.safetensors``, are not the model's)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+            return [model_dir / name for name in sorted(set(shards))]
+        if (model_dir / "model.safetensors").is_file():
+            return [model_dir / "model.safetensors"]
+        # not glob: it skips a directory it may not list without a word
+        return sorted(p for p in model_dir.iterdir() if p.name.endswith(".safetensors"))
+    except PermissionError:
+        raise CheckpointError(denied(model_dir, "model directory")) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"bad {index}: {one_line(e)}") from None
+
+
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's ``*.safetensors`` files (``CheckpointError``: none, a
-    directory or file this user may not read, or a damaged file)."""
+    """Every tensor of the directory's weights files (``weight_files``; ``CheckpointError``:
+    none, a directory or file this user may not read, or a damaged file)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:  # not glob: it skips a directory it may not list without a word
-        files = sorted(p for p in Path(model_dir).iterdir() if p.name.endswith(".safetensors"))
-    except PermissionError:
-        raise CheckpointError(denied(model_dir, "model directory")) from None
+    files = weight_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors file in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}

@@ -1,51 +1,86 @@
 """A bf16 model's whole decoder stack in one native call, for forwards that read the KV cache.
 
-``native_layers(model, x, cos, sin, ctx, capture)`` returns what ``Transformer.hidden_states``
-returns from ONE ``GemvKernel.layers`` call, bit for bit what the modules compute, or None where
-that path does not apply (a switch off, no kernel, autograd, not bf16, no cache read, layer
-features the kernels do not take, weights not packed yet) and the caller runs the modules.
-``run_layers`` is the same for any stack of ``Block``s. Details, and why: docs/internals.md.
+``run_layers(blocks, final_norm, config, x, cos, sin, ctx, capture)`` returns what
+``Transformer.hidden_states`` returns for a stack of decoder blocks and its final norm from ONE
+``GemvKernel.layers`` call, bit for bit what the modules compute, or None where that path does
+not apply (a switch off, no kernel, autograd, not bf16, no cache read, layer features the
+kernels do not take, weights not packed yet) and the caller runs the modules. It reads the
+modules through the protocols below (what ``models.transformer``'s ``Block``, ``RMSNorm`` and
+``AttnContext`` offer), so that it imports nothing of the model that calls it.
+Details, and why: docs/internals.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from specrl.kernels import gemv
-
-if TYPE_CHECKING:
-    from specrl.models.config import ModelConfig
-    from specrl.models.transformer import AttnContext, Block, RMSNorm, Transformer
+from specrl.models.cache import KVCache
+from specrl.models.config import ModelConfig
 
 
-def native_layers(
-    model: Transformer,
-    x: torch.Tensor,  # [B, T, H] bf16 embeddings (updated in place: the residual stream)
-    cos: torch.Tensor,  # [B, T, 1, head_dim]
-    sin: torch.Tensor,  # [B, T, 1, head_dim]
-    ctx: AttnContext,
-    capture: tuple[int, ...],
-) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """(final normed hidden [B, T, H], captured layer outputs) in one call, or None."""
-    if not model.native_layers:
-        return None
-    return run_layers(model.layers, model.norm, model.config, x, cos, sin, ctx, capture)
+class Norm(Protocol):
+    """An RMSNorm: its weight and its native switch."""
+
+    weight: torch.Tensor
+    native: bool
+
+
+class Packed(Protocol):
+    """A linear layer with a native packed copy of its weight (``models.linear.Linear``)."""
+
+    def native_weight(self) -> torch.Tensor | None: ...
+
+
+class Attention(Protocol):
+    native: bool
+    native_rope: bool
+    qkv: Packed
+    o: Packed
+
+
+class Mlp(Protocol):
+    native: bool
+    gate_up: Packed
+    down: Packed
+
+
+class Layer(Protocol):
+    """A pre-norm decoder block."""
+
+    attn_norm: Norm
+    attn: Attention
+    mlp_norm: Norm
+    mlp: Mlp
+
+
+class Context(Protocol):
+    """A forward's attention context: the cache and which of its keys each query sees."""
+
+    cache: KVCache | None
+    read_cache: bool
+    static: bool
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def visible_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 def run_layers(
-    blocks: Sequence[Block],
-    final_norm: RMSNorm,
+    blocks: Sequence[Layer],
+    final_norm: Norm,
     c: ModelConfig,
     x: torch.Tensor,  # [B, T, H] bf16, the residual stream into the first block (updated)
     cos: torch.Tensor,  # [B, T, 1, head_dim]
     sin: torch.Tensor,  # [B, T, 1, head_dim]
-    ctx: AttnContext,
+    ctx: Context,
     capture: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """``blocks`` then ``final_norm`` in one call: (normed [B, T, H], captured), or None."""
+    """``blocks`` then ``final_norm`` in one call: (normed [B, T, H], captured layer outputs),
+    or None (see the module docstring)."""
     kernel = _kernel(c, final_norm, x, cos, ctx)
     if kernel is None:
         return None
@@ -79,7 +114,7 @@ def run_layers(
 
 
 def _kernel(
-    c: ModelConfig, final_norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, ctx: AttnContext
+    c: ModelConfig, final_norm: Norm, x: torch.Tensor, cos: torch.Tensor, ctx: Context
 ) -> gemv.GemvKernel | None:
     """The kernel when the one-call path applies to this stack and forward (see module)."""
     if ctx.cache is None or not ctx.read_cache or ctx.static or not x.is_contiguous():
@@ -90,7 +125,7 @@ def _kernel(
     return kernel if kernel is not None and final_norm.native else None
 
 
-def _layer_weights(layer: Block) -> tuple[int, ...] | None:
+def _layer_weights(layer: Layer) -> tuple[int, ...] | None:
     """attn_norm, qkv, o, mlp_norm, gate_up, down pointers, or None (a switch off, a bias, a
     weight not packed for its current value, a norm weight not bf16)."""
     attn, mlp = layer.attn, layer.mlp

@@ -7,16 +7,36 @@ x_{i+1}, and its logits predict x_{i+2}; drafting feeds its own output back. Kin
 and ``"eagle3"`` (vLLM's). An optional reduced draft vocabulary (``d2t``) predicts over Vd
 tokens. ``save_head`` / ``load_head`` keep a head directory; ``check_compatible`` refuses a head
 of another target. Details (the layer's equations, the format): docs/internals.md.
+
+Saved drafters (a head here, a draft model in ``drafters.distill``, a vLLM-layout export in
+``drafters.export``) carry a ``manifest.json`` (``fsutil.write_manifest``: size and sha256 of
+each file, written last), as run checkpoints do. ``verify_drafter(path, required)`` checks one
+before it is read: a file that does not match is ``DrafterDamaged`` naming it
+(``DIR/head.safetensors: sha256 mismatch``); a directory specrl wrote before drafters had
+manifests passes with the line ``notice`` prints (``notice: DIR has no manifest.json (made
+before checksums); its files are not verified``), one whose own record says it was written with
+one (``"checksums": true``) and lacks it is damaged; a foreign one (no specrl record) passes
+silently. ``load_head`` verifies, and prints the notice once the head has loaded.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from specrl.fsutil import (
+    MANIFEST,
+    atomic_write,
+    atomic_writer,
+    listed_problem,
+    read_manifest,
+    write_manifest,
+)
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import run_layers
@@ -34,6 +54,9 @@ KINDS = ("eagle3", "mtp")
 ARCHS = ("proj", "eagle3")  # the head layer's layout (docs/internals.md)
 FORMAT = "specrl-draft-head"
 VERSION = 1
+HEAD_FILES = ("head.safetensors", "head.json")  # what ``load_head`` reads; the manifest lists both
+MODEL_FILES = ("model.safetensors", "config.json")  # of a draft model or a vLLM-layout export
+CHECKSUMS = "checksums"  # a drafter record's key: true when a manifest.json was written with it
 
 
 def default_layers(kind: str, num_layers: int) -> tuple[int, ...]:
@@ -86,6 +109,11 @@ class DraftHead(nn.Module):
     @property
     def target(self) -> Transformer:
         return self._target[0]
+
+    def use_target(self, target: Transformer) -> None:
+        """Read the embedding and LM head of ``target`` from now on (held, not registered:
+        a drafter shares the live target's, whatever model the head was loaded against)."""
+        self._target = (target,)
 
     def features_in(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., len(layers)*H] -> head input [..., H]."""
@@ -344,15 +372,18 @@ def head_config(head: DraftHead) -> dict:
 
 
 def save_head(head: DraftHead, out: str | Path, extra: dict | None = None) -> Path:
-    """Write ``head.safetensors`` + ``head.json`` into directory ``out``."""
+    """Write ``head.safetensors`` + ``head.json`` into directory ``out`` (each atomically), then
+    their ``manifest.json``."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(out / "head.safetensors"))
-    cfg = head_config(head) | {"extra": extra or {}}
-    (out / "head.json").write_text(json.dumps(cfg, indent=1))
+    with atomic_writer(out / "head.safetensors") as tmp:
+        save_file(state, str(tmp))
+    cfg = head_config(head) | {CHECKSUMS: True, "extra": extra or {}}
+    atomic_write(out / "head.json", json.dumps(cfg, indent=1))
+    write_manifest(out, list(HEAD_FILES))
     return out
 
 
@@ -376,12 +407,20 @@ def read_head_config(path: str | Path) -> dict:
     return cfg
 
 
-def load_head(path: str | Path, target: Transformer, kind: str | None = None) -> DraftHead:
-    """Load a saved head onto ``target``: ``ValueError`` when it is damaged or incompatible
-    (json's and torch's state-dict mismatches included), ``OSError`` when a file is unreadable,
-    safetensors' ``SafetensorError`` when head.safetensors is damaged."""
+def load_head(
+    path: str | Path,
+    target: Transformer,
+    kind: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> DraftHead:
+    """Load a saved head onto ``target``: ``DrafterDamaged`` (a ``ValueError``) when a file does
+    not match its manifest, ``ValueError`` when it is damaged otherwise or incompatible (json's
+    and torch's state-dict mismatches included), ``OSError`` when a file is unreadable,
+    safetensors' ``SafetensorError`` when head.safetensors is damaged. A head without a manifest
+    (made before checksums) loads, and ``say`` (default ``notice``) gets one line saying so."""
     from safetensors.torch import load_file
 
+    unverified = verify_drafter(path, HEAD_FILES)
     cfg = read_head_config(path)
     check_compatible(cfg, target.config)
     if kind is not None and cfg["kind"] != kind:
@@ -396,4 +435,58 @@ def load_head(path: str | Path, target: Transformer, kind: str | None = None) ->
         raise ValueError(
             f"{path}/head.safetensors does not fit a {cfg['kind']} head: {why}"
         ) from None
+    if unverified is not None:
+        (say or notice)(unverified)
     return head.eval()
+
+
+# ------------------------------------------------------------------- verified drafter files
+
+
+class DrafterDamaged(ValueError):
+    """A saved drafter's files do not match its manifest.json; the one line names the file."""
+
+
+def verify_drafter(path: str | Path, required: Iterable[str]) -> str | None:
+    """Check the drafter directory ``path`` against its manifest.json (see the module
+    docstring): ``DrafterDamaged`` naming the first file that does not match, or a file of
+    ``required`` present but not listed; the notice line (without ``notice:``) for a directory
+    specrl wrote before drafters had manifests; ``None`` when verified (or foreign)."""
+    path = Path(path)
+    listed = read_manifest(path)
+    if isinstance(listed, str):
+        record = _record(path)
+        if (path / MANIFEST).exists() or (record or {}).get(CHECKSUMS) is True:
+            raise DrafterDamaged(f"{path}/{listed}")
+        if record is None:
+            return None
+        return f"{path} has no {MANIFEST} (made before checksums); its files are not verified"
+    unlisted = [n for n in required if n not in listed and (path / n).exists()]
+    if unlisted:
+        raise DrafterDamaged(f"{path}/{MANIFEST} does not list {unlisted[0]}")
+    problem = listed_problem(path, listed)
+    if problem is not None:
+        raise DrafterDamaged(f"{path}/{problem}")
+    return None
+
+
+RECORDS = ("head.json", "distill.json", "config.json")  # where specrl records what it wrote
+
+
+def _record(path: Path) -> dict | None:
+    """specrl's own record of the drafter in ``path``: head.json, a draft model's distill.json
+    or an export's ``specrl_export`` in config.json (the first readable one); None if none."""
+    for name in RECORDS:
+        try:
+            raw = json.loads((path / name).read_bytes())
+        except (OSError, ValueError):
+            continue
+        found = raw.get("specrl_export") if name == "config.json" and isinstance(raw, dict) else raw
+        if isinstance(found, dict):
+            return found
+    return None
+
+
+def notice(line: str) -> None:
+    """Print ``notice: <line>`` on stderr (a drafter loaded without verification)."""
+    print(f"notice: {line}", file=sys.stderr, flush=True)

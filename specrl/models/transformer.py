@@ -22,7 +22,7 @@ from specrl.kernels import gemv
 from specrl.models.attention import grouped_attention, grouped_sdpa, sdpa
 from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
-from specrl.models.fused import native_layers
+from specrl.models.fused import run_layers
 from specrl.models.linear import Linear
 from specrl.models.packed_attention import PackedAttention, PackedMask, use_flex
 from specrl.models.rope import rope_inv_freq, rotate_half
@@ -391,9 +391,10 @@ class Transformer(nn.Module):
         ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree, parents)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
-        fused = native_layers(self, x, cos, sin, ctx, capture)
-        if fused is not None:
-            return fused
+        if self.native_layers:  # the whole stack in one native call, where that applies
+            fused = run_layers(self.layers, self.norm, self.config, x, cos, sin, ctx, capture)
+            if fused is not None:
+                return fused
         captured = []
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):

@@ -3,8 +3,11 @@
 ``save_checkpoint`` writes the policy (Hugging Face names), float32 masters if any, AdamW state
 (safetensors + JSON, nothing pickled), state.json (the step state, the alarm, the torch RNG,
 ``"format": 2``), the backend's state and a drafter trainer's files, through
-``manifest.write_atomically``; ``save_run_checkpoint`` writes train workers' DCP checkpoint
-(``learner/``, its manifest's sha256 in ``learner.json``) in place of the policy and AdamW files.
+``manifest.write_atomically``; ``weights_only=True`` (a run's final checkpoint under
+``run.final_checkpoint = 'weights'``) leaves out the AdamW state and masters (state.json says
+``"weights_only": true``): it exports, it does not resume; ``save_run_checkpoint`` writes
+train workers' DCP checkpoint (``learner/``, its manifest's sha256 in ``learner.json``) in place
+of the policy and AdamW files.
 ``read_checkpoint`` verifies and parses everything first (``CheckpointDamaged``);
 ``apply_checkpoint`` restores in place (``RunDirError`` when it does not fit), ``apply_to_learner``
 whichever way the run trains; ``load_checkpoint`` is read + apply. Details: docs/internals.md.
@@ -33,6 +36,7 @@ from specrl.pipelines.manifest import (
     REQUIRED,
     SHARDED,
     SHARDED_MARK,
+    WEIGHTS_ONLY,
     CheckpointDamaged,
     RunDirError,
     checkpoint_step,
@@ -134,10 +138,13 @@ def rng_state() -> str:
 
 
 def _policy_files(
-    tmp: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer
+    tmp: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, weights_only: bool
 ) -> list[str]:
-    """A one-process learner's files in ``tmp``: the policy, AdamW state, masters if any."""
+    """A one-process learner's files in ``tmp``: the policy, AdamW state, masters if any (the
+    policy alone when ``weights_only``)."""
     save_file(hf_state_dict(policy), str(tmp / "policy.safetensors"))
+    if weights_only:
+        return ["policy.safetensors"]
     tensors, meta = optimizer_tensors(optimizer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     (tmp / "optimizer.json").write_text(json.dumps(meta))
@@ -184,12 +191,15 @@ def save_checkpoint(
     state: Mapping[str, Any],
     backend_state: Mapping[str, Any] | None = None,
     drafter: Savable | None = None,
+    weights_only: bool = False,
 ) -> Path:
     """Write a complete checkpoint directory atomically (``manifest.write_atomically``). A
     failure while writing (a full disk) removes ``step_N.tmp`` and leaves ``step_N`` as it was;
-    one between the renames leaves both copies for ``RunDir.recover_interrupted``."""
-    files = partial(_policy_files, policy=policy, optimizer=optimizer)
-    return _commit(ckpt, files, state, backend_state, drafter)
+    one between the renames leaves both copies for ``RunDir.recover_interrupted``;
+    ``weights_only``: no optimizer state (see the module docstring)."""
+    files = partial(_policy_files, policy=policy, optimizer=optimizer, weights_only=weights_only)
+    marked = dict(state) | ({WEIGHTS_ONLY: True} if weights_only else {})
+    return _commit(ckpt, files, marked, backend_state, drafter)
 
 
 def save_run_checkpoint(
@@ -198,12 +208,16 @@ def save_run_checkpoint(
     state: Mapping[str, Any],
     backend_state: Mapping[str, Any] | None = None,
     drafter: Savable | None = None,
+    weights_only: bool = False,
 ) -> Path:
     """``save_checkpoint`` of a run's learner: a one-process one's files, or the train
-    workers' DCP checkpoint (``learner/``, named by ``learner.json``) for a ``TrainGroup``."""
+    workers' DCP checkpoint (``learner/``, named by ``learner.json``) for a ``TrainGroup``
+    (always whole: ``weights_only`` is for one process, the config refuses it with workers)."""
     if not isinstance(learner, TrainGroup):
         return save_checkpoint(ckpt, learner.model, learner.optimizer, state, backend_state,
-                               drafter)  # fmt: skip
+                               drafter, weights_only)  # fmt: skip
+    if weights_only:
+        raise ValueError("a weights-only checkpoint of train workers is not supported")
     return _commit(ckpt, partial(_sharded_files, group=learner), state, backend_state, drafter)
 
 
@@ -236,6 +250,7 @@ class CheckpointData:
     drafter: Path | None = None  # a learned drafter's training state, verified, not yet read
     masters: dict[str, torch.Tensor] = field(default_factory=dict)  # float32 masters, if any
     sharded: Path | None = None  # train workers' DCP checkpoint (then no policy/optimizer)
+    weights_only: bool = False  # the policy without optimizer state: exports, never resumes
 
 
 def _json(path: Path) -> Any:
@@ -247,6 +262,8 @@ def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
     if not isinstance(state.get("step"), int) or not isinstance(state.get("policy_version"), int):
         raise ValueError("no integer 'step' and 'policy_version'")
     state.pop("format", None)
+    if not isinstance(state.setdefault(WEIGHTS_ONLY, False), bool):
+        raise ValueError(f"{WEIGHTS_ONLY!r} is not a boolean")
     raw = np.frombuffer(bytes.fromhex(state.pop("torch_rng")), np.uint8).copy()
     return state, torch.from_numpy(raw)
 
@@ -254,8 +271,15 @@ def _state(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
 def read_checkpoint(ckpt: Path) -> CheckpointData:
     """Verify and parse the checkpoint in ``ckpt`` (``CheckpointDamaged`` on any damage)."""
     sharded = ckpt / SHARDED if SHARDED_MARK in verify_manifest(ckpt) else None
-    policy, optimizer = _one_process_files(ckpt) if sharded is None else ({}, {})
     state, rng = parse_file(ckpt, "state.json", _state)
+    weights_only = state.pop(WEIGHTS_ONLY)
+    if sharded is not None:
+        policy, optimizer = {}, {}
+    elif weights_only:
+        policy = parse_file(ckpt, "policy.safetensors", lambda p: load_file(str(p)))
+        optimizer = {}
+    else:
+        policy, optimizer = _one_process_files(ckpt)
     step = checkpoint_step(ckpt)
     if step is not None and state["step"] != step:
         raise CheckpointDamaged(f"state.json: step {state['step']} in a checkpoint named {step}")
@@ -266,7 +290,8 @@ def read_checkpoint(ckpt: Path) -> CheckpointData:
     masters = (
         parse_file(ckpt, MASTERS, lambda p: load_file(str(p))) if (ckpt / MASTERS).exists() else {}
     )
-    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters, sharded)
+    return CheckpointData(ckpt, policy, optimizer, state, rng, backend, drafter, masters, sharded,
+                          weights_only)  # fmt: skip
 
 
 def _one_process_files(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -508,17 +508,14 @@ def trained_head(path: Path, cfg: Config, policy: Transformer) -> DraftHead:
 
 def write_drafter(source: ExportSource, tensors: Mapping[str, torch.Tensor], out: Path) -> None:
     """The run's trained EAGLE-3 head in vLLM's layout in ``out`` (its LM head rows from the
-    exported policy ``tensors``)."""
+    exported policy ``tensors``), with its manifest (``drafters.export.export_eagle3``)."""
     policy = head_target(tensors, source.config)
     head = trained_head(source.drafter, source.cfg, policy)
     with tempfile.TemporaryDirectory(prefix=".head-", dir=out.parent) as tmp:
-        try:
-            export_eagle3(save_head(head, tmp), policy, out)
+        try:  # the source named is the checkpoint's file, not the temporary head directory
+            export_eagle3(save_head(head, tmp), policy, out, source=str(source.drafter))
         except ExportError as e:
             raise ModelExportError(f"--merge-drafter: {e}") from None
-    config = json.loads((out / "config.json").read_text())
-    config["specrl_export"]["source"] = str(source.drafter)  # not the temporary head directory
-    (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
 # --------------------------------------------------------------------------- export

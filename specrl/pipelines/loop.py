@@ -98,7 +98,8 @@ _ROOM_HINT = "free space (or lower run.keep_checkpoints), then specrl train --re
 
 
 def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
-    """Checkpoint ``state`` (its ``step`` updates), then remove the oldest beyond
+    """Checkpoint ``state`` (its ``step`` updates; the run's last, without optimizer state under
+    ``run.final_checkpoint='weights'``), then remove the oldest beyond
     ``run.keep_checkpoints``; a full disk is a ``RunDirError`` saying what it needed (the save's
     ``.tmp`` removed, the previous checkpoints kept)."""
     saved = {"step": state.step, "policy_version": state.version,
@@ -106,8 +107,10 @@ def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
     trainer = parts.drafter.trainer if parts.drafter is not None else None
     ckpt = run.checkpoint_dir(state.step)
     last = run.latest_checkpoint()
+    weights_only = state.step == parts.cfg.run.steps and parts.cfg.run.final_checkpoint == "weights"
     try:
-        save_run_checkpoint(ckpt, parts.learner, saved, parts.backend.state_dict(), trainer)
+        save_run_checkpoint(ckpt, parts.learner, saved, parts.backend.state_dict(), trainer,
+                            weights_only)  # fmt: skip
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -126,21 +129,37 @@ def _report(say: Echo | None, line: str) -> None:
 
 
 def newest_verified(run: RunDir, say: Echo | None = None) -> CheckpointData | None:
-    """The newest checkpoint that verifies, read (``None`` if the run has none at all); the
-    damaged newer ones are named in one line, and if none verifies that is a ``RunDirError``."""
+    """The newest checkpoint that verifies and holds optimizer state, read (``None`` if the run
+    has none at all); the damaged newer ones, and a weights-only final one, are named in one
+    line; if none is left that is a ``RunDirError``."""
     damaged: list[str] = []
+    weights: list[str] = []  # weights-only checkpoints (``run.final_checkpoint='weights'``)
     for ckpt in run.checkpoints_newest_first():
         try:
             data = read_checkpoint(ckpt)
         except CheckpointDamaged as e:
             damaged.append(f"{ckpt.name} ({e})")
             continue
-        if damaged:
-            _report(say, f"{_damaged(damaged)}; resuming from {ckpt.name}")
+        if data.weights_only:
+            weights.append(ckpt.name)
+            continue
+        skipped = ([_damaged(damaged)] if damaged else []) + (
+            [_policy_only(weights)] if weights else []
+        )
+        if skipped:
+            _report(say, f"{'; '.join(skipped)}; resuming from {ckpt.name}")
         return data
+    if weights:
+        raise RunDirError(f"cannot resume {run.path}: {_policy_only(weights)} and no earlier "
+                          "checkpoint is kept (export it: specrl export)")  # fmt: skip
     if damaged:
         raise RunDirError(f"cannot resume {run.path}: no checkpoint verifies: {', '.join(damaged)}")
     return None
+
+
+def _policy_only(names: list[str]) -> str:
+    return (f"{', '.join(names)} holds the policy without optimizer state "
+            "(run.final_checkpoint='weights'): it cannot continue a run")  # fmt: skip
 
 
 def _damaged(found: list[str]) -> str:

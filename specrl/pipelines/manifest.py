@@ -37,6 +37,8 @@ REQUIRED = ("policy.safetensors", "optimizer.safetensors", "optimizer.json", "st
 SHARDED = "learner"  # a sharded learner's DCP checkpoint (a folder with its own manifest)
 SHARDED_MARK = "learner.json"  # {"workers": N, "manifest_sha256": of SHARDED's manifest}
 SHARDED_REQUIRED = (SHARDED_MARK, "state.json")
+WEIGHTS_ONLY = "weights_only"  # state.json's flag of a checkpoint without optimizer state
+WEIGHTS_REQUIRED = ("policy.safetensors", "state.json")
 
 
 class RunDirError(ValueError):
@@ -87,7 +89,8 @@ def verify_manifest(ckpt: Path) -> dict[str, tuple[int, str]]:
     if isinstance(listed, str):
         raise CheckpointDamaged(listed)
     sharded = SHARDED_MARK in listed
-    for name in SHARDED_REQUIRED if sharded else REQUIRED:
+    weights = not sharded and _weights_only(ckpt)  # state.json's hash is checked below
+    for name in SHARDED_REQUIRED if sharded else WEIGHTS_REQUIRED if weights else REQUIRED:
         if name not in listed:
             raise CheckpointDamaged(f"{MANIFEST}: does not list {name}")
     problem = listed_problem(ckpt, listed)
@@ -134,6 +137,14 @@ def _verifies(ckpt: Path) -> bool:
     except CheckpointDamaged:
         return False
     return True
+
+
+def _weights_only(ckpt: Path) -> bool:
+    """Whether state.json says the checkpoint holds no optimizer state (``WEIGHTS_ONLY``)."""
+    try:
+        return json.loads((ckpt / "state.json").read_bytes()).get(WEIGHTS_ONLY) is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _format(ckpt: Path) -> int:

@@ -30,6 +30,7 @@ RESUME_MAY_CHANGE = (
     "run.eval_every",
     "run.checkpoint_every",
     "run.keep_checkpoints",
+    "run.final_checkpoint",
     "run.tensorboard",
     "run.wandb",
     "model.device",

@@ -5,8 +5,9 @@ resume changed and the step from which they apply), summary.json, tensorboard/,
 checkpoints/ and dataset/ (a ``datasets.Dataset`` handed to ``specrl.train``, saved before the
 run starts: a directory holding only it is not yet used) and ``.lock``: ``locked`` holds the
 one writer's lock for a run's life (a second writer is refused naming the holder's pid; the OS
-drops the lock of a killed writer; a run directory it created is removed again when the run
-fails before any work is recorded: ``holds_work``); ``append`` fsyncs a log row, ``rows``
+drops the lock of a killed writer; a run directory it created is removed again when an OSError
+(a full disk, a denied write) ends the run before any work is recorded: ``holds_work``; other
+failures keep it, for a resume); ``append`` fsyncs a log row, ``rows``
 reads a log (a last line cut by a kill is dropped), ``truncate`` drops the rows a resume writes
 again. ``.tmp``/``.old``/``.del`` directories are never checkpoints: ``recover_interrupted``
 finishes a replace cut between its renames, ``clear_interrupted`` removes leftovers, ``prune``
@@ -82,8 +83,8 @@ class RunDir:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
-        except Exception:
-            if fresh and not self.holds_work():  # a failed start leaves no empty run dir
+        except OSError:  # a full disk, a denied write: a failed start leaves no run dir
+            if fresh and not self.holds_work():
                 shutil.rmtree(self.path, ignore_errors=True)
             raise
         finally:

@@ -266,7 +266,9 @@ def train_drafter(
     """A learned drafter's training on this step's features (``pipelines.drafter``);
     ``step_s``: the step's time so far, a lower bound of it."""
     captured = [] if sink is None else sink.captured
-    return drafter_fields(parts, version, batch.completions, batch.metrics, captured, step_s)
+    idle = parts.cfg.pipeline.mode == "sync"  # the async producer generates meanwhile
+    return drafter_fields(parts.drafter, parts.guard, parts.backend, idle, version,
+                          batch.completions, batch.metrics, captured, step_s)  # fmt: skip
 
 
 def learn(parts: RunParts, state: StepState, batch: Batch, waited_s: float) -> dict[str, Any]:

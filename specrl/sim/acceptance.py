@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from specrl.sim.cost import StepCostModel
+from specrl.costmodel.cost import StepCostModel
 
 
 def expected_tokens_iid(alpha: float, k: int) -> float:

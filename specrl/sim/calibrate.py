@@ -1,11 +1,11 @@
-"""Calibration: fit the cost model's efficiency terms to measured engine step times.
+"""Calibration: fit the cost model's efficiency terms to a measured engine trace.
 
-``fit_trace`` / ``fit_records`` price each measured record with the cost model's own features
-(bytes, FLOPs, verify logits, prefill FLOPs) and solve for the efficiency terms by non-negative
-least squares on relative errors, giving a hardware profile (the base profile with eta_mem,
-eta_compute, the step and verify overheads, the prefill rate and a model-free drafter's CPU cost
-refitted) and its fit and held-out errors. A bad trace raises ``SimInputError`` (one line).
-The trace format and details: docs/internals.md.
+``fit_trace`` fits a trace's records with the cost model's own fit (``specrl.costmodel.fit``:
+each record priced by the model's features, bytes, FLOPs, verify logits and prefill FLOPs, the
+rates solved by non-negative least squares on relative errors), giving a hardware profile (the
+base profile with eta_mem, eta_compute, the step and verify overheads, the prefill rate and a
+model-free drafter's CPU cost refitted) and its fit and held-out errors. A bad trace raises
+``SimInputError`` (one line). The trace format and details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from specrl.fsutil import atomic_write
-from specrl.sim.cost import ForwardShape, forward_flops, kv_bytes_read, weight_bytes_read
-from specrl.sim.drafters import draft_forward
-from specrl.sim.errors import SimInputError, read_text, unknown
-from specrl.sim.specs import (
+from specrl.costmodel.drafters import draft_forward
+from specrl.costmodel.errors import SimInputError, read_text, unknown
+from specrl.costmodel.fit import Record, design, profile_from_coefficients, relative_nnls
+from specrl.costmodel.specs import (
     DrafterSpec,
     HardwareSpec,
     ModelSpec,
@@ -31,18 +30,9 @@ from specrl.sim.specs import (
     spec_to_toml,
     with_overrides,
 )
+from specrl.fsutil import atomic_write
 
 KINDS = ("decode", "verify", "prefill", "draft")
-
-
-@dataclass(frozen=True)
-class Record:
-    batch_size: int
-    tokens_per_seq: int
-    context_len: float
-    step_time_s: float
-    kind: str
-    config: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,7 +57,7 @@ class FitReport:
 
     @property
     def coef(self) -> np.ndarray:
-        """The coefficients [6] in ``features``' order."""
+        """The coefficients [6] in ``costmodel.fit.features``' order."""
         return np.array(list(self.coefficients.values()))
 
     def to_json(self) -> dict[str, Any]:
@@ -157,44 +147,6 @@ def read_calibration(path: Path) -> tuple[Trace, Any]:
         raise SimInputError(f"trace {path}: {e}") from None
 
 
-def features(model: ModelSpec, rec: Record) -> np.ndarray:
-    """[1, bytes moved, FLOPs, verified logits, 1 if a verify, FLOPs if a prefill] of one
-    record, as the cost model counts them."""
-    shape = ForwardShape(rec.batch_size, rec.tokens_per_seq, rec.context_len)
-    moved = weight_bytes_read(model, shape.tokens) + kv_bytes_read(model, shape)
-    verify = float(rec.kind == "verify")
-    logits = shape.tokens * model.vocab * verify
-    flops = forward_flops(model, shape)
-    return np.array([1.0, moved, flops, logits, verify, flops * (rec.kind == "prefill")])
-
-
-def design(model: ModelSpec, records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
-    """Features [n, 6] and measured seconds [n] of ``records``."""
-    x = np.stack([features(model, r) for r in records])
-    return x, np.array([r.step_time_s for r in records])
-
-
-def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0 by dropping negative ones and refitting (columns
-    scaled to unit norm first: the features span ~11 orders of magnitude)."""
-    norm = np.linalg.norm(x, axis=0)
-    keep = norm > 0
-    while True:
-        coef = np.zeros(x.shape[1])
-        coef[keep] = np.linalg.lstsq(x[:, keep] / norm[keep], y, rcond=None)[0] / norm[keep]
-        if (coef >= 0).all():
-            return coef
-        keep &= coef > 0
-
-
-def relative_nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-    """``nnls`` minimising relative errors (each record's row divided by its time): a batch-1
-    step of 20 ms counts as much as a batch-64 step of 300 ms, as in the error reported.
-    ``weights`` [n] (default 1): each record's squared relative error counts that many times."""
-    root = np.ones_like(y) if weights is None else np.sqrt(weights)  # [n]
-    return nnls(x / y[:, None] * root[:, None], root)
-
-
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / y)) if len(y) else float("nan")
 
@@ -240,47 +192,6 @@ def apply_drafts(
             return profile, fit_drafter(spec, drafts)
     median = float(np.median([r.step_time_s for r in drafts]))
     return with_overrides(profile, forward_overhead_s=median), None
-
-
-def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
-    """The profile pricing a step as the fit does: a rate the fit dropped (coefficient 0)
-    becomes an infinite efficiency, so that term costs nothing in the simulator either."""
-    c0, per_byte, per_flop, per_logit, verify_s, prefill_flop = (float(c) for c in coef)
-    eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
-    eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
-    return with_overrides(
-        base,
-        name=name,
-        eta_mem=eta_mem,
-        eta_compute=eta_compute,
-        step_overhead_s=c0,
-        verify_s_per_logit=per_logit,
-        verify_overhead_s=verify_s,
-        prefill_s_per_flop=prefill_flop,
-    )
-
-
-def fit_records(
-    model: ModelSpec, records: list[Record], base: HardwareSpec, name: str
-) -> HardwareSpec:
-    """The profile whose c0, byte, FLOP and verify-logit rates best fit ``records`` (decode,
-    verify or prefill records of ``model``; at least one). The speculation controller
-    (``specrl.spec.controller``) fits the engine it drives with this, from a start-up
-    measurement and the engine's own steps, so it and the simulator price a step alike."""
-    x, y = design(model, records)
-    return fit_design(x, y, base, name)
-
-
-def fit_design(
-    x: np.ndarray,
-    y: np.ndarray,
-    base: HardwareSpec,
-    name: str,
-    weights: np.ndarray | None = None,
-) -> HardwareSpec:
-    """``fit_records`` from records' ``features`` x [n, 6], seconds y [n] and ``weights`` [n]
-    (``relative_nnls``; a caller that refits often computes each record's features once)."""
-    return profile_from_coefficients(base, relative_nnls(x, y, weights), name)
 
 
 def fit_trace(

@@ -20,14 +20,14 @@ import typer
 from typer.core import TyperGroup
 
 from specrl.cli_util import fail
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import SPEC_KINDS, list_specs, load_drafter, load_hardware, load_model
 from specrl.fsutil import atomic_write, writable_problem
 from specrl.sim.calibrate import fit_trace, read_calibration, write_drafter, write_profile
-from specrl.sim.errors import SimInputError
 from specrl.sim.holdout import complement, held_out_checks, left_out, parse_rollouts
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
 from specrl.sim.runner import ScenarioResult, check_inputs, run_scenario
 from specrl.sim.scenario import field_help, load_scenario
-from specrl.sim.specs import SPEC_KINDS, list_specs, load_drafter, load_hardware, load_model
 
 GROUP_HELP = """Simulate RL training with speculative rollouts.
 

@@ -18,11 +18,11 @@ import numpy as np
 from specrl.sim.pipeline import Interval, Schedule, StepPhases, trainer_intervals
 from specrl.sim.rollout import (
     EngineConfig,
+    Replica,
     ReplicaResult,
     Segment,
-    _decode_segment,
-    _preempt,
-    _Replica,
+    decode_segment,
+    preempt,
 )
 
 
@@ -30,7 +30,7 @@ from specrl.sim.rollout import (
 class _Stream:
     """One replica's state across all RL steps."""
 
-    st: _Replica
+    st: Replica
     step_of: np.ndarray
     res: ReplicaResult
     clock: float = 0.0
@@ -103,7 +103,7 @@ def simulate_continuous(
     for p, r, step_of in _deal(prompts, responses, replicas, steps):
         if not len(r):
             continue
-        st = _Replica(
+        st = Replica(
             prompt=p.astype(float),
             target=r.astype(float),
             generated=np.zeros(len(r)),
@@ -182,7 +182,7 @@ def simulate_continuous(
             if g is not None and g > x.clock:
                 max_dt = g - x.clock
         before = np.flatnonzero(st.active)
-        seg = _decode_segment(st, cfg, cap, x.clock, max_dt)
+        seg = decode_segment(st, cfg, cap, x.clock, max_dt)
         x.res.segments.append(seg)
         x.res.steps += seg.steps
         x.clock = seg.end_s
@@ -190,7 +190,7 @@ def simulate_continuous(
         for s in x.step_of[done].tolist():
             left[s] -= 1
             last_end[s] = max(last_end[s], seg.end_s)
-        x.res.preemptions += _preempt(st, cap)
+        x.res.preemptions += preempt(st, cap)
         if len(done):
             train_ready_steps()
 

@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from specrl.costmodel.errors import SimInputError, unknown
+from specrl.costmodel.fit import Record, design
+from specrl.costmodel.specs import DrafterSpec, HardwareSpec, ModelSpec
 from specrl.sim.acceptance import alpha_for_length
-from specrl.sim.calibrate import FitReport, Record, Trace, design
-from specrl.sim.errors import SimInputError, unknown
+from specrl.sim.calibrate import FitReport, Trace
 from specrl.sim.machine import MeasuredRollout, replay_seconds
-from specrl.sim.specs import DrafterSpec, HardwareSpec, ModelSpec
 
 ROLLOUT_FIELDS = ("batch_size", "prompt_tokens", "new_tokens", "k", "plain_s", "spec_s")
 ORACLE = DrafterSpec(name="oracle", kind="suffix")  # model-free, cpu_s_per_seq 0: free drafts

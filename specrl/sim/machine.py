@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.fit import relative_nnls
+from specrl.costmodel.specs import DrafterSpec, HardwareSpec, ModelSpec
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams
-from specrl.sim.calibrate import relative_nnls
-from specrl.sim.cost import StepCostModel
 from specrl.sim.rollout import EngineConfig, simulate_rollout
 from specrl.sim.shared import Overlap, simulate_shared
-from specrl.sim.specs import DrafterSpec, HardwareSpec, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Published measurements the engine and trainer constants are fitted on, and those fits.
 
 Data (frozen dataclasses in tuples) and pure functions: ``DEEPEP_LOW_LATENCY`` (DeepEP's
-all-to-all kernel times) and ``fit_all_to_all()`` (cost.py's all-to-all constants);
+all-to-all kernel times) and ``fit_all_to_all()`` (costmodel/cost.py's all-to-all constants);
 ``NEMO_RL_V03_PHASES`` (a GRPO step's phases) and ``fit_training()`` (the MFUs of
 ``data/training.toml``). Each source names its publication and table. The paper's table lives
 in paper.py, the held-out serving measurements in serving.py.
@@ -15,10 +15,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from specrl.sim.cost import all_to_all_time
+from specrl.costmodel.cost import all_to_all_time
+from specrl.costmodel.specs import HardwareSpec, load_hardware, load_model, with_overrides
 from specrl.sim.runner import rl_phases
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import HardwareSpec, load_hardware, load_model, with_overrides
 from specrl.sim.training import model_class
 
 # --------------------------------------------------------------------------- all-to-all (EP)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from specrl.costmodel.drafters import draft_forward
+from specrl.costmodel.specs import load_model
 from specrl.settings import apply_overrides
-from specrl.sim.drafters import draft_forward
 from specrl.sim.runner import ScenarioResult, hardware, run_scenario
 from specrl.sim.runner import drafter as scenario_drafter
 from specrl.sim.scenario import Scenario
-from specrl.sim.specs import load_model
 from specrl.sim.training import load_efficiency
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrl.costmodel.cost import StepCostModel
 from specrl.sim.acceptance import POLICIES, AcceptanceModel, PolicyInput
-from specrl.sim.cost import StepCostModel
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def sample_lengths_capped_mean(
 
 
 @dataclass
-class _Replica:
+class Replica:
     """Mutable state of one replica during a simulation (local to simulate_replica)."""
 
     prompt: np.ndarray
@@ -154,7 +154,7 @@ class _Replica:
         return self.prompt[idx] + self.generated[idx]
 
 
-def _admit(st: _Replica, capacity: float, max_num_seqs: int) -> list[int]:
+def _admit(st: Replica, capacity: float, max_num_seqs: int) -> list[int]:
     used = float(st.context(np.flatnonzero(st.active)).sum())
     admitted: list[int] = []
     while st.waiting and int(st.active.sum()) < max_num_seqs:
@@ -170,7 +170,7 @@ def _admit(st: _Replica, capacity: float, max_num_seqs: int) -> list[int]:
     return admitted
 
 
-def _preempt(st: _Replica, capacity: float) -> int:
+def preempt(st: Replica, capacity: float) -> int:
     count = 0
     while st.context(np.flatnonzero(st.active)).sum() > capacity and int(st.active.sum()) > 1:
         i = st.order.pop()
@@ -193,8 +193,8 @@ def _segment_steps(
     return max(1, min(to_finish, to_replan, to_full))
 
 
-def _decode_segment(
-    st: _Replica, cfg: EngineConfig, cap: float, t0: float, max_dt: float = np.inf
+def decode_segment(
+    st: Replica, cfg: EngineConfig, cap: float, t0: float, max_dt: float = np.inf
 ) -> Segment:
     """Advance the running batch by one segment of identical steps (at most ``max_dt`` seconds,
     but at least one step) and retire the sequences that finish."""
@@ -227,7 +227,7 @@ def simulate_replica(
 ) -> ReplicaResult:
     """Run one replica until every sequence has generated its response length."""
     n = len(responses)
-    st = _Replica(
+    st = Replica(
         prompt=np.asarray(prompts, dtype=float),
         target=np.asarray(responses, dtype=float),
         generated=np.zeros(n),
@@ -245,11 +245,11 @@ def simulate_replica(
             dt = cfg.costs.prefill(len(idx), float(st.context(idx).mean()))
             res.segments.append(Segment(t, t + dt, len(idx), -1, 1))
             t += dt
-        seg = _decode_segment(st, cfg, cap, t)
+        seg = decode_segment(st, cfg, cap, t)
         res.segments.append(seg)
         res.steps += seg.steps
         t = seg.end_s
-        res.preemptions += _preempt(st, cap)
+        res.preemptions += preempt(st, cap)
     res.time_s = t
     return res
 

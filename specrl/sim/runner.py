@@ -13,6 +13,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import (
+    DrafterSpec,
+    HardwareSpec,
+    load_drafter,
+    load_hardware,
+    load_model,
+    with_overrides,
+)
 from specrl.sim.acceptance import (
     AcceptanceModel,
     AcceptanceParams,
@@ -20,8 +30,6 @@ from specrl.sim.acceptance import (
     alpha_for_rollout_length,
 )
 from specrl.sim.continuous import simulate_continuous
-from specrl.sim.cost import StepCostModel
-from specrl.sim.errors import SimInputError
 from specrl.sim.pipeline import PIPELINES, Schedule, StepPhases, StepWindow, steady_window
 from specrl.sim.rollout import (
     EngineConfig,
@@ -31,14 +39,6 @@ from specrl.sim.rollout import (
     simulate_rollout,
 )
 from specrl.sim.scenario import Scenario
-from specrl.sim.specs import (
-    DrafterSpec,
-    HardwareSpec,
-    load_drafter,
-    load_hardware,
-    load_model,
-    with_overrides,
-)
 from specrl.sim.training import load_efficiency, logprob_seconds, train_seconds
 from specrl.sim.validate import check_scenario
 

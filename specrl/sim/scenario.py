@@ -3,22 +3,26 @@
 A Scenario names a model, a hardware profile and a drafter (spec files) and gives the workload,
 generation layout, speculation, training efficiency and pipeline mode; a file may ``extends``
 another. ``load_scenario(name, overrides)`` validates with ``specrl.settings`` (the run config's
-sections, overrides and errors): every bad input raises a one-line ``SimInputError``, and
-``ASYNC_ONLY`` inputs are refused for a sync run. ``field_help()`` renders the fields for
-``--help``. Checks across fields: validate.py; the simulation: runner.py.
-Details: docs/internals.md.
+sections, overrides and errors): every bad input raises a one-line ``SimInputError``, and an
+input given where it cannot apply (``APPLIES_ONLY``, e.g. ``ASYNC_ONLY`` for a sync run) is
+refused naming both keys: given by an override, or in the scenario file while no override
+changed what it depends on. ``COVERAGE`` classifies every input (``settings.Coverage``: a rule,
+always applying, checked against the specs by validate.py, or kept with its reason).
+``field_help()`` renders the fields for ``--help``. Checks across fields: validate.py; the
+simulation: runner.py. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from specrl import settings
-from specrl.settings import AppliesOnly, Section, errors_as
-from specrl.sim.errors import SimInputError, key_hint
-from specrl.sim.specs import load_toml
+from specrl.costmodel.errors import SimInputError, key_hint
+from specrl.costmodel.specs import load_toml
+from specrl.settings import AppliesOnly, Section, each, errors_as, under
 
 MAX_GPUS = 65_536  # GPU counts: the simulation's cost grows with them (1e6 took 15 s)
 MAX_TOKENS = 10_000_000  # token counts (lengths, caps)
@@ -276,28 +280,109 @@ def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
         sc = settings.validate(
             Scenario, data, "scenario", hint=hint, source=path, overrides=overrides
         )
-    check_async_only(sc, overrides)
+    check_applies(sc, overrides)
     return sc
 
 
-def _is_async(mode: str) -> bool:
-    return mode == "async"
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
 
 
-# Pipeline inputs that apply only to an async run: given by ``--set`` for a sync one, where they
-# would be ignored, they are refused (a scenario file's own values stay, so ``--set
-# pipeline.mode=sync`` turns an async scenario into its sync baseline).
-ASYNC_ONLY = tuple(
-    AppliesOnly(f"pipeline.{key}", "pipeline.mode", _is_async, "='async'")
-    for key in ("staleness", "async_generation", "warmup_periods", "measure_periods")
+def _empty(values: list[Any]) -> bool:
+    return not values
+
+
+# Pipeline inputs that apply only to an async run (a scenario file's own values stay when an
+# override changes the mode: ``--set pipeline.mode=sync`` turns an async scenario into its sync
+# baseline).
+ASYNC_ONLY = each(
+    under("pipeline", "staleness", "async_generation", "warmup_periods", "measure_periods"),
+    "pipeline.mode",
+    _is("async"),
+    "='async'",
 )
+_ACC = "speculation.acceptance"
+
+# Inputs that apply only while another input holds (``check_applies`` refuses them elsewhere).
+APPLIES_ONLY: tuple[AppliesOnly, ...] = (
+    *ASYNC_ONLY,
+    AppliesOnly(f"{_ACC}.per_position", f"{_ACC}.kind", _is("positional"), "='positional'"),
+    *each(
+        (*under(_ACC, "decay_per_1k_tokens", "decay_per_rl_step", "floor", "decay_after_tokens"),
+         "workload.rl_step"), f"{_ACC}.kind", _is("drift"), "='drift'",
+    ),
+    # rates given per draft position replace the rate these derive
+    *each(
+        under(_ACC, "acceptance_length", "at_k", "position_ratio", "measured_over"),
+        f"{_ACC}.per_position", _empty, " empty",
+    ),
+    # a replayed trace replaces the sampled lengths
+    *each(
+        under("workload", "seed", "response_sigma", "mean_is_after_cap"), "workload.length_trace",
+        _empty, " empty",
+    ),
+    AppliesOnly("generation.routing_skew", "generation.ep", lambda ep: ep > 1, " > 1"),
+    AppliesOnly("speculation.draft_coverage", "speculation.tree_verify_tokens", _is(0), " = 0"),
+)  # fmt: skip
+
+_SPECULATIVE = (  # read only by the speculative run
+    *under("speculation", "drafter", "policy", "k", "tree_width", "tree_verify_tokens",
+           "draft_coverage"),
+    *under(_ACC, *Acceptance.model_fields),
+    *under("engine", "forward_overhead_s", "verify_s_per_logit", "cpu_s_per_ctx_token"),
+    "training.train_drafter",
+    "workload.rl_step",
+)  # fmt: skip
+
+# Every input of ``Scenario`` in a class (``settings.Coverage``; tests/sim/test_sim_coverage.py
+# walks them). ``always``: read by every simulation (audited where the simulator reads it).
+COVERAGE = settings.Coverage(
+    rules=APPLIES_ONLY,
+    always=(
+        "name", "description", "sources", "model", "hardware",
+        *under("workload", "samples_per_step", "prompt_len", "length_trace"),
+        *under("generation", "gpus", "gpus_per_replica", "max_num_seqs", "replan_tokens",
+               "prefill_group", "ep", "precision"),
+        "speculation.enabled",
+        *under("training", "mfu", "logprob_mfu", "logprob_passes"),
+        *under("pipeline", "mode", "framework_overhead_s", "refit_fixed_s", "refit_bandwidth"),
+        *under("engine", "step_overhead_s", "graph_capture_tokens"),
+    ),
+    checked=(
+        ("training.gpus", "validate._check_gpu_counts: a sync run trains on generation.gpus"),
+        ("generation.routing_locality", "validate._check_spec_terms: needs a mixture-of-experts "
+         "model"),
+        ("engine.eager_s_per_layer", "validate._check_spec_terms: needs graph_capture_tokens > 0 "
+         "(the override or the hardware profile's)"),
+        ("engine.cpu_s_per_ctx_token", "validate._check_spec_terms: needs a model-free drafter"),
+        ("training.train_drafter", "validate._check_spec_terms: needs a drafter with weights"),
+    ),
+    kept=(
+        *((key, "ignored with speculation.enabled=false; accepted: the switch to the baseline "
+          "keeps the speculative inputs (paper.refit_paper_inputs sets them together)")
+          for key in _SPECULATIVE),
+        ("engine.forward_overhead_s", "ignored with a model-free drafter; accepted: "
+         "paper.refit_paper_inputs passes one set of overrides to every row"),
+        ("workload.seeds", "ignored with a length_trace or response_sigma=0 (one draw); accepted: "
+         "workload.seeds=1 is how callers ask any scenario for one draw (serving, paper)"),
+        *((f"workload.{key}", "ignored with a length_trace; accepted: a required input")
+          for key in ("mean_response_len", "max_response_len")),
+    ),
+)  # fmt: skip
 
 
-def check_async_only(sc: Scenario, overrides: list[str]) -> None:
-    """``SimInputError`` naming both keys for an ``ASYNC_ONLY`` input given by an override
-    (whatever its value) where it cannot apply."""
-    given = {".".join(settings.parse_override(item)[0]) for item in overrides}
-    if problems := settings.misapplied(sc, ASYNC_ONLY, given.__contains__):
+def check_applies(sc: Scenario, overrides: list[str]) -> None:
+    """``SimInputError`` naming both keys for each ``APPLIES_ONLY`` input that cannot apply in
+    ``sc`` and is given: by an override (whatever its value), or in the scenario file while no
+    override changed a key it depends on."""
+    by_override = settings.given_by(overrides)
+
+    def given(key: str) -> bool:
+        others = (o for rule in APPLIES_ONLY if rule.key == key for o in rule.others)
+        moved = any(by_override(other) for other in others)
+        return by_override(key) or (settings.was_set(sc, key) and not moved)
+
+    if problems := settings.misapplied(sc, APPLIES_ONLY, given):
         raise SimInputError("; ".join(problems))
 
 

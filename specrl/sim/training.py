@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from importlib import resources
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
 
-from specrl.settings import errors_as, read_toml
-from specrl.sim.cost import all_reduce_time, all_to_all_time
-from specrl.sim.errors import SimInputError
-from specrl.sim.specs import DTYPE_BYTES, HardwareSpec, ModelSpec, Spec, build_spec
+from specrl.costmodel.cost import all_reduce_time, all_to_all_time
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import DTYPE_BYTES, HardwareSpec, ModelSpec, Spec, build_spec
+from specrl.settings import AppliesOnly, Coverage, errors_as, read_toml
 
 MODEL_CLASSES = ("dense", "moe")
 
@@ -31,6 +32,11 @@ class TrainingEfficiency(Spec):
     logprob_mfu: float
     expert_parallel: int = 1  # EP degree of the class's training layout (1 for dense)
     sources: tuple[str, ...] = Field((), strict=False)  # a TOML list; each item a strict string
+
+    coverage: ClassVar[Coverage] = Coverage(  # a dense model's layout has no experts to spread
+        rules=(AppliesOnly("expert_parallel", "model_class", lambda c: c == "moe", "='moe'"),),
+        always=("model_class", "train_mfu", "logprob_mfu", "sources"),
+    )
 
 
 def model_class(model: ModelSpec) -> str:

@@ -2,8 +2,9 @@
 
 ``check_scenario(sc)`` returns None for a scenario the simulator can run, else raises a one-line
 ``SimInputError`` naming the input, what is wrong and what would fix it: specs and registered
-names, expert parallelism, acceptance values, GPU counts and a replica's memory
-(``replica_memory``: weights plus one full-length sequence's KV cache).
+names, expert parallelism, acceptance values, GPU counts, inputs that apply only with a kind of
+spec (``scenario.COVERAGE.checked``: given where the spec makes them moot, refused) and a
+replica's memory (``replica_memory``: weights plus one full-length sequence's KV cache).
 Details: docs/internals.md.
 """
 
@@ -12,19 +13,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specrl.sim.acceptance import ACCEPTANCE_KINDS, POLICIES
-from specrl.sim.drafters import DRAFTER_KINDS, draft_forward
-from specrl.sim.errors import SimInputError, unknown
-from specrl.sim.pipeline import ASYNC_GENERATION, PIPELINES
-from specrl.sim.scenario import Scenario
-from specrl.sim.specs import (
+from specrl.costmodel.drafters import DRAFTER_KINDS, draft_forward
+from specrl.costmodel.errors import SimInputError, unknown
+from specrl.costmodel.specs import (
     PRECISIONS,
+    DrafterSpec,
     HardwareSpec,
     ModelSpec,
     load_drafter,
     load_hardware,
     load_model,
 )
+from specrl.sim.acceptance import ACCEPTANCE_KINDS, POLICIES
+from specrl.sim.pipeline import ASYNC_GENERATION, PIPELINES
+from specrl.sim.scenario import Scenario
 
 GB = 1e9
 
@@ -51,6 +53,7 @@ def check_scenario(sc: Scenario) -> None:
     _check_acceptance(sc)
     _check_gpu_counts(sc)
     _check_expert_parallel(sc, model)
+    _check_spec_terms(sc, model, hw)
     _check_generation_memory(sc, model, hw, draft)
 
 
@@ -150,6 +153,46 @@ def _check_expert_parallel(sc: Scenario, model: ModelSpec) -> None:
             f"generation.ep={ep} must divide generation.gpus_per_replica={per_replica} and the"
             f" {model.experts} experts of {model.name}"
         )
+
+
+def _check_spec_terms(sc: Scenario, model: ModelSpec, hw: HardwareSpec) -> None:
+    """Inputs that apply only with a kind of model, hardware profile or drafter, refused where
+    the spec makes them moot (the drafter's only while speculation is on)."""
+    g, e, problems = sc.generation, sc.engine, []
+    if g.routing_locality and not model.is_moe:
+        problems.append(
+            f"generation.routing_locality={g.routing_locality} needs a "
+            f"mixture-of-experts model; {model.name} is dense"
+        )
+    cap = hw.graph_capture_tokens if e.graph_capture_tokens is None else e.graph_capture_tokens
+    if e.eager_s_per_layer is not None and not cap:
+        whose = "it is 0" if e.graph_capture_tokens == 0 else f"hardware profile {hw.name}'s is 0"
+        problems.append(
+            f"engine.eager_s_per_layer={e.eager_s_per_layer} needs engine.graph_capture_tokens"
+            f" > 0 ({whose}: every forward is graphed)"
+        )
+    if sc.speculation.enabled:
+        problems += _drafter_terms(sc, load_drafter(sc.speculation.drafter), model)
+    if problems:
+        raise SimInputError("; ".join(problems))
+
+
+def _drafter_terms(sc: Scenario, drafter: DrafterSpec, model: ModelSpec) -> list[str]:
+    """The problems of inputs that apply only to a model-free drafter, or only to one with
+    weights (``drafter`` drafting for ``model``)."""
+    free = draft_forward(drafter, model) is None
+    out = []
+    if sc.engine.cpu_s_per_ctx_token is not None and not free:
+        out.append(
+            f"engine.cpu_s_per_ctx_token={sc.engine.cpu_s_per_ctx_token} needs a "
+            f"model-free drafter; drafter {drafter.name} ({drafter.kind}) drafts with a forward"
+        )
+    if sc.training.train_drafter and free:
+        out.append(
+            f"training.train_drafter=true needs a drafter with weights; drafter "
+            f"{drafter.name} is model-free ({drafter.kind})"
+        )
+    return out
 
 
 def _whole_replicas(what: str, gpus: int, per_replica: int) -> None:

@@ -7,7 +7,9 @@ candidates for the first draft token of a stochastic drafter (``specrl.spec.sibl
 (unknown method, bad k, a drafter that needs weights and got none). ``drafter_spec`` turns
 command-line style options (method, k, ``--drafter``) into a ``SpecConfig`` and a draft model,
 loading the drafter at once: one that is missing, damaged or made for another target raises
-``ValueError`` with one line naming it.
+``ValueError`` with one line naming it; its files are checked against their manifest first
+(``models.heads.verify_drafter``: ``cannot load the eagle3 drafter: DIR/head.safetensors:
+sha256 mismatch``), and one made before checksums loads with a ``notice:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def drafter_spec(
     """(SpecConfig, draft model or None): a learned head (eagle3, mtp, hybrid) takes ``drafter``
     as its directory option, loaded here (``load_drafter_head``); without one it is refused (a
     random head would run silently) unless ``drafter`` is ``UNTRAINED``; a ``draft`` drafter a model
-    (``models.checkpoints.load_draft_model``). A drafter that cannot be loaded raises
+    (``load_draft``). A drafter that cannot be loaded raises
     ``ValueError`` (``CheckpointError`` is one) with one line naming it."""
     if proposer_takes(method, "drafter_path"):
         if drafter == UNTRAINED:
@@ -158,17 +160,37 @@ def drafter_spec(
         elif not Path(drafter).is_dir():
             raise ValueError(f"drafter {drafter} is not a directory")
         return SpecConfig(method, k, options=options), None
-    from specrl.models.checkpoints import load_draft_model
+    return SpecConfig(method, k), load_draft(drafter, target, tokenizer)
 
-    return SpecConfig(method, k), load_draft_model(drafter, target, tokenizer)
+
+def load_draft(
+    drafter: str | None, target: Transformer, tokenizer: TextTokenizer
+) -> Transformer | None:
+    """``models.checkpoints.load_draft_model`` of ``drafter``, a directory checked against its
+    manifest first (``ValueError`` naming a file that does not match; a notice once a draft
+    model made before checksums has loaded)."""
+    from specrl.models.checkpoints import load_draft_model
+    from specrl.models.heads import MODEL_FILES, DrafterDamaged, notice, verify_drafter
+
+    unverified = None
+    if drafter is not None and Path(drafter).is_dir():
+        try:
+            unverified = verify_drafter(drafter, MODEL_FILES)
+        except DrafterDamaged as e:
+            raise ValueError(f"cannot load the draft model: {e}") from None
+    model = load_draft_model(drafter, target, tokenizer)
+    if unverified is not None:
+        notice(unverified)
+    return model
 
 
 def load_drafter_head(path: str, target: Transformer, kind: str) -> DraftHead:
     """The trained ``kind`` head in directory ``path`` for ``target``; ``ValueError`` with one
-    line (naming ``path``) when it is missing, damaged or made for another target or kind."""
+    line (naming ``path``, or the file that does not match its manifest) when it is missing,
+    damaged or made for another target or kind."""
     from safetensors import SafetensorError
 
-    from specrl.models.heads import load_head
+    from specrl.models.heads import DrafterDamaged, load_head
 
     if not Path(path).is_dir():
         raise ValueError(
@@ -177,6 +199,8 @@ def load_drafter_head(path: str, target: Transformer, kind: str) -> DraftHead:
         )
     try:
         return load_head(path, target, kind=kind)
+    except DrafterDamaged as e:  # names the file: DIR/head.safetensors: sha256 mismatch
+        raise ValueError(f"cannot load the {kind} drafter: {e}") from None
     # OSError: a file missing or unreadable; ValueError: json's, and load_head's own for a head
     # that is damaged or made for another target; SafetensorError: damaged head.safetensors.
     except (OSError, ValueError, SafetensorError) as e:

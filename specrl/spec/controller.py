@@ -2,11 +2,12 @@
 
 ``SpecController(k_max, target_cost)`` answers ``choose(rows, context) -> k`` (0 <= k <= k_max,
 0 = a plain step) by maximising expected emitted tokens per second from three estimates that
-``observe`` refreshes after every step: the target's step times (``sim.cost`` over a profile
-fitted as ``sim.calibrate`` fits one, seeded by ``measure_forwards``), the drafter's time, and
-per-position acceptance and coverage. Speculation must beat a plain step by ``margin``; untried
-depths are explored within an ``explore_share`` budget. Decisions depend on measured times, so
-"distribution" runs reproduce in distribution ("sample" exactness: token for token).
+``observe`` refreshes after every step: the target's step times (``costmodel.cost`` over a
+profile fitted by ``costmodel.fit``, the simulator's model and fit, seeded by
+``measure_forwards``), the drafter's time, and per-position acceptance and coverage.
+Speculation must beat a plain step by ``margin``; untried depths are explored within an
+``explore_share`` budget. Decisions depend on measured times, so "distribution" runs reproduce
+in distribution ("sample" exactness: token for token).
 Details: docs/internals.md.
 """
 
@@ -21,16 +22,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.fit import Record, design, features, fit_design, nnls
+from specrl.costmodel.specs import HardwareSpec, ModelSpec, load_hardware
 from specrl.models.device import model_device, synchronize
-from specrl.sim.calibrate import Record, design, features, fit_design, nnls
-from specrl.sim.cost import StepCostModel
-from specrl.sim.specs import HardwareSpec, ModelSpec, load_hardware
 
 BASE_PROFILE = "cpu-2core"  # its peaks only convert fitted rates to efficiencies
 
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
-    """The simulator's description of a ``specrl.models.transformer.Transformer``."""
+    """The cost model's description of a ``specrl.models.transformer.Transformer``."""
     c = model.config
     params = float(sum(p.numel() for p in model.parameters()))
     return ModelSpec(
@@ -174,8 +175,9 @@ def context_line(fn: Callable[[float], Any]) -> tuple[Any, Any]:
 
 @dataclass
 class TargetCost:
-    """The target's decode and verify step times: the simulator's cost model, refitted from
-    the start-up records plus the engine's most recent ``window`` steps.
+    """The target's decode and verify step times: the cost model the simulator prices steps
+    with (``specrl.costmodel``), refitted from the start-up records plus the engine's most
+    recent ``window`` steps.
 
     Each record's cost-model features are computed once, when it arrives, and the prices are
     kept per (rows, k) as an affine function of the context (the cost model's bytes and FLOPs
@@ -320,7 +322,7 @@ class SpecController:
         """Cheap drafts: expected tokens per second of a plain step (index 0) and of drafting
         k_max then verifying at most c drafts per row (index c), rows drafting position i with
         the measured coverage c_i: the verify forward reaches position i when any row drafted
-        it, with probability 1 - (1 - c_i)^rows (the simulator's ``draft_coverage`` term)."""
+        it, with probability 1 - (1 - c_i)^rows (the cost model's ``draft_coverage`` term)."""
         acc = self.acceptance
         cov = acc.coverage()
         gain = np.cumsum(acc.reach() * cov)  # [k_max] expected accepted drafts per row

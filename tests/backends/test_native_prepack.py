@@ -49,3 +49,34 @@ def test_update_packs_now_and_the_next_rollout_packs_nothing(monkeypatch):
     expected = lazy.generate(REQUESTS)
     assert [c.token_ids for c in out.completions] == [c.token_ids for c in expected]
     assert len(packs) == len(linears)  # the lazy engine packed each product on first use
+
+
+@pytest.mark.skipif(KERNEL is None, reason="native kernels cannot run here")
+@pytest.mark.parametrize("in_flight", [None, "keep"])
+def test_every_update_enters_through_load_weights_and_is_packed_there(in_flight, monkeypatch):
+    """Idle, after the call, and in flight (between two decode steps): one way in,
+    ``Engine.load_weights``, which leaves every product packed for the new weights."""
+    engine = engine_bf16()
+    backend = NativeBackend(engine, in_flight=in_flight)
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    seen: list[tuple[int, bool, bool]] = []
+    real = engine.load_weights
+
+    def spy(named, version):
+        real(named, version)
+        running = engine._call is not None  # a generate call is decoding
+        seen.append((version, running, all(m.native_weight() is not None for m in linears)))
+
+    monkeypatch.setattr(engine, "load_weights", spy)
+    backend.update_weights(new_weights(), version=1)  # idle: at once
+    step, sent = engine._step, []  # the second update arrives while the call decodes
+
+    def step_then_update(rows, start):
+        if not sent:  # once, the backend busy generating
+            sent.append(backend.update_weights(new_weights(), version=2))
+        return step(rows, start)
+
+    monkeypatch.setattr(engine, "_step", step_then_update)
+    backend.generate(REQUESTS)
+    assert seen == [(1, False, True), (2, in_flight is not None, True)]
+    assert backend.versions().policy == engine.policy_version == 2

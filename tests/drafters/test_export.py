@@ -31,8 +31,9 @@ from specrl.drafters.export import (
     import_eagle3,
     is_eagle3_export,
 )
+from specrl.fsutil import write_manifest
 from specrl.models.checkpoints import hf_state_dict, load_model
-from specrl.models.heads import DraftHead, load_head, save_head
+from specrl.models.heads import HEAD_FILES, DraftHead, load_head, save_head
 from specrl.models.transformer import Transformer
 from tests.conftest import ON_SERVER_WORKER, make_tiny
 
@@ -295,9 +296,13 @@ def test_import_refuses_what_the_head_cannot_hold(tmp_path):
         import_eagle3(out, target_of(hidden_size=64))
     raw = load_file(str(out / "model.safetensors"))
     save_file(raw | {"embed_tokens.weight": torch.zeros(V, 32)}, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="model.safetensors: .* the manifest says"):
+        import_eagle3(out, target)  # changed after it was written: refused before it is read
+    write_manifest(out, ["model.safetensors", "config.json"])  # as if written so
     with pytest.raises(ExportError, match="embed_tokens.weight has no place in specrl's head"):
         import_eagle3(out, target)
     save_file({k: v for k, v in raw.items() if k != "fc.weight"}, str(out / "model.safetensors"))
+    write_manifest(out, ["model.safetensors", "config.json"])
     with pytest.raises(ExportError, match="does not fit an eagle3 head: .*fc.weight"):
         import_eagle3(out, target)
 
@@ -338,14 +343,17 @@ def test_what_vllm_cannot_load_is_refused(tmp_path):
     state = load_file(str(good / "head.safetensors"))
     state["block.attn.qkv.weight"] = state["block.attn.qkv.weight"][:-1].contiguous()
     save_file(state, str(good / "head.safetensors"))
+    write_manifest(good, list(HEAD_FILES))  # each damage below as if the head were saved so
     with pytest.raises(ExportError, match=r"block.attn.qkv.weight has shape \(63, 64\)"):
         export_eagle3(good, target, tmp_path / "o5")
     cfg = json.loads((good / "head.json").read_text())
     (good / "head.json").write_text(json.dumps(cfg | {"feature_layers": [1, 3, 99]}))
+    write_manifest(good, list(HEAD_FILES))
     with pytest.raises(ExportError, match=r"feature layers \[1, 3, 99\] are not"):
         export_eagle3(good, target, tmp_path / "o6")
     (good / "head.safetensors").write_bytes(b"garbage")
     (good / "head.json").write_text(json.dumps(cfg))
+    write_manifest(good, list(HEAD_FILES))
     with pytest.raises(ExportError, match="cannot read .*head.safetensors"):
         export_eagle3(good, target, tmp_path / "o7")
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 8))
@@ -385,10 +393,12 @@ def test_eagle3_layer_checkpoints_and_refusals(tmp_path):
     old = json.loads((tmp_path / "h" / "head.json").read_text())
     proj = save_head(random_head(target, arch="proj"), tmp_path / "p")
     cfg = json.loads((proj / "head.json").read_text())
-    del cfg["arch"]  # heads saved before the choice existed load as "proj"
+    del cfg["arch"], cfg["checksums"]  # heads saved before the choice existed load as "proj"
     (proj / "head.json").write_text(json.dumps(cfg))
+    (proj / "manifest.json").unlink()  # (and before checksums)
     assert load_head(proj, target).arch == "proj"
     (tmp_path / "h" / "head.json").write_text(json.dumps(old | {"arch": "medusa"}))
+    write_manifest(tmp_path / "h", list(HEAD_FILES))  # as if saved so
     with pytest.raises(ValueError, match="unknown arch 'medusa'"):
         load_head(tmp_path / "h", target)
     with pytest.raises(ValueError, match="for eagle3 heads, not 'mtp'"):
@@ -433,6 +443,9 @@ def test_export_draft_model_refusals(tmp_path):
         export_draft_model(tmp_path / "tok", tmp_path / "out2")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ExportError, match="cannot export the drafter: .*config.json: "):
+        export_draft_model(out, out)  # changed after it was written: refused before it is read
+    write_manifest(out, [p.name for p in out.iterdir() if p.name != "manifest.json"])
     with pytest.raises(ExportError, match=r"vLLM needs \['LlamaForCausalLM'\]"):
         export_draft_model(out, out)
 

@@ -122,3 +122,17 @@ def test_prompts_files_that_are_fine(tmp_path):
     path.write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="not UTF-8"):
         data.jsonl_prompt_ids(WordTokenizer(), path)
+
+
+def test_a_prompts_file_over_the_cap_is_refused_unread(tmp_path, monkeypatch):
+    """``train-drafter --prompts`` reads through ``jsonl_prompts.read_capped`` as ``generate``
+    does (it read without bound before)."""
+    from specrl import jsonl_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one two"}\n' * 64)
+    monkeypatch.setattr(jsonl_prompts, "MAX_PROMPTS_BYTES", 100)
+    with pytest.raises(ValueError, match=f"{path} is larger than"):
+        data.jsonl_prompt_ids(WordTokenizer(), path)
+    monkeypatch.setattr(jsonl_prompts, "MAX_PROMPTS_BYTES", 1 << 20)
+    assert len(data.jsonl_prompt_ids(WordTokenizer(), path)) == 64

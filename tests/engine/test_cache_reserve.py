@@ -47,12 +47,12 @@ def test_huge_max_new_tokens_does_not_reserve_the_context():
     out = engine.generate([Request(PROMPT, params)])
     assert [len(x.token_ids) for x in out] == [1] * 16
     length = len(PROMPT) + 1 + Engine.cache_chunk
-    assert engine._cache.k.shape == (c.num_layers, 16, c.num_kv_heads, length, c.head_dim)
+    assert engine.cache.k.shape == (c.num_layers, 16, c.num_kv_heads, length, c.head_dim)
     old = Engine(model, max_batch=16)
     old.cache_chunk = FULL
     old.generate([Request(PROMPT, params)])
-    assert old._cache.max_len == 4096 + 1  # what every such call used to allocate
-    assert engine._cache.k.nbytes * 15 < old._cache.k.nbytes
+    assert old.cache.max_len == 4096 + 1  # what every such call used to allocate
+    assert engine.cache.k.nbytes * 15 < old.cache.k.nbytes
 
 
 @pytest.mark.parametrize(
@@ -75,8 +75,8 @@ def test_growing_cache_gives_the_tokens_of_a_full_reservation(spec):
         engines.append(engine)
     grown, full = outs
     margin = 0 if spec is None else spec.k + 1
-    assert engines[1]._cache.max_len == context + margin + 1  # reserved up front
-    assert len(PROMPT) + margin + 1 + 4 < engines[0]._cache.max_len <= context + margin + 1
+    assert engines[1].cache.max_len == context + margin + 1  # reserved up front
+    assert len(PROMPT) + margin + 1 + 4 < engines[0].cache.max_len <= context + margin + 1
     for a, b in zip(grown, full, strict=True):
         assert a.finish_reason == b.finish_reason == "length"
         assert len(a.prompt_ids) + len(a.token_ids) == context

@@ -11,11 +11,14 @@ import pytest
 import torch
 from scipy import stats
 
+from specrl.backends.native import NativeBackend
 from specrl.engine import Engine
 from specrl.models.transformer import layer_prefix_model
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams, processed_logprobs_for
+from specrl.spec import proposers
 from specrl.spec.config import MAX_SPEC_TOKENS, SpecConfig
+from specrl.spec.proposers import Draft, Proposer
 from tests.conftest import DEVICES, assert_teacher_forced, make_tiny
 
 VOCAB = 4
@@ -262,3 +265,36 @@ def test_greedy_output_unchanged_with_siblings():
     spec = engine.generate([Request([1, 2, 3], params)])
     assert plain[0].token_ids == spec[0].token_ids
     assert engine.stats.sibling_accepted == 0
+
+
+class ProposeOnly(Proposer):
+    """A drafter with only what one must have (every other hook: the base class's no-op):
+    the row's last two tokens, again."""
+
+    deterministic = True
+
+    def propose(self, batch, k: int) -> Draft:
+        return Draft.from_lists([h[-2:] for h in batch.histories], k)
+
+
+def test_a_drafter_with_only_propose_runs_and_is_lossless(monkeypatch):
+    """The engine and the native backend call every optional hook unconditionally: the base
+    class's defaults serve (no state, no tensors, no weights to load)."""
+    monkeypatch.setitem(proposers._REGISTRY, "propose-only", ProposeOnly)
+    monkeypatch.setattr(ProposeOnly, "name", "propose-only", raising=False)
+    target = tiny_target()
+    params = SamplingParams(temperature=0, max_new_tokens=12, n=2)
+    plain = Engine(target, max_batch=8).generate([Request(PROMPT, params)])
+    backend = NativeBackend(Engine(target, max_batch=8, spec=SpecConfig("propose-only", 2)))
+    out = backend.generate([Request(PROMPT, params)])
+    assert [c.token_ids for c in out.completions] == [c.token_ids for c in plain]
+    assert out.stats.drafted > 0
+    assert backend.state_dict() == {} and backend.served().drafter is None
+    backend.update_drafter({}, 1)  # nothing to load
+    with pytest.raises(ValueError, match="keeps none"):
+        backend.load_state_dict({"drafter": {"name": "suffix"}})
+
+
+def test_only_a_proposer_subclass_can_be_registered():
+    with pytest.raises(TypeError, match="does not subclass"):
+        proposers.register_proposer("not-a-proposer")(type("Loose", (), {}))

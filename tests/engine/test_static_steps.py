@@ -280,7 +280,7 @@ def test_a_replaced_cache_is_freed_before_the_new_one(
     e.generate([Request(p, GREEDY.replace(n=1)) for p in PROMPTS])
     assert target_seen == [True] and drafter_seen == [True]
     current = weakref.ref(e._kv.cache)
-    e._cache = None
+    e.free_cache()
     gc.collect()
     assert current() is None
 

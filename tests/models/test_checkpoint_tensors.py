@@ -111,6 +111,27 @@ def test_the_legitimate_extras_of_hf_checkpoints_load(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_only_the_weights_files_are_read_not_what_lies_beside_them(tmp_path):
+    """``train-drafter --drafter draft`` keeps examples.safetensors beside its model; sharded
+    weights are the files their index maps."""
+    model_dir = save_model_dir(tmp_path / "m")
+    save_file({"hidden": torch.zeros(2, 3)}, str(model_dir / "examples.safetensors"))
+    assert ck.weight_files(model_dir) == [model_dir / "model.safetensors"]
+    ck.load_model(model_dir)  # the stray file is not the model's: nothing unused
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(model_dir / file))
+    (model_dir / "model.safetensors").unlink()
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert ck.weight_files(model_dir) == [model_dir / "a.safetensors", model_dir / "b.safetensors"]
+    assert sorted(ck.read_safetensors(model_dir)) == names
+
+
 def test_a_run_checkpoint_is_checked_the_same_way(tiny):
     """``load_state`` (a resume's policy tensors too) refuses what the model has no place for."""
     tensors = ck.hf_state_dict(tiny) | {"model.layers.7.mlp.up_proj.weight": torch.zeros(1)}

@@ -131,7 +131,7 @@ def test_memory_fraction_caps_concurrent_rows_not_results(monkeypatch):
     engine = Engine(model, max_batch=8, memory_fraction=0.5)
     capped = engine.generate(requests)
     assert engine._kv.batch_cap == 3
-    assert engine._cache.slots <= 4
+    assert engine.cache.slots <= 4
     assert [c.token_ids for c in capped] == [c.token_ids for c in free]
 
 
@@ -156,10 +156,10 @@ def test_a_smaller_budget_makes_the_cache_anew(monkeypatch):
     monkeypatch.setattr("specrl.engine.kv.memory_budget", lambda d, f, held=0: budget[0])
     engine = Engine(model, max_batch=8, memory_fraction=0.5)
     first = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
-    assert engine._cache.slots == 9
+    assert engine.cache.slots == 9
     budget[0] = rows_for(3, model, limit)  # 2 rows + the stash slot
     again = engine.generate([Request([1, 2, 3], params), Request([4, 5], params)])
-    assert engine._cache.slots == 3 and engine._kv.batch_cap == 2
+    assert engine.cache.slots == 3 and engine._kv.batch_cap == 2
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
 
 

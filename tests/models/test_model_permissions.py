@@ -159,7 +159,12 @@ def test_an_unreadable_config_json_is_one_line(model_dir):
 
 @NOT_ROOT
 def test_a_model_directory_that_cannot_be_listed_is_not_called_empty(model_dir):
-    """Mode 0o111: its files open by name, but ``glob`` found no weights in it without a word."""
+    """Mode 0o111: its files open by name (``model.safetensors`` is found so), but weights under
+    another name are found only by listing it, which ``glob`` skipped without a word."""
+    model_dir.chmod(0o111)
+    assert ck.read_safetensors(model_dir)  # model.safetensors, opened by its name
+    model_dir.chmod(0o755)
+    (model_dir / "model.safetensors").rename(model_dir / "weights.safetensors")
     model_dir.chmod(0o111)
     with pytest.raises(ck.CheckpointError) as e:
         ck.read_safetensors(model_dir)

@@ -396,7 +396,7 @@ def test_merge_drafter_writes_the_trained_eagle3_head_in_vllms_layout(model, tmp
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2]  # vLLM's ids: layer + 1
     assert config["specrl_export"]["source"] == str(ckpt / "drafter.safetensors")
     files = sorted(p.name for p in (out / "drafter").iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    assert files == ["config.json", "manifest.json", "model.safetensors"]
     exported = load_model(out)  # specrl reads the export back as a model directory too
     head = import_eagle3(out / "drafter", exported)
     assert head.feature_layers == layers and torch.equal(head.d2t, start.d2t)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from specrl.costmodel.errors import SimInputError
 from specrl.sim import runner as sim_runner
 from specrl.sim.cli import build_app
 from specrl.sim.continuous import simulate_continuous
-from specrl.sim.errors import SimInputError
 from specrl.sim.pipeline import Interval, Schedule
 from specrl.sim.report import text_summary
 from specrl.sim.runner import (

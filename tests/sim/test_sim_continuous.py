@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import load_hardware, load_model
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams
 from specrl.sim.continuous import simulate_continuous
-from specrl.sim.cost import StepCostModel
-from specrl.sim.errors import SimInputError
 from specrl.sim.pipeline import StepPhases, simulate_async, simulate_sync
 from specrl.sim.rollout import EngineConfig, sample_lengths, simulate_rollout
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import load_hardware, load_model
 
 ACC = AcceptanceModel("constant", AcceptanceParams(alpha=0.6))
 CFG = EngineConfig(StepCostModel(load_model("llama-3.1-8b"), load_hardware("h100")), ACC)

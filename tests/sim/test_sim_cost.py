@@ -2,9 +2,9 @@
 
 import pytest
 
-from specrl.sim.cost import ForwardShape, StepCostModel, forward_cost, weight_bytes_read
-from specrl.sim.drafters import draft_forward
-from specrl.sim.specs import list_specs, load_drafter, load_hardware, load_model
+from specrl.costmodel.cost import ForwardShape, StepCostModel, forward_cost, weight_bytes_read
+from specrl.costmodel.drafters import draft_forward
+from specrl.costmodel.specs import list_specs, load_drafter, load_hardware, load_model
 
 
 def test_kv_bytes_per_token_match_reference():

@@ -9,17 +9,17 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specrl.sim.calibrate import fit_trace, parse_trace
-from specrl.sim.cost import ForwardShape, StepCostModel, forward_flops
-from specrl.sim.runner import hardware
-from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import (
+from specrl.costmodel.cost import ForwardShape, StepCostModel, forward_flops
+from specrl.costmodel.specs import (
     list_specs,
     load_drafter,
     load_hardware,
     load_model,
     with_overrides,
 )
+from specrl.sim.calibrate import fit_trace, parse_trace
+from specrl.sim.runner import hardware
+from specrl.sim.scenario import load_scenario
 
 SMOL = load_model("smollm2-135m")
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import data_root
 from specrl.sim import runner as sim_runner
 from specrl.sim.cli import build_app
-from specrl.sim.errors import SimInputError
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import data_root
 
 SYNC = "paper-8b-sync"
 ASYNC = "paper-235b-async"

@@ -15,16 +15,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.fit import Record, features, profile_from_coefficients
+from specrl.costmodel.specs import DrafterSpec, load_hardware, load_model
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams, alpha_for_length
-from specrl.sim.calibrate import (
-    Record,
-    features,
-    fit_trace,
-    parse_trace,
-    profile_from_coefficients,
-)
-from specrl.sim.cost import StepCostModel
-from specrl.sim.errors import SimInputError
+from specrl.sim.calibrate import fit_trace, parse_trace
 from specrl.sim.holdout import (
     Rollout,
     complement,
@@ -35,7 +31,6 @@ from specrl.sim.holdout import (
     rollout_report,
 )
 from specrl.sim.rollout import EngineConfig, simulate_rollout
-from specrl.sim.specs import DrafterSpec, load_hardware, load_model
 
 MODEL = load_model("llama-3.1-8b")
 # c0, s/byte, s/FLOP, s/verified logit, verify overhead, s/prefill FLOP: an H200-like truth

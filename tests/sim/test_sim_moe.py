@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrl.sim.cost import (
+from specrl.costmodel.cost import (
     ForwardShape,
     Layout,
     StepCostModel,
@@ -19,17 +19,17 @@ from specrl.sim.cost import (
     forward_cost,
     weight_bytes_read,
 )
-from specrl.sim.errors import SimInputError
-from specrl.sim.published import DEEPEP_LOW_LATENCY, fit_all_to_all, h800
-from specrl.sim.runner import run_scenario
-from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import (
+from specrl.costmodel.errors import SimInputError
+from specrl.costmodel.specs import (
     list_specs,
     load_drafter,
     load_hardware,
     load_model,
     with_overrides,
 )
+from specrl.sim.published import DEEPEP_LOW_LATENCY, fit_all_to_all, h800
+from specrl.sim.runner import run_scenario
+from specrl.sim.scenario import load_scenario
 
 Q235, Q30 = load_model("qwen3-235b-a22b"), load_model("qwen3-30b-a3b")
 H100, H200 = load_hardware("h100"), load_hardware("h200")

@@ -9,6 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.drafters import catches_up
+from specrl.costmodel.specs import load_drafter, load_hardware, load_model, with_overrides
 from specrl.sim.acceptance import (
     AcceptanceModel,
     AcceptanceParams,
@@ -18,10 +21,7 @@ from specrl.sim.acceptance import (
     expected_tokens_profile,
     rollout_acceptance,
 )
-from specrl.sim.cost import StepCostModel
-from specrl.sim.drafters import catches_up
 from specrl.sim.rollout import EngineConfig, simulate_rollout
-from specrl.sim.specs import load_drafter, load_hardware, load_model, with_overrides
 
 QWEN8B, H100 = load_model("qwen3-8b"), load_hardware("h100")
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.specs import load_drafter, load_hardware, load_model
 from specrl.sim.acceptance import AcceptanceModel, AcceptanceParams
-from specrl.sim.cost import StepCostModel
 from specrl.sim.rollout import EngineConfig, sample_lengths, simulate_replica, simulate_rollout
-from specrl.sim.specs import load_drafter, load_hardware, load_model
 
 ACC = AcceptanceModel("constant", AcceptanceParams(alpha=0.6))
 

@@ -7,12 +7,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.specs import list_specs, load_hardware, load_model
 from specrl.settings import apply_overrides
 from specrl.sim.calibrate import fit_trace, parse_trace
-from specrl.sim.cost import StepCostModel
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import list_specs, load_hardware, load_model
 
 
 @pytest.mark.parametrize("length", [2.05, 2.47])
@@ -155,10 +155,10 @@ def test_sim_package_stands_apart():
     import sys
 
     leaves = ("specrl.errors", "specrl.fsutil", "specrl.cli_util", "specrl.settings")  # leaves
-    code = (
+    code = (  # and the step-cost model it shares with the speculation controller
         "import sys, specrl.sim.cli; bad = [m for m in sys.modules if m == 'torch' or "
-        "(m.startswith('specrl.') and not m.startswith('specrl.sim') and m not in "
-        f"{leaves!r})]; print(bad)"
+        "(m.startswith('specrl.') and not m.startswith(('specrl.sim', 'specrl.costmodel')) "
+        f"and m not in {leaves!r})]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

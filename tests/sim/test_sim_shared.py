@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specrl.costmodel.specs import load_hardware, load_model
 from specrl.sim.machine import (
     LearnerFit,
     LearnerShape,
@@ -17,7 +18,6 @@ from specrl.sim.machine import (
 )
 from specrl.sim.pipeline import StepPhases, simulate_async
 from specrl.sim.shared import Overlap, simulate_shared
-from specrl.sim.specs import load_hardware, load_model
 
 GEN = [3.0, 5.0, 2.0, 4.0, 6.0]
 LEARN = [4.0, 1.0, 3.0, 2.0, 2.5]

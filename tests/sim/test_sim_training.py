@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from specrl.costmodel.specs import load_hardware, load_model
 from specrl.sim.published import NEMO_RL_V03_PHASES, fit_training
 from specrl.sim.runner import rl_phases, run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.specs import load_hardware, load_model
 from specrl.sim.training import (
     forward_flops,
     gradient_sync_seconds,

@@ -7,12 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from specrl.costmodel.cost import StepCostModel
+from specrl.costmodel.fit import Record, features
+from specrl.costmodel.specs import load_hardware, load_model, with_overrides
 from specrl.engine import Engine
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
-from specrl.sim.calibrate import Record, features
-from specrl.sim.cost import StepCostModel
-from specrl.sim.specs import load_hardware, load_model, with_overrides
 from specrl.spec.config import SpecConfig
 from specrl.spec.controller import (
     Acceptance,

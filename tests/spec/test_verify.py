@@ -384,7 +384,7 @@ def test_exact_losslessness(case: Case, monkeypatch, device: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Known bug classes (REFERENCE.md), each pinned by a small direct test
+# Known bug classes of rejection samplers, each pinned by a small direct test
 # ---------------------------------------------------------------------------------------------
 
 

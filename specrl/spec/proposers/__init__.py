@@ -1,6 +1,7 @@
-"""Drafters behind one ``Proposer`` protocol (see ``base``), looked up by name.
+"""Drafters behind one ``Proposer`` base class (see ``base``), looked up by name.
 
-``register_proposer(name)`` records a proposer class under a unique name;
+``register_proposer(name)`` records a ``Proposer`` subclass under a unique name (``TypeError``
+for a class that is not one);
 ``get_proposer_class(name)`` returns it (a miss imports every module of the package once, so a
 new drafter is just a module here). ``proposer_takes(name, arg)``, ``head_kind(name)`` and
 ``takes_siblings(name)`` say what a drafter needs. The registry dict is the only module-level
@@ -29,14 +30,16 @@ __all__ = [
     "takes_siblings",
 ]
 
-_REGISTRY: dict[str, type] = {}
-T = TypeVar("T", bound=type)
+_REGISTRY: dict[str, type[Proposer]] = {}
+T = TypeVar("T", bound=type[Proposer])
 
 
 def register_proposer(name: str) -> Callable[[T], T]:
-    """Class decorator: register ``cls`` under ``name``."""
+    """Class decorator: register ``cls`` (a ``Proposer`` subclass) under ``name``."""
 
     def decorate(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+            raise TypeError(f"proposer {name!r}: {cls!r} does not subclass specrl's Proposer")
         existing = _REGISTRY.get(name)
         if existing is not None and existing.__qualname__ != cls.__qualname__:
             raise ValueError(f"proposer name {name!r} already registered by {existing!r}")
@@ -52,7 +55,7 @@ def _import_all() -> None:
         importlib.import_module(f"{__name__}.{module.name}")
 
 
-def get_proposer_class(name: str) -> type:
+def get_proposer_class(name: str) -> type[Proposer]:
     """The proposer class registered under ``name``; ``KeyError`` listing the known names."""
     if name not in _REGISTRY:
         _import_all()

@@ -1,20 +1,28 @@
-"""The ``Proposer`` protocol: what every drafter offers the engine, and what it is given.
+"""The ``Proposer`` base class: what every drafter offers the engine, and what it is given.
 
 Each decode step the engine calls ``propose(ProposerBatch, k) -> Draft`` (``tokens[B, k]``,
 ``lengths[B]``, ``probs[B, k, V]`` = the distribution each draft was drawn from, ``None`` for a
 deterministic drafter), then ``observe(row_ids, accepted)``, and ``finish`` when a sequence
-ends; ``load_weights`` refreshes a learned drafter. Only data types and the protocol live here;
-drafters live in sibling modules. Details: docs/internals.md.
+ends. Every drafter subclasses ``Proposer`` (``register_proposer`` refuses one that does not);
+only ``propose`` must be implemented, every other hook has a documented no-op default and is called
+unconditionally: ``check`` and ``use_static`` when the engine is built, ``bind`` before each
+generate call, ``load_weights`` / ``tensors`` for a learned drafter's weights (backend updates
+and fingerprints), ``state_dict`` / ``load_state_dict`` for what a resume restores
+(``keeps_state``), ``hidden_layers`` for the target features it reads. Only data types and the
+base class live here; drafters live in sibling modules. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specrl.sampling import STREAM_DRAFT
+
+if TYPE_CHECKING:
+    from specrl.models.graphs import StepGraphs
 
 
 @dataclass(frozen=True)
@@ -93,20 +101,72 @@ class ProposerBatch:
         return len(self.histories)
 
 
-@runtime_checkable
-class Proposer(Protocol):
-    """A drafter: proposes up to k tokens per row; told what was accepted and what finished."""
+class Proposer:
+    """A drafter: proposes up to k tokens per row; told what was accepted and what finished.
 
-    name: str
+    Subclasses set ``deterministic`` (True: drafts are one-hot, ``Draft.probs`` is None) and
+    implement ``propose``; every other hook below is optional, its default a no-op for a
+    model-free drafter that keeps no state across calls."""
+
+    name: str  # the registered name (``register_proposer`` sets it)
     deterministic: bool
+    hidden_layers: tuple[int, ...] = ()  # target layers whose outputs it reads (learned heads)
+    keeps_state: bool = False  # ``state_dict`` carries state a resume must restore
 
-    def propose(self, batch: ProposerBatch, k: int) -> Draft: ...
+    def propose(self, batch: ProposerBatch, k: int) -> Draft:
+        """Up to k draft tokens per row of ``batch`` (every drafter implements it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement propose")
 
-    def observe(self, row_ids: list[int], accepted: torch.Tensor) -> None: ...
+    def observe(self, row_ids: list[int], accepted: torch.Tensor) -> None:
+        """Row ``row_ids[b]`` emitted ``accepted[b]`` tokens this step (its accepted drafts plus
+        one); by default nothing to do."""
 
-    def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None: ...
+    def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None:
+        """Row ``row_id`` (of prompt ``group_key``) ended with completion ``tokens``; by default
+        nothing to do."""
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None: ...
+    def check(self, max_len: int, vocab_size: int) -> None:
+        """Refuse (``ValueError``) an engine this drafter cannot serve: contexts up to
+        ``max_len``, a ``vocab_size`` vocabulary; called when the engine is built. By default
+        any engine."""
+
+    def use_static(self, graphs: StepGraphs, sizes: tuple[int, ...]) -> None:
+        """The engine runs static steps (batch buckets ``sizes``, over ``graphs``): a drafter
+        with steps of its own may run them the same way. By default it drafts as before."""
+
+    def bind(self, max_batch: int, max_len: int, vocab_size: int) -> None:
+        """Get ready for a generate call of up to ``max_batch`` rows of up to ``max_len``
+        positions (e.g. allocate a cache); by default nothing to do."""
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """New weights for a learned drafter (the names ``tensors`` gives); model-free by
+        default: nothing to load."""
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], torch.dtype] | None:
+        """A learned drafter's tensors as it holds them (the names ``load_weights`` takes) and
+        its parameters' dtype, what a backend fingerprints; None (the default) for a
+        model-free drafter."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume restores (JSON-able, ``keeps_state``); by default nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict``; a drafter that keeps none (the default) refuses any
+        (``ValueError``)."""
+        raise ValueError(
+            f"saved drafter state of {state.get('name')!r}, but this run's drafter keeps none"
+        )
+
+
+def module_tensors(
+    module: torch.nn.Module, named: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+    """``named`` (tensors of ``module``) and the dtype of its first floating-point parameter
+    (float32 when it has none): a learned drafter's ``tensors``."""
+    floats = (p.dtype for p in module.parameters() if p.is_floating_point())
+    return named, next(floats, torch.float32)
 
 
 def make_batch(

@@ -22,7 +22,7 @@ from specrl.models.graphs import StepGraphs
 from specrl.models.transformer import STATIC, Transformer
 from specrl.models.weights import copy_weights
 from specrl.spec.proposers import register_proposer, static_draft
-from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch, module_tensors
 from specrl.spec.proposers.static_draft import Drafted, DraftKey, Inputs
 
 
@@ -40,7 +40,7 @@ class _Row:
 
 
 @register_proposer("draft")
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """A small causal LM as drafter, batched, with its own KV cache."""
 
     deterministic = False
@@ -99,6 +99,10 @@ class DraftModelProposer:
         self._unread = None
         for row in self.rows.values():
             row.fed, row.safe = [], 0
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+        """The draft model's parameters (our names, what ``load_weights`` takes) and dtype."""
+        return module_tensors(self.model, dict(self.model.named_parameters()))
 
     def use_static(self, graphs: StepGraphs, sizes: tuple[int, ...]) -> None:
         """Draft k tokens as one static step over ``graphs`` (batch buckets ``sizes``)."""

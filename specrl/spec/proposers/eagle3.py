@@ -24,12 +24,12 @@ from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_c
 from specrl.models.transformer import STATIC, Transformer
 from specrl.sampling import SamplingHints
 from specrl.spec.proposers import register_proposer, static_draft
-from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch, module_tensors
 from specrl.spec.proposers.static_draft import Drafted, DraftKey, Inputs
 
 
 @register_proposer("eagle3")
-class Eagle3Proposer:
+class Eagle3Proposer(Proposer):
     """A learned head over the target's hidden states, batched, with its own KV cache."""
 
     deterministic = False
@@ -50,7 +50,7 @@ class Eagle3Proposer:
         check_compatible(head_config(drafter), target_model.config)
         if drafter.kind != self.kind:
             raise ValueError(f"a {drafter.kind!r} head cannot serve the {self.kind!r} drafter")
-        drafter._target = (target_model,)  # always share the live target's embedding/LM head
+        drafter.use_target(target_model)  # always share the live target's embedding/LM head
         self.device = model_device(target_model)
         self.head = drafter.to(self.device).requires_grad_(False)
         self.hidden_layers = drafter.feature_layers
@@ -93,6 +93,10 @@ class Eagle3Proposer:
         if vocab is not None and (current is None or not torch.equal(current, vocab)):
             self.head.set_draft_vocab(vocab.to(self.device, copy=True))
         self.head.load_state_dict(cast_floats(state, self.head.dtype))
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], torch.dtype]:
+        """The head's state dict (the names ``load_weights`` takes) and its dtype."""
+        return module_tensors(self.head, dict(self.head.state_dict()))
 
     def use_static(self, graphs: StepGraphs, sizes: tuple[int, ...]) -> None:
         """Draft k tokens as one static step over ``graphs`` (batch buckets ``sizes``) from

@@ -50,6 +50,7 @@ class HybridProposer(Eagle3Proposer):
 
     deterministic = False
     kind = "eagle3"  # the head it trains and loads is an EAGLE-3 head
+    keeps_state = True  # its suffix index
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from specrl.spec.proposers import register_proposer
-from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch
 
 
 class _RowIndex:
@@ -55,7 +55,7 @@ class _RowIndex:
 
 
 @register_proposer("ngram")
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: draft what followed the latest earlier occurrence of the last n tokens."""
 
     name = "ngram"
@@ -86,9 +86,6 @@ class NgramProposer:
     def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None:
         """Drop the row's index."""
         self._rows.pop(row_id, None)
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Model-free: nothing to load."""
 
     def _row(self, row_id: int) -> _RowIndex:
         index = self._rows.get(row_id)

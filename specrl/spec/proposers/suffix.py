@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specrl.spec.proposers import register_proposer
-from specrl.spec.proposers.base import Draft, ProposerBatch
+from specrl.spec.proposers.base import Draft, Proposer, ProposerBatch
 
 SEP = -1  # separator between indexed sequences (token ids are >= 0)
 _ONE_SHOT = 32  # candidate count below which a suffix is compared in one vectorised shot
@@ -52,11 +52,12 @@ class _Group:
 
 
 @register_proposer("suffix")
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Drafts the most frequent continuation of the longest matching suffix in a prompt group."""
 
     name = "suffix"
     deterministic = True
+    keeps_state = True  # the index of earlier completions
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class SuffixProposer:
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         self.last_support: list[list[int]] = []  # per row of the last propose (see docstring)
 
-    # -- Proposer protocol ---------------------------------------------------------------------
+    # -- Proposer hooks ------------------------------------------------------------------------
 
     def propose(self, batch: ProposerBatch, k: int) -> Draft:
         """Per row, a continuation seen after its history's longest matching suffix (<= k)."""
@@ -108,9 +109,6 @@ class SuffixProposer:
     def finish(self, row_id: int, group_key: int, tokens: list[int]) -> None:
         """Index a finished completion of prompt ``group_key``."""
         self.add_completion(group_key, tokens)
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Model-free: nothing to load."""
 
     def state_dict(self) -> dict:
         """The index as JSON-able data (least recently used prompt first), for resumes."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from specrl.sim.specs import DrafterSpec, ModelSpec, load_model
+from specrl.costmodel.specs import DrafterSpec, ModelSpec, load_model
 
 Builder = Callable[[DrafterSpec, ModelSpec], ModelSpec | None]
 

@@ -1,9 +1,10 @@
-"""The simulator's one error type for bad inputs.
+"""The cost model's and the simulator's one error type for bad inputs.
 
-Every input the simulator cannot use raises ``SimInputError`` (a ``ValueError``) with ONE line
-naming the input, what is wrong and what is valid; ``specrl simulate`` prints it and exits 2.
-Bugs are never turned into it. ``unknown`` and ``key_hint`` add specrl's did-you-mean hint;
-``read_text(path, kind)`` is a file's text, or the error that says why it cannot be read.
+Every input the cost model or the simulator cannot use raises ``SimInputError`` (a
+``ValueError``) with ONE line naming the input, what is wrong and what is valid; ``specrl
+simulate`` prints it and exits 2. Bugs are never turned into it. ``unknown`` and ``key_hint``
+add specrl's did-you-mean hint; ``read_text(path, kind)`` is a file's text, or the error that
+says why it cannot be read.
 Details: docs/internals.md.
 """
 

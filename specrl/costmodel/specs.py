@@ -2,9 +2,13 @@
 
 Every number the cost model uses about a model, a GPU (or this CPU) or a drafter comes from a
 frozen ``Spec`` section built from a TOML file (``specrl/sim/data/<kind>/<name>.toml``, or a
-path) or an equivalent dict; derived sizes live here, times do not. ``PRECISIONS`` names the
-weight formats a replica may serve. A bad name, file or field raises a one-line
-``SimInputError``.
+path) or an equivalent dict; derived sizes live here, times do not. That directory, the
+simulator's data, is read as files (``data_root``): loading a spec imports nothing of
+``specrl.sim``. ``PRECISIONS`` names the weight formats a replica may serve. A bad name, file
+or field raises a one-line ``SimInputError``, and so does a field given a value other than its
+default where its spec cannot apply it (``Spec.coverage``'s rules: MoE terms of a dense model, a
+drafter field its kind never reads, ``DRAFTER_FIELDS``); ``coverage`` classifies every field of
+each spec.
 Details: docs/internals.md.
 """
 
@@ -14,13 +18,23 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import tomlkit
 from pydantic import ConfigDict
 
-from specrl.settings import Section, errors_as, read_toml, validate
-from specrl.sim.errors import SimInputError, key_hint, unknown
+from specrl.costmodel.errors import SimInputError, key_hint, unknown
+from specrl.settings import (
+    AppliesOnly,
+    Coverage,
+    Section,
+    each,
+    errors_as,
+    misapplied,
+    read_toml,
+    set_off_default,
+    validate,
+)
 
 DTYPE_BYTES = 2  # bf16 activations and KV cache everywhere in the simulator
 
@@ -43,9 +57,13 @@ PRECISIONS: MappingProxyType[str, Precision] = MappingProxyType(
 
 
 class Spec(Section):
-    """A spec read from a TOML file: strict like every settings section, and frozen."""
+    """A spec read from a TOML file: strict like every settings section, and frozen. Its
+    ``coverage`` classifies every field (a spec describes a thing: ``always`` is a fact of it,
+    read wherever the simulation needs it; a rule's field means nothing for the thing
+    otherwise)."""
 
     model_config = ConfigDict(frozen=True)
+    coverage: ClassVar[Coverage] = Coverage((), ())
 
 
 S = TypeVar("S", bound=Spec)
@@ -70,6 +88,17 @@ class ModelSpec(Spec):
     moe_layers: int = 0
     moe_intermediate: int = 0
     kv_bytes_per_token: int = 0  # 0: standard attention, 2 * layers * kv_heads * head_dim * bytes
+
+    coverage: ClassVar[Coverage] = Coverage(
+        rules=each(
+            ("experts_per_token", "shared_experts", "moe_layers", "moe_intermediate"),
+            "experts", lambda n: n > 0, " > 0 (a mixture-of-experts model)",
+        ),
+        always=(
+            "name", "layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate",
+            "params_total", "params_active", "experts", "kv_bytes_per_token",
+        ),
+    )  # fmt: skip
 
     @property
     def is_moe(self) -> bool:
@@ -144,6 +173,19 @@ class HardwareSpec(Spec):
     a2a_latency_s: float = 0.0
     a2a_efficiency: float = 1.0
 
+    coverage: ClassVar[Coverage] = Coverage(
+        rules=(
+            AppliesOnly("eager_s_per_layer", "graph_capture_tokens", lambda n: n > 0, " > 0"),
+        ),
+        always=(
+            "name", "peak_flops", "hbm_bandwidth", "hbm_bytes", "intra_node_bandwidth",
+            "scale_out_bandwidth", "gpus_per_node", "eta_mem", "eta_compute", "step_overhead_s",
+            "forward_overhead_s", "comm_latency_s", "mem_fraction", "verify_s_per_logit",
+            "verify_overhead_s", "prefill_s_per_flop", "graph_capture_tokens", "peak_flops_fp8",
+            "a2a_latency_s", "a2a_efficiency",
+        ),
+    )  # fmt: skip
+
     def peak(self, precision: str) -> float:
         """Dense GEMM FLOP/s at a weight precision; FP8 on a device without it is an error."""
         if not PRECISIONS[precision].fp8_compute:
@@ -151,6 +193,27 @@ class HardwareSpec(Spec):
         if self.peak_flops_fp8 <= 0:
             raise SimInputError(f"hardware {self.name} has no FP8 peak (peak_flops_fp8 = 0)")
         return self.peak_flops_fp8
+
+
+# The DrafterSpec fields each kind's builder (``drafters.DRAFTER_KINDS``, the same kinds: a test
+# checks) reads besides name, kind and position_ratio; a kind not listed is refused by validate.
+DRAFTER_FIELDS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "eagle3": ("layers", "draft_vocab", "intermediate"),
+        "mtp": ("layers",),
+        "draft_model": ("model",),
+        "ngram": ("cpu_s_per_seq", "cpu_s_per_ctx_token"),
+        "suffix": ("cpu_s_per_seq", "cpu_s_per_ctx_token"),
+    }
+)
+
+
+def _drafter_rule(key: str) -> AppliesOnly:
+    """``key`` applies only to the kinds that read it (a kind not listed: validate's to refuse)."""
+    kinds = tuple(kind for kind, read in DRAFTER_FIELDS.items() if key in read)
+    known = tuple(DRAFTER_FIELDS)
+    needs = " " + " or ".join(repr(kind) for kind in kinds)
+    return AppliesOnly(key, "kind", lambda k: k in kinds or k not in known, needs)
 
 
 class DrafterSpec(Spec):
@@ -169,9 +232,16 @@ class DrafterSpec(Spec):
     # position_ratio times that of draft i (1: the same at every position)
     position_ratio: float = 1.0
 
+    coverage: ClassVar[Coverage] = Coverage(
+        rules=tuple(_drafter_rule(key) for key in dict.fromkeys(sum(DRAFTER_FIELDS.values(), ()))),
+        always=("name", "kind", "position_ratio"),
+    )
+
 
 def data_root() -> Path:
-    return Path(str(resources.files("specrl.sim") / "data"))
+    """The bundled spec files, ``specrl/sim/data`` (found from ``specrl``, not ``specrl.sim``:
+    resolving the latter would import the simulator)."""
+    return Path(str(resources.files("specrl") / "sim" / "data"))
 
 
 SPEC_KINDS: dict[str, str] = {
@@ -207,9 +277,14 @@ def list_specs(kind: str) -> list[str]:
 
 
 def build_spec(cls: type[S], data: dict[str, Any], what: str, source: str = "") -> S:
-    """A spec from a dict, its keys and types checked (``SimInputError`` in one line)."""
+    """A spec from a dict, its keys and types checked, and no field given a value other than
+    its default where the spec cannot apply it (``cls.coverage``; ``SimInputError`` in one
+    line, after ``SOURCE: `` or ``WHAT: ``)."""
     with errors_as(SimInputError):
-        return validate(cls, data, what, hint=key_hint(cls), source=source)
+        spec = validate(cls, data, what, hint=key_hint(cls), source=source)
+    if problems := misapplied(spec, cls.coverage.rules, lambda key: set_off_default(spec, key)):
+        raise SimInputError(f"{source or what}: {'; '.join(problems)}")
+    return spec
 
 
 def load_toml(kind: str, name: str) -> tuple[dict[str, Any], str]:

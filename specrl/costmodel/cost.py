@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
 
-from specrl.sim.drafters import catches_up, draft_forward
-from specrl.sim.specs import DTYPE_BYTES, PRECISIONS, DrafterSpec, HardwareSpec, ModelSpec
+from specrl.costmodel.drafters import catches_up, draft_forward
+from specrl.costmodel.specs import DTYPE_BYTES, PRECISIONS, DrafterSpec, HardwareSpec, ModelSpec
 
 
 def expected_experts(experts: int, top_k: int, tokens: float) -> float:
