@@ -71,6 +71,10 @@ def smollm2_tok():
 # was killed for memory, and with vLLM on one worker beside a Ray run on the other (CI's 24 GiB
 # down to 1.3-1.8 GB available) Ray's memory monitor killed the run's actors. One group for both.
 ON_SERVER_WORKER = pytest.mark.xdist_group("servers")
+# The vLLM engines of the tests (tiny runs, a few short sequences) get a 1 GiB KV cache instead of
+# the backend's 2 GiB: the online-drafter tests peak at 12-13 GB of resident memory on their
+# worker, and the other worker's tests share CI's 24 GiB (a worker was killed for memory).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.hookimpl(trylast=True)
