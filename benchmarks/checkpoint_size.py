@@ -38,8 +38,7 @@ SETTINGS = {"default": [], "bf16_params": ["learner.dtype=bf16", "learner.bf16_m
 def stepped_learner(sets: list[str]) -> tuple[Learner, dict]:
     """The default run's learner (with ``sets``) after one AdamW step on zero gradients."""
     cfg = load_config(None, sets)
-    learner = Learner.from_config(load_model(cfg.model.name), cfg.learner,
-                                  max_len=cfg.rollout.max_new_tokens)  # fmt: skip
+    learner = Learner(load_model(cfg.model.name), cfg.learner, max_len=cfg.rollout.max_new_tokens)
     params = [p for g in learner.optimizer.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -401,6 +401,7 @@ def specrl_row(
 ) -> dict:
     """specrl's ``Learner`` (bf16, ``mode``) on ``batch``: the median step's metrics. Where flex
     attention cannot compile, the row is measured again with the dense mask (said in the row)."""
+    from specrl.config_training import LearnerCfg
     from specrl.rl import Learner, TrainSample
 
     samples = [
@@ -409,15 +410,14 @@ def specrl_row(
     ]
     seq_len = s.learner_prompt + s.learner_completion
     model = random_model(s.learner_model, device)
-    learner = Learner(
-        model,
+    cfg = LearnerCfg(
         lr=1e-6,
         dtype="bf16",
         bf16_mode=mode,
         share_prompts=False,
         micro_batch_tokens=s.micro_seqs * seq_len,
-        row_len=seq_len,
     )
+    learner = Learner(model, cfg, row_len=seq_len)
     row: dict[str, Any] = {
         "learner": "specrl",
         "bf16_mode": mode,
@@ -436,7 +436,7 @@ def specrl_row(
     row["warmup_s"] = time.perf_counter() - t0
     steps = []
     while len(steps) < s.learner_repeats and (not steps or time.perf_counter() < deadline):
-        steps.append(learner.train_step(samples))
+        steps.append(learner.train_step(samples).metrics)
     keys = ("time_s", "tokens_per_s", "model_tflops", "mfu", "forward_tokens")
     return (
         row

@@ -132,20 +132,22 @@ ASSUMPTIONS = [
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    head: dict[str, Any]  # specrl train-drafter options
+    head: tuple[str, ...]  # specrl train-drafter settings (section.key=value)
     sets: tuple[str, ...]  # run config overrides
     steps: int
     dtype: str
 
 
 FULL = Preset(
-    head=dict(num_prompts=80, samples_per_prompt=2, temperature="1,0", max_new_tokens=64,
-              steps=250, batch_size=8, tv_steps=0, eval_prompts=8),
+    head=("data.num_prompts=80", "data.samples_per_prompt=2", "data.temperatures=[1, 0]",
+          "data.max_new_tokens=64", "train.steps=250", "train.batch_size=8", "train.tv_steps=0",
+          "eval.prompts=8"),
     sets=(), steps=5, dtype="bf16",
 )  # fmt: skip
 SMOKE = Preset(
-    head=dict(num_prompts=4, samples_per_prompt=1, temperature="1", max_new_tokens=16,
-              steps=4, batch_size=2, tv_steps=0, eval_prompts=1),
+    head=("data.num_prompts=4", "data.samples_per_prompt=1", "data.temperatures=[1]",
+          "data.max_new_tokens=16", "train.steps=4", "train.batch_size=2", "train.tv_steps=0",
+          "eval.prompts=1"),
     sets=("rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16"),
     steps=2, dtype="fp32",
 )  # fmt: skip
@@ -174,6 +176,7 @@ def eagle3_head(args: argparse.Namespace, preset: Preset, work: Path) -> Path:
     """A specrl EAGLE-3 head of vLLM's layer layout: ``--head`` if it holds one, else trained."""
     import typer
 
+    from specrl.config_drafter import SettingsError, load_train_drafter
     from specrl.drafters.cli import train_drafter
 
     out = args.head or work / "head"
@@ -181,8 +184,12 @@ def eagle3_head(args: argparse.Namespace, preset: Preset, work: Path) -> Path:
         print(f"EAGLE-3 head: {out}")
         return out
     try:
-        train_drafter(drafter="eagle3", head_arch="eagle3", model=MODEL, out=out,
-                      seed=args.seed, ckpt_every=10**6, **preset.head)  # fmt: skip
+        sets = ["drafter.kind='eagle3'", "drafter.head_arch='eagle3'", f"model.name={MODEL!r}",
+                f"run.out={str(out)!r}", f"run.seed={args.seed}", "train.ckpt_every=1000000",
+                *preset.head]  # fmt: skip
+        train_drafter(load_train_drafter(None, sets))
+    except SettingsError as e:
+        raise SystemExit(f"error: {e}") from None
     except typer.Exit as e:  # train-drafter said why in one line
         raise SystemExit(e.exit_code) from None
     return out

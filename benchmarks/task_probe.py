@@ -82,7 +82,7 @@ def grpo_probe(steps: int, lr: float) -> None:
     cfg, tok = Config(), load_tokenizer("smollm2")
     env, policy = ReasoningGymEnv.from_config(cfg.env), load_model(dtype=torch.float32)
     engine_model = copy.deepcopy(policy).to(torch.bfloat16)
-    learner = Learner.from_config(policy, cfg.learner.model_copy(update={"lr": lr}))
+    learner = Learner(policy, cfg.learner.model_copy(update={"lr": lr}))
     engine, order = Engine(engine_model, max_batch=64), env.prompts("train", seed=0)
     p, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     for step in range(steps):
@@ -98,7 +98,7 @@ def grpo_probe(steps: int, lr: float) -> None:
         adv = compute_advantages("grpo", rewards.view(p, g)).flatten().tolist()
         m = learner.train_step(
             [TrainSample(c.prompt_ids, c.token_ids, a) for c, a in zip(comps, adv, strict=True)]
-        )
+        ).metrics
         with torch.no_grad():  # refit
             for dst, src in zip(engine_model.parameters(), policy.parameters(), strict=True):
                 dst.copy_(src)

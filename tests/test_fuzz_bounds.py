@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from specrl.cli import app
 from specrl.config import Config
+from specrl.config_drafter import TrainDrafterCfg
 from specrl.sim.scenario import Scenario
 from tests.test_fuzz_cli import COMMANDS, WORK, ReachedWork
 
@@ -41,7 +42,6 @@ BASE_ARGS = {
     ("export",): ["RUN", "OUT"],
     ("generate",): ["hi"],
     ("simulate", "calibrate"): ["{trace}"],
-    ("train-drafter",): [],
 }
 TRACE = {  # a good engine trace for ``simulate calibrate`` (its fit is never reached)
     "machine": "test", "model": "smollm2-135m",
@@ -169,6 +169,7 @@ def set_cases(model: type[BaseModel]) -> list[tuple[str, str]]:
 
 TRAIN_SETS = set_cases(Config)
 SIM_SETS = set_cases(Scenario)
+DRAFTER_SETS = set_cases(TrainDrafterCfg)  # train-drafter's numbers are settings, as train's
 
 
 @pytest.mark.parametrize(("key", "value"), TRAIN_SETS, ids=[f"{k}={v}" for k, v in TRAIN_SETS])
@@ -181,9 +182,15 @@ def test_every_scenario_number_is_bounded(key, value, tmp_path):
     refused(["simulate", "paper-8b-sync", "--set", f"{key}={value}"], tmp_path, key)
 
 
+@pytest.mark.parametrize(("key", "value"), DRAFTER_SETS, ids=[f"{k}={v}" for k, v in DRAFTER_SETS])
+def test_every_train_drafter_number_is_bounded(key, value, tmp_path):
+    refused(["train-drafter", "--set", f"{key}={value}"], tmp_path, key)
+
+
 def test_the_set_cases_cover_the_fields_the_issue_found():
     assert ("rollout.top_k", str(2**63)) in TRAIN_SETS
     assert ("generation.gpus", str(2**63)) in SIM_SETS
+    assert ("train.steps", str(2**63)) in DRAFTER_SETS
 
 
 # --------------------------------------------------------------------------- pairs

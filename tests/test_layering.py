@@ -83,7 +83,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),
     ("costmodel",),
     ("config",),
-    ("config_training", "config_task"),
+    ("config_training", "config_task", "config_drafter"),
+    ("registry",),
     ("settings", "paths", "fsutil", "errors", "jsonl_prompts", "malloc"),
 )
 
@@ -167,10 +168,12 @@ LEAVES = {
     "specrl.settings": set(),
     "specrl.config_training": {"specrl.settings"},
     "specrl.config_task": {"specrl.settings"},
+    "specrl.config_drafter": {"specrl.settings", "specrl.errors"},
     "specrl.config": {"specrl.settings", "specrl.config_training", "specrl.config_task"},
     "specrl.paths": set(),
     "specrl.fsutil": set(),
     "specrl.errors": set(),
+    "specrl.registry": {"specrl.errors"},
     "specrl.jsonl_prompts": set(),
 }
 

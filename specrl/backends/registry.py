@@ -1,8 +1,9 @@
-"""The backend registry: ``REGISTRY`` (name -> ``Entry``: builders and ``BackendTraits``),
-``plan_rollout(cfg)`` (the run's ``RolloutPlan`` under its rules) and ``build_local(plan,
-policy)`` (the planned backend in this process or its worker process, Ray workers aside: what
-``build_backend`` and each Ray rollout worker build). Builders are ``"module:function"`` names,
-imported when used, so that this module imports no backend. Re-exported by ``specrl.backends``.
+"""The backend registry: ``REGISTRY`` (a ``specrl.registry.Registry``: name -> ``Entry``,
+builders and ``BackendTraits``), ``plan_rollout(cfg)`` (the run's ``RolloutPlan`` under its
+rules) and ``build_local(plan, policy)`` (the planned backend in this process or its worker
+process, Ray workers aside: what ``build_backend`` and each Ray rollout worker build). Builders
+are ``"module:function"`` names, imported when used, so that this module imports no backend.
+Re-exported by ``specrl.backends``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from specrl.backends.base import RolloutBackend
+from specrl.registry import Registry
 from specrl.rollout_plan import BackendTraits, RolloutPlan, make_plan
 
 if TYPE_CHECKING:
@@ -44,14 +45,19 @@ class Entry:
     traits: BackendTraits = BackendTraits()
 
 
-REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
-    "native": Entry(
+REGISTRY: Registry[Entry] = Registry("rollout backend")
+REGISTRY.register(
+    "native",
+    Entry(
         "specrl.backends.native:build_native",
         "specrl.backends.process:build_process",
         BackendTraits(controller=True, exact_sample=True,
                       check_in_flight=_call("specrl.backends.native:check_in_flight")),
     ),
-    "vllm": Entry(
+)  # fmt: skip
+REGISTRY.register(
+    "vllm",
+    Entry(
         "specrl.backends.vllm:build_vllm",
         traits=BackendTraits(
             inline_only="the vLLM backend runs in the trainer's process; use "
@@ -64,7 +70,7 @@ REGISTRY: MappingProxyType[str, Entry] = MappingProxyType({
             check_spec=_call("specrl.backends.vllm_spec:check_spec"),
         ),
     ),
-})  # fmt: skip
+)
 
 
 def plan_rollout(cfg: Config) -> RolloutPlan:

@@ -1,35 +1,48 @@
 """``specrl train-drafter`` and ``specrl export-drafter``: train a drafter, export it for vLLM.
 
-``register(app)`` adds both commands. ``train-drafter`` generates the target's own completions
-on a reasoning-gym task's train split (or ``--prompts F.jsonl``), trains a head (or, with
-``--drafter draft``, distills a layer-prefix draft model), resumably with checkpoints and cached
-data in ``--out``, saves it, and prints held-out acceptance untrained vs trained. The cached
-rollouts and examples are keyed by what made them (``_data_key``: the prompts' source, counts,
-lengths, temperatures, seed, the model's fingerprint, tokenizer and chat template; the examples
-also by the feature layers): a cache made by anything else, or before keys, is rebuilt with one
-``notice:`` line on stderr saying why (and the training states made from it are dropped), never
-reused. ``export-drafter`` writes a trained drafter in the layout vLLM loads, after checking
-its files against their manifest (``drafters.export``). Bad values, unusable paths, damaged
-drafters and OSErrors exit 2 with one ``error:`` line (before any work where they can); a failed
-export leaves no output directory it created.
+``register(app)`` adds both commands. ``train-drafter`` reads its settings like ``specrl train``
+(``specrl.config_drafter.TrainDrafterCfg``: defaults <- ``--config F.toml`` <- the options
+``--drafter``/``--model``/``--task``/``--prompts``/``--out``/``--device``, each one field
+(``FLAGS``; the same field by an option and ``--set`` in one line is refused) <- ``--set
+section.key=value``), then generates the target's own completions on a reasoning-gym task's
+train split (or ``data.prompts``), trains a head (or, with ``drafter.kind='draft'``, distills a
+layer-prefix draft model), resumably with checkpoints and cached data in ``run.out``, saves it,
+and prints held-out acceptance untrained vs trained; ``run.out/train_drafter.toml`` records the
+settings (``to_toml``, defaults resolved, paths absolute: ``--config`` on it makes the same
+drafter). The cached rollouts and examples are keyed by what made them (``_data_key``: the
+prompts' source, counts, lengths, temperatures, seed, the model's fingerprint, tokenizer and chat
+template; the examples also by the feature layers): a cache made by anything else, or before
+keys, is rebuilt with one ``notice:`` line on stderr saying why (and the training states made
+from it are dropped), never reused. ``export-drafter`` writes a trained drafter in the layout
+vLLM loads, after checking its files against their manifest (``drafters.export``). Bad settings,
+unusable paths, damaged drafters and OSErrors exit 2 with one ``error:`` line (before any work
+where they can); a failed export leaves no output directory it created.
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from specrl import settings
 from specrl.cli_util import fail, parse_device
+from specrl.config_drafter import (
+    HEAD_DRAFT_VOCAB,
+    RECORD_FILE,
+    SettingsError,
+    TrainDrafterCfg,
+    load_train_drafter,
+)
 from specrl.errors import unknown
-from specrl.fsutil import file_digest, writable_problem
+from specrl.fsutil import atomic_write, file_digest, writable_problem
 from specrl.paths import drafter_cache_dir
 
 if TYPE_CHECKING:
@@ -40,7 +53,7 @@ if TYPE_CHECKING:
 def register(app: typer.Typer) -> None:
     """Add ``train-drafter`` and ``export-drafter`` to ``app``."""
     resume = " (rerun to resume from what was saved)"
-    app.command("train-drafter")(_os_errors_in_one_line(train_drafter, resume))
+    app.command("train-drafter")(_os_errors_in_one_line(train_drafter_command, resume))
     app.command("export-drafter")(_os_errors_in_one_line(export_drafter, ""))
 
 
@@ -61,86 +74,109 @@ def _os_errors_in_one_line(command: Callable, hint: str) -> Callable:
 
 EXAMPLES_FILE = "examples.safetensors"  # specrl.drafters.data.save_examples
 TV_STATE_FILE = "train_state_tv.safetensors"  # the TV phase's specrl.drafters.train state
-HEAD_DRAFT_VOCAB = 4096  # covers every completion token of the default data (SmolLM2, arithmetic)
-TV_STEPS = 300  # total-variation fine-tuning steps of the default head recipe
+
+# The options kept beside --config/--set, each the same as one field (giving both is refused).
+FLAGS = {
+    "drafter": ("--drafter", "drafter.kind"),
+    "model": ("--model", "model.name"),
+    "task": ("--task", "data.task"),
+    "prompts": ("--prompts", "data.prompts"),
+    "out": ("--out", "run.out"),
+    "device": ("--device", "model.device"),
+}
 
 
-def train_drafter(
-    drafter: Annotated[str, typer.Option("--drafter", help="eagle3 | mtp | draft")] = "eagle3",
-    model: Annotated[str, typer.Option("--model", help="target model")] = "smollm2-135m-instruct",
+def train_drafter_command(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="TOML settings (sections model, drafter, data, train, "
+            "eval, run; the record OUT/train_drafter.toml of an earlier run too)",
+        ),
+    ] = None,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="override: section.key=value (repeatable), e.g. "
+            "train.steps=200, data.temperatures=[1,0], drafter.head_arch=eagle3",
+        ),
+    ] = None,
+    drafter: Annotated[
+        str | None,
+        typer.Option(
+            "--drafter", help="eagle3 (default) | mtp | draft; the same as --set drafter.kind=..."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="target model (default smollm2-135m-instruct); the same as --set model.name=...",
+        ),
+    ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(
+            "--task",
+            help="reasoning-gym task (default basic_arithmetic); the same as --set data.task=...",
+        ),
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
             "--prompts",
-            help='JSONL: "text", {"prompt": ...} or {"messages": [...]} (default: --task)',
+            help='JSONL train prompts: "text", {"prompt": ...} or '
+            '{"messages": [...]} (default: the task\'s); the same as --set data.prompts=...',
         ),
     ] = None,
-    task: Annotated[str, typer.Option("--task", help="reasoning-gym task")] = "basic_arithmetic",
-    out: Annotated[Path | None, typer.Option("--out", help="output dir")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts")] = 800,
-    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt")] = 2,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 96,
-    temperature: Annotated[
-        str,
+    out: Annotated[
+        Path | None,
         typer.Option(
-            "--temperature",
-            help="rollout temperature(s), comma list (e.g. 1,0: sampled and greedy "
-            "completions); T=0 takes one completion per prompt",
-        ),
-    ] = "1,0",
-    steps: Annotated[int, typer.Option("--steps")] = 1500,
-    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    tv_steps: Annotated[
-        int,
-        typer.Option(
-            "--tv-steps",
-            help="eagle3/mtp: then fine-tune this many steps on the total-variation loss "
-            "(the rejection probability, which sampled acceptance depends on); 0 = off",
-        ),
-    ] = TV_STEPS,
-    tv_lr: Annotated[float, typer.Option("--tv-lr", help="learning rate of the TV phase")] = 3e-4,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
-    unroll: Annotated[int, typer.Option("--unroll", help="training-time-test depth")] = 3,
-    ckpt_every: Annotated[int, typer.Option("--ckpt-every")] = 100,
-    eval_prompts: Annotated[int, typer.Option("--eval-prompts")] = 24,
-    k: Annotated[int, typer.Option("--num-spec-tokens", help="k for held-out acceptance")] = 3,
-    draft_vocab: Annotated[
-        int | None,
-        typer.Option(
-            "--draft-vocab",
-            help="reduced draft vocabulary for a head: the N most frequent completion tokens "
-            f"of the training rollouts (0 = the target's full vocabulary; default "
-            f"{HEAD_DRAFT_VOCAB} for eagle3/mtp, not available for draft)",
+            "--out", help="output dir (default: the drafter cache); the same as --set run.out=..."
         ),
     ] = None,
-    draft_layers: Annotated[
-        int | None,
-        typer.Option(
-            "--draft-layers",
-            help="--drafter draft: keep the target's first N layers (default: "
-            "specrl.drafters.distill.DEFAULT_LAYERS)",
-        ),
-    ] = None,
-    head_arch: Annotated[
-        str,
-        typer.Option(
-            "--head-arch",
-            help="eagle3 heads: proj (specrl's layer: inputs projected 2H->H) or eagle3 "
-            "(the EAGLE-3 paper's and vLLM's layer; `specrl export-drafter` writes it for vLLM)",
-        ),
-    ] = "proj",
-    threads: Annotated[int, typer.Option("--threads", help="torch threads (0 = default)")] = 0,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
     device: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--device",
-            help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N: where the target "
-            "rolls out and the drafter trains",
+            help="auto (CUDA when present, else cpu; the default), cpu, cuda or cuda:N; "
+            "the same as --set model.device=...",
         ),
-    ] = "auto",
+    ] = None,
 ) -> None:
-    """Train an EAGLE-3 / MTP drafter or distill a draft model on the target's own rollouts."""
+    """Train an EAGLE-3 / MTP drafter or distill a draft model on the target's own rollouts.
+
+    Settings: defaults <- --config FILE <- the options below <- --set section.key=value (every
+    key: specrl.config_drafter.TrainDrafterCfg); the directory gets them as train_drafter.toml.
+    """
+    given = {"drafter": drafter, "model": model, "task": task, "prompts": prompts, "out": out,
+             "device": device}  # fmt: skip
+    try:
+        cfg = _settings(config, sets or [], {n: v for n, v in given.items() if v is not None})
+    except SettingsError as e:
+        fail(str(e))
+    train_drafter(cfg)
+
+
+def _settings(config: Path | None, sets: list[str], flags: dict[str, Any]) -> TrainDrafterCfg:
+    """The settings: the file, the options (``FLAGS``) and the ``--set`` items, validated; an
+    option and a ``--set`` of the same field in one command line are refused."""
+    by_set = settings.given_by(sets)
+    items = []
+    for name, value in flags.items():
+        flag, key = FLAGS[name]
+        if by_set(key):
+            raise SettingsError(f"{flag} and --set {key} both set {key}: give one")
+        items.append(f"{key}={json.dumps(str(value))}")  # a TOML string
+    return load_train_drafter(config, [*items, *sets])
+
+
+def train_drafter(cfg: TrainDrafterCfg) -> None:
+    """Train the drafter ``cfg`` describes (``train-drafter``): what the settings model cannot
+    check (the task, the device, the target's layers and vocabulary, ``run.out``) is checked
+    first, then ``OUT/train_drafter.toml`` records the settings, then the work."""
     import torch
 
     from specrl.drafters import data
@@ -148,57 +184,34 @@ def train_drafter(
     from specrl.drafters.train import NonFiniteWeights, TrainConfig, acceptance, train_head
     from specrl.models.checkpoints import resolve_model
     from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
-    from specrl.sampling import MAX_SEED
 
-    if drafter not in ("eagle3", "mtp", "draft"):
-        fail(unknown("--drafter", drafter, ["eagle3", "mtp", "draft"]))
-    if head_arch not in ("proj", "eagle3"):
-        fail(unknown("--head-arch", head_arch, ["proj", "eagle3"]))
-    if head_arch != "proj" and drafter != "eagle3":
-        fail(f"--head-arch {head_arch} applies to --drafter eagle3, not {drafter}")
-    for name, value in [("steps", steps), ("num-prompts", num_prompts), ("unroll", unroll)]:
-        if value < 1:
-            fail(f"--{name} must be >= 1, got {value}")
-    if tv_steps < 0:
-        fail(f"--tv-steps must be >= 0, got {tv_steps}")
-    if not 0 <= seed <= MAX_SEED:
-        fail(f"--seed must be in [0, 2**63 - 1], got {seed}")
+    drafter, model, task, seed = cfg.drafter.kind, cfg.model.name, cfg.data.task, cfg.run.seed
+    d, t, ev = cfg.data, cfg.train, cfg.eval
+    prompts = None if d.prompts is None else Path(d.prompts).expanduser()
+    _check_task(task)
+    where = parse_device(cfg.model.device)
+    if cfg.model.threads > 0:
+        torch.set_num_threads(cfg.model.threads)
+    draft_vocab = cfg.drafter.draft_vocab
     if draft_vocab is None:
         draft_vocab = 0 if drafter == "draft" else HEAD_DRAFT_VOCAB
-    if draft_vocab < 0:
-        fail(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
-    _check_bounds({"num-prompts": num_prompts, "samples-per-prompt": samples_per_prompt,
-                   "max-new-tokens": max_new_tokens, "steps": steps, "tv-steps": tv_steps,
-                   "batch-size": batch_size, "unroll": unroll, "ckpt-every": ckpt_every,
-                   "eval-prompts": eval_prompts, "num-spec-tokens": k,
-                   "draft-vocab": draft_vocab, "threads": threads})  # fmt: skip
-    _check_lr("lr", lr)
-    _check_lr("tv-lr", tv_lr)
-    temps = _temperatures(temperature)
-    if prompts is not None and not prompts.is_file():
-        fail(f"--prompts file {prompts} does not exist or is not a file")
-    _check_task(task)
-    where = parse_device(device)
-    if threads > 0:
-        torch.set_num_threads(threads)
-    if drafter == "draft":
-        draft_layers = _draft_options(model, draft_layers, draft_vocab)
-    elif draft_layers is not None:
-        fail(f"--draft-layers applies only with --drafter draft, not {drafter}")
-    out = out or drafter_cache_dir(model, drafter)
+    draft_layers = _draft_layers(model, cfg.drafter.draft_layers) if drafter == "draft" else None
+    out = Path(cfg.run.out).expanduser() if cfg.run.out else drafter_cache_dir(model, drafter)
     problem = writable_problem(out, "dir")
     if problem:
-        fail(f"cannot use --out: {problem}")
+        fail(f"cannot use run.out: {problem}")
     out.mkdir(parents=True, exist_ok=True)  # an OSError here (a race, a full disk): one line
+    _record(cfg, out, prompts, draft_vocab if drafter != "draft" else None, draft_layers)
     torch.manual_seed(seed)
     target, tok = _load_target(model, where)
     stops = tuple(tok.stop_token_ids)
     if draft_vocab > target.config.vocab_size:
-        fail(f"--draft-vocab {draft_vocab} exceeds the target's vocabulary "
+        fail(f"drafter.draft_vocab {draft_vocab} exceeds the target's vocabulary "
               f"({target.config.vocab_size})")  # fmt: skip
     feature_layers = () if drafter == "draft" else default_layers(drafter, target.config.num_layers)
-    key = _data_key(target, tok, task, prompts, num_prompts, samples_per_prompt,
-                    max_new_tokens, temps, seed)  # fmt: skip
+    temps = list(d.temperatures)
+    key = _data_key(target, tok, task, prompts, d.num_prompts, d.samples_per_prompt,
+                    d.max_new_tokens, temps, seed)  # fmt: skip
     ex_key = key | {"feature_layers": ",".join(map(str, feature_layers))}
     ex_path = out / EXAMPLES_FILE
     examples = _cached_examples(ex_path, ex_key)
@@ -206,26 +219,26 @@ def train_drafter(
         _drop_states(out)  # trained on examples that are not these
         if prompts is not None:
             try:
-                train_ids = data.jsonl_prompt_ids(tok, prompts)[:num_prompts]
+                train_ids = data.jsonl_prompt_ids(tok, prompts)[: d.num_prompts]
             except (OSError, ValueError) as e:
                 fail(str(e))
         else:
-            train_ids = data.task_prompt_ids(tok, task, "train", num_prompts, seed)
+            train_ids = data.task_prompt_ids(tok, task, "train", d.num_prompts, seed)
         t0 = time.perf_counter()
         seq_path = out / "rollouts.json"
         seqs = _cached_rollouts(seq_path, key)
         if seqs is None:
-            seqs = [s for t in temps for s in data.rollouts(
-                target, train_ids, samples_per_prompt if t > 0 else 1, t, max_new_tokens, stops,
-                seed, progress=True)]  # fmt: skip
+            seqs = [s for temp in temps for s in data.rollouts(
+                target, train_ids, d.samples_per_prompt if temp > 0 else 1, temp,
+                d.max_new_tokens, stops, seed, progress=True)]  # fmt: skip
             data.save_rollouts(seqs, seq_path, key)
         if not seqs:
-            fail("the target produced no completions to train on (try more --num-prompts)")
+            fail("the target produced no completions to train on (try more data.num_prompts)")
         examples = data.build_examples(target, seqs, feature_layers, progress=True)
         data.save_examples(examples, ex_path, ex_key)
         ntok = sum(len(e.tokens) for e in examples)
         typer.echo(f"{len(examples)} examples, {ntok} tokens in {time.perf_counter() - t0:.0f}s")
-    eval_ids = data.task_prompt_ids(tok, task, "eval", eval_prompts, seed)
+    eval_ids = data.task_prompt_ids(tok, task, "eval", ev.prompts, seed)
     vocab = None
     if draft_vocab:
         completions = [e.tokens[e.prompt_len :].tolist() for e in examples]
@@ -237,36 +250,59 @@ def train_drafter(
     if drafter == "draft":  # ``head``: the drafter trained below, here a small model
         head = init_draft(target, draft_layers)  # fp32 master weights; the target stays bf16
     else:
-        head = DraftHead(target, drafter, feature_layers, vocab, arch=head_arch)
+        head = DraftHead(target, drafter, feature_layers, vocab, arch=cfg.drafter.head_arch)
         head = head.float()  # fp32 master weights
+    k = ev.num_spec_tokens
 
     def measure() -> dict[float, float]:
-        return {t: acceptance(target, head, eval_ids, k, t, max_new_tokens, stops, seed)
-                for t in (0.0, 1.0)}  # fmt: skip
+        return {temp: acceptance(target, head, eval_ids, k, temp, d.max_new_tokens, stops, seed)
+                for temp in (0.0, 1.0)}  # fmt: skip
 
     before = measure()
-    cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, unroll=unroll,
-                      ckpt_every=ckpt_every, seed=seed)  # fmt: skip
+    train_cfg = TrainConfig(steps=t.steps, lr=t.lr, batch_size=t.batch_size, unroll=t.unroll,
+                            ckpt_every=t.ckpt_every, seed=seed)  # fmt: skip
     t0 = time.perf_counter()
     try:
         if drafter == "draft":
             tok_dir = resolve_model(model)
-            losses = distill(head, target, examples, cfg, out=out, tokenizer_dir=tok_dir)
+            losses = distill(head, target, examples, train_cfg, out=out, tokenizer_dir=tok_dir)
         else:
-            losses = train_head(head, examples, cfg, out=out)
-        _report("trained", steps, t0, losses)
-        if tv_steps and drafter != "draft":
-            tv = replace(cfg, steps=tv_steps, lr=tv_lr, warmup=min(10, tv_steps), loss="tv")
+            losses = train_head(head, examples, train_cfg, out=out)
+        _report("trained", t.steps, t0, losses)
+        if t.tv_steps and drafter != "draft":
+            tv = replace(train_cfg, steps=t.tv_steps, lr=t.tv_lr, warmup=min(10, t.tv_steps),
+                         loss="tv")  # fmt: skip
             t0 = time.perf_counter()
             losses = train_head(head, examples, tv, out=out, state_name=TV_STATE_FILE)
-            _report("fine-tuned (total variation)", tv_steps, t0, losses)
+            _report("fine-tuned (total variation)", t.tv_steps, t0, losses)
     except NonFiniteWeights as e:
         fail(str(e))
     after = measure()
     typer.echo(f"saved {drafter} drafter to {out}")
     typer.echo(f"held-out acceptance length (k={k}, {len(eval_ids)} {task} eval prompts):")
-    for t in (0.0, 1.0):
-        typer.echo(f"  T={t:g}: untrained {before[t]:.3f}  trained {after[t]:.3f}")
+    for temp in (0.0, 1.0):
+        typer.echo(f"  T={temp:g}: untrained {before[temp]:.3f}  trained {after[temp]:.3f}")
+
+
+def _record(
+    cfg: TrainDrafterCfg,
+    out: Path,
+    prompts: Path | None,
+    draft_vocab: int | None,
+    draft_layers: int | None,
+) -> None:
+    """Write ``OUT/train_drafter.toml``: the settings the drafter is made with (``to_toml``),
+    the defaults that depend on others resolved (the output directory, the draft vocabulary
+    or layers) and paths absolute, so that ``--config`` on it makes the same drafter."""
+    table = cfg.model_dump(mode="json", exclude_unset=True)
+    settings.set_path(table, ["run", "out"], str(out.resolve()))
+    if prompts is not None:
+        settings.set_path(table, ["data", "prompts"], str(prompts.resolve()))
+    if draft_vocab is not None:
+        settings.set_path(table, ["drafter", "draft_vocab"], draft_vocab)
+    if draft_layers is not None:
+        settings.set_path(table, ["drafter", "draft_layers"], draft_layers)
+    atomic_write(out / RECORD_FILE, load_train_drafter(table).to_toml())
 
 
 def _load_target(model: str, device) -> tuple[Transformer, TextTokenizer]:
@@ -377,73 +413,30 @@ def _report(what: str, steps: int, t0: float, losses: list[float]) -> None:
                f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f}")  # fmt: skip
 
 
-# Each integer option's range (a bad value is one line naming it, before anything is written).
-BOUNDS = {
-    "num-prompts": (1, 1_000_000),
-    "samples-per-prompt": (1, 1024),
-    "max-new-tokens": (1, 32768),
-    "steps": (1, 1_000_000),
-    "tv-steps": (0, 1_000_000),
-    "batch-size": (1, 4096),
-    "unroll": (1, 16),
-    "ckpt-every": (1, 1_000_000),
-    "eval-prompts": (1, 100_000),
-    "num-spec-tokens": (1, 16),
-    "draft-vocab": (0, 1_000_000),
-    "threads": (0, 1024),
-}
-
-
-def _check_bounds(values: dict[str, int]) -> None:
-    """Each option of ``values`` within its ``BOUNDS`` (exit 2 with one line otherwise)."""
-    for name, value in values.items():
-        lo, hi = BOUNDS[name]
-        if not lo <= value <= hi:
-            fail(f"--{name} must be in [{lo}, {hi}], got {value}")
-
-
-def _check_lr(name: str, value: float) -> None:
-    """A learning rate: finite, in (0, 1] (exit 2 with one line otherwise)."""
-    if not (math.isfinite(value) and 0 < value <= 1):
-        fail(f"--{name} must be a finite number in (0, 1], got {value}")
-
-
 def _check_task(task: str) -> None:
-    """``--task`` names a reasoning-gym task (did-you-mean hint; exit 2 otherwise)."""
+    """``data.task`` names a reasoning-gym task (did-you-mean hint; exit 2 otherwise)."""
     from specrl.envs.reasoning_gym_env import check_task
 
     try:
         check_task(task)
     except ValueError as e:
-        fail(f"--task: {e}")
+        fail(f"data.task: {e}")
 
 
-def _temperatures(text: str) -> list[float]:
-    """``--temperature`` as a list of floats, each in [0, 10] (exit 2 otherwise)."""
-    try:
-        temps = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        temps = []
-    if not temps or not all(0 <= t <= 10 for t in temps):
-        fail(f"--temperature must be a comma list of numbers in [0, 10], got {text!r}")
-    return temps
-
-
-def _draft_options(model: str, layers: int | None, draft_vocab: int) -> int:
-    """Checks the options of ``--drafter draft``; returns ``--draft-layers`` (default
-    ``DEFAULT_LAYERS``), which must fit in the target (its config is read, not its weights)."""
+def _draft_layers(model: str, layers: int | None) -> int:
+    """``drafter.draft_layers`` of ``kind='draft'`` (default ``DEFAULT_LAYERS``), which must fit
+    in the target (its config is read, not its weights)."""
     from specrl.drafters.distill import DEFAULT_LAYERS
     from specrl.models.checkpoints import CheckpointError, load_config, resolve_model
 
-    if draft_vocab:
-        fail("--draft-vocab applies to the eagle3 and mtp heads, not to --drafter draft")
     layers = DEFAULT_LAYERS if layers is None else layers
     try:
         top = load_config(resolve_model(model)).num_layers
     except CheckpointError as e:
         fail(str(e))
     if not 1 <= layers <= top:
-        fail(f"--draft-layers must be in [1, {top}] (the target's layer count), got {layers}")
+        fail(f"drafter.draft_layers must be in [1, {top}] (the target's layer count), "
+             f"got {layers}")  # fmt: skip
     return layers
 
 

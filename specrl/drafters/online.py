@@ -1,7 +1,7 @@
 """Training a learned drafter (head or draft model) during RL, on the steps' own rollouts.
 
 ``OnlineDrafter(student, cfg, mode, fresh, seed)`` trains ``student`` (``drafters.students``)
-on features the learner's training forward captures (``sink()``: no extra forward).
+on features the learner's training forward captures (``capture_layers()``: no extra forward).
 ``step(captured, signals)`` (once per RL step) measures the drafter's KL to the policy on the
 fresh tokens, buffers them, and in mode "online" (every step) or "refresh" (when ``Trigger``
 fires) spends a time budget of ``cfg.time_share`` x the step's time on optimizer steps; it
@@ -29,7 +29,7 @@ from specrl.drafters.students import Student
 from specrl.drafters.train import load_state, save_state
 from specrl.fsutil import atomic_write
 from specrl.models.device import autocast, model_device
-from specrl.rl import Captured, FeatureSink
+from specrl.rl import Captured
 
 CARRY_STEPS = 4  # unused budget carries over up to this many steps' worth
 KL_DRIFT_UP = 1.02  # the KL level rises this much per step it is not beaten
@@ -131,9 +131,9 @@ class OnlineDrafter:
 
     # ------------------------------------------------------------------ the learner's side
 
-    def sink(self) -> FeatureSink:
-        """What the learner's training forward should capture for this drafter."""
-        return FeatureSink(self.student.layers)
+    def capture_layers(self) -> tuple[int, ...]:
+        """The layers the learner's training forward should capture for this drafter."""
+        return tuple(self.student.layers)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The drafter's tensors as ``update_drafter`` takes them (detached)."""

@@ -185,8 +185,7 @@ def make_learner(cfg: Config, plan: RolloutPlan, model: torch.nn.Module) -> Lear
     s = plan.sampling
     if cfg.cluster.train_workers > 1:
         return TrainGroup.start(cfg, model, plan.device, s.max_new_tokens, s.temperature)
-    return Learner.from_config(model, cfg.learner, max_len=s.max_new_tokens,
-                               temperature=s.temperature)  # fmt: skip
+    return Learner(model, cfg.learner, max_len=s.max_new_tokens, temperature=s.temperature)
 
 
 def _assemble(

@@ -39,7 +39,7 @@ from specrl.models.heads import (
     verify_drafter,
 )
 from specrl.pipelines.guard import WeightGuard
-from specrl.rl import Captured, FeatureSink
+from specrl.rl import Captured
 from specrl.rollout_plan import RolloutPlan, refusing
 from specrl.rollout_types import Completion
 from specrl.spec.proposers import head_kind, proposer_takes
@@ -53,8 +53,9 @@ class DrafterSide:
     trained_len: int = 0
     warned: bool = False
 
-    def sink(self) -> FeatureSink | None:
-        return None if self.trainer is None else self.trainer.sink()
+    def capture_layers(self) -> tuple[int, ...] | None:
+        """The layers the learner's training forward captures for the trainer (None: none)."""
+        return None if self.trainer is None else self.trainer.capture_layers()
 
 
 def build_drafter_side(

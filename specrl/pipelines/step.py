@@ -5,9 +5,10 @@
 each group sent to the reward workers as soon as it finishes, ``pipelines.scoring``), group
 advantages, rollout metrics, the behaviour version and what the backend served. ``learn`` (the
 learner's thread): ``check_served`` (weight-sync check), the acceptance alarm, staleness,
-``train_policy`` (one learner step, the engine/learner logprob mismatch), ``publish``
-(``state`` advanced, the weights pushed through the guard), ``train_drafter``; it returns the
-row fields. Generation goes only through ``parts.backend``. Details: docs/internals.md.
+``train_policy`` (one learner step, the engine/learner logprob mismatch; the step's captured
+features come back in its ``StepResult``), ``publish`` (``state`` advanced, the weights pushed
+through the guard), ``train_drafter`` (on those features); it returns the row fields. Generation
+goes only through ``parts.backend``. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.scoring import Scorer, Scores
 from specrl.pipelines.state import StepState
-from specrl.rl import FeatureSink, Learner, TrainSample, compute_advantages
+from specrl.rl import Captured, Learner, TrainSample, compute_advantages
 from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -234,24 +235,26 @@ def check_served(guard: WeightGuard, batch: Batch) -> None:
 
 
 def train_policy(
-    learner: Learner, batch: Batch, behaviour: bool, sink: FeatureSink | None
-) -> dict[str, Any]:
+    learner: Learner, batch: Batch, behaviour: bool, capture: tuple[int, ...] | None
+) -> tuple[dict[str, Any], list[Captured]]:
     """One learner step on ``batch`` (``behaviour``: hand it the engine's processed logprobs)
-    and the engine/learner logprob mismatch; ``sink`` captures the forward's features."""
+    and the engine/learner logprob mismatch: (row fields, the forward's features of the
+    ``capture`` layers, empty without)."""
     comps = batch.completions
     samples = train_samples(comps, batch.advantages, behaviour)
     if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
-        kept: list[torch.Tensor] = []
-        stats = learner.train_step(samples, keep=kept, capture=sink)
-        delta = logprob_delta(learner, comps, kept)
+        result = learner.train_step(samples, keep_logprobs=True, capture=capture)
+        delta = logprob_delta(learner, comps, result.logprobs)
     else:
         delta = logprob_delta(learner, comps)
-        stats = learner.train_step(samples, capture=sink)
-    return (
+        result = learner.train_step(samples, capture=capture)
+    stats = dict(result.metrics)
+    row = (
         delta
         | {"train_time_s": stats.pop("time_s")}
         | {f"learner_{k}": v for k, v in stats.items()}
     )
+    return row, result.features
 
 
 def publish(parts: RunParts, state: StepState, step: int) -> dict[str, Any]:
@@ -261,11 +264,10 @@ def publish(parts: RunParts, state: StepState, step: int) -> dict[str, Any]:
 
 
 def train_drafter(
-    parts: RunParts, version: int, batch: Batch, sink: FeatureSink | None, step_s: float
+    parts: RunParts, version: int, batch: Batch, captured: list[Captured], step_s: float
 ) -> dict[str, Any]:
-    """A learned drafter's training on this step's features (``pipelines.drafter``);
-    ``step_s``: the step's time so far, a lower bound of it."""
-    captured = [] if sink is None else sink.captured
+    """A learned drafter's training on this step's ``captured`` features
+    (``pipelines.drafter``); ``step_s``: the step's time so far, a lower bound of it."""
     idle = parts.cfg.pipeline.mode == "sync"  # the async producer generates meanwhile
     return drafter_fields(parts.drafter, parts.guard, parts.backend, idle, version,
                           batch.completions, batch.metrics, captured, step_s)  # fmt: skip
@@ -279,10 +281,11 @@ def learn(parts: RunParts, state: StepState, batch: Batch, waited_s: float) -> d
     row |= alarm_fields(parts.alarm, batch.step, batch.metrics, batch.behaviour_version)
     row |= staleness(state.version, batch.completions)
     t0 = time.perf_counter()
-    sink = parts.drafter.sink() if parts.drafter is not None else None
-    row |= train_policy(parts.learner, batch, uses_behaviour_logprobs(parts), sink)
+    layers = parts.drafter.capture_layers() if parts.drafter is not None else None
+    fields, captured = train_policy(parts.learner, batch, uses_behaviour_logprobs(parts), layers)
+    row |= fields
     row |= publish(parts, state, batch.step)
     if parts.drafter is not None:
         step_s = waited_s + time.perf_counter() - t0
-        row |= train_drafter(parts, state.version, batch, sink, step_s)
+        row |= train_drafter(parts, state.version, batch, captured, step_s)
     return row

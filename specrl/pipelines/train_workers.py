@@ -36,8 +36,8 @@ from specrl.backends.ray_session import (
 )
 from specrl.config import Config, ConfigError
 from specrl.config_training import LearnerCfg
-from specrl.rl import FeatureSink, TrainSample
-from specrl.rl.learner import Learner
+from specrl.rl import TrainSample
+from specrl.rl.learner import Learner, StepResult
 from specrl.rl.sharded import ShardedLearner, init_distributed, iter_full_state, learner_bytes
 from specrl.rl.sharded_checkpoint import load_learner, save_learner
 
@@ -78,21 +78,18 @@ class TrainRank:
             where = torch.device("cuda", torch.cuda.current_device())
         init_distributed(self.rank, self.world, host, port, where)
         model = model.to(where)
-        self.learner = ShardedLearner.from_config(
-            model, cfg, max_len=max_len, temperature=temperature
-        )
+        self.learner = ShardedLearner(model, cfg, max_len=max_len, temperature=temperature)
         return os.getpid()
 
     def train_step(
-        self, samples: list[TrainSample], keep: bool, layers: tuple[int, ...] | None
-    ) -> tuple[dict[str, float], list[torch.Tensor] | None, list[Any]]:
-        """One step; (metrics, the batch's logprobs on rank 0 if ``keep``, this rank's
-        captured features when ``layers`` is given)."""
-        kept: list[torch.Tensor] | None = [] if keep else None
-        sink = FeatureSink(layers) if layers is not None else None
-        metrics = self.learner.train_step(samples, keep=kept, capture=sink)
-        kept = [t.cpu() for t in kept] if kept is not None and self.rank == 0 else None
-        return metrics, kept, [] if sink is None else sink.captured
+        self, samples: list[TrainSample], keep_logprobs: bool, capture: tuple[int, ...] | None
+    ) -> StepResult:
+        """One step (``ShardedLearner.train_step``): the batch's logprobs on rank 0 only (on
+        the CPU; other ranks: None), this rank's captured features with ``capture``."""
+        result = self.learner.train_step(samples, keep_logprobs=keep_logprobs, capture=capture)
+        if result.logprobs is not None:
+            result.logprobs = [t.cpu() for t in result.logprobs] if self.rank == 0 else None
+        return result
 
     def raw_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """The learner's raw logprobs of ``sequences`` (rank 0 returns them; others ``[]``)."""
@@ -147,7 +144,7 @@ class TrainGroup:
         cls, cfg: Config, model: nn.Module, device: torch.device, max_len: int, temperature: float
     ) -> TrainGroup:
         """Place and join ``cfg.cluster.train_workers`` ranks over copies of ``model`` on
-        ``device``'s kind (``max_len``, ``temperature``: as ``Learner.from_config``); the
+        ``device``'s kind (``max_len``, ``temperature``: as ``Learner``'s); the
         driver's copy stays whole, in float32, here."""
         session = RaySession.open(cfg.cluster.address, need="cluster.train_workers > 1")
         group = cls(cfg, model.float(), session, max_len, temperature)
@@ -254,19 +251,17 @@ class TrainGroup:
     def train_step(
         self,
         samples: Sequence[TrainSample],
-        keep: list[torch.Tensor] | None = None,
-        capture: FeatureSink | None = None,
-    ) -> dict[str, float]:
-        """``Learner.train_step`` over the ranks (features come back in sample order)."""
+        *,
+        keep_logprobs: bool = False,
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
+        """``Learner.train_step`` over the ranks: rank 0's metrics and logprobs, every rank's
+        features (ranks' shares in rank order: sample order)."""
         ref = self.ray.put(list(samples))
-        layers = None if capture is None else tuple(capture.layers)
-        out = self._all("train_step", ref, keep is not None, layers)
-        metrics, kept, _ = out[0]
-        if keep is not None:
-            keep.extend(kept)
-        if capture is not None:
-            capture.captured.extend(c for _, _, captured in out for c in captured)
-        return metrics
+        layers = None if capture is None else tuple(capture)
+        out: list[StepResult] = self._all("train_step", ref, keep_logprobs, layers)
+        features = [c for result in out for c in result.features]
+        return StepResult(out[0].metrics, out[0].logprobs, features)
 
     def raw_logprobs(
         self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -301,8 +296,8 @@ class TrainGroup:
     def one_process(self) -> Learner:
         """A one-process ``Learner`` over a copy of ``model`` with this run's settings (to turn a
         one-worker checkpoint into one the ranks load)."""
-        return Learner.from_config(copy.deepcopy(self.model), self.cfg.learner,
-                                   max_len=self.max_len, temperature=self.temperature)  # fmt: skip
+        return Learner(copy.deepcopy(self.model), self.cfg.learner, max_len=self.max_len,
+                       temperature=self.temperature)  # fmt: skip
 
     def memory(self) -> list[dict[str, int]]:
         """Each rank's learner bytes (``rl.sharded.learner_bytes``), in rank order."""

@@ -10,8 +10,8 @@ from specrl.rl.advantages import ADVANTAGES, compute_advantages, get_advantage
 from specrl.rl.corrections import CORRECTIONS, get_correction
 from specrl.rl.learner import (
     Captured,
-    FeatureSink,
     Learner,
+    StepResult,
     TrainSample,
     raw_logprobs,
     token_logprobs,
@@ -22,11 +22,11 @@ __all__ = [
     "ADVANTAGES",
     "CORRECTIONS",
     "Captured",
-    "FeatureSink",
     "LOSSES",
     "Learner",
     "LossNorm",
     "LossOutput",
+    "StepResult",
     "TrainSample",
     "compute_advantages",
     "get_advantage",

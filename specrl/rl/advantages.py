@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from specrl.rl.registry import Registry
+from specrl.registry import Registry
 
 AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrl.rl.registry import Registry
+from specrl.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,12 @@
 
 ``token_logprobs(model, sequences, ...)`` returns each completion's token log-probabilities
 (sequences packed into rows, a group's prompt shared); ``raw_logprobs`` is the same at T=1
-without autograd. ``Learner.train_step(samples)`` takes one optimizer step whose accumulated
-gradient equals the whole batch's, through the registered loss and correction, and returns float
-metrics (loss, grad norm, throughput, MFU); ``capture`` records a drafter's features;
+without autograd. ``Learner(model, cfg)`` takes its settings from a ``LearnerCfg``; only per-run
+values (``max_len``, ``temperature``, ``row_len``, a reference model) are keywords.
+``Learner.train_step(samples)`` takes one optimizer step whose accumulated gradient equals the
+whole batch's, through the registered loss and correction, and returns a ``StepResult``: float
+metrics (loss, grad norm, throughput, MFU), with ``keep_logprobs`` the step's per-token logprobs,
+with ``capture`` (layer indices) a drafter's features (``Captured``) from the same forward;
 ``accumulate_share`` takes one rank's share under the whole batch's normalisers (``rl.sharded``).
 fp32, or bf16 with float32 masters. It knows nothing of how rollouts were produced.
 Details: docs/internals.md.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +38,7 @@ from specrl.rl.losses import LossNorm, get_loss
 from specrl.rl.packing import PackedBatch, Span, pack_sequences  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from specrl.config import LearnerCfg
+    from specrl.config_training import LearnerCfg
 
 DTYPES = ("fp32", "bf16")
 BF16_MODES = ("autocast", "params")
@@ -69,23 +72,33 @@ def packed_logprobs(
     batch: PackedBatch,
     temperature: float = 1.0,
     chunk: int = 256,
-    capture: tuple[int, ...] | None = None,
-    captured: list[Captured] | None = None,
     head: str = "auto",
 ) -> torch.Tensor:  # [M] flat, in sequence order
-    """Completion logprobs of a packed batch; with ``capture`` (layer indices, possibly empty)
-    one ``Captured`` per sequence is appended to ``captured`` from the same forward. The batch
-    goes to the model's device (one copy per tensor) unless it is there."""
+    """Completion logprobs of a packed batch. The batch goes to the model's device (one copy
+    per tensor) unless it is there."""
+    return packed_logprobs_and_features(model, batch, temperature, chunk, None, head)[0]
+
+
+def packed_logprobs_and_features(
+    model: nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    chunk: int = 256,
+    capture: tuple[int, ...] | None = None,
+    head: str = "auto",
+) -> tuple[torch.Tensor, list[Captured]]:  # [M] flat in sequence order, one per sequence
+    """``packed_logprobs`` and, with ``capture`` (layer indices, possibly empty), one
+    ``Captured`` per sequence from the same forward (else no features)."""
     batch = batch.to(model_device(model))
     hidden, layers = model.hidden_states(
         batch.ids, batch.positions, segments=batch.segments, parents=batch.parents,
         capture=tuple(capture or ()),
     )  # fmt: skip
-    if capture is not None and captured is not None:
-        captured.extend(capture_features(batch, hidden, layers))
+    features = capture_features(batch, hidden, layers) if capture is not None else []
     selected = hidden[batch.rows, batch.cols]  # [M, H]
     weight = model.lm_head.weight
-    return head_logprobs(selected, weight, batch.targets, temperature, chunk, head)
+    flat = head_logprobs(selected, weight, batch.targets, temperature, chunk, head)
+    return flat, features
 
 
 @torch.no_grad()
@@ -150,12 +163,16 @@ def micro_batches(
 
 
 @dataclass
-class FeatureSink:
-    """Which target layers to capture in the training forward, and where the ``Captured``
-    features go (one per non-empty sample, in order)."""
+class StepResult:
+    """What a step (or a gradient accumulation) computed: its float ``metrics``; ``logprobs``,
+    the forward's (before the update, at the learner's temperature) per-token logprobs, one
+    ``[len(completion)]`` tensor per sample with a non-empty completion, in order (``None``
+    unless asked for); ``features``, that forward's ``Captured`` of the same samples in the same
+    order (empty unless layers were given to capture; a sharded rank: its own share's)."""
 
-    layers: tuple[int, ...]
-    captured: list[Captured] = field(default_factory=list)
+    metrics: dict[str, float]
+    logprobs: list[torch.Tensor] | None = None
+    features: list[Captured] = field(default_factory=list)
 
 
 def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, width]
@@ -213,74 +230,43 @@ class Learner:
     def __init__(
         self,
         model: nn.Module,
-        loss: str = "grpo",
-        lr: float = 1e-5,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        micro_batch_tokens: int = 4096,
-        dtype: str = "bf16",
-        eps_low: float = 0.2,
-        eps_high: float | None = None,
-        kl_coef: float = 0.0,
-        ref_model: nn.Module | None = None,
+        cfg: LearnerCfg,
+        *,
         max_len: int | None = None,
         temperature: float = 1.0,
-        chunk: int = 256,
         row_len: int = 256,
-        share_prompts: bool = True,
-        correction: str = "ppo",
-        is_cap: float = 2.0,
-        bf16_mode: str = "autocast",
-        activation_checkpointing: bool = False,
-        head: str = "auto",
+        ref_model: nn.Module | None = None,
     ) -> None:
+        """A learner over ``model`` with ``cfg``'s settings ('auto' precision resolved for the
+        model's device); per run: ``max_len`` (Dr. GRPO) is the generation budget,
+        ``temperature`` the sampling one, ``row_len`` the packed row length, ``ref_model`` the
+        frozen reference that ``cfg.kl_coef > 0`` needs."""
+        dtype = resolve_precision(cfg.dtype, model_device(model))
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if kl_coef > 0 and ref_model is None:
+        if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
+        bf16_mode, head = cfg.bf16_mode, cfg.head_precision
         self.params, self.masters = self._for_training(model, dtype, bf16_mode)
         if head not in HEAD_PRECISIONS:
             raise ValueError(f"head precision must be one of {HEAD_PRECISIONS}, got {head!r}")
+        self.cfg = cfg
         self.model, self.bf16_mode, self.head = model, bf16_mode, head
-        model.checkpoint_layers = activation_checkpointing  # recompute blocks in backward
-        self.loss_fn, self.loss_name = get_loss(loss), loss
-        self.correction, self.is_cap = get_correction(correction), is_cap
-        self.loss_kwargs = dict(eps_low=eps_low, kl_coef=kl_coef, max_len=max_len)
-        if eps_high is not None:
-            self.loss_kwargs["eps_high"] = eps_high
+        model.checkpoint_layers = cfg.activation_checkpointing  # recompute blocks in backward
+        self.loss_fn, self.loss_name = get_loss(cfg.loss), cfg.loss
+        self.correction, self.is_cap = get_correction(cfg.correction), cfg.is_cap
+        self.loss_kwargs = dict(eps_low=cfg.clip_eps_low, kl_coef=cfg.kl_coef, max_len=max_len)
+        if cfg.clip_eps_high is not None:
+            self.loss_kwargs["eps_high"] = cfg.clip_eps_high
         self.ref_model = ref_model.requires_grad_(False).eval() if ref_model else None
         self.max_grad_norm, self.micro_batch_tokens, self.dtype = (
-            max_grad_norm, micro_batch_tokens, dtype,
+            cfg.max_grad_norm, cfg.micro_batch_tokens, dtype,
         )  # fmt: skip
-        self.temperature, self.chunk, self.row_len = temperature, chunk, row_len
-        self.share_prompts = share_prompts  # a GRPO group's prompt runs once per micro-batch
+        self.temperature, self.chunk, self.row_len = temperature, cfg.logprob_chunk, row_len
+        self.share_prompts = cfg.share_prompts  # a GRPO group's prompt runs once per micro-batch
         stepped = self.masters if self.masters is not None else self.params
-        self.optimizer = _adamw(stepped, self.device, lr=lr, betas=betas, weight_decay=weight_decay)
-
-    @classmethod
-    def from_config(
-        cls,
-        model: nn.Module,
-        cfg: LearnerCfg,
-        max_len: int | None = None,
-        temperature: float = 1.0,
-        ref_model: nn.Module | None = None,
-    ) -> Learner:
-        """A learner from ``LearnerCfg``; ``max_len`` (Dr. GRPO) is the generation budget;
-        'auto' precision is resolved for the model's device."""
-        return cls(
-            model, loss=cfg.loss, lr=cfg.lr, betas=tuple(cfg.betas),
-            weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-            micro_batch_tokens=cfg.micro_batch_tokens,
-            dtype=resolve_precision(cfg.dtype, model_device(model)),
-            eps_low=cfg.clip_eps_low,
-            eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, ref_model=ref_model,
-            max_len=max_len, temperature=temperature, chunk=cfg.logprob_chunk,
-            share_prompts=cfg.share_prompts, correction=cfg.correction, is_cap=cfg.is_cap,
-            bf16_mode=cfg.bf16_mode, activation_checkpointing=cfg.activation_checkpointing,
-            head=cfg.head_precision,
-        )  # fmt: skip
+        self.optimizer = _adamw(stepped, self.device, lr=cfg.lr, betas=tuple(cfg.betas),
+                                weight_decay=cfg.weight_decay)  # fmt: skip
 
     @staticmethod
     def _for_training(
@@ -305,32 +291,31 @@ class Learner:
         engine-vs-learner mismatch metric)."""
         batch = pack_sequences(sequences, self.row_len, self.share_prompts)
         with self._autocast():
-            flat = packed_logprobs(self.model, batch, 1.0, self.chunk, head=self.head)
+            flat = packed_logprobs(self.model, batch, 1.0, self.chunk, self.head)
         return list(flat.split(batch.lengths))
 
     def _logprobs(
-        self, model: nn.Module, batch: PackedBatch, capture: FeatureSink | None = None
-    ) -> torch.Tensor:  # [M]
-        layers, sink = (None, None) if capture is None else (capture.layers, capture.captured)
+        self, model: nn.Module, batch: PackedBatch, capture: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, list[Captured]]:  # [M], one per sequence with ``capture``
         with self._autocast():
-            return packed_logprobs(model, batch, self.temperature, self.chunk, layers, sink,
-                                   self.head)  # fmt: skip
+            return packed_logprobs_and_features(model, batch, self.temperature, self.chunk,
+                                                capture, self.head)  # fmt: skip
 
     def _micro_step(
         self,
         samples: list[TrainSample],
         norm: LossNorm,
-        keep: list[torch.Tensor] | None,
-        capture: FeatureSink | None = None,
-    ) -> dict[str, float]:
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
+        """One micro-batch's forward and backward: its metrics, its samples' detached
+        logprobs and (with ``capture``) features."""
         pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
         batch = pack_sequences(pairs, self.row_len, self.share_prompts)
         forward_tokens = batch.tokens
         batch = batch.to(self.device)
         width = max(batch.lengths)
-        per_sample = list(self._logprobs(self.model, batch, capture).split(batch.lengths))
-        if keep is not None:
-            keep.extend(lp.detach() for lp in per_sample)
+        flat, features = self._logprobs(self.model, batch, capture)  # [M]
+        per_sample = list(flat.split(batch.lengths))
         logprobs = _padded(per_sample, width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)  # [N]
@@ -340,14 +325,15 @@ class Learner:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_flat = self._logprobs(self.ref_model, batch)
+                ref_flat, _ = self._logprobs(self.ref_model, batch)
             ref = _padded(list(ref_flat.split(batch.lengths)), width)
         out = self.loss_fn(logprobs, corr.old, adv, mask, ref_logprobs=ref, norm=norm,
                            is_weight=corr.weight, **self.loss_kwargs)  # fmt: skip
         out.loss.backward()
         self._grads_to_masters()
         metrics = out.metrics | {"loss": float(out.loss.detach())}
-        return metrics | {"forward_tokens": float(forward_tokens)}
+        metrics |= {"forward_tokens": float(forward_tokens)}
+        return StepResult(metrics, [lp.detach() for lp in per_sample], features)
 
     @staticmethod
     def _behaviour(
@@ -391,21 +377,20 @@ class Learner:
     def train_step(
         self,
         samples: Sequence[TrainSample],
-        keep: list[torch.Tensor] | None = None,
-        capture: FeatureSink | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step on ``samples`` (gradient accumulated over micro-batches). With
-        ``keep`` (a list), the logprobs of the step's forward (before the update, at the
-        learner's temperature) are appended to it, one [len(completion)] tensor per sample
-        with a non-empty completion, in order; with ``capture``, that forward's features of
-        the same samples (``Captured``, in the same order) are appended to
-        ``capture.captured``."""
+        *,
+        keep_logprobs: bool = False,
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
+        """One optimizer step on ``samples`` (gradient accumulated over micro-batches): its
+        metrics; with ``keep_logprobs`` the step's forward's logprobs; with ``capture`` (layer
+        indices) that forward's features (``StepResult``)."""
         device = self.device
         synchronize(device)
         t0 = time.perf_counter()
         stepped = self.optimizer.param_groups[0]["params"]
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(samples, keep, capture)
+        result = self.accumulate_gradients(samples, keep_logprobs=keep_logprobs, capture=capture)
+        metrics = result.metrics
         grad_norm = torch.nn.utils.clip_grad_norm_(stepped, self.max_grad_norm)
         self.optimizer.step()
         self._refresh_from_masters()
@@ -413,7 +398,7 @@ class Learner:
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=float(grad_norm), time_s=seconds)
         metrics.update(self._throughput(metrics["forward_tokens"], metrics["tokens"], seconds))
-        return metrics
+        return result
 
     def _throughput(self, forward_tokens: float, positions: float, seconds: float) -> dict:
         """tokens_per_s, model_tflops and (peak known) mfu of a step (see the module)."""
@@ -427,28 +412,32 @@ class Learner:
     def accumulate_gradients(
         self,
         samples: Sequence[TrainSample],
-        keep: list[torch.Tensor] | None = None,
-        capture: FeatureSink | None = None,
-    ) -> dict[str, float]:
+        *,
+        keep_logprobs: bool = False,
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
         """Add the batch loss's gradient to ``.grad`` (micro-batch by micro-batch; the
-        masters' in 'params' mode); no step (``keep``, ``capture``: see ``train_step``)."""
+        masters' in 'params' mode); no step (``keep_logprobs``, ``capture``: see
+        ``train_step``)."""
         samples = nonempty(samples)
-        return self.accumulate_share(samples, batch_norm(samples), keep, capture)
+        result = self.accumulate_share(samples, batch_norm(samples), capture)
+        return result if keep_logprobs else replace(result, logprobs=None)
 
     def accumulate_share(
         self,
         samples: Sequence[TrainSample],
         norm: LossNorm,
-        keep: list[torch.Tensor] | None = None,
-        capture: FeatureSink | None = None,
-    ) -> dict[str, float]:
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
         """``accumulate_gradients`` over non-empty ``samples``, a share of a batch whose
-        normalisers are ``norm`` (no samples: no gradient, zero metrics)."""
+        normalisers are ``norm`` (no samples: no gradient, zero metrics), with the share's
+        logprobs always."""
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
-        parts = [self._micro_step([samples[i] for i in g], norm, keep, capture) for g in groups]
-        metrics = _combine(parts)
+        parts = [self._micro_step([samples[i] for i in g], norm, capture) for g in groups]
+        metrics = _combine([p.metrics for p in parts])
         metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))
-        return metrics
+        logprobs = [lp for p in parts for lp in p.logprobs]
+        return StepResult(metrics, logprobs, [f for p in parts for f in p.features])
 
 
 def nonempty(samples: Sequence[TrainSample]) -> list[TrainSample]:

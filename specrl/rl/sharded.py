@@ -1,11 +1,13 @@
 """The learner sharded over the ranks of a torch.distributed process group with FSDP2.
 
-Every rank builds ``ShardedLearner(model, mesh=..., ...)`` with the same arguments and calls the
-same methods with the same samples (collectives). ``shard_model`` shards each decoder block and
+Every rank builds ``ShardedLearner(model, cfg, mesh=..., ...)`` with the same arguments and calls
+the same methods with the same samples (collectives). ``shard_model`` shards each decoder block and
 the root (~1/N of parameters, gradients and AdamW state per rank); ``train_step`` splits the
 samples by tokens (``split_by_tokens``) under whole-batch normalisers and sums the gradients, so
-the step is the single-process one. ``iter_full_state`` yields full weights block by block;
-``learner_bytes`` measures a rank; ``init_distributed`` joins a group (gloo CPU, NCCL CUDA).
+the step is the single-process one; its ``StepResult`` has the whole batch's metrics and (asked
+for) logprobs on every rank, and this rank's share's features. ``iter_full_state`` yields full
+weights block by block; ``learner_bytes`` measures a rank; ``init_distributed`` joins a group
+(gloo CPU, NCCL CUDA).
 Details: docs/internals.md, docs/training.md.
 """
 
@@ -15,6 +17,7 @@ import bisect
 import re
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from specrl.rl.learner import (
     TOKEN_MEANS,
-    FeatureSink,
+    Captured,
     Learner,
     PackedBatch,
+    StepResult,
     TrainSample,
     batch_norm,
     check_bf16_mode,
@@ -41,9 +45,11 @@ from specrl.rl.learner import (
     pack_sequences,
 )
 
+if TYPE_CHECKING:
+    from specrl.config_training import LearnerCfg
+
 SUMMED = ("loss", "tokens", "forward_tokens", "micro_batches", "sequences")  # added over ranks
 BLOCK = re.compile(r"^layers\.\d+\.")
-Kept = list[torch.Tensor] | None  # where a step's logprobs go (``Learner.train_step``'s keep)
 
 
 def backend_for(device: torch.device) -> str:
@@ -107,16 +113,25 @@ class ShardedLearner(Learner):
     """``Learner`` whose model (and reference model) are sharded over ``mesh``'s ranks (default:
     the whole default process group); the rest as ``Learner``."""
 
-    def __init__(self, model: nn.Module, *, mesh: DeviceMesh | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: LearnerCfg,
+        *,
+        mesh: DeviceMesh | None = None,
+        ref_model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``Learner(model, cfg, ref_model=..., **kwargs)`` sharded over ``mesh``."""
         if mesh is None:  # the default group's, on its backend's device type
             kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mesh = init_device_mesh(kind, (dist.get_world_size(),))
         self.mesh, self.group = mesh, mesh.get_group()
         self.rank, self.world = dist.get_rank(self.group), mesh.size()
         self.devices = self.world  # mfu against the peak of all ranks' devices
-        if kwargs.get("ref_model") is not None:
-            shard_model(kwargs["ref_model"], mesh)
-        super().__init__(model, **kwargs)
+        if ref_model is not None:
+            shard_model(ref_model, mesh)
+        super().__init__(model, cfg, ref_model=ref_model, **kwargs)
 
     def _for_training(
         self, model: nn.Module, dtype: str, bf16_mode: str
@@ -129,8 +144,8 @@ class ShardedLearner(Learner):
         return list(model.parameters()), None
 
     def _logprobs(
-        self, model: nn.Module, batch: PackedBatch, capture: FeatureSink | None = None
-    ) -> torch.Tensor:  # [M]
+        self, model: nn.Module, batch: PackedBatch, capture: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, list[Captured]]:  # [M], one per sequence with ``capture``
         out = super()._logprobs(model, batch, capture)
         if not torch.is_grad_enabled():  # no backward will reshard the root (reference model)
             model.reshard()
@@ -145,27 +160,30 @@ class ShardedLearner(Learner):
         return out
 
     def accumulate_gradients(
-        self, samples: Sequence[TrainSample], keep: Kept = None, capture: FeatureSink | None = None
-    ) -> dict[str, float]:
+        self,
+        samples: Sequence[TrainSample],
+        *,
+        keep_logprobs: bool = False,
+        capture: tuple[int, ...] | None = None,
+    ) -> StepResult:
         """This rank's share of the batch's gradient, summed over ranks into the sharded
-        ``.grad``; metrics of the whole batch; ``keep`` gets every sample's logprobs and
-        ``capture`` this rank's share's features."""
+        ``.grad``; metrics of the whole batch; with ``keep_logprobs`` every sample's logprobs
+        (gathered from all ranks, a collective); with ``capture`` this rank's share's
+        features."""
         samples = nonempty(samples)
         shares = [[samples[i] for i in r] for r in split_by_tokens(samples, self.world)]
         budget = self.micro_batch_tokens
         counts = [len(micro_batches(s, budget, self.share_prompts)) for s in shares]
-        mine: Kept = [] if keep is not None else None
-        metrics = self.accumulate_share(shares[self.rank], batch_norm(samples), mine, capture)
+        mine = self.accumulate_share(shares[self.rank], batch_norm(samples), capture)
         for _ in range(max(counts) - counts[self.rank]):  # every rank runs as many passes
             self._idle_pass()
-        if keep is not None:
-            keep.extend(self._gathered(mine))
-        return self._reduced(metrics)
+        logprobs = self._gathered(mine.logprobs) if keep_logprobs else None
+        return StepResult(self._reduced(mine.metrics), logprobs, mine.features)
 
     def _idle_pass(self) -> None:
         """A micro-step's collectives (forward, reference forward, backward), zero gradient."""
         batch = pack_sequences([([0], [0])], self.row_len).to(self.device)
-        logprobs = self._logprobs(self.model, batch)
+        logprobs, _ = self._logprobs(self.model, batch)
         if self.ref_model is not None:
             with torch.no_grad():
                 self._logprobs(self.ref_model, batch)

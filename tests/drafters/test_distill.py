@@ -83,10 +83,13 @@ def test_bad_draft_layers_are_refused(tmp_path, layers):
     with pytest.raises(ValueError, match=f"got {layers}"):
         init_draft(target, layers)
     save_draft_model(target, tmp_path / "tiny", target.config)  # a 4-layer model directory
-    args = ["train-drafter", "--drafter", "draft", "--draft-layers", str(layers),
+    args = ["train-drafter", "--drafter", "draft", "--set", f"drafter.draft_layers={layers}",
             "--model", str(tmp_path / "tiny"), "--out", str(tmp_path / "d")]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
-    expected = f"--draft-layers must be in [1, 4] (the target's layer count), got {layers}"
+    expected = {
+        0: "bad value for drafter.draft_layers: Input should be greater than or equal to 1",
+        5: "drafter.draft_layers must be in [1, 4] (the target's layer count), got 5",
+    }[layers]
     assert expected in result.output
     assert not (tmp_path / "d").exists()  # refused before any work

@@ -512,8 +512,8 @@ def test_cli_requires_out_and_checks_head_arch(app):
     result = CliRunner().invoke(app, ["export-drafter"])
     assert result.exit_code == 2 and "error: --out is required" in result.output
     for args, match in [
-        (["--head-arch", "x"], "unknown --head-arch 'x'"),
-        (["--drafter", "mtp", "--head-arch", "eagle3"], "applies to --drafter eagle3, not mtp"),
+        (["--set", "drafter.head_arch=x"], "bad value for drafter.head_arch"),
+        (["--drafter", "mtp", "--set", "drafter.head_arch=eagle3"], "needs drafter.kind='eagle3'"),
     ]:
         result = CliRunner().invoke(app, ["train-drafter", *args])
         assert result.exit_code == 2 and match in result.output, result.output

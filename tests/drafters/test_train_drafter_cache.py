@@ -28,9 +28,10 @@ from tests.conftest import make_tiny
 torch.set_num_threads(1)
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-TINY = ["--drafter", "mtp", "--num-prompts", "2", "--samples-per-prompt", "1",
-        "--temperature", "0", "--steps", "1", "--tv-steps", "0", "--batch-size", "2",
-        "--eval-prompts", "1", "--num-spec-tokens", "1", "--draft-vocab", "0"]  # fmt: skip
+TINY = ["--drafter", "mtp", "--set", "data.num_prompts=2", "--set", "data.samples_per_prompt=1",
+        "--set", "data.temperatures=[0]", "--set", "train.steps=1", "--set", "train.tv_steps=0",
+        "--set", "train.batch_size=2", "--set", "eval.prompts=1",
+        "--set", "eval.num_spec_tokens=1", "--set", "drafter.draft_vocab=0"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def model(tmp_path_factory) -> Path:
 
 def train(app, model: Path, out: Path, task: str, new_tokens: int):
     args = ["train-drafter", "--model", str(model), "--out", str(out), "--task", task,
-            "--max-new-tokens", str(new_tokens), *TINY]  # fmt: skip
+            "--set", f"data.max_new_tokens={new_tokens}", *TINY]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return result

@@ -21,15 +21,15 @@ from specrl.cli import app
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "--num-prompts", "2",
-    "--samples-per-prompt", "1",
-    "--max-new-tokens", "8",
-    "--temperature", "0",
-    "--steps", "2",
-    "--batch-size", "2",
-    "--ckpt-every", "1",
-    "--eval-prompts", "1",
-    "--num-spec-tokens", "2",
+    "--set", "data.num_prompts=2",
+    "--set", "data.samples_per_prompt=1",
+    "--set", "data.max_new_tokens=8",
+    "--set", "data.temperatures=[0]",
+    "--set", "train.steps=2",
+    "--set", "train.batch_size=2",
+    "--set", "train.ckpt_every=1",
+    "--set", "eval.prompts=1",
+    "--set", "eval.num_spec_tokens=2",
 ]  # fmt: skip
 HEAD_FILES = {"head.json", "head.safetensors", "train_state_tv.safetensors"}
 DRAFT_FILES = {"config.json", "model.safetensors", "distill.json", "tokenizer.json"}
@@ -47,7 +47,7 @@ def cache(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter", ["eagle3", "mtp", "draft"])
 def test_train_drafter_writes_a_drafter_that_generate_uses(cache, drafter):
-    extra = ["--tv-steps", "1"] if drafter != "draft" else []
+    extra = ["--set", "train.tv_steps=1"] if drafter != "draft" else []
     result = CliRunner().invoke(app, ["train-drafter", "--drafter", drafter, *SMALL, *extra])
     assert result.exit_code == 0, result.output
     out = cache / "drafters" / f"smollm2-135m-instruct-{drafter}"

@@ -280,7 +280,7 @@ class ProposeOnly(Proposer):
 def test_a_drafter_with_only_propose_runs_and_is_lossless(monkeypatch):
     """The engine and the native backend call every optional hook unconditionally: the base
     class's defaults serve (no state, no tensors, no weights to load)."""
-    monkeypatch.setitem(proposers._REGISTRY, "propose-only", ProposeOnly)
+    monkeypatch.setitem(proposers.PROPOSERS._items, "propose-only", ProposeOnly)
     monkeypatch.setattr(ProposeOnly, "name", "propose-only", raising=False)
     target = tiny_target()
     params = SamplingParams(temperature=0, max_new_tokens=12, n=2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
+from specrl.config_training import LearnerCfg
 from specrl.models.packed_attention import PackedAttention, packed_mask_mod, use_flex
 from specrl.rl.learner import Learner, TrainSample, pack_sequences
 from tests.conftest import DEVICES
@@ -80,7 +81,7 @@ def test_learner_logprobs_agree_between_flex_and_dense():
         model.packed_attention = mode
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got[mode] = Learner(model, dtype="fp32", row_len=20).raw_logprobs(seqs)
+            got[mode] = Learner(model, LearnerCfg(dtype="fp32"), row_len=20).raw_logprobs(seqs)
     for f, d in zip(got["flex"], got["dense"], strict=True):
         torch.testing.assert_close(f, d, atol=1e-5, rtol=1e-5)
 
@@ -95,8 +96,8 @@ def test_flex_and_dense_learner_gradients_agree_cuda(dtype):
     for mode in ("flex", "dense"):
         model = make_tiny().cuda()
         model.packed_attention = mode
-        learner = Learner(model, dtype=dtype, row_len=20)
-        metrics = learner.accumulate_gradients(samples)
+        learner = Learner(model, LearnerCfg(dtype=dtype), row_len=20)
+        metrics = learner.accumulate_gradients(samples).metrics
         grads[mode] = (metrics["loss"], [p.grad.clone() for p in model.parameters()])
     (lf, gf), (ld, gd) = grads["flex"], grads["dense"]
     tol = 1e-4 if dtype == "fp32" else 3e-2

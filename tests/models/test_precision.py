@@ -29,8 +29,8 @@ def test_fast_bf16_reads_the_cpu_flags():
     assert precision.fast_bf16() == expected
 
 
-def test_learner_from_config_resolves_auto(monkeypatch):
+def test_learner_resolves_auto_precision(monkeypatch):
     monkeypatch.setattr(precision, "fast_bf16", lambda: False)
     cfg = load_config(None, ["learner.dtype=auto"])
     assert cfg.learner.dtype == "auto"
-    assert Learner.from_config(make_tiny(), cfg.learner).dtype == "fp32"
+    assert Learner(make_tiny(), cfg.learner).dtype == "fp32"

@@ -231,7 +231,7 @@ def test_a_two_worker_runs_sharded_checkpoint_exports_the_same_way(ray_session, 
     assert len(list((ckpt / SHARDED).glob("shard-*.safetensors"))) == 2
     # the reference: the DCP checkpoint read back into a one-process learner by specrl's loader
     cfg = run_config(model)
-    fresh = Learner.from_config(load_model(model), cfg.learner, max_len=8)
+    fresh = Learner(load_model(model), cfg.learner, max_len=8)
     load_learner(fresh, ckpt / SHARDED)
     out = export_model(run, tmp_path / "hf")
     tensors = load_file(str(out / "model.safetensors"))

@@ -10,6 +10,7 @@ import torch
 from specrl.backends import plan_rollout
 from specrl.backends.native import drafter_tensors
 from specrl.config import ConfigError
+from specrl.config_training import LearnerCfg
 from specrl.drafters.online import OnlineDrafter, StepSignals, Trigger, context_note
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
 from specrl.models.heads import DraftHead, save_head
@@ -17,7 +18,7 @@ from specrl.pipelines.loop import open_run
 from specrl.pipelines.state import StepState
 from specrl.pipelines.step import collect, learn
 from specrl.pipelines.train import train
-from specrl.rl import FeatureSink, Learner, TrainSample
+from specrl.rl import Learner, TrainSample
 from tests.conftest import make_tiny
 from tests.pipelines.pipeline_fakes import draw_prompts, tiny_config, tiny_parts
 
@@ -37,16 +38,15 @@ def engine_head(parts) -> dict[str, torch.Tensor]:
 
 def test_learner_captures_each_samples_features_from_its_training_forward():
     model = make_tiny(0)
-    learner = Learner(model, dtype="fp32", lr=0.0)
+    learner = Learner(model, LearnerCfg(dtype="fp32").model_copy(update={"lr": 0.0}))
     prompt = [5, 6, 7]
     samples = [TrainSample(prompt, [9, 10, 11], 1.0), TrainSample(prompt, [12, 2], -1.0),
                TrainSample([3, 4], [8], 0.5)]  # fmt: skip
-    sink = FeatureSink((0, 1))
-    learner.train_step(samples, capture=sink)
-    assert [c.tokens.tolist() for c in sink.captured] == [
+    captured = learner.train_step(samples, capture=(0, 1)).features
+    assert [c.tokens.tolist() for c in captured] == [
         list(s.prompt_ids) + list(s.completion_ids) for s in samples
     ]
-    for s, c in zip(samples, sink.captured, strict=True):
+    for s, c in zip(samples, captured, strict=True):
         ids = torch.tensor([list(s.prompt_ids) + list(s.completion_ids)])
         with torch.no_grad():  # the sequence alone: packing and prompt sharing change nothing
             final, layers = model.hidden_states(ids, torch.arange(ids.shape[1])[None],
@@ -105,7 +105,7 @@ def test_a_fresh_machine_trains_a_draft_model_from_the_policys_first_layers(no_c
     assert plan_rollout(cfg).training_mode == "refresh"
     parts = tiny_parts(cfg)
     trainer, engine = parts.drafter.trainer, parts.backend.engine
-    assert trainer.fresh and trainer.sink().layers == ()  # learns from the final hidden only
+    assert trainer.fresh and trainer.capture_layers() == ()  # learns from the final hidden only
     assert engine.draft_model.config.num_layers == 1  # half of the tiny policy's 2 layers
     start = {k: v.clone() for k, v in engine_head(parts).items()}
     for name, t in parts.learner.model.named_parameters():  # the policy's own first layer

@@ -125,7 +125,7 @@ def test_two_workers_adamw_state_equals_one(one_worker, two_workers):
     assert (ckpt / SHARDED_MARK).is_file()
     assert len(list((ckpt / SHARDED).glob("shard-*.safetensors"))) == 2
     cfg = tiny_config(*THREE)
-    fresh = Learner.from_config(make_tiny(0), cfg.learner, max_len=cfg.rollout.max_new_tokens)
+    fresh = Learner(make_tiny(0), cfg.learner, max_len=cfg.rollout.max_new_tokens)
     load_learner(fresh, ckpt / SHARDED)
     names = {id(p): n for n, p in parts1.learner.model.named_parameters()}
     theirs = {names[id(p)]: s for p, s in parts1.learner.optimizer.state.items()}

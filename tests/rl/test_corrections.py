@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from specrl.config_training import LearnerCfg
 from specrl.engine.engine import Engine
 from specrl.rl.corrections import CORRECTIONS, get_correction
 from specrl.rl.learner import Learner, TrainSample, token_logprobs
@@ -61,8 +62,8 @@ def _samples(model, shift: float = 0.0) -> list[TrainSample]:
 
 def _step(correction: str, samples, cap: float = 4.0):
     model = make_tiny(0).float()
-    learner = Learner(copy.deepcopy(model), correction=correction, is_cap=cap, dtype="fp32",
-                      lr=1e-2)  # fmt: skip
+    cfg = LearnerCfg(correction=correction, is_cap=cap, dtype="fp32", lr=1e-2)
+    learner = Learner(copy.deepcopy(model), cfg)
     learner.train_step(samples)
     return torch.cat([p.detach().flatten() for p in learner.model.parameters()])
 

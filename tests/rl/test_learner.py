@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from specrl.config_training import LearnerCfg
 from specrl.models.config import tiny_config
 from specrl.models.transformer import Transformer
 from specrl.rl.advantages import compute_advantages
@@ -97,7 +98,9 @@ def test_shared_prompts_give_the_same_gradient():
     samples = _samples(_groups(seed=6))
     grads = []
     for share in (True, False):
-        learner = Learner(_model(), micro_batch_tokens=40, dtype="fp32", share_prompts=share)
+        learner = Learner(
+            _model(), LearnerCfg(micro_batch_tokens=40, dtype="fp32", share_prompts=share)
+        )
         learner.accumulate_gradients(samples)
         grads.append([p.grad.clone() for p in learner.model.parameters()])
     for a, b in zip(*grads, strict=True):
@@ -106,15 +109,17 @@ def test_shared_prompts_give_the_same_gradient():
 
 
 def test_train_step_keeps_the_logprobs_of_its_forward():
-    """``keep`` gets each non-empty sample's logprobs from the step's own forward (before the
-    update), in order, across micro-batches: what a separate no-grad pass would give."""
+    """``keep_logprobs``: the result has each non-empty sample's logprobs from the step's own
+    forward (before the update), in order, across micro-batches: what a separate no-grad pass
+    would give."""
     seqs = _groups(seed=7)
     seqs.insert(3, (seqs[3][0], []))  # an empty completion is skipped
     model = _model()
     want = [lp for lp in raw_logprobs(model, seqs) if len(lp)]
-    learner = Learner(copy.deepcopy(model), micro_batch_tokens=30, dtype="fp32")
-    kept: list[torch.Tensor] = []
-    learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs], keep=kept)
+    learner = Learner(copy.deepcopy(model), LearnerCfg(micro_batch_tokens=30, dtype="fp32"))
+    step = learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs], keep_logprobs=True)
+    kept = step.logprobs
+    assert learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs]).logprobs is None
     assert len(kept) == len(want) == len(seqs) - 1 and not kept[0].requires_grad
     for a, b in zip(kept, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -146,8 +151,8 @@ def test_raw_logprobs_need_no_grad_and_learner_uses_its_precision():
     model.requires_grad_(True)
     out = raw_logprobs(model, seqs)
     assert not out[0].requires_grad
-    fp32 = Learner(copy.deepcopy(model), dtype="fp32").raw_logprobs(seqs)
-    bf16 = Learner(copy.deepcopy(model), dtype="bf16").raw_logprobs(seqs)
+    fp32 = Learner(copy.deepcopy(model), LearnerCfg(dtype="fp32")).raw_logprobs(seqs)
+    bf16 = Learner(copy.deepcopy(model), LearnerCfg(dtype="bf16")).raw_logprobs(seqs)
     assert all(torch.equal(a, b) for a, b in zip(out, fp32, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(out, bf16, strict=True))
 
@@ -163,8 +168,10 @@ def test_gradient_accumulation_equals_one_big_batch(loss):
     samples = _samples(_sequences(seed=4, n=6))
     grads = []
     for budget in (10_000, 14):
-        learner = Learner(_model(), loss=loss, micro_batch_tokens=budget, dtype="fp32", max_len=8)
-        metrics = learner.accumulate_gradients(samples)
+        cfg = LearnerCfg(loss=loss, dtype="fp32")  # a budget below the config's minimum:
+        cfg = cfg.model_copy(update={"micro_batch_tokens": budget})  # unvalidated
+        learner = Learner(_model(), cfg, max_len=8)
+        metrics = learner.accumulate_gradients(samples).metrics
         grads.append([p.grad.clone() for p in learner.model.parameters()])
         assert metrics["micro_batches"] == (1 if budget > 100 else len(micro_batches(samples, 14)))
     assert len(micro_batches(samples, 14)) >= 2
@@ -176,25 +183,25 @@ def test_gradient_accumulation_equals_one_big_batch(loss):
 def test_behaviour_logprobs_enter_the_ratio_and_kl_to_reference():
     model, seqs = _model(), _sequences(n=3)
     ref = copy.deepcopy(model)
-    learner = Learner(model, dtype="fp32", kl_coef=0.1, ref_model=ref)
+    learner = Learner(model, LearnerCfg(dtype="fp32", kl_coef=0.1), ref_model=ref)
     current = raw_logprobs(model, seqs)
     samples = [TrainSample(p, c, 1.0, (lp - 0.1).tolist()) for (p, c), lp in
                zip(seqs, current, strict=True)]  # fmt: skip
-    m = learner.accumulate_gradients(samples)
+    m = learner.accumulate_gradients(samples).metrics
     assert m["ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.1)).item(), rel=1e-5)
     assert m["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before any step
     learner.optimizer.zero_grad()
     for _ in range(3):
-        m = learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs])
+        m = learner.train_step([TrainSample(p, c, 1.0) for p, c in seqs]).metrics
     assert m["kl"] > 0 and m["grad_norm"] > 0
 
 
 def test_bf16_logprobs_close_to_fp32():
     model, seqs = _model(), _sequences(n=3)
-    learner = Learner(copy.deepcopy(model), dtype="bf16")
+    learner = Learner(copy.deepcopy(model), LearnerCfg(dtype="bf16"))
     batch = pack_sequences(seqs)
     with torch.no_grad():
-        lp16 = learner._logprobs(learner.model, batch)
+        lp16, _ = learner._logprobs(learner.model, batch)
     lp32 = torch.cat(token_logprobs(model, seqs))
     assert lp16.dtype == torch.float32
     assert (lp16 - lp32).abs().max() < 0.05
@@ -221,7 +228,7 @@ def test_grpo_steps_raise_expected_reward_on_toy_problem(dtype):
     # reward = share of completion tokens equal to TARGET; GRPO should make TARGET likelier
     target, prompts = 5, [[1, 2, 3], [4, 6]]
     model = _model(seed=7, embed_std=0.05)
-    learner = Learner(model, lr=3e-3, dtype=dtype, micro_batch_tokens=64)
+    learner = Learner(model, LearnerCfg(lr=3e-3, dtype=dtype, micro_batch_tokens=64))
     gen = torch.Generator().manual_seed(0)
     before = [_p_target(model, p, target) for p in prompts]
     for _ in range(12):
@@ -237,12 +244,12 @@ def test_grpo_steps_raise_expected_reward_on_toy_problem(dtype):
     assert all(a > 3 * b for a, b in zip(after, before, strict=True)), (before, after)
 
 
-def test_from_config_takes_the_configured_settings():
+def test_the_learner_takes_the_configured_settings():
     from specrl.config import load_config
 
     cfg = load_config(None, ["learner.loss=dapo", "learner.lr=1e-3", "learner.dtype=fp32",
                              "learner.clip_eps_high=0.3"]).learner  # fmt: skip
-    learner = Learner.from_config(_model(), cfg, max_len=16)
+    learner = Learner(_model(), cfg, max_len=16)
     assert learner.loss_name == "dapo" and learner.dtype == "fp32"
     assert learner.optimizer.param_groups[0]["lr"] == 1e-3
     assert learner.loss_kwargs["eps_high"] == 0.3 and learner.loss_kwargs["max_len"] == 16
@@ -250,15 +257,15 @@ def test_from_config_takes_the_configured_settings():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
-        Learner(_model(), dtype="fp16")
+        Learner(_model(), LearnerCfg(dtype="fp16"))
     with pytest.raises(ValueError, match="ref_model"):
-        Learner(_model(), kl_coef=0.1)
+        Learner(_model(), LearnerCfg(kl_coef=0.1))
     with pytest.raises(ValueError, match="unknown policy loss"):
-        Learner(_model(), loss="ppo2")
+        Learner(_model(), LearnerCfg(loss="ppo2"))
     with pytest.raises(ValueError, match="old_logprobs"):
-        Learner(_model()).train_step([TrainSample([1], [2, 3], 1.0, [0.0])])
+        Learner(_model(), LearnerCfg()).train_step([TrainSample([1], [2, 3], 1.0, [0.0])])
     with pytest.raises(ValueError, match="non-empty"):
-        Learner(_model()).train_step([TrainSample([1], [], 1.0)])
+        Learner(_model(), LearnerCfg()).train_step([TrainSample([1], [], 1.0)])
 
 
 @pytest.mark.slow

@@ -37,16 +37,16 @@ def _grads(model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_learner_runs_where_its_model_is(device):
     model = make_tiny(head_dim=16).to(device)  # head_dim 16: flex attention on CUDA
-    learner = Learner(model, dtype="fp32", lr=1e-3, micro_batch_tokens=40)
+    learner = Learner(model, LearnerCfg(dtype="fp32", lr=1e-3, micro_batch_tokens=40))
     assert learner.device.type == device
     fused = learner.optimizer.defaults["fused"]
     assert (fused, learner.optimizer.defaults["foreach"]) == (
         (True, None) if device == "cuda" else (None, True)
     )
-    metrics = learner.train_step(_samples())
+    metrics = learner.train_step(_samples()).metrics
     assert metrics["micro_batches"] > 1 and all(p.device.type == device for p in model.parameters())
-    cpu = Learner(make_tiny(head_dim=16), dtype="fp32", lr=1e-3, micro_batch_tokens=40)
-    want = cpu.train_step(_samples())
+    cpu = Learner(make_tiny(head_dim=16), LearnerCfg(dtype="fp32", lr=1e-3, micro_batch_tokens=40))
+    want = cpu.train_step(_samples()).metrics
     assert metrics["loss"] == pytest.approx(want["loss"], abs=1e-4)
     assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
@@ -63,8 +63,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(monkeypatch)
     calls = {}
     for flag in (False, True):
         model, count[0] = make_tiny(), 0
-        learner = Learner(model, dtype="fp32", activation_checkpointing=flag)
-        metrics = learner.accumulate_gradients(_samples())
+        learner = Learner(model, LearnerCfg(dtype="fp32", activation_checkpointing=flag))
+        metrics = learner.accumulate_gradients(_samples()).metrics
         calls[flag] = (metrics["loss"], _grads(model), count[0])
     (loss0, grads0, n0), (loss1, grads1, n1) = calls[False], calls[True]
     assert n1 == 2 * n0 == 2 * len(model.layers)  # each block ran again in backward
@@ -82,8 +82,8 @@ def test_step_metrics_count_model_flops_by_hand():
     assert param_counts(make_tiny()) == (2 * per_layer + 32, 32 * 32)
     samples = [TrainSample([1, 2, 3, 4], [5, 6, 7], 1.0), TrainSample([1, 2, 3, 4], [8, 9], -1.0),
                TrainSample([3, 1], [2, 2, 2, 2, 2], 0.5)]  # fmt: skip
-    learner = Learner(make_tiny(), dtype="fp32")
-    m = learner.train_step(samples)
+    learner = Learner(make_tiny(), LearnerCfg(dtype="fp32"))
+    m = learner.train_step(samples).metrics
     forward, positions = 4 + 3 + 2 + 2 + 5, 3 + 2 + 5  # the shared prompt runs once
     assert (m["forward_tokens"], m["tokens"]) == (forward, positions)
     flops = 6 * 18592 * forward + 6 * 1024 * positions
@@ -95,14 +95,14 @@ def test_step_metrics_count_model_flops_by_hand():
 
 def test_bf16_params_mode_is_refused_without_bf16():
     with pytest.raises(ValueError, match="bf16_mode='params'.*dtype='fp32'"):
-        Learner(make_tiny(), dtype="fp32", bf16_mode="params")
+        Learner(make_tiny(), LearnerCfg(dtype="fp32", bf16_mode="params"))
     with pytest.raises(ValueError, match="bf16_mode"):
-        Learner(make_tiny(), bf16_mode="half")
+        Learner(make_tiny(), LearnerCfg(bf16_mode="half"))
     cfg = LearnerCfg(dtype="fp32", bf16_mode="params")
     with pytest.raises(ValueError, match="bf16_mode='params'"):
-        Learner.from_config(make_tiny(), cfg)
+        Learner(make_tiny(), cfg)
     cfg = LearnerCfg(dtype="bf16", bf16_mode="params", activation_checkpointing=True)
-    learner = Learner.from_config(make_tiny(), cfg)
+    learner = Learner(make_tiny(), cfg)
     assert learner.masters is not None and learner.model.checkpoint_layers
 
 
@@ -118,7 +118,7 @@ def test_bf16_params_masters_track_an_fp32_reference():
     runs = {}
     for name, kw in {"fp32": dict(dtype="fp32"), "autocast": dict(dtype="bf16"),
                      "params": dict(dtype="bf16", bf16_mode="params")}.items():  # fmt: skip
-        learner = Learner(copy.deepcopy(model), lr=1e-3, micro_batch_tokens=40, **kw)
+        learner = Learner(copy.deepcopy(model), LearnerCfg(lr=1e-3, micro_batch_tokens=40, **kw))
         for step in range(3):
             learner.train_step(_samples(seed=step))
         runs[name] = learner
@@ -135,7 +135,7 @@ def test_bf16_params_masters_track_an_fp32_reference():
 
 def test_bf16_params_masters_keep_updates_below_bf16_resolution():
     model = make_tiny()
-    learner = Learner(copy.deepcopy(model), lr=1e-6, dtype="bf16", bf16_mode="params")
+    learner = Learner(copy.deepcopy(model), LearnerCfg(lr=1e-6, dtype="bf16", bf16_mode="params"))
     learner.train_step(_samples())
     moved = _update(learner.masters, list(model.parameters()))
     assert 0 < moved.abs().max() <= 2e-6  # the masters took the step; bf16 alone would round
@@ -143,7 +143,7 @@ def test_bf16_params_masters_keep_updates_below_bf16_resolution():
 
 def test_bf16_params_checkpoint_keeps_the_masters_bit_exact(tmp_path):
     def learner():
-        return Learner(make_tiny(), lr=1e-3, dtype="bf16", bf16_mode="params")
+        return Learner(make_tiny(), LearnerCfg(lr=1e-3, dtype="bf16", bf16_mode="params"))
 
     a = learner()
     a.train_step(_samples(seed=0))
@@ -167,10 +167,11 @@ def test_bf16_params_checkpoint_keeps_the_masters_bit_exact(tmp_path):
 @pytest.mark.parametrize("mode", ["autocast", "params"])
 def test_bf16_modes_step_on_cuda_and_report_mfu(mode):
     model = make_tiny(head_dim=16).cuda()
-    learner = Learner(model, dtype="bf16", bf16_mode=mode, lr=1e-3, micro_batch_tokens=40,
-                      activation_checkpointing=True)  # fmt: skip
+    cfg = LearnerCfg(dtype="bf16", bf16_mode=mode, lr=1e-3, micro_batch_tokens=40,
+                     activation_checkpointing=True)  # fmt: skip
+    learner = Learner(model, cfg)
     assert learner.optimizer.defaults["fused"]
-    m = learner.train_step(_samples())
+    m = learner.train_step(_samples()).metrics
     assert m["loss"] == m["loss"] and m["tokens_per_s"] > 0 and m["model_tflops"] > 0
     assert ("mfu" in m) == (peak_flops(learner.device) is not None)
 
@@ -201,9 +202,9 @@ def test_bf16_head_on_cuda_accumulates_bf16_inputs_in_float32():
 
 def test_head_precision_is_checked_and_float32_on_the_cpu():
     with pytest.raises(ValueError, match="head precision must be one of"):
-        Learner(make_tiny(), dtype="fp32", head="bf16")
-    learner = Learner.from_config(make_tiny(), LearnerCfg(head_precision="fp32", dtype="bf16"))
-    auto = Learner.from_config(make_tiny(), LearnerCfg(dtype="bf16"))
+        Learner(make_tiny(), LearnerCfg(dtype="fp32").model_copy(update={"head_precision": "bf16"}))
+    learner = Learner(make_tiny(), LearnerCfg(head_precision="fp32", dtype="bf16"))
+    auto = Learner(make_tiny(), LearnerCfg(dtype="bf16"))
     assert (learner.head, auto.head) == ("fp32", "auto")
     samples = _samples()
     pairs = [(s.prompt_ids, s.completion_ids) for s in samples]
@@ -239,15 +240,15 @@ def test_bf16_head_function_backward_is_the_product_of_rounded_inputs():
 def test_resume_keeps_this_runs_optimizer_implementation(tmp_path):
     """A checkpoint written with fused AdamW (as on a GPU) resumes with this run's foreach
     AdamW on the CPU, and the same state."""
-    first = Learner(make_tiny(), dtype="fp32", lr=1e-3)
+    first = Learner(make_tiny(), LearnerCfg(dtype="fp32", lr=1e-3))
     first.train_step(_samples())
     for group in first.optimizer.param_groups:  # as a CUDA run would have saved it
         group.update(fused=True, foreach=None)
     ckpt = tmp_path / "step_000001"
     save_checkpoint(ckpt, first.model, first.optimizer, {"step": 1, "policy_version": 1})
-    second = Learner(make_tiny(seed=1), dtype="fp32", lr=1e-3)
+    second = Learner(make_tiny(seed=1), LearnerCfg(dtype="fp32", lr=1e-3))
     load_checkpoint(ckpt, second.model, second.optimizer)
     group = second.optimizer.param_groups[0]
     assert (group["fused"], group["foreach"]) == (None, True)
-    a, b = first.train_step(_samples(1)), second.train_step(_samples(1))
+    a, b = first.train_step(_samples(1)).metrics, second.train_step(_samples(1)).metrics
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)

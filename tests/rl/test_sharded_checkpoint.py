@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from specrl.config_training import LearnerCfg
 from specrl.models.config import tiny_config
 from specrl.models.transformer import Transformer
 from specrl.rl.learner import Learner
@@ -30,13 +31,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TIMEOUT_S = 180  # the whole spawned run; a hang fails the tests instead of blocking them
 SEEDS = (11, 12, 13)  # one batch per step
 ARGS = dict(dtype="fp32", lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, micro_batch_tokens=24)
+
+
+def _cfg(**overrides) -> LearnerCfg:
+    return LearnerCfg(**ARGS | overrides)
+
+
 SHARD = "shard-{:05d}-model-00001-of-00001.safetensors"
 
 
 def _learner(mesh=None, **overrides) -> Learner:
     if mesh is None:
-        return Learner(tiny_policy(), **ARGS | overrides)
-    return ShardedLearner(tiny_policy(), mesh=mesh, **ARGS | overrides)
+        return Learner(tiny_policy(), _cfg(**overrides))
+    return ShardedLearner(tiny_policy(), _cfg(**overrides), mesh=mesh)
 
 
 def _step(learner: Learner, seed: int) -> None:
@@ -209,7 +216,7 @@ def test_an_interrupted_save_is_never_loaded(saved):
     ],
 )
 def test_a_checkpoint_of_another_model_does_not_fit(saved, config, says):
-    other = Learner(Transformer(tiny_config(**config)).float(), **ARGS)
+    other = Learner(Transformer(tiny_config(**config)).float(), _cfg())
     problem = _refusal(saved, other)
     assert problem.startswith(f"{saved} does not fit this learner: ") and says in problem
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from specrl.config_training import LearnerCfg
 from specrl.models.config import tiny_config
 from specrl.rl import sharded
 from specrl.rl.learner import Learner, TrainSample, batch_norm, nonempty
@@ -36,10 +37,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class Scenario:
-    learner: dict  # Learner arguments besides the defaults of ``_learner``
+    learner: dict  # LearnerCfg settings besides the defaults of ``_learner``
     batch: dict  # ``_batch`` arguments; one batch per step, of seeds ``seeds``
     seeds: tuple[int, ...] = (11, 12, 13)
     ref: bool = False  # a (sharded) reference model
+    max_len: int | None = None  # Dr. GRPO's generation budget
 
 
 SCENARIOS = {
@@ -56,7 +58,7 @@ SCENARIOS = {
         ref=True,
     ),
     # one sample: rank 0 has nothing and only takes part in the collectives
-    "idle": Scenario(dict(loss="dr_grpo", max_len=8), dict(groups=1, size=1), (31, 32, 33)),
+    "idle": Scenario(dict(loss="dr_grpo"), dict(groups=1, size=1), (31, 32, 33), max_len=8),
     # bf16: autocast over float32 shards; bf16 parameters (float32 shards gathered as bf16)
     "autocast": Scenario(
         dict(dtype="bf16", bf16_mode="autocast", micro_batch_tokens=24), dict(groups=3, size=4)
@@ -69,12 +71,12 @@ FP32 = [name for name, sc in SCENARIOS.items() if "dtype" not in sc.learner]
 
 
 def _learner(name: str, mesh) -> Learner:
-    kwargs = dict(dtype="fp32", lr=1e-2) | SCENARIOS[name].learner
-    if SCENARIOS[name].ref:
-        kwargs["ref_model"] = tiny_policy()  # the initial policy, as in a run
+    cfg = LearnerCfg(**dict(dtype="fp32", lr=1e-2) | SCENARIOS[name].learner)
+    ref = tiny_policy() if SCENARIOS[name].ref else None  # the initial policy, as in a run
+    max_len = SCENARIOS[name].max_len
     if mesh is None:
-        return Learner(tiny_policy(), **kwargs)
-    return ShardedLearner(tiny_policy(), mesh=mesh, **kwargs)
+        return Learner(tiny_policy(), cfg, max_len=max_len, ref_model=ref)
+    return ShardedLearner(tiny_policy(), cfg, mesh=mesh, max_len=max_len, ref_model=ref)
 
 
 def _run(name: str, mesh=None) -> dict:
@@ -82,10 +84,9 @@ def _run(name: str, mesh=None) -> dict:
     learner = _learner(name, mesh)
     metrics, kept = [], []
     for seed in SCENARIOS[name].seeds:
-        keep: list[torch.Tensor] = []
-        m = learner.train_step(tiny_batch(seed, **SCENARIOS[name].batch), keep=keep)
-        metrics.append({k: v for k, v in m.items() if k not in TIMINGS})
-        kept.append([t.clone() for t in keep])
+        step = learner.train_step(tiny_batch(seed, **SCENARIOS[name].batch), keep_logprobs=True)
+        metrics.append({k: v for k, v in step.metrics.items() if k not in TIMINGS})
+        kept.append([t.clone() for t in step.logprobs])
     names = [n for n, _ in learner.model.named_parameters()]
     state = learner.optimizer.state
     stepped = learner.optimizer.param_groups[0]["params"]  # the masters in bf16 "params" mode
