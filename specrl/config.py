@@ -356,8 +356,9 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
         lambda n: n > 0, " > 0",
     ),
     *each(
-        under("rollout", "num_spec_tokens", "spec_siblings", "spec_exact"), "rollout.spec",
-        _not("none"), " other than 'none'",
+        under("rollout", "num_spec_tokens", "spec_siblings", "spec_exact",
+              "max_tokens_per_forward", "alarm_action"),
+        "rollout.spec", _not("none"), " other than 'none'",
     ),
     AppliesOnly("rollout.step_graphs", "rollout.backend", _is("native"), "='native'"),
     *each(_ENV_FILE, "env.kind", _is("file"), "='file'"),
@@ -382,6 +383,13 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
         lambda s: s not in UNLEARNED_SPECS, _LEARNED,
     ),
     *each(_TRAINED, "drafter.mode", _not("frozen"), " other than 'frozen'"),
+    # only a head trained from nothing picks a vocabulary (``rollout_plan``, ``fresh_head``)
+    AppliesOnly(
+        "drafter.vocab", ("drafter.mode", "rollout.spec", "rollout.drafter_path"),
+        lambda v: v[0] != "frozen" and v[1] != "draft" and v[2] is None,
+        "drafter.mode other than 'frozen', rollout.spec other than 'draft' and no "
+        "rollout.drafter_path (a head trained from nothing)",
+    ),
     *each(_REFRESH, "drafter.mode", lambda m: m in ("auto", "refresh"), " 'refresh' or 'auto'"),
 )  # fmt: skip
 
@@ -410,17 +418,6 @@ COVERAGE = settings.Coverage(
         ("rollout.spec_siblings", "rollout_plan._check_names: a deterministic drafter takes none"),
         ("drafter.mode", "rollout_plan._training_mode: an explicit mode needs a learned drafter "
          "(the proposer registry)"),
-    ),
-    kept=(
-        ("rollout.max_tokens_per_forward", "ignored with rollout.spec='none' (SpecConfig."
-         "k_for_batch); accepted: tests/pipelines/pipeline_fakes.TINY_OVERRIDES set it under "
-         "spec 'none' for the tests that turn speculation on"),
-        ("rollout.alarm_action", "ignored with rollout.spec='none' (nothing drafts, the alarm "
-         "never fires); accepted: tests/pipelines/test_acceptance_alarm.py drives the alarm "
-         "through a fake speculating backend under spec 'none'"),
-        ("drafter.vocab", "ignored with drafter.mode='frozen', rollout.spec='draft' or "
-         "rollout.drafter_path set (only a head trained from nothing picks a vocabulary); "
-         "accepted: tests/pipelines/test_online_drafter.py's EAGLE base sets it for such runs"),
     ),
 )  # fmt: skip
 

@@ -77,6 +77,14 @@ ON_SERVER_WORKER = pytest.mark.xdist_group("servers")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "solo: needs most of the machine's memory (10-13 GB resident); `make test` runs these "
+        "after the parallel run, one at a time",
+    )
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On a ``--dist loadgroup`` worker, stop the run when xdist did not tag a grouped test's id

@@ -65,6 +65,8 @@ VALUES = {  # a value other than the field's default, for each field with a rule
     "rollout.num_spec_tokens": "5",
     "rollout.spec_siblings": "2",
     "rollout.spec_exact": '"distribution"',
+    "rollout.max_tokens_per_forward": "64",
+    "rollout.alarm_action": '"disable_spec"',
     "rollout.step_graphs": '"static"',
     "rollout.drafter_path": f'"{HERE}"',
     "env.train_file": '"b.jsonl"',

@@ -325,6 +325,7 @@ def test_sampled_speculation_is_exact(backend, smollm2, prompt):
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # ~10 GB resident beside the module's engines
 @needs_vllm
 def test_draft_model_drafter_update(smollm2, prompt):
     """The target itself as its draft model: greedy acceptance is k+1; a damaged drafter update

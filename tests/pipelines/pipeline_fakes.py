@@ -24,13 +24,18 @@ TINY_OVERRIDES = [
     "model.dtype=fp32", "learner.dtype=fp32", "learner.lr=3e-3", "learner.micro_batch_tokens=256",
     "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8",
     "rollout.spec=none", "run.steps=4", "run.eval_every=2", "run.checkpoint_every=2",
-    "rollout.max_tokens_per_forward=1024",  # speculate at every step (tests exercise it)
     "rollout.placement=inline",  # no worker process per test (tests of 'process' set it)
 ]  # fmt: skip
+SPECULATING = ["rollout.max_tokens_per_forward=1024"]  # speculate at every step (tests exercise it)
 
 
 def tiny_config(*overrides: str) -> Config:
-    return load_config(None, [*TINY_OVERRIDES, *overrides])
+    """``TINY_OVERRIDES`` <- ``overrides``; a speculating run (its ``rollout.spec`` not 'none')
+    also drafts at every step (``SPECULATING``, unless the overrides set the cap)."""
+    plain = load_config(None, [*TINY_OVERRIDES, *overrides])
+    if plain.rollout.spec == "none" or any("max_tokens_per_forward" in o for o in overrides):
+        return plain
+    return load_config(None, [*TINY_OVERRIDES, *SPECULATING, *overrides])
 
 
 def tiny_parts(cfg: Config, model_seed: int = 0, num_train: int = 24) -> RunParts:

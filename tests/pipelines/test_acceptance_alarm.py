@@ -39,7 +39,8 @@ class SpeculatingBackend(FakeBackend):
 
 def run(tmp_path, schedule, *overrides: str) -> tuple[list[dict], SpeculatingBackend]:
     backend = SpeculatingBackend(schedule)
-    cfg = tiny_config("run.steps=8", "run.eval_every=0", *overrides)
+    # a drafting spec (the alarm applies only where something drafts); the fake backend drafts
+    cfg = tiny_config("run.steps=8", "run.eval_every=0", "rollout.spec=ngram", *overrides)
     return train(fake_parts(cfg, backend), str(tmp_path), progress=False), backend
 
 
@@ -128,7 +129,12 @@ def test_alarmed_steps_keep_the_running_level_and_state_round_trips():
 
 def test_alarm_action_config():
     assert tiny_config().rollout.alarm_action == "warn"
-    assert tiny_config("rollout.alarm_action=disable_spec").rollout.alarm_action == "disable_spec"
+    spec = "rollout.spec=ngram"
+    assert tiny_config(spec, "rollout.alarm_action=disable_spec").rollout.alarm_action == (
+        "disable_spec"
+    )
+    with pytest.raises(ConfigError, match="rollout.alarm_action='disable_spec' needs rollout.spec"):
+        tiny_config("rollout.alarm_action=disable_spec")  # spec 'none': nothing drafts
     with pytest.raises(ConfigError, match="rollout.alarm_action") as info:
         tiny_config("rollout.alarm_action=off")
     assert "\n" not in str(info.value)

@@ -45,7 +45,7 @@ from specrl.pipelines.rundir import RunDir
 from specrl.pipelines.signals import Stopped, stop_on_signals
 from specrl.pipelines.state import StepState
 from specrl.pipelines.train import run_training, train
-from tests.pipelines.pipeline_fakes import TINY_OVERRIDES, tiny_config, tiny_parts
+from tests.pipelines.pipeline_fakes import SPECULATING, TINY_OVERRIDES, tiny_config, tiny_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -560,7 +560,7 @@ def test_the_cli_ends_a_completed_run_with_its_summary_and_one_line(app, full, t
     monkeypatch.setattr(build, "build_run", lambda cfg: tiny_parts(cfg, num_train=2))
     monkeypatch.setattr(train_mod, "measure_speedup", slow_speed_check([]))
     run = tmp_path / "run"
-    sets = [a for s in (*TINY_OVERRIDES, *SETTINGS) for a in ("--set", s)]
+    sets = [a for s in (*TINY_OVERRIDES, *SPECULATING, *SETTINGS) for a in ("--set", s)]
     result = CliRunner().invoke(app, ["train", "--run-dir", str(run), "--no-progress", *sets])
     assert result.exit_code == 130, result.output
     err = [ln for ln in result.stderr.splitlines() if ln.strip()]

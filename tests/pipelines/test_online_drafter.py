@@ -22,7 +22,17 @@ from specrl.rl import Learner, TrainSample
 from tests.conftest import make_tiny
 from tests.pipelines.pipeline_fakes import draw_prompts, tiny_config, tiny_parts
 
-EAGLE = ("rollout.spec=eagle3", "rollout.max_new_tokens=12", "drafter.vocab=0")
+EAGLE = ("rollout.spec=eagle3", "rollout.max_new_tokens=12")
+
+
+def eagle_config(*sets: str):
+    """``tiny_config`` of an EAGLE-3 run (``EAGLE`` <- ``sets``); a head trained from nothing
+    keeps the tiny model's whole vocabulary (``drafter.vocab=0``, which applies only there)."""
+    cfg = tiny_config(*EAGLE, *sets)
+    fresh = cfg.drafter.mode != "frozen" and cfg.rollout.spec != "draft"
+    if fresh and cfg.rollout.drafter_path is None and not any("drafter.vocab" in s for s in sets):
+        return tiny_config(*EAGLE, "drafter.vocab=0", *sets)
+    return cfg
 
 
 @pytest.fixture
@@ -58,7 +68,7 @@ def test_learner_captures_each_samples_features_from_its_training_forward():
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "hybrid"])
 def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind, monkeypatch):
-    parts = tiny_parts(tiny_config(*EAGLE, f"rollout.spec={kind}", "drafter.mode=online"))
+    parts = tiny_parts(eagle_config(f"rollout.spec={kind}", "drafter.mode=online"))
     trainer = parts.drafter.trainer
     monkeypatch.setattr(trainer, "_affordable", lambda: 1)  # no timing here (budget: own test)
     before = {k: v.clone() for k, v in engine_head(parts).items()}
@@ -76,7 +86,7 @@ def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind
 
 
 def test_training_data_are_each_steps_own_rollouts(no_cache):
-    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online", "drafter.buffer_steps=1"))
+    parts = tiny_parts(eagle_config("drafter.mode=online", "drafter.buffer_steps=1"))
     seen, state = [], StepState()
     for step in range(2):
         batch = collect(parts, draw_prompts(parts, step), step)
@@ -89,7 +99,7 @@ def test_training_data_are_each_steps_own_rollouts(no_cache):
 
 
 def test_a_fresh_machine_trains_the_head_from_its_first_step(no_cache, tmp_path):
-    cfg = tiny_config(*EAGLE, "run.steps=3", "drafter.vocab=16")
+    cfg = eagle_config("run.steps=3", "drafter.vocab=16")
     assert cfg.drafter.mode == "auto" and plan_rollout(cfg).training_mode == "refresh"
     parts = tiny_parts(cfg)
     assert parts.drafter.trainer.fresh
@@ -123,18 +133,18 @@ def test_a_fresh_machine_trains_a_draft_model_from_the_policys_first_layers(no_c
 
 def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(no_cache):
     with pytest.raises(ConfigError, match="specrl train-drafter --drafter eagle3"):
-        tiny_parts(tiny_config(*EAGLE, "drafter.mode=frozen"))
+        tiny_parts(eagle_config("drafter.mode=frozen"))
     with pytest.raises(ConfigError, match="drafter.mode='online' needs a learned drafter"):
         tiny_parts(tiny_config("rollout.spec=suffix", "drafter.mode=online"))
     assert plan_rollout(tiny_config("rollout.spec=suffix")).training_mode is None
     with pytest.raises(ConfigError, match="'mtp' is not supported by the vllm backend"):
-        plan_rollout(tiny_config(*EAGLE, "rollout.spec=mtp", "rollout.backend=vllm",
+        plan_rollout(eagle_config("rollout.spec=mtp", "rollout.backend=vllm",
                                  "drafter.mode=online"))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft"])
 def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path, kind):
-    cfg = tiny_config(*EAGLE, f"rollout.spec={kind}", "drafter.mode=online", "run.steps=2",
+    cfg = eagle_config(f"rollout.spec={kind}", "drafter.mode=online", "run.steps=2",
                       "run.checkpoint_every=2", "run.eval_every=0")  # fmt: skip
     first = tiny_parts(cfg)
     train(first, str(tmp_path / "run"), progress=False)
@@ -167,9 +177,9 @@ def test_a_saved_head_starts_the_trainer_and_is_not_replaced(tmp_path, monkeypat
     torch.manual_seed(3)
     path = save_head(DraftHead(make_tiny(0), "eagle3"), tmp_path / "head",
                      extra={"trained_len": 40})  # fmt: skip
-    parts = tiny_parts(tiny_config(*EAGLE, f"rollout.drafter_path={path}"))
+    parts = tiny_parts(eagle_config(f"rollout.drafter_path={path}"))
     assert not parts.drafter.trainer.fresh and parts.drafter.trained_len == 40
-    frozen = tiny_parts(tiny_config(*EAGLE, f"rollout.drafter_path={path}", "drafter.mode=frozen"))
+    frozen = tiny_parts(eagle_config(f"rollout.drafter_path={path}", "drafter.mode=frozen"))
     assert frozen.drafter.trainer is None and frozen.drafter.trained_len == 40
     for a, b in zip(engine_head(parts).values(), engine_head(frozen).values(), strict=True):
         assert torch.equal(a, b)
@@ -228,7 +238,7 @@ def test_context_note_names_the_trained_length():
 
 
 def test_a_drafter_update_during_a_generate_call_applies_before_the_next(no_cache):
-    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online"))
+    parts = tiny_parts(eagle_config("drafter.mode=online"))
     backend, trainer = parts.backend, parts.drafter.trainer
     with torch.no_grad():
         for p in trainer.model.parameters():
@@ -247,7 +257,7 @@ def test_a_drafter_update_during_a_generate_call_applies_before_the_next(no_cach
 def test_the_run_summary_says_how_the_drafter_trained(no_cache, tmp_path):
     from specrl.pipelines.report import summarize, summary_text
 
-    parts = tiny_parts(tiny_config(*EAGLE, "drafter.mode=online", "run.steps=2"))
+    parts = tiny_parts(eagle_config("drafter.mode=online", "run.steps=2"))
     rows = train(parts, str(tmp_path / "run"), progress=False)
     s = summarize(rows, [], None)
     assert s["drafter_updates"] == sum(r["drafter_updates"] for r in rows) >= 1  # step 0 trains
@@ -260,11 +270,11 @@ def test_the_hybrid_drafter_serves_and_finds_an_eagle3_head(tmp_path, monkeypatc
     from specrl.paths import drafter_cache_dir
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
-    cfg = tiny_config(*EAGLE, "rollout.spec=hybrid", "drafter.mode=frozen")
+    cfg = eagle_config("rollout.spec=hybrid", "drafter.mode=frozen")
     with pytest.raises(ConfigError, match="specrl train-drafter --drafter eagle3`"):
         tiny_parts(cfg)
     torch.manual_seed(3)
     save_head(DraftHead(make_tiny(0), "eagle3"), drafter_cache_dir(cfg.model.name, "eagle3"))
     parts = tiny_parts(cfg)  # the head `train-drafter --drafter eagle3` cached
     assert parts.drafter.trainer is None and parts.backend.engine.proposer.name == "hybrid"
-    assert plan_rollout(tiny_config(*EAGLE, "rollout.spec=hybrid")).training_mode == "refresh"
+    assert plan_rollout(eagle_config("rollout.spec=hybrid")).training_mode == "refresh"

@@ -147,6 +147,7 @@ def trained_run(cfg, run_dir: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # 10-12.5 GB resident (measured)
 @ON_SERVER_WORKER
 def test_vllm_trains_an_eagle3_head_from_nothing_then_from_the_cached_head(no_cache, tmp_path):
     if not vllm_available():
@@ -184,6 +185,7 @@ def test_vllm_trains_an_eagle3_head_from_nothing_then_from_the_cached_head(no_ca
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # 10-12.5 GB resident (measured)
 @ON_SERVER_WORKER
 def test_vllm_trains_a_draft_model_from_nothing(no_cache, tmp_path):
     """The policy's first layers, written for vLLM at start, trained and pushed: vLLM serves
