@@ -84,14 +84,17 @@ def checkpoint_due(cfg: Config, updates: int) -> bool:
 
 def check_room(cfg: Config, run: RunDir, updates: int) -> None:
     """Before a step that ends with a checkpoint (of ``updates`` updates): ``RunDirError`` when
-    the run's file system has less free space than its newest checkpoint takes, so the step's
-    work is not done only to be lost (the first checkpoint has no size to go by)."""
-    last = run.latest_checkpoint()
-    if not checkpoint_due(cfg, updates) or last is None:
+    the run's file system has less free space than the largest kept checkpoint takes (not the
+    newest alone: a weights-only final one is a third of the full save that follows it on a
+    resume), so the step's work is not done only to be lost (the first checkpoint has no size
+    to go by)."""
+    kept = run.checkpoints_newest_first()
+    if not checkpoint_due(cfg, updates) or not kept:
         return
-    if problem := room_problem(run.checkpoints, tree_bytes(last)):
+    size, largest = max((tree_bytes(c), c.name) for c in kept)
+    if problem := room_problem(run.checkpoints, size):
         raise RunDirError(f"the checkpoint after step {updates} cannot be saved: {problem} "
-                          f"(the size of {last.name}); {_ROOM_HINT}")  # fmt: skip
+                          f"(the size of {largest}); {_ROOM_HINT}")  # fmt: skip
 
 
 _ROOM_HINT = "free space (or lower run.keep_checkpoints), then specrl train --resume the run"

@@ -102,3 +102,21 @@ def test_with_no_full_checkpoint_kept_a_resume_is_one_line(tmp_path):
         "is kept (export it: specrl export)"
     )
     assert steps(run) == [0, 1]
+
+
+def test_the_room_check_goes_by_the_largest_kept_checkpoint(weights_run, tmp_path, monkeypatch):
+    """After a weights-only final checkpoint, a resume with more steps saves full checkpoints:
+    the room check before its step goes by the full one kept, not the small newest one."""
+    import shutil
+
+    from specrl import fsutil
+
+    run = tmp_path / "run"
+    shutil.copytree(weights_run, run)
+    full = tree_bytes(run / "checkpoints/step_000001")
+    assert full > 2 * tree_bytes(run / "checkpoints/step_000002")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: usage._replace(free=full - 1))
+    with pytest.raises(RunDirError, match=r"cannot be saved: .*\(the size of step_000001\)"):
+        tiny_train(run, "run.steps=3", resume=True)
+    assert steps(run) == [0]  # resumed at step_000001 (its rows kept), refused before step 1
