@@ -109,7 +109,6 @@ def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
              "alarm": parts.alarm.state_dict()}  # fmt: skip
     trainer = parts.drafter.trainer if parts.drafter is not None else None
     ckpt = run.checkpoint_dir(state.step)
-    last = run.latest_checkpoint()
     weights_only = state.step == parts.cfg.run.steps and parts.cfg.run.final_checkpoint == "weights"
     try:
         save_run_checkpoint(ckpt, parts.learner, saved, parts.backend.state_dict(), trainer,
@@ -117,6 +116,7 @@ def save(parts: RunParts, state: StepState, run: RunDir) -> Path:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
+        last = run.latest_checkpoint()  # the one before: the .tmp was removed
         size = f" (the last one, {last.name}, took {tree_bytes(last):,} bytes)" if last else ""
         raise RunDirError(f"cannot save checkpoint {ckpt}: {disk_problem(e)}{size}; "
                           f"{_ROOM_HINT}") from e  # fmt: skip

@@ -15,8 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, models
 from typer.testing import CliRunner
 
 from specrl.cli import app
@@ -24,28 +22,18 @@ from specrl.config import ConfigError
 from specrl.drafters.distill import init_draft, save_draft_model
 from specrl.drafters.export import ExportError, export_eagle3
 from specrl.fsutil import MANIFEST, manifest_problem
-from specrl.models import checkpoints as ck
 from specrl.models.heads import DrafterDamaged, DraftHead, load_head, save_head
-from specrl.models.tokenizer import TextTokenizer
 from specrl.pipelines.drafter import build_drafter_side
 from specrl.spec.config import load_drafter_head
 from tests.conftest import make_tiny
+from tests.models.test_model_load_errors import save_model_dir
 
 torch.set_num_threads(1)
 
-WORDS = [f"w{i}" for i in range(32)]
 OLD_HEAD = "has no manifest.json (made before checksums); its files are not verified"
 
 
-def model_dir(path: Path) -> Path:
-    """A loadable tiny model directory (config.json, safetensors, word-level tokenizer)."""
-    path.mkdir(parents=True, exist_ok=True)
-    model = make_tiny()
-    save_file(ck.hf_state_dict(model), str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    TextTokenizer(Tokenizer(models.WordLevel(vocab, unk_token=WORDS[0])), {}).save(path)
-    return path
+model_dir = save_model_dir  # a loadable tiny model directory (word-level tokenizer)
 
 
 def head_dir(path: Path, arch: str = "eagle3") -> Path:
