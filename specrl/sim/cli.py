@@ -217,6 +217,8 @@ def calibrate_command(
         fail(f"--heldout {heldout} must be in [0, 1)")
     if fit_configs and heldout_configs:
         fail("--fit-configs and --heldout-configs: give one (each names the other's complement)")
+    if not out.name or out.is_dir():  # '.', '/', a directory: no file to write (nor a sibling)
+        fail(f"--out {out} is a directory: name the profile's TOML file")
     drafter_out = drafter_out or out.with_stem(f"{out.stem}-drafter")
     _check_writable(out, "--out", "file")
     _check_writable(drafter_out, "--drafter-out", "file")
