@@ -1,8 +1,10 @@
 """What a rollout backend takes and returns: requests, completions, statistics.
 
 A ``Request`` is a prompt (token ids) plus ``SamplingParams``; a backend returns ``n``
-``Completion`` objects per request, in request order (token ids, processed and raw logprobs,
-finish reason, the policy version of each token, timings, speculation counts).
+``Completion`` objects per request, in request order (per-token tensors: token ids, processed
+and raw logprobs, the policy version of each token; finish reason, timings, speculation counts);
+``RolloutTensors`` are completions' tokens as flat ragged tensors (the native engine returns its
+completions as views of one).
 ``request_problem`` and ``sample_seed`` make every backend refuse and seed a request alike.
 ``EngineStats`` holds a call's counters (``add`` accumulates; rates are properties) and, with
 ``record_steps``, one ``StepRecord`` per forward in the trace format ``sim.calibrate`` reads.
@@ -12,7 +14,10 @@ Details: docs/internals.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from specrl.sampling import SamplingParams
 
@@ -49,32 +54,162 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & ((1 << 63) - 1)
 
 
-@dataclass
+def _ids(values: Sequence[int] | torch.Tensor = ()) -> torch.Tensor:  # -> [n] int64
+    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
+
+
+def _floats(values: Sequence[float] | torch.Tensor = ()) -> torch.Tensor:  # -> [n] float32
+    return torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+
+
+TOKEN_FIELDS = ("tokens", "token_logprobs", "token_raw_logprobs", "versions")
+
+
+@dataclass(eq=False)
 class Completion:
+    """One sampled completion. Its per-token data are host tensors [n] (``tokens``,
+    ``token_logprobs``: the processed distribution's, ``token_raw_logprobs``: temperature 1,
+    no truncation, empty where a backend has none, ``versions``: the weights version that
+    sampled each token); after ``Engine.generate`` they are views of one flat
+    ``RolloutTensors``. ``token_ids``, ``logprobs``, ``raw_logprobs`` and ``token_versions``
+    read (and set) them as lists. Pickling copies only a completion's own tokens."""
+
     request_index: int
     sample_index: int
     prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # processed distribution
-    raw_logprobs: list[float] = field(default_factory=list)  # temperature 1, no truncation
+    tokens: torch.Tensor = field(default_factory=_ids)  # [n] int64
+    token_logprobs: torch.Tensor = field(default_factory=_floats)  # [n] float32
+    token_raw_logprobs: torch.Tensor = field(default_factory=_floats)  # [n] float32 (or [0])
+    versions: torch.Tensor = field(default_factory=_ids)  # [n] int64
     finish_reason: str = "length"  # "stop" | "length" | "error"
     error: str | None = None
     seed: int = 0
     policy_version: int = 0  # the engine's weights version when the completion finished
-    token_versions: list[int] = field(default_factory=list)  # per token: version that sampled it
     first_token_s: float = 0.0  # seconds from generate() start to the first token
     latency_s: float = 0.0  # seconds from generate() start to the last token
     verify_steps: int = 0  # decode/verify forwards that emitted tokens (the prefill's excluded)
     drafted: int = 0
     accepted: int = 0
 
+    def __post_init__(self) -> None:  # lists given for the token fields become tensors
+        self.tokens, self.versions = _ids(self.tokens), _ids(self.versions)
+        self.token_logprobs = _floats(self.token_logprobs)
+        self.token_raw_logprobs = _floats(self.token_raw_logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.tolist()
+
+    @token_ids.setter
+    def token_ids(self, values: Sequence[int]) -> None:
+        self.tokens = _ids(values)
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.token_logprobs.tolist()
+
+    @logprobs.setter
+    def logprobs(self, values: Sequence[float]) -> None:
+        self.token_logprobs = _floats(values)
+
+    @property
+    def raw_logprobs(self) -> list[float]:
+        return self.token_raw_logprobs.tolist()
+
+    @raw_logprobs.setter
+    def raw_logprobs(self, values: Sequence[float]) -> None:
+        self.token_raw_logprobs = _floats(values)
+
+    @property
+    def token_versions(self) -> list[int]:
+        return self.versions.tolist()
+
+    @token_versions.setter
+    def token_versions(self, values: Sequence[int]) -> None:
+        self.versions = _ids(values)
+
+    def set_tokens(self, *tensors: torch.Tensor) -> None:
+        """tokens, logprobs, raw logprobs, versions := ``tensors`` ([n] each)."""
+        for name, t in zip(TOKEN_FIELDS, tensors, strict=True):
+            setattr(self, name, t)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Completion):
+            return NotImplemented
+        return all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(vars(self).values(), vars(other).values(), strict=True)
+        )
+
+    def __getstate__(self) -> dict:
+        """Its own tokens only (a view would pickle the whole flat rollout's storage)."""
+        state = dict(vars(self))
+        for name in TOKEN_FIELDS:
+            state[name] = state[name].clone()
+        return state
+
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per decode/verify step (EAGLE's tau: the first token, which the
         prefill emits, is not counted); 1.0 without speculation or without any decode step."""
         if not self.verify_steps:
-            return 1.0 if self.token_ids else 0.0
-        return (len(self.token_ids) - 1) / self.verify_steps
+            return 1.0 if self.num_tokens else 0.0
+        return (self.num_tokens - 1) / self.verify_steps
+
+
+@dataclass(frozen=True)
+class RolloutTensors:
+    """Completions' per-token data as flat ragged host tensors: row r is [offsets[r],
+    offsets[r+1]) of each."""
+
+    tokens: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] float32
+    raw_logprobs: torch.Tensor  # [N] float32; NaN where a completion has none (so logprobs)
+    versions: torch.Tensor  # [N] int64; a completion's policy_version where it has none
+    offsets: torch.Tensor  # [R + 1] int64
+
+    @classmethod
+    def of(cls, comps: Sequence[Completion]) -> RolloutTensors:
+        """The completions' tokens concatenated (one copy per field)."""
+        nan = float("nan")
+        offsets = torch.tensor([0, *(c.num_tokens for c in comps)], dtype=torch.int64).cumsum(0)
+        return cls(_cat([c.tokens for c in comps], _ids()),
+                   _column(comps, "token_logprobs", lambda c: nan, torch.float32),
+                   _column(comps, "token_raw_logprobs", lambda c: nan, torch.float32),
+                   _column(comps, "versions", lambda c: c.policy_version, torch.int64),
+                   offsets)  # fmt: skip
+
+    def share(self, comps: Sequence[Completion]) -> None:
+        """Point each completion's tokens at its rows of these tensors (views, no copy); the
+        completions are the ones ``of`` was given, in order (logprobs left alone where a
+        completion had none; missing versions become its ``policy_version``)."""
+        bounds = self.offsets.tolist()
+        flat = (self.tokens, self.logprobs, self.raw_logprobs, self.versions)
+        for c, lo, hi in zip(comps, bounds[:-1], bounds[1:], strict=True):
+            for name, t in zip(TOKEN_FIELDS, flat, strict=True):
+                if name == "versions" or getattr(c, name).numel() == hi - lo:
+                    setattr(c, name, t[lo:hi])  # missing logprobs stay missing
+
+
+def _cat(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else empty
+
+
+def _column(
+    comps: Sequence[Completion], name: str, fill: Callable[[Completion], float], dtype: torch.dtype
+) -> torch.Tensor:  # -> [N]
+    """One per-token field of the completions concatenated; ``fill(c)`` where ``c`` has none
+    (NaN for missing logprobs, the completion's version for missing versions)."""
+    parts = [
+        t if t.numel() == c.num_tokens else torch.full((c.num_tokens,), fill(c), dtype=dtype)
+        for c in comps
+        for t in (getattr(c, name),)
+    ]
+    return _cat(parts, torch.zeros(0, dtype=dtype))
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ class Admission:
         s = sample_rows(logits[group_rows], t, counters)
         base = len(rows)
         rows += new_rows
-        done = call.emit(new_rows, [[x] for x in s.tokens.tolist()], s, start, first=True)
+        done = call.emit_sampled(new_rows, s, start, first=True)
         call.retire(rows, [base + i for i in done])  # a stop or the limit at the first token
 
     def _fork(self, groups: list, first_slot: list[int], lens: list[int]) -> list[Seq]:

@@ -3,9 +3,11 @@
 Contract: live rows occupy cache slots 0..B-1 in list order (row == slot). ``forward`` runs the
 target over the KV cache, also returning the features the drafter reads; ``prefill`` prefills
 each distinct prompt once and copies its cache to the other slots given; ``tensors`` are the
-rows' sampling tensors (rebuilt after ``rows_changed``); ``emit`` appends a step's tokens to
-rows' completions, cut at a stop token or the row's limit and tagged with ``version``, and
-returns the finished rows' indices; ``retire`` removes those, moving the last live rows into the
+rows' sampling tensors (rebuilt after ``rows_changed``); ``emit`` appends a step's tokens
+[B, T] and logprobs to each row's record (one host copy per field and step, one ``extend`` per
+row: no Python per token), cut at a stop token or the row's limit and tagged with ``version``,
+hands a finished row's record to its completion as tensors and returns the finished rows'
+indices; ``retire`` removes those, moving the last live rows into the
 holes, and first announces (``GroupsDone``: ``Engine.generate``'s ``on_done``) each request whose
 rows have all finished; ``record`` appends the last forward's shape and time to
 ``stats.step_records`` (callers check ``record_steps``).
@@ -150,57 +152,68 @@ class Call:
         self, rows: list[Seq], v: Verified, start: float, first: bool = False
     ) -> list[int]:
         """``emit`` the tokens ``verify`` emitted per row (``first``: no decode step counted)."""
-        emitted = [
-            row[:n] for row, n in zip(v.tokens.tolist(), v.num_emitted.tolist(), strict=True)
-        ]
-        s = Sampled(v.tokens, v.logprobs_processed, v.logprobs_raw)
-        return self.emit(rows, emitted, s, start, first=first)
+        return self.emit(rows, v.tokens, v.logprobs_processed, v.logprobs_raw, v.num_emitted,
+                         start, first)  # fmt: skip
+
+    def emit_sampled(
+        self, rows: list[Seq], s: Sampled, start: float, first: bool = False
+    ) -> list[int]:
+        """``emit`` one sampled token per row (``s``: [B] each)."""
+        return self.emit(rows, s.tokens[:, None], s.logprobs[:, None], s.raw_logprobs[:, None],
+                         None, start, first)  # fmt: skip
 
     def emit(
         self,
         rows: list[Seq],
-        tokens: list[list[int]],
-        s: Sampled,
+        tokens: torch.Tensor,  # [B, T] on the device
+        logprobs: torch.Tensor,  # [B, T] processed
+        raw: torch.Tensor,  # [B, T] temperature 1, untruncated
+        emitted: torch.Tensor | None,  # [B] tokens each row emitted (None: all T)
         start: float,
         first: bool = False,
     ) -> list[int]:
-        """Append emitted tokens (cut at stop/length); return indices of finished rows."""
-        lp, raw = (
-            s.logprobs.reshape(len(rows), -1).tolist(),
-            s.raw_logprobs.reshape(len(rows), -1).tolist(),
-        )
+        """Append each row's emitted tokens, cut after a stop token or at the row's length
+        limit (``first``: a row's first tokens, no decode step counted); finish the rows that
+        stopped or reached their limit (their completions get their tokens as tensors); return
+        their indices. One host copy per field per step and one ``extend`` per row and field:
+        no Python per token."""
+        toks, lps, raws = (x.reshape(len(rows), -1).tolist() for x in (tokens, logprobs, raw))
+        width = tokens.shape[1] if tokens.dim() == 2 else 1
+        counts = emitted.tolist() if emitted is not None else [width] * len(rows)
         now = time.perf_counter() - start
-        finished = []
-        for i, (seq, toks) in enumerate(zip(rows, tokens, strict=True)):
-            c = seq.comp
-            if not first:  # acceptance counts decode/verify steps; the prefill's token is apart
-                c.verify_steps += 1
-                self.stats.row_steps += 1
-            for j, tok in enumerate(toks):
-                seq.history.append(tok)
-                c.token_ids.append(tok)
-                c.logprobs.append(lp[i][j])
-                c.raw_logprobs.append(raw[i][j])
-                c.token_versions.append(self.version)
-                self.stats.tokens += 1
-                self.stats.emitted_per_row_step += not first
-                if first and j == 0:
-                    c.first_token_s = now
-                if tok in seq.stop:
-                    c.finish_reason = "stop"
-                    break
-                if len(seq.history) >= seq.max_total:
-                    c.finish_reason = "length"
-                    break
-            else:
-                continue
-            c.latency_s = now
-            c.policy_version = self.version
-            finished.append(i)
-            proposer = self.active.proposer
-            if proposer is not None:
-                proposer.finish(seq.row_id, seq.group_key, c.token_ids)
+        finished, stopped, total = [], [], 0
+        for i, (seq, row, n) in enumerate(zip(rows, toks, counts, strict=True)):
+            n, stop = _cut(seq, row, n)
+            if first:  # a new row's (or a restarted row's) first tokens
+                seq.comp.first_token_s = now
+            else:  # acceptance counts decode/verify steps; the prefill's token is apart
+                seq.comp.verify_steps += 1
+            seq.record(row[:n], lps[i][:n], raws[i][:n], self.version)
+            total += n
+            if stop or len(seq.history) >= seq.max_total:
+                finished.append(i)
+                stopped.append(stop)
+        self._count_emitted(len(rows), total, first)
+        for i, stop in zip(finished, stopped, strict=True):
+            self._finish(rows[i], stop, now)
         return finished
+
+    def _count_emitted(self, rows: int, tokens: int, first: bool) -> None:
+        st = self.stats
+        st.tokens += tokens
+        if not first:
+            st.row_steps += rows
+            st.emitted_per_row_step += tokens
+
+    def _finish(self, seq: Seq, stopped: bool, now: float) -> None:
+        """A finished row's completion takes its tokens (tensors) and its end."""
+        c = seq.comp
+        c.set_tokens(*seq.tensors())
+        c.finish_reason = "stop" if stopped else "length"
+        c.latency_s = now
+        c.policy_version = self.version
+        if self.active.proposer is not None:
+            self.active.proposer.finish(seq.row_id, seq.group_key, seq.history[len(c.prompt_ids) :])
 
     def retire(self, rows: list[Seq], finished: list[int]) -> None:
         """Remove finished rows, moving the last live rows into the holes (announcing first,
@@ -217,3 +230,13 @@ class Call:
                 rows[i] = rows[last]
             rows.pop()
         self.rows_changed()
+
+
+def _cut(seq: Seq, tokens: list[int], n: int) -> tuple[int, bool]:
+    """How many of a row's ``n`` emitted ``tokens`` it keeps (up to and including the first
+    stop token, at most its room to the length limit) and whether a stop token ended it (set
+    operations per row; the scan for the stop's position runs once in a row's life)."""
+    kept = tokens[: min(n, seq.max_total - len(seq.history))]
+    if seq.stop.isdisjoint(kept):
+        return len(kept), False
+    return next(j for j, t in enumerate(kept) if t in seq.stop) + 1, True

@@ -100,14 +100,14 @@ class Decoder:
         if self.static is not None and self.static.fits(len(rows)):
             s, feats = self.static.decode(call, rows)
             _keep_hidden(rows, feats, [1] * len(rows))
-            return call.emit(rows, [[x] for x in s.tokens.tolist()], s, start)
+            return call.emit_sampled(rows, s, start)
         pos = [s.pos for s in rows]
         ids, positions = call.on(torch.tensor([[s.history[-1]] for s in rows]),
                                  torch.tensor(pos)[:, None])  # fmt: skip
         out, feats = call.forward(ids, positions, kv_len=max(pos) + 1)
         _keep_hidden(rows, feats, [1] * len(rows))
         s = sample_rows(out.logits[:, 0], call.tensors(rows), _counters(call, rows))
-        return call.emit(rows, [[x] for x in s.tokens.tolist()], s, start)
+        return call.emit_sampled(rows, s, start)
 
     def _spec_step(
         self, call: Call, rows: list[Seq], start: float, k: int, drafts: SpecDrafts
@@ -246,7 +246,7 @@ def _record_step(call: Call, k: int, elapsed: float, draft_s: float) -> None:
 
 
 def _counters(call: Call, rows: list[Seq]) -> torch.Tensor:  # [B] tokens emitted per row
-    return call.on(torch.tensor([len(s.comp.token_ids) for s in rows]))[0]
+    return call.on(torch.tensor([s.emitted for s in rows]))[0]
 
 
 def _keep_hidden(rows: list[Seq], feats: torch.Tensor | None, counts: list[int]) -> None:
@@ -268,19 +268,24 @@ def _take_hidden(rows: list[Seq]) -> list[torch.Tensor] | None:
 
 
 def _count(st: EngineStats, rows: list[Seq], lengths: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Drafted and accepted tokens per row, per draft position and in all."""
+    """Drafted and accepted tokens per row, per draft position and in all (lengths and
+    accepted [B]: per position by a comparison over the batch, no Python per token)."""
+    lengths, accepted = lengths.cpu(), accepted.cpu()
     for seq, n, a in zip(rows, lengths.tolist(), accepted.tolist(), strict=True):
         seq.comp.drafted += n
         seq.comp.accepted += a
-        st.drafted += n
-        st.accepted += a
-        for i in range(n):
-            _bump(st.per_position_drafted, i)
-            if i < a:
-                _bump(st.per_position_accepted, i)
+    st.drafted += int(lengths.sum())
+    st.accepted += int(accepted.sum())
+    k = int(lengths.max()) if len(lengths) else 0
+    if k:
+        at = torch.arange(k)  # [k] draft positions
+        _add(st.per_position_drafted, (lengths[:, None] > at).sum(0).tolist())
+        hits = (accepted[:, None] > at).sum(0)  # [k]
+        _add(st.per_position_accepted, hits[: int(accepted.max())].tolist())  # up to the last hit
 
 
-def _bump(counts: list[int], i: int) -> None:
-    while len(counts) <= i:
-        counts.append(0)
-    counts[i] += 1
+def _add(counts: list[int], more: list[int]) -> None:
+    """counts[i] += more[i], growing ``counts`` as needed."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for i, m in enumerate(more):
+        counts[i] += m

@@ -1,6 +1,8 @@
 """Continuous-batching generation over a preallocated KV cache.
 
-``Engine(model).generate(requests)`` returns ``n`` completions per request, in request order;
+``Engine(model).generate(requests)`` returns ``n`` completions per request, in request order,
+their per-token tensors views of one flat ``RolloutTensors`` (tokens are kept on the device by
+slot while rows decode, ``engine.tokens``, and reach the host once per finished row);
 a bad request comes back as an ``"error"`` completion while the others run; a row stops at the
 context (``"length"``). Sampling is counter-based per request seed, so a request samples the
 same tokens alone or batched. Each iteration admits rows (``admission``), grows the cache
@@ -37,7 +39,7 @@ from specrl.models.graphs import StepGraphs
 from specrl.models.linear import prepack
 from specrl.models.transformer import Transformer
 from specrl.models.weights import copy_weights
-from specrl.rollout_types import Completion, EngineStats, Request
+from specrl.rollout_types import Completion, EngineStats, Request, RolloutTensors
 from specrl.spec.config import SpecConfig, build_proposer
 from specrl.spec.controller import SpecController, start_controller
 from specrl.spec.proposers.base import Proposer
@@ -183,6 +185,7 @@ class Engine:
             bar.update(len(finished))
             call.retire(rows, finished)
         bar.close()
+        RolloutTensors.of(completions).share(completions)  # one flat copy, completions views
         self._active, self._call = ActiveSpec(self.spec), None
         self.total_stats.add(self.stats)
         return completions

@@ -88,10 +88,8 @@ def completion_batch(
 
 
 def restart(seq: Seq) -> None:
-    """Clear a row's completion (tokens, logprobs, versions); its history is its prompt again."""
-    c = seq.comp
-    del seq.history[len(c.prompt_ids) :]
-    c.token_ids, c.logprobs, c.raw_logprobs, c.token_versions = [], [], [], []
+    """Clear a row's completion: its history is its prompt again, no logprob or version kept."""
+    seq.restart_record()
     seq.hidden = []
 
 
@@ -139,7 +137,7 @@ def rewrite(
     finished (a stop or the length limit in their new tokens)."""
     st = call.stats
     st.weight_updates += 1
-    old = sum(len(s.comp.token_ids) for s in rows)
+    old = sum(s.emitted for s in rows)
     if update.mode == "keep":
         st.reused_tokens += old
         return []
@@ -158,9 +156,9 @@ def _reverify_rows(call: Call, rows: list[Seq], start: float, cap: int | None) -
     a recovered/bonus token replace the completion (a row's first ``cap`` old tokens are the
     draft)."""
     t0 = time.perf_counter()
-    drafts = [list(s.comp.token_ids[:cap]) for s in rows]
+    drafts = [s.history[len(s.comp.prompt_ids) :][:cap] for s in rows]
     prompt_lens = [len(s.comp.prompt_ids) for s in rows]
-    old = sum(len(s.comp.token_ids) for s in rows)
+    old = sum(s.emitted for s in rows)
     firsts = [s.comp.first_token_s for s in rows]
     for seq in rows:
         restart(seq)

@@ -1,10 +1,10 @@
 """A live row of a running ``generate`` call, what is sampled for it and the call's speculation.
 
-Contract: ``Seq`` is one live sequence (its completion record, history, stop set, and the target
-features not yet handed to the drafter); ``RowTensors`` are the rows' sampling settings as device
-tensors [B]; ``sample_rows`` samples one token per row with counter-based randomness
-(``specrl.sampling.uniforms``), so a row samples the same tokens alone or batched; ``ActiveSpec``
-is the running call's speculation, by name.
+Contract: ``Seq`` is one live sequence (its completion record, history, stop set, the logprobs
+and versions of its emitted tokens, and the target features not yet handed to the drafter);
+``RowTensors`` are the rows' sampling settings as device tensors [B]; ``sample_rows`` samples
+one token per row with counter-based randomness (``specrl.sampling.uniforms``), so a row samples
+the same tokens alone or batched; ``ActiveSpec`` is the running call's speculation, by name.
 """
 
 from __future__ import annotations
@@ -34,6 +34,34 @@ class Seq:
     stop: frozenset[int] = frozenset()
     # target features [n, F] of history positions not yet handed to the drafter (learned drafters)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    # per emitted token: processed and raw logprobs, the weights version that sampled it
+    logprobs: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def record(self, tokens: list[int], logprobs: list[float], raw: list[float], v: int) -> None:
+        """Append emitted tokens with their logprobs and version (one ``extend`` each)."""
+        self.history.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.raw.extend(raw)
+        self.versions.extend([v] * len(tokens))
+
+    def restart_record(self) -> None:
+        """No token emitted yet (a new row; a row an in-flight update restarts)."""
+        del self.history[len(self.comp.prompt_ids) :]
+        self.logprobs, self.raw, self.versions = [], [], []
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Its completion's tokens, logprobs, raw logprobs and versions as tensors [n] each."""
+        return (torch.tensor(self.history[len(self.comp.prompt_ids) :], dtype=torch.int64),
+                torch.tensor(self.logprobs, dtype=torch.float32),
+                torch.tensor(self.raw, dtype=torch.float32),
+                torch.tensor(self.versions, dtype=torch.int64))  # fmt: skip
+
+    @property
+    def emitted(self) -> int:
+        """Tokens of its completion so far."""
+        return len(self.history) - len(self.comp.prompt_ids)
 
     @property
     def pos(self) -> int:

@@ -176,7 +176,7 @@ def _inputs(
     last = call.kv.cache.max_len - 1  # where padding rows write: a position no history reaches
     zeros = [0] * (tokens - 1)
     ints = [[s.history[-1], *zeros, *range(s.pos, s.pos + tokens), s.params.top_k, s.comp.seed,
-             len(s.comp.token_ids)] for s in rows]  # fmt: skip
+             s.emitted] for s in rows]  # fmt: skip
     ints += [[0, *zeros, *[last] * tokens, PAD_SETTINGS[1], 0, 0]] * pad
     settings = [(s.params.temperature, s.params.top_k, s.params.top_p) for s in rows]
     settings += [PAD_SETTINGS] * pad

@@ -14,7 +14,6 @@ goes only through ``parts.backend``. Details: docs/internals.md.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,8 +146,10 @@ def draft_acceptance_length(out: Rollout) -> float:
 def behaviour_version(comps: Sequence[Completion]) -> int:
     """The oldest policy version that produced any token (the completions' own versions when
     no completion has a token)."""
-    versions = [v for c in comps for v in c.token_versions] or [c.policy_version for c in comps]
-    return min(versions) if versions else 0
+    tokens = [c.versions for c in comps if c.num_tokens]
+    if tokens:
+        return int(torch.cat(tokens).min())
+    return min((c.policy_version for c in comps), default=0)
 
 
 def collect(parts: RunParts, prompts: list[Prompt], step: int) -> Batch:
@@ -186,13 +187,13 @@ def logprob_delta(
     ``ours``: the learner's raw logprobs of the non-empty completions if already computed (the
     training forward at temperature 1), else a no-grad forward computes them."""
     t0 = time.perf_counter()
-    live = [c for c in comps if c.token_ids]
+    live = [c for c in comps if c.num_tokens]
     if ours is None:
         ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
     if len(ours) != len(live):
         raise ValueError(f"{len(ours)} learner logprob rows for {len(live)} completions")
     mine = torch.cat([o.float() for o in ours]).cpu() if ours else torch.zeros(0)  # one copy
-    theirs = torch.tensor([x for c in live for x in c.raw_logprobs], dtype=torch.float32)
+    theirs = torch.cat([c.token_raw_logprobs for c in live]) if live else torch.zeros(0)  # [M]
     delta = (mine - theirs).abs()  # [M]
     return {
         "logprob_delta_mean": float(delta.mean()) if delta.numel() else 0.0,
@@ -212,14 +213,16 @@ def train_samples(
     """One ``TrainSample`` per completion; ``advantages`` is ``[num_prompts, G]``."""
     flat = advantages.flatten().tolist()
     return [
-        TrainSample(c.prompt_ids, c.token_ids, a, list(c.logprobs) if behaviour else None)
+        TrainSample(c.prompt_ids, c.tokens, a, c.token_logprobs if behaviour else None)
         for c, a in zip(comps, flat, strict=True)
     ]
 
 
 def staleness(version: int, comps: Sequence[Completion]) -> dict[str, Any]:
     """Token staleness (learner version - token version) of a batch: mean, max, histogram."""
-    counts = Counter(version - v for c in comps for v in c.token_versions)
+    ages = torch.cat([version - c.versions for c in comps]) if comps else torch.zeros(0)  # [N]
+    values, freq = torch.unique(ages, return_counts=True)
+    counts = dict(zip(values.tolist(), freq.tolist(), strict=True))
     total = sum(counts.values())
     return {
         "staleness_mean": sum(k * n for k, n in counts.items()) / total if total else 0.0,

@@ -51,7 +51,13 @@ class TrainSample:
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     advantage: float
-    old_logprobs: Sequence[float] | None = None  # behaviour policy, per completion token
+    # behaviour policy per completion token: [n] (a tensor, e.g. ``Completion.token_logprobs``,
+    # or a list of floats)
+    old_logprobs: torch.Tensor | Sequence[float] | None = None
+
+    def __getstate__(self) -> dict:
+        """Tensors copied compact: a view would pickle all of its base (a flat rollout)."""
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,18 @@ class StepResult:
     metrics: dict[str, float]
     logprobs: list[torch.Tensor] | None = None
     features: list[Captured] = field(default_factory=list)
+
+
+def _behaviour_of(s: TrainSample) -> torch.Tensor | None:  # -> [n] float32, or None
+    """A sample's behaviour logprobs as a tensor (``ValueError`` if not one per token)."""
+    if s.old_logprobs is None:
+        return None
+    old = torch.as_tensor(s.old_logprobs, dtype=torch.float32).reshape(-1)
+    if len(old) != len(s.completion_ids):
+        raise ValueError(
+            f"sample has {len(old)} old_logprobs for {len(s.completion_ids)} completion tokens"
+        )
+    return old
 
 
 def _padded(values: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [N, width]
@@ -341,21 +359,22 @@ class Learner:
         logprobs: torch.Tensor,  # [N, T]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Behaviour logprobs [N, T] (the current ones where a sample has none, and at
-        padding) and which samples have them [N], on ``logprobs``' device."""
-        given = torch.zeros(logprobs.shape, dtype=logprobs.dtype)  # [N, T] built on the host
-        known = torch.zeros(logprobs.shape, dtype=torch.bool)  # [N, T]
-        for i, s in enumerate(samples):
-            if s.old_logprobs is not None:
-                if len(s.old_logprobs) != len(s.completion_ids):
-                    raise ValueError(
-                        f"sample has {len(s.old_logprobs)} old_logprobs for "
-                        f"{len(s.completion_ids)} completion tokens"
-                    )
-                given[i, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs, dtype=given.dtype)
-                known[i, : len(s.old_logprobs)] = True
-        has = torch.tensor([s.old_logprobs is not None for s in samples])  # [N]
-        given, known, has = on(logprobs.device, given, known, has)
-        return torch.where(known, given, logprobs.detach()), has
+        padding) and which samples have them [N], on ``logprobs``' device: the samples'
+        tensors concatenated, moved once and scattered into place (no Python per token)."""
+        old = [_behaviour_of(s) for s in samples]
+        has = torch.tensor([o is not None for o in old])  # [N]
+        given = [o for o in old if o is not None]
+        if not given:
+            return logprobs.detach(), has.to(logprobs.device)
+        flat = torch.cat(given).to(logprobs.device, logprobs.dtype)  # [M]
+        lengths = torch.tensor([len(o) if o is not None else 0 for o in old])  # [N]
+        rows = torch.repeat_interleave(torch.arange(len(old)), lengths)  # [M]
+        cols = torch.arange(len(flat)) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                                 lengths)  # fmt: skip
+        rows, cols, has = on(logprobs.device, rows, cols, has)
+        out = logprobs.detach().clone()
+        out[rows, cols] = flat
+        return out, has
 
     def _grads_to_masters(self) -> None:
         """'params' mode: add the bf16 gradients, in float32, to the masters' ``.grad``."""

@@ -135,19 +135,22 @@ def pack_sequences(
         segments[r, start : start + n] = prompt_seg = seg
         col = start + n
         for i in b.members:
-            c = list(sequences[i][1])
+            c = torch.as_tensor(sequences[i][1], dtype=torch.long).reshape(-1)  # [m]
+            m = len(c)
             seg += 1
-            ids[r, col : col + len(c)] = torch.tensor(c, dtype=torch.long)
-            positions[r, col : col + len(c)] = torch.arange(n, n + len(c))
-            segments[r, col : col + len(c)] = seg
-            parents[r, col : col + len(c)] = prompt_seg
-            rows += [r] * len(c)
-            cols += [start + n - 1, *range(col, col + len(c) - 1)][: len(c)]
-            targets += c
-            lengths.append(len(c))
+            ids[r, col : col + m] = c
+            positions[r, col : col + m] = torch.arange(n, n + m)
+            segments[r, col : col + m] = seg
+            parents[r, col : col + m] = prompt_seg
+            rows.append(torch.full((m,), r, dtype=torch.long))
+            at = torch.arange(col - 1, col + m - 1)  # token j is predicted at the column before
+            at[:1] = start + n - 1  # it; the first at the prompt's last (shared or not)
+            cols.append(at)
+            targets.append(c)
+            lengths.append(m)
             spans.append(Span(r, start, n, col))
-            col += len(c)
+            col += m
         seg += 1
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return PackedBatch(ids, positions, segments, parents, as_long(rows), as_long(cols),
-                       as_long(targets), lengths, spans)  # fmt: skip
+    flat = lambda x: torch.cat(x) if x else torch.zeros(0, dtype=torch.long)  # noqa: E731
+    return PackedBatch(ids, positions, segments, parents, flat(rows), flat(cols), flat(targets),
+                       lengths, spans)  # fmt: skip

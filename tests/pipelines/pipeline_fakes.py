@@ -83,9 +83,9 @@ class FakeBackend:
                 ids = ids[:cut] + [STOP] if cut < len(ids) else ids
                 lp = [-math.log(30.0)] * len(ids)
                 comps.append(Completion(i, j, list(req.prompt_ids), ids, lp, list(lp),
-                                        "stop", seed=req.sampling.seed or 0,
-                                        policy_version=self.version,
-                                        token_versions=[self.version] * len(ids)))  # fmt: skip
+                                        [self.version] * len(ids), "stop",
+                                        seed=req.sampling.seed or 0,
+                                        policy_version=self.version))  # fmt: skip
         return Rollout(comps, seconds=1e-3)
 
     def update_weights(self, named_tensors, version):
