@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,6 +66,19 @@ def _floats(values: Sequence[float] | torch.Tensor = ()) -> torch.Tensor:  # -> 
 TOKEN_FIELDS = ("tokens", "token_logprobs", "token_raw_logprobs", "versions")
 
 
+class _ListView:
+    """A per-token tensor field read as a list and set from one (``Completion.token_ids``)."""
+
+    def __init__(self, field: str, convert: Callable[[Any], torch.Tensor]) -> None:
+        self.field, self.convert = field, convert
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.field).tolist()
+
+    def __set__(self, obj: Any, values: Sequence[Any]) -> None:
+        setattr(obj, self.field, self.convert(values))
+
+
 @dataclass(eq=False)
 class Completion:
     """One sampled completion. Its per-token data are host tensors [n] (``tokens``,
@@ -100,37 +114,10 @@ class Completion:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokens.tolist()
-
-    @token_ids.setter
-    def token_ids(self, values: Sequence[int]) -> None:
-        self.tokens = _ids(values)
-
-    @property
-    def logprobs(self) -> list[float]:
-        return self.token_logprobs.tolist()
-
-    @logprobs.setter
-    def logprobs(self, values: Sequence[float]) -> None:
-        self.token_logprobs = _floats(values)
-
-    @property
-    def raw_logprobs(self) -> list[float]:
-        return self.token_raw_logprobs.tolist()
-
-    @raw_logprobs.setter
-    def raw_logprobs(self, values: Sequence[float]) -> None:
-        self.token_raw_logprobs = _floats(values)
-
-    @property
-    def token_versions(self) -> list[int]:
-        return self.versions.tolist()
-
-    @token_versions.setter
-    def token_versions(self, values: Sequence[int]) -> None:
-        self.versions = _ids(values)
+    token_ids = _ListView("tokens", _ids)  # list[int]
+    logprobs = _ListView("token_logprobs", _floats)  # list[float]
+    raw_logprobs = _ListView("token_raw_logprobs", _floats)  # list[float]
+    token_versions = _ListView("versions", _ids)  # list[int]
 
     def set_tokens(self, *tensors: torch.Tensor) -> None:
         """tokens, logprobs, raw logprobs, versions := ``tensors`` ([n] each)."""

@@ -181,14 +181,21 @@ class Call:
         width = tokens.shape[1] if tokens.dim() == 2 else 1
         counts = emitted.tolist() if emitted is not None else [width] * len(rows)
         now = time.perf_counter() - start
-        finished, stopped, total = [], [], 0
+        finished, stopped, total, v = [], [], 0, self.version
         for i, (seq, row, n) in enumerate(zip(rows, toks, counts, strict=True)):
-            n, stop = _cut(seq, row, n)
+            lp, rw, stop = lps[i], raws[i], False
+            if n < width or len(seq.history) + n >= seq.max_total or not seq.stop.isdisjoint(row):
+                n, stop = _cut(seq, row, n)  # else all kept, the row goes on (the common case)
+                row, lp, rw = row[:n], lp[:n], rw[:n]
             if first:  # a new row's (or a restarted row's) first tokens
                 seq.comp.first_token_s = now
             else:  # acceptance counts decode/verify steps; the prefill's token is apart
                 seq.comp.verify_steps += 1
-            seq.record(row[:n], lps[i][:n], raws[i][:n], self.version)
+            seq.history.extend(row)  # the row's record: one extend per field, inline (hot loop)
+            seq.logprobs.extend(lp)
+            seq.raw.extend(rw)
+            seq.versions.extend([v] * n)
+            seq.emitted += n
             total += n
             if stop or len(seq.history) >= seq.max_total:
                 finished.append(i)

@@ -38,18 +38,12 @@ class Seq:
     logprobs: list[float] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-
-    def record(self, tokens: list[int], logprobs: list[float], raw: list[float], v: int) -> None:
-        """Append emitted tokens with their logprobs and version (one ``extend`` each)."""
-        self.history.extend(tokens)
-        self.logprobs.extend(logprobs)
-        self.raw.extend(raw)
-        self.versions.extend([v] * len(tokens))
+    emitted: int = 0  # tokens of its completion so far
 
     def restart_record(self) -> None:
         """No token emitted yet (a new row; a row an in-flight update restarts)."""
         del self.history[len(self.comp.prompt_ids) :]
-        self.logprobs, self.raw, self.versions = [], [], []
+        self.logprobs, self.raw, self.versions, self.emitted = [], [], [], 0
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Its completion's tokens, logprobs, raw logprobs and versions as tensors [n] each."""
@@ -57,11 +51,6 @@ class Seq:
                 torch.tensor(self.logprobs, dtype=torch.float32),
                 torch.tensor(self.raw, dtype=torch.float32),
                 torch.tensor(self.versions, dtype=torch.int64))  # fmt: skip
-
-    @property
-    def emitted(self) -> int:
-        """Tokens of its completion so far."""
-        return len(self.history) - len(self.comp.prompt_ids)
 
     @property
     def pos(self) -> int:

@@ -9,11 +9,12 @@ import random
 
 import torch
 
-from specrl.engine.call import _cut
-from specrl.engine.rows import Seq
+from specrl.engine.call import Call, _cut
+from specrl.engine.rows import ActiveSpec, Seq
 from specrl.rl.learner import Learner, TrainSample
-from specrl.rollout_types import Completion, RolloutTensors
+from specrl.rollout_types import Completion, EngineStats, RolloutTensors
 from specrl.sampling import SamplingParams
+from specrl.spec.config import SpecConfig
 
 
 def _seq(rng: random.Random, stop: frozenset[int]) -> Seq:
@@ -47,18 +48,34 @@ def test_cut_equals_the_per_token_loop() -> None:
         assert _cut(seq, toks, n) == _reference_cut(seq, toks, n)
 
 
-def test_record_restart_and_tensors() -> None:
-    rng = random.Random(1)
-    seq = _seq(rng, frozenset())
+class _Call(Call):
+    """``Call.emit`` alone: no model or cache (it touches neither)."""
+
+    def __init__(self) -> None:
+        self.stats, self.version, self.active = EngineStats(), 3, ActiveSpec(SpecConfig("none", 0))
+
+
+def test_emit_records_cuts_finishes_and_restarts() -> None:
+    call, rng = _Call(), random.Random(1)
+    seq = _seq(rng, frozenset({9}))
+    seq.max_total = len(seq.history) + 100
     seq.restart_record()
-    seq.record([4, 5], [-1.0, -2.0], [-1.5, -2.5], 3)
-    seq.record([6], [-3.0], [-3.5], 4)
-    tokens, lp, raw, versions = seq.tensors()
-    assert seq.history == [1, 2, 3, 4, 5, 6] and tokens.tolist() == [4, 5, 6]
-    assert lp.tolist() == [-1.0, -2.0, -3.0] and raw.tolist() == [-1.5, -2.5, -3.5]
-    assert versions.tolist() == [3, 3, 4] and tokens.dtype == torch.int64
+    tokens = torch.tensor([[4, 5, 7], [1, 1, 1]])
+    lp = -tokens.float()
+    done = call.emit([seq, _seq(rng, frozenset())], tokens, lp, lp * 2, torch.tensor([2, 1]),
+                     0.0, first=True)  # fmt: skip
+    assert 0 not in done  # two tokens kept, no stop: the row goes on
+    call.version = 4
+    assert call.emit([seq], torch.tensor([[6, 9, 8]]), -torch.ones(1, 3), -torch.ones(1, 3),
+                     None, 0.0) == [0]  # stops at 9, the 8 after it dropped  # fmt: skip
+    tokens, lp, raw, versions = seq.comp.tokens, seq.comp.token_logprobs, *seq.tensors()[2:]
+    assert seq.history == [1, 2, 3, 4, 5, 6, 9] and tokens.tolist() == [4, 5, 6, 9]
+    assert lp.tolist() == [-4.0, -5.0, -1.0, -1.0] and raw.tolist() == [-8.0, -10.0, -1.0, -1.0]
+    assert versions.tolist() == [3, 3, 4, 4] and seq.comp.finish_reason == "stop"
+    assert seq.comp.verify_steps == 1 and seq.emitted == 4 and call.stats.tokens == 5
     seq.restart_record()
-    assert seq.history == [1, 2, 3] and all(t.numel() == 0 for t in seq.tensors())
+    assert seq.history == [1, 2, 3] and seq.emitted == 0
+    assert all(t.numel() == 0 for t in seq.tensors())
 
 
 def test_rollout_tensors_views_and_compact_pickles() -> None:
