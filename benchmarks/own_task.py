@@ -18,7 +18,7 @@ waits (a sandbox, a server); a CPU-bound reward on this 2-core machine would com
 generation instead. ``--long`` asks for step-by-step replies, whose groups finish apart.
 
     .venv/bin/python benchmarks/own_task.py learn --out benchmarks/results/own_task_learn.json
-    .venv/bin/python benchmarks/own_task.py overlap --out benchmarks/results/reward_overlap.json
+    .venv/bin/python benchmarks/own_task.py overlap --out runs/own_task/reward_overlap.json
     .venv/bin/python benchmarks/own_task.py overlap --long --per completion --workers 4 \
         --set rollout.max_new_tokens=256 --set rollout.prompts_per_step=4 --steps 5 \
         --out benchmarks/results/reward_overlap_long.json

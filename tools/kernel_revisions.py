@@ -1,7 +1,7 @@
 """This tree's native products against the kernel source of an earlier git revision.
 
-Usage: OMP_NUM_THREADS=2 python benchmarks/kernel_revisions.py [--base HEAD~1]
-       [--rows 1,4,5,6,8,12,16] [--rounds 7] [--out benchmarks/results/kernel_revisions.json]
+Usage: OMP_NUM_THREADS=2 python tools/kernel_revisions.py [--base HEAD~1]
+       [--rows 1,4,5,6,8,12,16] [--rounds 7] [--out runs/kernel_revisions.json]
 
 SmolLM2-135M's own bf16 weights, packed once, multiplied as a decode forward multiplies them:
 every layer's qkv, o, gate_up and down products and the LM head, M rows at a time, so the
@@ -32,7 +32,7 @@ from specrl.bench import measure_machine, run_metadata, write_result
 from specrl.kernels import build, gemv
 from specrl.models.checkpoints import load_model
 
-OUT = Path(__file__).parent / "results" / "kernel_revisions.json"
+OUT = Path(__file__).resolve().parents[1] / "runs" / "kernel_revisions.json"
 MODEL = "smollm2-135m-instruct"
 
 

@@ -1,7 +1,7 @@
 """Did a change slow the engine on the CPU? This checkout against an earlier commit, interleaved.
 
-Usage: python benchmarks/cpu_regression.py --base COMMIT [--rounds 2] [--batch-sizes 1,8,32]
-    [--new-tokens 64] [--spec suffix] [--out benchmarks/results/cpu_regression.json]
+Usage: python tools/cpu_regression.py --base COMMIT [--rounds 2] [--batch-sizes 1,8,32]
+    [--new-tokens 64] [--spec suffix] [--out runs/cpu_regression.json]
 
 The earlier commit is checked out into a temporary git worktree; both trees run the same
 ``specrl bench generate`` command (the bundled SmolLM2, the same prompts, the default dtype for
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from specrl.bench import run_metadata, write_result  # noqa: E402
 
-OUT = REPO / "benchmarks" / "results" / "cpu_regression.json"
+OUT = REPO / "runs" / "cpu_regression.json"  # a maintainer's check, not a result of record
 
 
 def bench(tree: Path, args: argparse.Namespace, out: Path) -> dict:
@@ -57,6 +57,28 @@ def rates(
     return {k: pick(v) for k, v in seen.items()}
 
 
+def interleaved(
+    commit: str, rounds: int, run: Callable[[Path, Path], dict]
+) -> dict[str, list[dict]]:
+    """``run(tree, json_path)`` on ``commit`` (a temporary git worktree) and on this checkout,
+    ``rounds`` times, the order alternating (base, head; head, base; ...) so drift on the
+    machine falls on both: {"base": [...], "head": [...]}."""
+    runs: dict[str, list[dict]] = {"base": [], "head": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), commit], cwd=REPO,
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        try:
+            for r in range(rounds):
+                for name in ["base", "head"] if r % 2 == 0 else ["head", "base"]:
+                    print(f"round {r + 1}: {name}", file=sys.stderr)
+                    tree = base if name == "base" else REPO
+                    runs[name].append(run(tree, Path(tmp) / f"{name}{r}.json"))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO)
+    return runs
+
+
 VIEWS = {  # name -> (pick over rounds, field of each row)
     "max": (max, "tokens_per_s"),
     "median": (statistics.median, "tokens_per_s"),
@@ -75,20 +97,7 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    runs: dict[str, list[dict]] = {"base": [], "head": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO,
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-        try:
-            for r in range(args.rounds):
-                order = ["base", "head"] if r % 2 == 0 else ["head", "base"]
-                for name in order:
-                    tree = base if name == "base" else REPO
-                    print(f"round {r + 1}: {name}", file=sys.stderr)
-                    runs[name].append(bench(tree, args, Path(tmp) / f"{name}{r}.json"))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO)
+    runs = interleaved(args.base, args.rounds, lambda tree, out: bench(tree, args, out))
     summary = {}
     for view, (pick, field) in VIEWS.items():
         head, old = rates(runs["head"], pick, field), rates(runs["base"], pick, field)
