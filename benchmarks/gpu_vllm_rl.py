@@ -396,15 +396,16 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or (SMOKE_OUT if args.smoke else OUT)
     from safetensors.torch import load_file
 
-    from specrl.bench import check_writable, run_metadata, write_result
+    from specrl.bench import run_metadata, write_result
     from specrl.drafters.export import export_eagle3
+    from specrl.fsutil import result_file_problem
     from specrl.models.checkpoints import load_model
     from specrl.models.precision import torch_dtype
     from specrl.pipelines.build import build_run
     from specrl.pipelines.guard import WeightGuard
     from specrl.pipelines.state import StepState, TrainStream
 
-    problem = check_writable(out)
+    problem = result_file_problem(out)
     if problem:
         raise SystemExit(f"error: cannot write --out: {problem}")
     device = device_info()

@@ -3,8 +3,8 @@
 ``run_generate_bench`` times every engine (specrl plain and per drafter; with ``compare``, hf and
 vllm) on the same prompts, batch sizes and exactly ``new_tokens`` per sequence, prints a table
 with ratios and this machine's roofline, and returns ``{"meta": ..., "results": [...]}``.
-``check_writable`` says why a results path cannot be written (or ``None``) before a benchmark
-runs; ``write_result`` writes one atomically. Details: docs/internals.md.
+``specrl.fsutil.result_file_problem`` says why a results path cannot be written (or ``None``)
+before a benchmark runs; ``write_result`` writes one atomically. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import datetime
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrl.fsutil import atomic_write, writable_problem
+from specrl.fsutil import atomic_write
 from specrl.paths import cached_drafter
 from specrl.spec.proposers import head_kind
 
@@ -191,6 +190,7 @@ class GenerateBench:
     drafter: str | None = None  # for method "draft": a model path or prefix:N
     max_tokens_per_forward: int | None = None  # adaptive k (SpecConfig); None = fixed k
     exact: str = "distribution"  # the verification rule (SpecConfig.exact)
+    settings: str | None = None  # the command's settings as TOML, recorded in ``meta``
 
 
 def bench_prompts(tokenizer, batch: int, group_size: int = 1) -> list[list[int]]:
@@ -310,8 +310,8 @@ def _runners(b: GenerateBench, model: Transformer, tok: TextTokenizer, batch: in
     prompts = bench_prompts(tok, batch, b.group_size)
     runners = {"none": specrl_runner(model, prompts, b, SpecConfig("none", 0))}
     for method in b.methods:
-        head = proposer_takes(method, "drafter_path")
-        path = default_drafter_path(b.model, method) if head else b.drafter
+        head = proposer_takes(method, "drafter_path")  # else a draft model (b.drafter)
+        path = b.drafter or default_drafter_path(b.model, method) if head else b.drafter
         spec, draft = drafter_spec(method, b.k, path, model, tok)
         runners[method] = specrl_runner(model, prompts, b, spec, draft)
     if "hf" in b.compare:
@@ -355,6 +355,7 @@ def run_generate_bench(b: GenerateBench) -> dict:
         print(f"batch {r['batch_size']:>3}: {r['name']:>8} / {r['baseline']}: {r['ratio']:.2f}x")
     vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     meta = run_metadata() | {"bench": _jsonable(b), "machine_measured": machine}
+    meta |= {"settings": b.settings} if b.settings is not None else {}
     return {"meta": meta | {"vllm_env": vllm_env}, "results": results, "ratios": ratios}
 
 
@@ -389,26 +390,6 @@ def _timed_row(
     return row
 
 
-def check_writable(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be written as a results file (one line), or ``None`` if it can.
-    ``specrl.fsutil.writable_problem`` first; then a temporary file is made and removed at
-    once in the nearest existing directory, which catches what permission bits do not show (a
-    read-only or special file system such as /proc, where even root cannot create a file).
-    Nothing is left behind: no file, no directory."""
-    problem = writable_problem(path, "file")
-    if problem:
-        return problem
-    probe = Path(path).absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as e:
-        return f"{path}: cannot create a file in {probe} ({e.strerror or e})"
-    return None
-
-
 def write_result(result: dict, path: str | os.PathLike) -> None:
     """Write a benchmark result as JSON (parents created; atomically: ``specrl.fsutil``) and
     say where."""
@@ -421,7 +402,7 @@ def write_result(result: dict, path: str | os.PathLike) -> None:
 
 
 def _jsonable(b: GenerateBench) -> dict:
-    d = dict(b.__dict__)
+    d = {k: v for k, v in b.__dict__.items() if k != "settings"}
     d["dtype"] = str(b.dtype).removeprefix("torch.")
     return d
 

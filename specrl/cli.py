@@ -5,8 +5,10 @@ Contract: every command validates its inputs before doing work and reports a bad
 line (``error: ...``) with exit code 2, never a traceback. Commands are thin: they parse options
 and call library functions. Each group registers itself on ``app``: ``generate``
 (``specrl.cli_generate``), ``bench`` (``specrl.cli_bench``), ``train``/``report``
-(``specrl.pipelines.cli``), ``export`` (``specrl.cli_export``), the drafter commands
-(``specrl.drafters.cli``) and ``simulate`` (``specrl.sim.cli``). Ctrl-C ends any command but
+(``specrl.pipelines.cli``), ``export`` and ``export-drafter`` (``specrl.cli_export``),
+``train-drafter`` (``specrl.drafters.cli``) and ``simulate`` (``specrl.sim.cli``). Every command
+reads its settings alike: defaults <- ``--config FILE`` <- its options <- ``--set key=value``
+(``specrl.cli_util.Shortcuts``). Ctrl-C ends any command but
 ``train`` (whose pipeline handles signals itself) with the line ``error: interrupted by Ctrl-C``
 and exit code 130.
 """

@@ -1,55 +1,87 @@
-"""``specrl export RUN [--step N] OUT``: a run's checkpoint as a Hugging Face model directory.
+"""``specrl export RUN OUT`` and ``specrl export-drafter``: a run's checkpoint as a Hugging Face
+model directory, a trained drafter in the layout vLLM loads.
 
-``register(app)`` adds the command. It checks everything it can before reading a weight (the
-run dir, a checkpoint that verifies, ``--step``, the run's model and tokenizer, ``--merge-drafter``,
-``--shard-size``, OUT absent or empty and writable): a bad value is one ``error: ...`` line and
-exit code 2. Then ``pipelines.export.write_export`` writes OUT atomically and the command prints
-its path (newer checkpoints skipped as damaged are named on stderr first); an error while
-writing (a full disk) is one line too, exit 2, with nothing left in OUT. Details: docs/export.md.
+``register(app)`` adds both. Their settings are read like every command's (``cli_util.Shortcuts``
+over ``config_commands.ExportCfg`` / ``ExportDrafterCfg``): defaults <- ``--config F.toml`` <- the
+options, each one key (``EXPORT``, ``EXPORT_DRAFTER``; an option and a ``--set`` of the same key
+are refused) <- ``--set section.key=value``.
+
+``export`` checks everything it can before reading a weight (the run dir, a checkpoint that
+verifies, ``export.step``, the run's model and tokenizer, ``export.merge_drafter``,
+``export.shard_size``, OUT absent or empty and writable): a bad value is one ``error: ...`` line
+and exit code 2. Then ``pipelines.export.write_export`` writes OUT atomically,
+``OUT/specrl_export.toml`` records the settings (the step resolved) and the command prints OUT's
+path (newer checkpoints skipped as damaged are named on stderr first); an error while writing (a
+full disk) is one line too, exit 2, with nothing left in OUT. ``export-drafter`` checks the
+drafter's files against their manifest (``drafters.export``), writes it, and records its
+settings as ``OUT/export_drafter.toml`` (paths absolute: ``--config`` on it exports the same
+drafter again); bad settings, unusable paths, damaged drafters and OSErrors exit 2 with one
+``error:`` line (before any work where they can), and a failed export leaves no output
+directory it created. Details: docs/export.md.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from specrl.cli_util import fail as _fail
+from specrl.cli_util import Shortcuts, fail, os_errors_in_one_line
+from specrl.config_commands import MAX_STEP, ExportCfg, ExportDrafterCfg
+from specrl.errors import unknown
+from specrl.fsutil import atomic_write, writable_problem
+from specrl.paths import drafter_cache_dir
 
-MAX_STEP = 1_000_000  # run.steps' bound
+# The options kept beside --config/--set, each the same as one key (giving both is refused).
+EXPORT = Shortcuts(
+    ExportCfg,
+    "export",
+    {
+        "step": ("--step", "export.step"),
+        "merge_drafter": ("--merge-drafter", "export.merge_drafter"),
+        "shard_size": ("--shard-size", "export.shard_size"),
+    },
+)
 
 
 def export_command(
+    ctx: typer.Context,
     run_dir: Annotated[
         Path, typer.Argument(metavar="RUN", help="a run directory (specrl train --run-dir)")
     ],
     out: Annotated[
         Path, typer.Argument(metavar="OUT", help="the model directory to write (absent or empty)")
     ],
+    config: Annotated[
+        Path | None, EXPORT.config_option("; the record OUT/specrl_export.toml of an export too")
+    ] = None,
+    sets: Annotated[
+        list[str] | None, EXPORT.set_option("export.step=3, export.shard_size='500MB'")
+    ] = None,
     step: Annotated[
         int | None,
-        typer.Option(
-            "--step",
-            help="export checkpoint step_N (default: the newest checkpoint that verifies)",
+        EXPORT.option(
+            "step", "export checkpoint step_N (default: the newest checkpoint that verifies)"
         ),
     ] = None,
     merge_drafter: Annotated[
-        bool,
-        typer.Option(
-            "--merge-drafter",
-            help="also write the EAGLE-3 head the run trained, in the layout vLLM loads, to "
+        bool | None,
+        EXPORT.option(
+            "merge_drafter",
+            "also write the EAGLE-3 head the run trained, in the layout vLLM loads, to "
             "OUT/drafter (vLLM: speculative_config method 'eagle3', model OUT/drafter)",
         ),
-    ] = False,
+    ] = None,
     shard_size: Annotated[
-        str,
-        typer.Option(
-            "--shard-size",
-            help="largest weights file: 5GB, 500MB, 2GiB or bytes; above it the weights are "
+        str | None,
+        EXPORT.option(
+            "shard_size",
+            "largest weights file: 5GB, 500MB, 2GiB or bytes; above it the weights are "
             "sharded as Hugging Face does",
         ),
-    ] = "5GB",
+    ] = None,
 ) -> None:
     """Write a run's checkpoint as a Hugging Face model directory OUT.
 
@@ -58,7 +90,8 @@ def export_command(
     (model.safetensors, or shards and model.safetensors.index.json above --shard-size). Load it
     with transformers.AutoModelForCausalLM.from_pretrained(OUT) or vllm.LLM(model=OUT). Works
     for a one-process learner and for train workers (cluster.train_workers). OUT must not exist
-    or be empty; it appears only when complete.
+    or be empty; it appears only when complete, with specrl_export.toml: the settings (every
+    key: specrl.config_commands.ExportCfg; defaults <- --config FILE <- the options <- --set).
     """
     from specrl.pipelines.export import (
         ModelExportError,
@@ -68,29 +101,184 @@ def export_command(
         write_export,
     )
 
+    given = EXPORT.read(ctx)
+    cfg = given.cfg.export
     try:
-        size = parse_size(shard_size)
+        size = parse_size(str(cfg.shard_size))
     except ValueError as e:
-        _fail(f"--shard-size: {e}")
-    if step is not None and not 0 <= step <= MAX_STEP:
-        _fail(f"--step must be in [0, {MAX_STEP}], got {step}")
+        fail(f"{given.name('export.shard_size')}: {e}")
+    if cfg.step is not None and not 0 <= cfg.step <= MAX_STEP:
+        fail(f"{given.name('export.step')} must be in [0, {MAX_STEP}], got {cfg.step}")
     try:
         check_out(out)
-        source = resolve_export(run_dir, step, merge_drafter)
+        source = resolve_export(run_dir, cfg.step, cfg.merge_drafter)
     except ModelExportError as e:
-        _fail(str(e))
+        fail(str(e))
     for skipped in source.skipped:
         typer.echo(f"skipped damaged checkpoint {skipped}", err=True)
+    existed = out.is_dir()  # and empty (check_out)
     try:
         path = write_export(source, out, size)
+        record = given.cfg.model_copy(
+            update={"export": cfg.model_copy(update={"step": source.step})}
+        )
+        header = f"# specrl export of {source.run_dir.resolve()}, checkpoint step {source.step}\n"
+        _record(path, ExportCfg.RECORD, header + ExportCfg.load(record.model_dump()).to_toml(),
+                existed)  # fmt: skip
     except ModelExportError as e:
-        _fail(str(e))
+        fail(str(e))
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
-        _fail(f"cannot write {out}: {e.strerror or e}{where} (nothing was left there)")
+        fail(f"cannot write {out}: {e.strerror or e}{where} (nothing was left there)")
     typer.echo(str(path))
 
 
+def _record(out: Path, name: str, text: str, existed: bool | None) -> None:
+    """Write ``OUT/NAME`` (the settings an output was made with); if that fails, what the
+    command wrote goes: OUT, or its contents where OUT was an empty directory before
+    (``existed`` True; None: it held files of its own, which stay), and the error is raised."""
+    try:
+        atomic_write(out / name, text)
+    except OSError:
+        if existed is False:
+            shutil.rmtree(out, ignore_errors=True)
+        elif existed:
+            for p in out.iterdir():
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- export-drafter
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+_VLLM_METHOD = {"eagle3": "eagle3", "draft": "draft_model"}  # vLLM's speculative method
+EXPORT_DRAFTER = Shortcuts(
+    ExportDrafterCfg,
+    "export-drafter",
+    {
+        "drafter": ("--drafter", "drafter.kind"),
+        "source": ("--from", "drafter.source"),
+        "out": ("--out", "export.out"),
+        "model": ("--model", "model.name"),
+        "dtype": ("--dtype", "export.dtype"),
+    },
+)
+
+
+def export_drafter(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        EXPORT_DRAFTER.config_option("; the record OUT/export_drafter.toml of an export too"),
+    ] = None,
+    sets: Annotated[
+        list[str] | None,
+        EXPORT_DRAFTER.set_option("drafter.kind=draft, export.dtype=bfloat16"),
+    ] = None,
+    drafter: Annotated[str | None, EXPORT_DRAFTER.option("drafter", "eagle3 | draft")] = None,
+    source: Annotated[
+        Path | None,
+        EXPORT_DRAFTER.option(
+            "source",
+            "the trained drafter's directory (default: where `specrl train-drafter` saves it "
+            "for --model)",
+        ),
+    ] = None,
+    out: Annotated[Path | None, EXPORT_DRAFTER.option("out", "output directory (required)")] = None,
+    model: Annotated[
+        str | None, EXPORT_DRAFTER.option("model", "target model (eagle3: its LM head rows)")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        EXPORT_DRAFTER.option(
+            "dtype", "eagle3: float32 | bfloat16 | float16 (default: the head's)"
+        ),
+    ] = None,
+) -> None:
+    """Export a trained drafter to the layout vLLM loads (EAGLE-3 head or HF draft model).
+
+    Then serve with vLLM: speculative_config {"method": "eagle3" or "draft_model", "model": OUT}.
+    Settings: defaults <- --config FILE <- the options <- --set section.key=value (every key:
+    specrl.config_commands.ExportDrafterCfg); OUT gets them as export_drafter.toml.
+    """
+    import torch
+
+    from specrl.drafters.export import ExportError, export_draft_model, export_eagle3
+
+    given = EXPORT_DRAFTER.read(ctx)
+    cfg, name = given.cfg, given.name
+    kind, model, dtype = cfg.drafter.kind, cfg.model.name, cfg.export.dtype
+    if kind == "mtp":
+        fail("vLLM runs MTP only from the MTP layers built into specific models' own checkpoints "
+             "(DeepSeek-V3, MiMo, Qwen3-Next, ...): an MTP head cannot be exported; "
+             "use --drafter eagle3 or draft")  # fmt: skip
+    if kind not in ("eagle3", "draft"):
+        fail(unknown(name("drafter.kind"), kind, ["eagle3", "draft"]))
+    if cfg.export.out is None:
+        fail(f"{name('export.out')} is required")
+    if dtype is not None and (kind != "eagle3" or dtype not in EXPORT_DTYPES):
+        fail(f"{name('export.dtype')} must be one of {', '.join(EXPORT_DTYPES)} (eagle3 only), "
+             f"got {dtype!r}")  # fmt: skip
+    src = Path(cfg.drafter.source).expanduser() if cfg.drafter.source else None
+    src = src or drafter_cache_dir(model, kind)
+    if not src.is_dir():
+        fail(f"{name('drafter.source')} {src} is not a directory (train one with specrl "
+             f"train-drafter --drafter {kind})")  # fmt: skip
+    dest = Path(cfg.export.out).expanduser()
+    problem = writable_problem(dest, "dir")
+    if problem:
+        fail(f"cannot use {name('export.out')}: {problem}")
+    existed = None if dest.is_dir() and any(dest.iterdir()) else dest.is_dir()
+    try:
+        if kind == "eagle3":
+            if dest.resolve() == src.resolve():
+                fail(f"{name('export.out')} must differ from {name('drafter.source')} (the "
+                     "head's own files would be mixed in)")  # fmt: skip
+            export_eagle3(src, model, dest, None if dtype is None else getattr(torch, dtype))
+        else:
+            # the target's tokenizer only when the draft is a model without one (resolving a
+            # bundled target converts it once: not for a source that is no model at all)
+            needs = (src / "config.json").is_file() and not (src / "tokenizer.json").is_file()
+            export_draft_model(src, dest, _tokenizer_dir(model) if needs else None)
+    except ExportError as e:
+        fail(str(e))
+    _record(dest, ExportDrafterCfg.RECORD, _drafter_record(cfg, src, dest), existed)
+    method = _VLLM_METHOD[kind]
+    typer.echo(f"exported {kind} drafter {src} to {dest} "
+               f'(vLLM: speculative_config method "{method}", model {dest})')  # fmt: skip
+
+
+def _drafter_record(cfg: ExportDrafterCfg, src: Path, dest: Path) -> str:
+    """The settings an export was made with, paths absolute (the source resolved, a model
+    that is a path too), as TOML that ``--config`` reads back."""
+    model = cfg.model.name
+    if Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())
+    record = cfg.model_copy(
+        update={
+            "drafter": cfg.drafter.model_copy(update={"source": str(src.resolve())}),
+            "model": cfg.model.model_copy(update={"name": model}),
+            "export": cfg.export.model_copy(update={"out": str(dest.resolve())}),
+        }
+    )
+    return ExportDrafterCfg.load(record.model_dump(exclude_none=True)).to_toml()
+
+
+def _tokenizer_dir(model: str) -> Path | None:
+    """The target's model directory (for its tokenizer files), or None if it cannot be found."""
+    from specrl.models.checkpoints import CheckpointError, resolve_model
+
+    try:
+        return resolve_model(model)
+    except CheckpointError:
+        return None
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``export`` to the main specrl CLI."""
+    """Add ``export`` and ``export-drafter`` to the main specrl CLI."""
     app.command("export")(export_command)
+    app.command("export-drafter")(os_errors_in_one_line(export_drafter))

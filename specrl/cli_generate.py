@@ -1,6 +1,10 @@
 """``specrl generate``: completions of prompts with the native engine (optionally speculative).
 
-``register(app)`` adds the command. Every good prompt is answered even when others are bad:
+``register(app)`` adds the command. Its settings (``config_commands.GenerateCfg``) are read like
+``train``'s (``cli_util.Shortcuts``): defaults <- ``--config F.toml`` <- the options, each one
+key (``GENERATE``; an option and a ``--set`` of the same key are refused) <- ``--set
+section.key=value``; every value is checked before anything loads. Every good prompt is answered
+even when others are bad:
 each bad prompt gets one ``error: prompt N: <why>`` line on stderr and the exit code is 2 (0
 when every prompt was answered); N counts every prompt given, arguments first. A prompts file
 that cannot be read, is larger than ``jsonl_prompts.MAX_PROMPTS_BYTES`` (256 MiB; /dev/zero is
@@ -21,45 +25,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specrl.cli_options import (
-    MAX_BATCH,
-    MAX_NEW_TOKENS,
-    DrafterOpt,
-    DtypeOpt,
-    ExactOpt,
-    KOpt,
-    ModelOpt,
-    parse_dtype,
-)
-from specrl.cli_util import fail, parse_device, refuse_unless_applies
-from specrl.config import MAX_TOP_K
+from specrl.cli_options import HELP, parse_dtype
+from specrl.cli_util import Given, Shortcuts, fail, parse_device
+from specrl.config_commands import MAX_BATCH, MAX_N, MAX_NEW_TOKENS, MAX_TOP_K, GenerateCfg
 from specrl.errors import one_line
 from specrl.jsonl_prompts import Messages, numbered_lines, parse_line, prompt_of, read_capped
 
 if TYPE_CHECKING:
     from specrl.sampling import SamplingParams
-
-DeviceOpt = Annotated[
-    str,
-    typer.Option(
-        "--device",
-        help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N: where the model, its KV "
-        "cache, the drafter and the sampler run",
-    ),
-]
-SpecOpt = Annotated[
-    str, typer.Option("--spec", help="drafter: none, ngram, suffix, draft, self (test device)")
-]
-SiblingsOpt = Annotated[
-    int,
-    typer.Option(
-        "--spec-siblings",
-        help="extra first-token candidates per step for a stochastic drafter (eagle3, mtp, "
-        "draft), verified losslessly in the same forward; raises acceptance at T > 0",
-    ),
-]
-
-MAX_N = 65_536  # --n: completions per prompt (each is held in memory to the end)
 
 
 def register(app: typer.Typer) -> None:
@@ -156,84 +129,166 @@ def encode_prompts(
 
 
 def check_generate_options(
-    params: SamplingParams, max_batch: int, spec: str, k: int, siblings: int, exact: str
+    params: SamplingParams,
+    max_batch: int,
+    spec: str,
+    k: int,
+    siblings: int,
+    exact: str,
+    name: Callable[[str], str] | None = None,
 ) -> None:
-    """Sampling, batch and speculation values, checked before anything is loaded."""
+    """Sampling, batch and speculation values, checked before anything is loaded; ``name``
+    names a settings key in a message (default: its option)."""
     from specrl.spec.config import SpecConfig
 
+    name = name or (lambda key: GENERATE.flag(key))
     try:
         params.validate()
         SpecConfig(spec, k, siblings=siblings, exact=exact).validate()
     except ValueError as e:
         fail(str(e))
     if max_batch < 1:
-        fail(f"--max-batch must be >= 1, got {max_batch}")
+        fail(f"{name('engine.max_batch')} must be >= 1, got {max_batch}")
     if spec != "none" and k < 1:
-        fail(f"--num-spec-tokens {k} drafts nothing with --spec {spec}: give k >= 1")
+        fail(f"{name('speculation.num_spec_tokens')} {k} drafts nothing with "
+             f"{name('speculation.method')} {spec}: give k >= 1")  # fmt: skip
+
+
+# The options kept beside --config/--set, each the same as one key of GenerateCfg.
+GENERATE = Shortcuts(
+    GenerateCfg,
+    "generate",
+    {
+        "prompts_file": ("--prompts-file", "prompts.file"),
+        "chat_template": ("--chat-template/--no-chat-template", "prompts.chat_template"),
+        "model": ("--model", "model.name"),
+        "dtype": ("--dtype", "model.dtype"),
+        "device": ("--device", "model.device"),
+        "temperature": ("--temperature", "sampling.temperature"),
+        "top_p": ("--top-p", "sampling.top_p"),
+        "top_k": ("--top-k", "sampling.top_k"),
+        "max_new_tokens": ("--max-new-tokens", "sampling.max_new_tokens"),
+        "n": ("--n", "sampling.n"),
+        "seed": ("--seed", "sampling.seed"),
+        "as_json": ("--json", "output.jsonl"),
+        "max_batch": ("--max-batch", "engine.max_batch"),
+        "spec": ("--spec", "speculation.method"),
+        "num_spec_tokens": ("--num-spec-tokens", "speculation.num_spec_tokens"),
+        "spec_siblings": ("--spec-siblings", "speculation.siblings"),
+        "spec_exact": ("--spec-exact", "speculation.exact"),
+        "drafter": ("--drafter", "speculation.drafter"),
+    },
+    rules=GenerateCfg.RULES,
+)
+opt = GENERATE.option
 
 
 def generate(
     ctx: typer.Context,
     prompts: Annotated[list[str] | None, typer.Argument(help="prompt texts")] = None,
+    config: Annotated[Path | None, GENERATE.config_option()] = None,
+    sets: Annotated[
+        list[str] | None,
+        GENERATE.set_option(
+            "sampling.temperature=0, speculation.method=ngram, prompts.file=p.jsonl"
+        ),  # fmt: skip
+    ] = None,
     prompts_file: Annotated[
         Path | None,
-        typer.Option(
-            "--prompts-file",
-            help='JSONL: "text", {"prompt": "text"} or {"messages": [{"role", "content"}]}',
-        ),
+        opt(
+            "prompts_file",
+            'JSONL: "text", {"prompt": "text"} or {"messages": [{"role", "content"}]}',
+        ),  # fmt: skip
     ] = None,
-    model: ModelOpt = "smollm2-135m-instruct",
-    temperature: Annotated[float, typer.Option(help="0 = greedy; finite")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass in (0, 1]")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 = off", max=MAX_TOP_K)] = 0,
+    model: Annotated[str | None, opt("model", HELP["model"])] = None,
+    temperature: Annotated[float | None, opt("temperature", "0 = greedy; finite")] = None,
+    top_p: Annotated[float | None, opt("top_p", "nucleus mass in (0, 1]")] = None,
+    top_k: Annotated[int | None, opt("top_k", "0 = off", max=MAX_TOP_K)] = None,
     max_new_tokens: Annotated[
-        int,
-        typer.Option(
-            "--max-new-tokens", help=">= 1; stops at the model's context", max=MAX_NEW_TOKENS
-        ),
-    ] = 128,
-    n: Annotated[int, typer.Option("--n", help="completions per prompt", max=MAX_N)] = 1,
-    seed: Annotated[
-        int | None, typer.Option(help="base seed in [0, 2**63 - 1] (default: random)")
+        int | None, opt("max_new_tokens", ">= 1; stops at the model's context", max=MAX_NEW_TOKENS)
     ] = None,
-    chat_template: Annotated[
-        bool, typer.Option("--chat-template/--no-chat-template", help="wrap prompts as chat")
-    ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per completion")] = False,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
+    n: Annotated[int | None, opt("n", "completions per prompt", max=MAX_N)] = None,
+    seed: Annotated[
+        int | None, opt("seed", "base seed in [0, 2**63 - 1] (default: random)")
+    ] = None,
+    chat_template: Annotated[bool | None, opt("chat_template", "wrap prompts as chat")] = None,
+    as_json: Annotated[bool | None, opt("as_json", "one JSON object per completion")] = None,
+    dtype: Annotated[str | None, opt("dtype", HELP["dtype"])] = None,
+    device: Annotated[
+        str | None,
+        opt(
+            "device",
+            "auto (CUDA when present, else cpu), cpu, cuda or cuda:N: where the "
+            "model, its KV cache, the drafter and the sampler run",
+        ),  # fmt: skip
+    ] = None,
     max_batch: Annotated[
-        int, typer.Option("--max-batch", help="concurrent sequences", max=MAX_BATCH)
-    ] = 64,
-    spec: SpecOpt = "none",
-    num_spec_tokens: KOpt = 3,
-    spec_siblings: SiblingsOpt = 0,
-    spec_exact: ExactOpt = "distribution",
-    drafter: DrafterOpt = None,
+        int | None, opt("max_batch", "concurrent sequences", max=MAX_BATCH)
+    ] = None,
+    spec: Annotated[
+        str | None, opt("spec", "drafter: none, ngram, suffix, draft, self (test device)")
+    ] = None,
+    num_spec_tokens: Annotated[int | None, opt("num_spec_tokens", HELP["num_spec_tokens"])] = None,
+    spec_siblings: Annotated[
+        int | None,
+        opt(
+            "spec_siblings",
+            "extra first-token candidates per step for a stochastic drafter "
+            "(eagle3, mtp, draft), verified losslessly in the same forward; raises acceptance "
+            "at T > 0",
+        ),  # fmt: skip
+    ] = None,
+    spec_exact: Annotated[str | None, opt("spec_exact", HELP["spec_exact"])] = None,
+    drafter: Annotated[str | None, opt("drafter", HELP["drafter"])] = None,
 ) -> None:
     """Generate completions with the native engine (optionally speculative).
 
+    Settings: defaults <- --config FILE <- the options <- --set section.key=value (every key:
+    specrl.config_commands.GenerateCfg; an option and a --set of the same key are refused).
     A bad prompt does not stop the others: it gets one "error: prompt N: ..." line on stderr
     and the exit code is 2 (0 when every prompt was answered).
     """
+    given = GENERATE.read(ctx, check=check_settings)
+    cfg = given.cfg
+    file = None if cfg.prompts.file is None else Path(cfg.prompts.file)
+    items = read_prompts(prompts or [], file, chat=cfg.prompts.chat_template)
+    run_generate(given, items)
+
+
+def sampling_params(cfg: GenerateCfg) -> SamplingParams:
+    """The sampling settings as the engine takes them (not validated)."""
+    from specrl.sampling import SamplingParams
+
+    s = cfg.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          max_new_tokens=s.max_new_tokens, n=s.n, seed=s.seed)  # fmt: skip
+
+
+def check_settings(given: Given[GenerateCfg]) -> None:
+    """The values of ``given`` that the settings model leaves to the sampler and the
+    speculation config, and a drafter given where none loads (one line each)."""
+    from specrl.rollout_plan import learned_drafter
+
+    cfg, sp = given.cfg, given.cfg.speculation
+    check_generate_options(sampling_params(cfg), cfg.engine.max_batch, sp.method,
+                           sp.num_spec_tokens, sp.siblings, sp.exact, given.name)  # fmt: skip
+    needs = (f"a {given.name('speculation.method')} that loads a drafter (eagle3, mtp, hybrid, "
+             f"draft), not {sp.method}")  # fmt: skip
+    given.refuse_unless_applies(["speculation.drafter"], learned_drafter(sp.method), needs)
+
+
+def run_generate(given: Given[GenerateCfg], items: list[Prompt]) -> None:
+    """Answer ``items`` with the settings ``given`` (checked: ``check_settings``)."""
     from specrl.engine import Engine
     from specrl.models.checkpoints import CheckpointError, load_model, load_tokenizer
     from specrl.rollout_types import Request
-    from specrl.sampling import SamplingParams
     from specrl.spec.config import drafter_spec
 
-    items = read_prompts(prompts or [], prompts_file, chat=chat_template)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                            max_new_tokens=max_new_tokens, n=n, seed=seed)  # fmt: skip
-    check_generate_options(params, max_batch, spec, num_spec_tokens, spec_siblings, spec_exact)
-    refuse_unless_applies(ctx, ["num_spec_tokens", "spec_exact"], spec != "none",
-                          "--spec other than none")  # fmt: skip
-    from specrl.rollout_plan import learned_drafter
-
-    needs = f"a --spec that loads a drafter (eagle3, mtp, hybrid, draft), not {spec}"
-    refuse_unless_applies(ctx, ["drafter"], learned_drafter(spec), needs)
-    where = parse_device(device)
-    torch_dtype = parse_dtype(dtype, where)
+    cfg = given.cfg
+    sp, model, chat_template = cfg.speculation, cfg.model.name, cfg.prompts.chat_template
+    params = sampling_params(cfg)
+    where = parse_device(cfg.model.device)
+    torch_dtype = parse_dtype(cfg.model.dtype, where)
     if all(item.error is not None for item in items):  # nothing to answer: load nothing
         encode_prompts(items, encode=lambda prompt: [])  # one line each; encodes nothing
         raise typer.Exit(2)
@@ -255,14 +310,15 @@ def generate(
     try:
         params = params.replace(stop_token_ids=tok.stop_token_ids)
         net = load_model(model, dtype=torch_dtype, device=where)
-        drafter = head_dir(spec, drafter, model)
-        spec_cfg, draft = drafter_spec(spec, num_spec_tokens, drafter, net, tok)
-        spec_cfg = dataclasses.replace(spec_cfg, siblings=spec_siblings, exact=spec_exact)
+        drafter = head_dir(sp.method, sp.drafter, model)
+        spec_cfg, draft = drafter_spec(sp.method, sp.num_spec_tokens, drafter, net, tok)
+        spec_cfg = dataclasses.replace(spec_cfg, siblings=sp.siblings, exact=sp.exact)
         spec_cfg = spec_cfg.validate()
-        engine = Engine(net, max_batch=max_batch, spec=spec_cfg, draft_model=draft)
+        engine = Engine(net, max_batch=cfg.engine.max_batch, spec=spec_cfg, draft_model=draft)
     except (CheckpointError, ValueError) as e:
         fail(str(e))
     requests = [Request(x, params) for x in ids]
+    as_json = cfg.output.jsonl
     completions = engine.generate(requests, progress=not as_json and sys.stderr.isatty())
     failed = len(items) - len(indices)
     for c in completions:

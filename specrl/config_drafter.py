@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from specrl import errors, settings
-from specrl.settings import AppliesOnly, Section, SettingsError, read_toml, under
+from specrl import settings
+from specrl.settings import AppliesOnly, Section, SettingsError, under
 
 # The largest seed: specrl.sampling.MAX_SEED (this module stays torch-free; a test checks).
 MAX_SEED = 2**63 - 1
@@ -194,8 +194,11 @@ COVERAGE = settings.Coverage(
 )  # fmt: skip
 
 
-class TrainDrafterCfg(Section):
+class TrainDrafterCfg(settings.RuledSettings):
     """Settings of `specrl train-drafter` (load with --config FILE; --set section.key=value)."""
+
+    WHAT: ClassVar[str] = "train-drafter"
+    RULES: ClassVar[tuple[AppliesOnly, ...]] = APPLIES_ONLY
 
     model: TdModelCfg = Field(default_factory=TdModelCfg, description="The target.")
     drafter: TdDrafterCfg = Field(default_factory=TdDrafterCfg, description="The drafter.")
@@ -204,28 +207,9 @@ class TrainDrafterCfg(Section):
     eval: TdEvalCfg = Field(default_factory=TdEvalCfg, description="Held-out acceptance.")
     run: TdRunCfg = Field(default_factory=TdRunCfg, description="Output and seed.")
 
-    @model_validator(mode="after")
-    def _only_what_applies(self, info: ValidationInfo) -> TrainDrafterCfg:
-        """A field set where it cannot apply is refused, naming both fields (``APPLIES_ONLY``)."""
-        if problems := settings.misapplied(self, APPLIES_ONLY):
-            raise ValueError("; ".join(problems))
-        return self
 
-    def to_toml(self) -> str:
-        """A TOML document (each field's description as a comment above it) that
-        ``load_train_drafter`` reads back equal; a field that cannot apply is only a comment."""
-        skipped = {rule.key: rule.condition for rule in settings.inapplicable(self, APPLIES_ONLY)}
-        return settings.toml_document(self, skipped)
-
-
-def key_hint(dotted: str) -> str:
-    """For an unknown dotted key: `` (did you mean X?); valid keys in [TABLE]: ...``."""
-    parent = dotted.rpartition(".")[0]
-    table = settings.model_at(TrainDrafterCfg, parent.split(".")) if parent else TrainDrafterCfg
-    valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
-    where = f" in [{parent}]" if parent else ""
-    close = errors.did_you_mean(dotted, settings.schema_keys(TrainDrafterCfg))
-    return f"{close}; valid keys{where}: {', '.join(valid)}"
+# For an unknown dotted key: `` (did you mean X?); valid keys in [TABLE]: ...``.
+key_hint = TrainDrafterCfg.hint()
 
 
 def load_train_drafter(
@@ -233,13 +217,7 @@ def load_train_drafter(
 ) -> TrainDrafterCfg:
     """Defaults <- TOML file (if given; or its table as a dict) <- ``key.sub=value`` overrides,
     validated; ``SettingsError`` (one line) otherwise."""
-    table: dict[str, Any] = {}
-    if path is not None:
-        table = path if isinstance(path, dict) else read_toml(Path(path), "train-drafter config")
-    data = settings.apply_overrides(table, overrides)
-    source = "" if path is None or isinstance(path, dict) else str(path)
-    return settings.validate(TrainDrafterCfg, data, "train-drafter", hint=key_hint,
-                             source=source, overrides=overrides)  # fmt: skip
+    return TrainDrafterCfg.load(path, overrides)
 
 
 __all__ = ["SettingsError", "TrainDrafterCfg", "load_train_drafter"]

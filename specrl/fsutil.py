@@ -243,3 +243,23 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def result_file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be written as a results file (one line), or ``None`` if it can.
+    ``writable_problem`` first; then a temporary file is made and removed at
+    once in the nearest existing directory, which catches what permission bits do not show (a
+    read-only or special file system such as /proc, where even root cannot create a file).
+    Nothing is left behind: no file, no directory."""
+    problem = writable_problem(path, "file")
+    if problem:
+        return problem
+    probe = Path(path).absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"{path}: cannot create a file in {probe} ({e.strerror or e})"
+    return None

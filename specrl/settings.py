@@ -6,13 +6,18 @@ override and report alike: ``validate`` gives one line, ``bad value for KEY: EXP
 VALUE)``, ``unknown WHAT key 'KEY'``, ``missing WHAT key 'KEY'``, joined by "; "; every problem
 is a ``SettingsError`` (``errors_as`` re-raises it as the caller's type).
 
+``load`` reads one input whole (defaults <- TOML file <- values <- overrides) and ``key_hint``
+says the valid keys beside an unknown one: every command's settings are read so (``specrl.cli_util
+.Shortcuts`` adds its options).
+
 Applies-only, complete by construction: each model declares a ``Coverage`` that puts every value
 field in a class: an ``AppliesOnly`` rule (set where its condition fails: refused by
 ``misapplied``, naming both fields), ``always`` (read in every configuration), ``checked`` (the
 condition needs more than the model; the named check refuses it) or ``kept`` (ignored somewhere,
 accepted there for the stated reason). ``coverage_problems`` names every field that is in no
-class, and every name or condition field that is no field. A leaf: imports nothing from
-specrl. Details: docs/internals.md.
+class, and every name or condition field that is no field. ``RuledSettings`` is a command's
+settings model with its rules, ``load``, ``hint`` and ``to_toml``. A leaf: imports
+``specrl.errors`` only. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import reduce
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 
 import tomlkit
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+
+from specrl.errors import did_you_mean
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -122,6 +129,49 @@ def apply_overrides(data: dict[str, Any], items: Iterable[str]) -> dict[str, Any
     for item in items:
         set_path(out, *parse_override(item))
     return out
+
+
+def load(
+    model: type[M],
+    what: str,
+    path: str | Path | dict[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+    values: dict[str, Any] | None = None,
+    *,
+    hint: Callable[[str], str] | None = None,
+    context: dict[str, Any] | None = None,
+) -> M:
+    """The settings ``model`` of one input: its defaults <- a TOML file ``path`` (or its table
+    as a dict) <- ``values`` (``{dotted key: value}``: a command's options) <- ``key.sub=value``
+    ``overrides``, validated (``validate``: ``what`` names the input, ``cannot read WHAT config
+    PATH``, ``unknown WHAT key 'KEY'``; the problems with ``values`` and ``overrides`` first)."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        table = _copy(path) if isinstance(path, dict) else read_toml(Path(path), f"{what} config")
+    for key, value in (values or {}).items():
+        set_path(table, key.split("."), value)
+    items = list(overrides)
+    data = apply_overrides(table, items)
+    source = "" if path is None or isinstance(path, dict) else str(path)
+    given = [*(f"{key}=" for key in values or {}), *items]
+    return validate(model, data, what, hint=hint, source=source, overrides=given, context=context)
+
+
+def key_hint(
+    model: type[BaseModel], suggest: Callable[[str, list[str]], str]
+) -> Callable[[str], str]:
+    """``hint`` for ``validate``: for an unknown dotted key of ``model``, ``suggest(key, every
+    key)`` (a did-you-mean: ``errors.did_you_mean``) and ``; valid keys in [TABLE]: ...`` (the
+    keys of the table the unknown key is in)."""
+
+    def hint(dotted: str) -> str:
+        parent = dotted.rpartition(".")[0]
+        table = model_at(model, parent.split(".")) if parent else model
+        valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
+        where = f" in [{parent}]" if parent else ""
+        return f"{suggest(dotted, schema_keys(model))}; valid keys{where}: {', '.join(valid)}"
+
+    return hint
 
 
 # --------------------------------------------------------------------------- validating
@@ -389,7 +439,8 @@ def toml_document(model: BaseModel, skipped: dict[str, str]) -> str:
     """``model`` (whose fields are all sections) as a TOML document: its docstring, then a
     table per section (``_section_toml``; the keys of ``skipped`` only as comments)."""
     doc = tomlkit.document()
-    doc.add(tomlkit.comment(type(model).__doc__ or ""))
+    for line in (type(model).__doc__ or "").splitlines() or [""]:
+        doc.add(tomlkit.comment(" ".join(line.split())))
     for name in type(model).model_fields:
         doc.add(tomlkit.nl())
         doc.add(name, _section_toml(getattr(model, name), name, skipped))
@@ -422,3 +473,57 @@ def _section_toml(
         sub.update(dumped[key])
         table.add(key, sub)
     return table
+
+
+class RuledSettings(Section):
+    """A command's settings read whole (``load``: defaults <- ``--config`` <- its options <-
+    ``--set``): ``WHAT`` names the command (``unknown WHAT key``, ``cannot read WHAT config``),
+    ``RULES`` the fields that apply only while another holds. A field set where it cannot
+    apply is refused naming both fields, except one an option gave (``context["by_option"]``:
+    its keys), which the command refuses naming the option; ``check_values`` (what values must
+    agree on besides the rules) runs first. ``to_toml`` reads back equal through ``load``."""
+
+    WHAT: ClassVar[str] = ""
+    RULES: ClassVar[tuple[AppliesOnly, ...]] = ()
+
+    @model_validator(mode="after")
+    def _only_what_applies(self, info: ValidationInfo) -> Self:
+        self.check_values()
+        by_option = (info.context or {}).get("by_option", ())
+        given = lambda key: key not in by_option and was_set(self, key)  # noqa: E731
+        if problems := misapplied(self, self.RULES, given):
+            raise ValueError("; ".join(problems))
+        return self
+
+    def check_values(self) -> None:
+        """What the values must agree on besides ``RULES`` (``ValueError``), checked first."""
+
+    def misapplied(self) -> list[str]:
+        """One phrase per field set where it cannot apply (``RULES``)."""
+        return misapplied(self, self.RULES)
+
+    def skipped(self) -> dict[str, str]:
+        """{key: what it needs} for each field that cannot apply (a comment in ``to_toml``)."""
+        return {rule.key: rule.condition for rule in inapplicable(self, self.RULES)}
+
+    def to_toml(self) -> str:
+        """A TOML document (each field's description as a comment above it) that ``load``
+        reads back equal; a field that cannot apply is only a comment."""
+        return toml_document(self, self.skipped())
+
+    @classmethod
+    def hint(cls) -> Callable[[str], str]:
+        """For an unknown key: the did-you-mean and the valid keys of its table."""
+        return key_hint(cls, did_you_mean)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | dict[str, Any] | None = None,
+        overrides: Iterable[str] = (),
+        values: dict[str, Any] | None = None,
+        context: dict[str, Any] | None = None,
+    ) -> Self:
+        """Defaults <- TOML file (or its table) <- ``values`` ({dotted key: value}: the options
+        given) <- ``section.key=value`` overrides, validated (``SettingsError``, one line)."""
+        return load(cls, cls.WHAT, path, overrides, values, hint=cls.hint(), context=context)

@@ -13,7 +13,7 @@ from specrl.malloc import return_freed_memory
 from specrl.models.config import tiny_config
 from specrl.models.transformer import Transformer
 
-# Devices the exactness tests run on: the CPU, and CUDA where present (benchmarks/gpu_check.py
+# Devices the exactness tests run on: the CPU, and CUDA where present (`specrl bench gpu`
 # runs them there with ``-k cuda``).
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 

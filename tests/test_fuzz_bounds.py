@@ -39,6 +39,8 @@ NOT_FINITE = ["nan", "inf", "-inf"]
 # Arguments that get each command past its own argument checks to the option under test.
 BASE_ARGS = {
     ("bench", "generate"): [],
+    ("bench", "grpo"): [],
+    ("bench", "gpu"): [],
     ("export",): ["RUN", "OUT"],
     ("generate",): ["hi"],
     ("simulate", "calibrate"): ["{trace}"],

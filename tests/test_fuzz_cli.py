@@ -37,8 +37,11 @@ def _reached(*args, **kwargs):
 WORK = [  # the first expensive call of each command (all looked up at call time)
     "specrl.models.checkpoints.load_model",
     "specrl.bench.run_generate_bench",
+    "specrl.gpubench.check.run_check",
+    "specrl.gpubench.calibrate.run_calibrate",
     "specrl.sim.cli.run_scenario",
     "specrl.sim.cli.fit_trace",
+    "specrl.sim.cli.run_validation",
 ]
 
 

@@ -1,37 +1,59 @@
-"""benchmarks/gpu_check.py: its ``--smoke`` run (the GPU check's whole path, tiny, on the CPU) and
-its refusal to run the full check without CUDA. No timing thresholds: the numbers are the GPU
-run's (benchmarks/results/gpu_check.json)."""
+"""`specrl bench gpu --smoke` (the GPU check's whole path, tiny, on the CPU) end to end through
+the CLI in a fresh interpreter, and the engine section's parts (``specrl.gpubench``). No timing
+thresholds: the numbers are the GPU run's (benchmarks/results/gpu_check.json)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tomllib
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from specrl.config_gpubench import SECTIONS, load_gpubench
+from specrl.engine import Engine
+from specrl.gpubench.common import inference_model
+from specrl.gpubench.engine import CONTENDERS, ENGINE_KEYS
+from specrl.gpubench.oracle import book_of, solve_alpha
+from specrl.gpubench.rollouts import book_spec, requests, settle_book, warm_seconds
+from specrl.gpubench.sizes import ENGINE_SMOKE, TINY
+from tests.test_bench_gpu_cli import run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("specrl", "specrl_off", "transformers")
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-ENGINE_KEYS = {"decode_bs1_over_floor", "decode_bs64_over_transformers",
-               "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup"}  # fmt: skip
 SUMMARY_KEYS = {"gpu", "learner_mfu_1b", "learner_over_transformers", "grpo_generation_share",
-                "grpo_spec_step_speedup", "exactness_tests_passed"} | ENGINE_KEYS  # fmt: skip
-
-
-def run_script(*args: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                "grpo_spec_step_speedup", "exactness_tests_passed", *ENGINE_KEYS}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str, str]:
+    """The smoke check's JSON, its path, the command's stdout and stderr."""
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
-    proc = run_script("--smoke", "--device", "cpu", "--out", str(out))
+    proc = run_cli("--smoke", "--device", "cpu", "--out", str(out), timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), out, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def smoke(smoke_run) -> dict:
+    return smoke_run[0]
+
+
+def test_the_cli_prints_the_summary_and_records_its_settings(smoke_run) -> None:
+    """The summary is stdout's one line; ``meta.settings`` is TOML that ``--config`` reads back
+    (defaults resolved: the budget, the result path, the engine's step graphs)."""
+    result, out, stdout, stderr = smoke_run
+    assert json.loads(stdout) == result["summary"]
+    assert f"wrote {out}" in stderr
+    assert result["meta"]["command"].startswith("specrl bench gpu --smoke")
+    cfg = load_gpubench(tomllib.loads(result["meta"]["settings"]))
+    assert (cfg.run.mode, cfg.run.smoke, cfg.run.device) == ("check", True, "cpu")
+    assert (cfg.run.budget_s, cfg.check.step_graphs) == (300.0, "static")
+    assert cfg.run.out == str(out.resolve()) and cfg.check.sections == list(SECTIONS)
 
 
 def test_summary_holds_every_key(smoke: dict) -> None:
@@ -164,29 +186,26 @@ def test_engine_oracle_rollouts_emit_plain_tokens_at_their_acceptance(smoke: dic
             assert abs(r["measured_acceptance_length"] - r["acceptance_length"]) < 0.15, r
 
 
-def test_settle_book_moves_past_a_flipped_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the random weights (inference_model draws from the global generator)
+    return inference_model(TINY, torch.device("cpu"), torch.bfloat16)
+
+
+def test_settle_book_moves_past_a_flipped_token() -> None:
     """A book that leaves the engine's own rollout (as a token flipped by a verify step's
     rounding on a GPU would) is replaced by the rollout the oracle reproduces: one round to
     find the rollout, a second that reproduces it; the settled book drafts every token again."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from gpu_calibrate import TINY, build_model
-    from gpu_engine import SMOKE, book_of, oracle_spec, requests, settle_book
-
-    from specrl.engine import Engine
-
-    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
-    model = build_model(TINY, "cpu", torch.bfloat16)
-    engine = Engine(model, max_batch=4, max_context=96)
+    engine = Engine(tiny_model(), max_batch=4, max_context=96)
     reqs = requests(list(range(3, 19)), 4, 40)
     plain = book_of(engine.generate(reqs))
-    assert settle_book(engine, reqs, plain, SMOKE) == (plain, 0, True)
+    assert settle_book(engine, reqs, plain, ENGINE_SMOKE) == (plain, 0, True)
     damaged = {s: t[:30] + [t[30] + 1] + t[31:] for s, t in plain.items()}  # a flip at 30
-    assert settle_book(engine, reqs, damaged, SMOKE, deadline=0.0) == (plain, 1, False)
-    book, rounds, settled = settle_book(engine, reqs, damaged, SMOKE)
+    assert settle_book(engine, reqs, damaged, ENGINE_SMOKE, deadline=0.0) == (plain, 1, False)
+    book, rounds, settled = settle_book(engine, reqs, damaged, ENGINE_SMOKE)
     assert (book, rounds, settled) == (plain, 1, True)  # sample-exact: past the flip, plain's
     accepted = {}
     for name, b in (("plain", plain), ("damaged", damaged), ("settled", book)):
-        engine.generate(reqs, spec=oracle_spec(SMOKE, b, 1.0))
+        engine.generate(reqs, spec=book_spec(ENGINE_SMOKE, b, 1.0))
         accepted[name] = engine.stats.acceptance_length
     assert accepted["settled"] == accepted["plain"] > accepted["damaged"]  # none past 30
 
@@ -201,16 +220,7 @@ def test_settle_book_under_shape_dependent_rounding(
     once; drafting wrong tokens past a row's flip, the oracle's first rollout is made of verify
     steps only and the second reproduces it; a timed run at alpha < 1 keeps to the settled
     book at about its target acceptance length."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from dataclasses import replace
-
-    from gpu_calibrate import TINY, build_model
-    from gpu_engine import SMOKE, book_of, oracle_spec, requests, settle_book, solve_alpha
-
-    from specrl.engine import Engine
-
-    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
-    model = build_model(TINY, "cpu", torch.bfloat16)
+    model = tiny_model()
     forward = model.forward
 
     def shifted(ids: torch.Tensor, positions: torch.Tensor, *args, **kwargs):
@@ -225,27 +235,19 @@ def test_settle_book_under_shape_dependent_rounding(
     engine = Engine(model, max_batch=8, max_context=128)
     reqs = requests(list(range(3, 19)), batch, 64)
     plain = book_of(engine.generate(reqs))
-    book, rounds, settled = settle_book(engine, reqs, plain, SMOKE)
+    book, rounds, settled = settle_book(engine, reqs, plain, ENGINE_SMOKE)
     assert book != plain and rounds == 1 and settled
     target = 2.8
-    out = engine.generate(reqs, spec=oracle_spec(SMOKE, book, solve_alpha(target, SMOKE.rollout_k)))
+    alpha = solve_alpha(target, ENGINE_SMOKE.rollout_k)
+    out = engine.generate(reqs, spec=book_spec(ENGINE_SMOKE, book, alpha))
     assert book_of(out) == book
     assert abs(engine.stats.acceptance_length - target) < (0.3 if batch == 8 else 0.8)
 
 
-def test_a_timed_run_that_built_steps_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_timed_run_that_built_steps_is_run_again() -> None:
     """``warm_seconds``: a call that built static steps (a new batch bucket) is timed again,
     one that built none once; an engine without static steps never runs twice."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from functools import partial
-
-    from gpu_calibrate import TINY, build_model
-    from gpu_engine import requests, warm_seconds
-
-    from specrl.engine import Engine
-
-    torch.manual_seed(0)  # the random weights (build_model draws from the global generator)
-    model = build_model(TINY, "cpu", torch.bfloat16)
+    model = tiny_model()
     runs = {}
     for mode in ("static", "off"):
         engine = Engine(model, max_batch=8, max_context=96, step_graphs=mode)
@@ -266,12 +268,7 @@ def counted(calls: list, fn):
 
 @pytest.mark.parametrize("k", [1, 3, 5, 7])
 @pytest.mark.parametrize("target", [1.5, 2.0, 2.8, 3.3])
-def test_solve_alpha_gives_the_acceptance_length(
-    monkeypatch: pytest.MonkeyPatch, k: int, target: float
-) -> None:
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from gpu_engine import solve_alpha
-
+def test_solve_alpha_gives_the_acceptance_length(k: int, target: float) -> None:
     if target >= k + 1:
         with pytest.raises(ValueError, match="outside"):
             solve_alpha(target, k)
@@ -289,24 +286,6 @@ def test_exactness_tests_ran_and_passed(smoke: dict) -> None:
 
 
 def test_nothing_missing_on_the_gpu_machine_is_imported(smoke: dict) -> None:
-    """reasoning-gym, gguf, vllm and ray are not on the GPU machine (docs/gpu.md)."""
+    """reasoning-gym, gguf, vllm and ray are not on the GPU machine (docs/gpu.md): neither the
+    main CLI (``python3 -m specrl.cli bench gpu`` there) nor any section imports them."""
     assert smoke["meta"]["imported_absent_on_gpu"] == []
-
-
-def test_without_cuda_the_full_check_exits_2_with_one_line(tmp_path: Path) -> None:
-    out = tmp_path / "gpu_check.json"
-    devices = ["cpu"] + ([] if torch.cuda.is_available() else ["auto"])
-    for device in devices:
-        proc = run_script("--device", device, "--out", str(out), timeout=60)
-        assert proc.returncode == 2
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "--smoke" in lines[0]
-        assert not out.exists()
-
-
-def test_smoke_never_writes_the_committed_gpu_result() -> None:
-    committed = REPO / "benchmarks" / "results" / "gpu_check.json"
-    before = committed.read_bytes() if committed.exists() else None
-    proc = run_script("--smoke", "--device", "cpu", "--out", str(committed), timeout=60)
-    assert proc.returncode == 2
-    assert (committed.read_bytes() if committed.exists() else None) == before

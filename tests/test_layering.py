@@ -71,7 +71,9 @@ def _is_cli(module: str) -> bool:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("cli_generate", "cli_bench", "cli_export"),
-    ("cli_options",),
+    ("cli_options", "cli_bench_gpu"),
+    ("bench_grpo",),
+    ("gpubench",),
     ("pipelines", "bench", "sim"),
     ("backends",),
     ("rollout_plan",),
@@ -83,9 +85,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),
     ("costmodel",),
     ("config",),
-    ("config_training", "config_task", "config_drafter"),
+    (
+        "config_training",
+        "config_task",
+        "config_drafter",
+        "config_commands",
+        "config_bench",
+        "config_gpubench",
+    ),
     ("registry",),
-    ("settings", "paths", "fsutil", "errors", "jsonl_prompts", "malloc"),
+    ("settings", "paths", "fsutil", "jsonl_prompts", "malloc"),
+    ("errors",),
 )
 
 
@@ -165,10 +175,13 @@ def test_the_speculation_controller_loads_nothing_of_the_simulator():
 
 # The bottom layer: each leaf and the only specrl modules it may import (other leaves below it).
 LEAVES = {
-    "specrl.settings": set(),
+    "specrl.settings": {"specrl.errors"},
     "specrl.config_training": {"specrl.settings"},
     "specrl.config_task": {"specrl.settings"},
     "specrl.config_drafter": {"specrl.settings", "specrl.errors"},
+    "specrl.config_commands": {"specrl.settings", "specrl.errors"},
+    "specrl.config_bench": {"specrl.settings", "specrl.errors"},
+    "specrl.config_gpubench": {"specrl.settings", "specrl.errors"},
     "specrl.config": {"specrl.settings", "specrl.config_training", "specrl.config_task"},
     "specrl.paths": set(),
     "specrl.fsutil": set(),

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from specrl import errors
-from specrl.settings import model_at, schema_keys
+from specrl import errors, settings
 
 
 class SimInputError(ValueError):
@@ -33,17 +32,8 @@ def unknown(what: str, name: str, choices: Iterable[str]) -> SimInputError:
 
 def key_hint(model: type[BaseModel]) -> Callable[[str], str]:
     """For an unknown dotted key of ``model``: `` (did you mean X?); valid keys in [TABLE]: ...``
-    (the did-you-mean among all its keys, the valid keys of the table the key is in)."""
-
-    def hint(dotted: str) -> str:
-        parent = dotted.rpartition(".")[0]
-        table = model_at(model, parent.split(".")) if parent else model
-        valid = [f"{parent}.{k}" if parent else k for k in (table.model_fields if table else ())]
-        where = f" in [{parent}]" if parent else ""
-        close = errors.did_you_mean(dotted, schema_keys(model))
-        return f"{close}; valid keys{where}: {', '.join(valid)}"
-
-    return hint
+    (``settings.key_hint`` with specrl's did-you-mean)."""
+    return settings.key_hint(model, errors.did_you_mean)
 
 
 def read_text(path: Path, kind: str) -> str:

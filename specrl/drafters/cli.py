@@ -1,47 +1,42 @@
-"""``specrl train-drafter`` and ``specrl export-drafter``: train a drafter, export it for vLLM.
+"""``specrl train-drafter``: train a drafter on the target's own rollouts.
 
-``register(app)`` adds both commands. ``train-drafter`` reads its settings like ``specrl train``
-(``specrl.config_drafter.TrainDrafterCfg``: defaults <- ``--config F.toml`` <- the options
-``--drafter``/``--model``/``--task``/``--prompts``/``--out``/``--device``, each one field
-(``FLAGS``; the same field by an option and ``--set`` in one line is refused) <- ``--set
-section.key=value``), then generates the target's own completions on a reasoning-gym task's
-train split (or ``data.prompts``), trains a head (or, with ``drafter.kind='draft'``, distills a
-layer-prefix draft model), resumably with checkpoints and cached data in ``run.out``, saves it,
-and prints held-out acceptance untrained vs trained; ``run.out/train_drafter.toml`` records the
-settings (``to_toml``, defaults resolved, paths absolute: ``--config`` on it makes the same
-drafter). The cached rollouts and examples are keyed by what made them (``_data_key``: the
-prompts' source, counts, lengths, temperatures, seed, the model's fingerprint, tokenizer and chat
-template; the examples also by the feature layers): a cache made by anything else, or before
-keys, is rebuilt with one ``notice:`` line on stderr saying why (and the training states made
-from it are dropped), never reused. ``export-drafter`` writes a trained drafter in the layout
-vLLM loads, after checking its files against their manifest (``drafters.export``). Bad settings,
-unusable paths, damaged drafters and OSErrors exit 2 with one ``error:`` line (before any work
-where they can); a failed export leaves no output directory it created.
+``register(app)`` adds the command (``export-drafter``, which writes a trained drafter in the
+layout vLLM loads, is ``specrl.cli_export``'s). ``train-drafter`` reads its settings like every
+command (``cli_util.Shortcuts`` over ``specrl.config_drafter.TrainDrafterCfg``: defaults <-
+``--config F.toml`` <- the options ``--drafter``/``--model``/``--task``/``--prompts``/``--out``/
+``--device``, each one field (``TRAIN_DRAFTER``; the same field by an option and ``--set`` in one
+line is refused) <- ``--set section.key=value``), then generates the target's own completions on
+a reasoning-gym task's train split (or ``data.prompts``), trains a head (or, with
+``drafter.kind='draft'``, distills a layer-prefix draft model), resumably with checkpoints and
+cached data in ``run.out``, saves it, and prints held-out acceptance untrained vs trained;
+``run.out/train_drafter.toml`` records the settings (``to_toml``, defaults resolved, paths
+absolute: ``--config`` on it makes the same drafter). The cached rollouts and examples are keyed
+by what made them (``_data_key``: the prompts' source, counts, lengths, temperatures, seed, the
+model's fingerprint, tokenizer and chat template; the examples also by the feature layers): a
+cache made by anything else, or before keys, is rebuilt with one ``notice:`` line on stderr
+saying why (and the training states made from it are dropped), never reused. Bad settings,
+unusable paths and OSErrors exit 2 with one ``error:`` line (before any work where they can).
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from specrl import settings
-from specrl.cli_util import fail, parse_device
+from specrl.cli_util import Shortcuts, fail, os_errors_in_one_line, parse_device
 from specrl.config_drafter import (
     HEAD_DRAFT_VOCAB,
     RECORD_FILE,
-    SettingsError,
     TrainDrafterCfg,
+    key_hint,
     load_train_drafter,
 )
-from specrl.errors import unknown
 from specrl.fsutil import atomic_write, file_digest, writable_problem
 from specrl.paths import drafter_cache_dir
 
@@ -51,99 +46,58 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``train-drafter`` and ``export-drafter`` to ``app``."""
+    """Add ``train-drafter`` to ``app`` (``export-drafter``: ``specrl.cli_export``)."""
     resume = " (rerun to resume from what was saved)"
-    app.command("train-drafter")(_os_errors_in_one_line(train_drafter_command, resume))
-    app.command("export-drafter")(_os_errors_in_one_line(export_drafter, ""))
-
-
-def _os_errors_in_one_line(command: Callable, hint: str) -> Callable:
-    """``command`` with an OSError (unwritable ``--out``, a full disk) ending in one ``error:``
-    line (``hint`` appended) and exit 2 instead of a traceback."""
-
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except OSError as e:
-            where = f": {e.filename}" if e.filename else ""
-            fail(f"{e.strerror or e}{where}{hint}")
-
-    return run
+    app.command("train-drafter")(os_errors_in_one_line(train_drafter_command, resume))
 
 
 EXAMPLES_FILE = "examples.safetensors"  # specrl.drafters.data.save_examples
 TV_STATE_FILE = "train_state_tv.safetensors"  # the TV phase's specrl.drafters.train state
 
-# The options kept beside --config/--set, each the same as one field (giving both is refused).
-FLAGS = {
-    "drafter": ("--drafter", "drafter.kind"),
-    "model": ("--model", "model.name"),
-    "task": ("--task", "data.task"),
-    "prompts": ("--prompts", "data.prompts"),
-    "out": ("--out", "run.out"),
-    "device": ("--device", "model.device"),
-}
+# The options kept beside --config/--set, each the same as one key (giving both is refused).
+TRAIN_DRAFTER = Shortcuts(
+    TrainDrafterCfg,
+    "train-drafter",
+    {
+        "drafter": ("--drafter", "drafter.kind"),
+        "model": ("--model", "model.name"),
+        "task": ("--task", "data.task"),
+        "prompts": ("--prompts", "data.prompts"),
+        "out": ("--out", "run.out"),
+        "device": ("--device", "model.device"),
+    },
+    hint=key_hint,
+)
+opt = TRAIN_DRAFTER.option
 
 
 def train_drafter_command(
+    ctx: typer.Context,
     config: Annotated[
         Path | None,
-        typer.Option(
-            "--config",
-            help="TOML settings (sections model, drafter, data, train, "
-            "eval, run; the record OUT/train_drafter.toml of an earlier run too)",
-        ),
+        TRAIN_DRAFTER.config_option("; the record OUT/train_drafter.toml of an earlier run too"),
     ] = None,
     sets: Annotated[
         list[str] | None,
-        typer.Option(
-            "--set",
-            help="override: section.key=value (repeatable), e.g. "
-            "train.steps=200, data.temperatures=[1,0], drafter.head_arch=eagle3",
-        ),
+        TRAIN_DRAFTER.set_option(
+            "train.steps=200, data.temperatures=[1,0], drafter.head_arch=eagle3"
+        ),  # fmt: skip
     ] = None,
-    drafter: Annotated[
-        str | None,
-        typer.Option(
-            "--drafter", help="eagle3 (default) | mtp | draft; the same as --set drafter.kind=..."
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="target model (default smollm2-135m-instruct); the same as --set model.name=...",
-        ),
-    ] = None,
-    task: Annotated[
-        str | None,
-        typer.Option(
-            "--task",
-            help="reasoning-gym task (default basic_arithmetic); the same as --set data.task=...",
-        ),
-    ] = None,
+    drafter: Annotated[str | None, opt("drafter", "eagle3 | mtp | draft")] = None,
+    model: Annotated[str | None, opt("model", "target model")] = None,
+    task: Annotated[str | None, opt("task", "reasoning-gym task")] = None,
     prompts: Annotated[
         Path | None,
-        typer.Option(
-            "--prompts",
-            help='JSONL train prompts: "text", {"prompt": ...} or '
-            '{"messages": [...]} (default: the task\'s); the same as --set data.prompts=...',
-        ),
+        opt(
+            "prompts",
+            'JSONL train prompts: "text", {"prompt": ...} or {"messages": [...]} '
+            "(default: the task's)",
+        ),  # fmt: skip
     ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", help="output dir (default: the drafter cache); the same as --set run.out=..."
-        ),
-    ] = None,
+    out: Annotated[Path | None, opt("out", "output dir (default: the drafter cache)")] = None,
     device: Annotated[
         str | None,
-        typer.Option(
-            "--device",
-            help="auto (CUDA when present, else cpu; the default), cpu, cuda or cuda:N; "
-            "the same as --set model.device=...",
-        ),
+        opt("device", "auto (CUDA when present, else cpu), cpu, cuda or cuda:N"),
     ] = None,
 ) -> None:
     """Train an EAGLE-3 / MTP drafter or distill a draft model on the target's own rollouts.
@@ -151,26 +105,7 @@ def train_drafter_command(
     Settings: defaults <- --config FILE <- the options below <- --set section.key=value (every
     key: specrl.config_drafter.TrainDrafterCfg); the directory gets them as train_drafter.toml.
     """
-    given = {"drafter": drafter, "model": model, "task": task, "prompts": prompts, "out": out,
-             "device": device}  # fmt: skip
-    try:
-        cfg = _settings(config, sets or [], {n: v for n, v in given.items() if v is not None})
-    except SettingsError as e:
-        fail(str(e))
-    train_drafter(cfg)
-
-
-def _settings(config: Path | None, sets: list[str], flags: dict[str, Any]) -> TrainDrafterCfg:
-    """The settings: the file, the options (``FLAGS``) and the ``--set`` items, validated; an
-    option and a ``--set`` of the same field in one command line are refused."""
-    by_set = settings.given_by(sets)
-    items = []
-    for name, value in flags.items():
-        flag, key = FLAGS[name]
-        if by_set(key):
-            raise SettingsError(f"{flag} and --set {key} both set {key}: give one")
-        items.append(f"{key}={json.dumps(str(value))}")  # a TOML string
-    return load_train_drafter(config, [*items, *sets])
+    train_drafter(TRAIN_DRAFTER.read(ctx).cfg)
 
 
 def train_drafter(cfg: TrainDrafterCfg) -> None:
@@ -438,78 +373,3 @@ def _draft_layers(model: str, layers: int | None) -> int:
         fail(f"drafter.draft_layers must be in [1, {top}] (the target's layer count), "
              f"got {layers}")  # fmt: skip
     return layers
-
-
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-_VLLM_METHOD = {"eagle3": "eagle3", "draft": "draft_model"}  # vLLM's speculative method
-
-
-def export_drafter(
-    drafter: Annotated[str, typer.Option("--drafter", help="eagle3 | draft")] = "eagle3",
-    source: Annotated[
-        Path | None,
-        typer.Option(
-            "--from",
-            help="the trained drafter's directory (default: where `specrl train-drafter` "
-            "saves it for --model)",
-        ),
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="output directory (required)")] = None,
-    model: Annotated[
-        str, typer.Option("--model", help="target model (eagle3: its LM head rows are written)")
-    ] = "smollm2-135m-instruct",
-    dtype: Annotated[
-        str | None,
-        typer.Option("--dtype", help="eagle3: float32 | bfloat16 | float16 (default: the head's)"),
-    ] = None,
-) -> None:
-    """Export a trained drafter to the layout vLLM loads (EAGLE-3 head or HF draft model).
-
-    Then serve with vLLM: speculative_config {"method": "eagle3" or "draft_model", "model": OUT}.
-    """
-    import torch
-
-    from specrl.drafters.export import ExportError, export_draft_model, export_eagle3
-
-    if drafter == "mtp":
-        fail("vLLM runs MTP only from the MTP layers built into specific models' own checkpoints "
-             "(DeepSeek-V3, MiMo, Qwen3-Next, ...): an MTP head cannot be exported; "
-             "use --drafter eagle3 or draft")  # fmt: skip
-    if drafter not in ("eagle3", "draft"):
-        fail(unknown("--drafter", drafter, ["eagle3", "draft"]))
-    if out is None:
-        fail("--out is required")
-    if dtype is not None and (drafter != "eagle3" or dtype not in EXPORT_DTYPES):
-        fail(f"--dtype must be one of {', '.join(EXPORT_DTYPES)} (eagle3 only), got {dtype!r}")
-    source = source or drafter_cache_dir(model, drafter)
-    if not source.is_dir():
-        fail(f"--from {source} is not a directory (train one with specrl train-drafter "
-             f"--drafter {drafter})")  # fmt: skip
-    problem = writable_problem(out, "dir")
-    if problem:
-        fail(f"cannot use --out: {problem}")
-    try:
-        if drafter == "eagle3":
-            if out.resolve() == source.resolve():
-                fail("--out must differ from --from (the head's own files would be mixed in)")
-            export_eagle3(source, model, out, None if dtype is None else getattr(torch, dtype))
-        else:
-            # the target's tokenizer only when the draft is a model without one (resolving a
-            # bundled target converts it once: not for a --from that is no model at all)
-            needs = (source / "config.json").is_file() and not (source / "tokenizer.json").is_file()
-            export_draft_model(source, out, _tokenizer_dir(model) if needs else None)
-    except ExportError as e:
-        fail(str(e))
-    method = _VLLM_METHOD[drafter]
-    typer.echo(f"exported {drafter} drafter {source} to {out} "
-               f'(vLLM: speculative_config method "{method}", model {out})')  # fmt: skip
-
-
-def _tokenizer_dir(model: str) -> Path | None:
-    """The target's model directory (for its tokenizer files), or None if it cannot be found."""
-    from specrl.models.checkpoints import CheckpointError, resolve_model
-
-    try:
-        return resolve_model(model)
-    except CheckpointError:
-        return None

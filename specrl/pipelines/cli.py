@@ -6,7 +6,9 @@ work (a bad value: one ``error: ...`` line, exit code 2), never overwrites a use
 resumes from the newest checkpoint that verifies and prints the summary with the measured
 speedup; a failed weight-sync check exits 1, SIGINT/SIGTERM checkpoints the step in progress
 and exits 130/143; ``cluster.rollout_workers > 0`` runs it on Ray. ``specrl report RUN_DIR
-[--out DIR]``: PNG plots and summary.md. Details: docs/internals.md.
+[--out DIR] [--compare RUN]...``: PNG plots and summary.md, its settings read like every
+command's (``cli_util.Shortcuts`` over ``config_commands.ReportCfg``: ``--config``, the options,
+``--set report.key=value``). Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from specrl.cli_util import fail
+from specrl.cli_util import Shortcuts, fail
 from specrl.config import Config, ConfigError
+from specrl.config_commands import ReportCfg
 from specrl.pipelines.manifest import RunDirError
 from specrl.pipelines.runconfig import require_writable_dir, resolve_config
 
@@ -175,15 +178,28 @@ def end_stopped(stopped: Stopped, target: Path) -> NoReturn:
     raise typer.Exit(stopped.exit_code) from None
 
 
+# report's options kept beside --config/--set, each the same as one key (giving both is refused).
+REPORT = Shortcuts(
+    ReportCfg,
+    "report",
+    {"out": ("--out", "report.out"), "compare": ("--compare", "report.compare")},
+)
+
+
 def report_command(
+    ctx: typer.Context,
     run_dir: Annotated[Path, typer.Argument(help="a run directory")],
-    out: Annotated[Path | None, typer.Option("--out", help="output dir (default RUN_DIR)")] = None,
+    config: Annotated[Path | None, REPORT.config_option()] = None,
+    sets: Annotated[
+        list[str] | None, REPORT.set_option("report.out=plots, report.compare=['runs/b']")
+    ] = None,
+    out: Annotated[Path | None, REPORT.option("out", "output dir (default RUN_DIR)")] = None,
     compare: Annotated[
         list[Path] | None,
-        typer.Option(
-            "--compare",
-            help="another run dir: reward curves of all runs on one plot "
-            "(compare.png), x = completions trained on (repeatable)",
+        REPORT.option(
+            "compare",
+            "another run dir: reward curves of all runs on one plot (compare.png), x = "
+            "completions trained on (repeatable; replaces the list of --config)",
         ),
     ] = None,
 ) -> None:
@@ -191,17 +207,22 @@ def report_command(
 
     Every run (RUN_DIR and each --compare) is read and checked before anything is written; a
     run whose metrics.jsonl logs a step twice or skips one gets one warning line (stderr and
-    summary.md) and is reported with the last row of each step."""
+    summary.md) and is reported with the last row of each step. Settings: defaults <- --config
+    FILE <- the options <- --set report.key=value (every key: specrl.config_commands.ReportCfg).
+    """
     from specrl.pipelines.report import read_runs, write_runs
 
-    dest = out if out is not None else run_dir
+    given = REPORT.read(ctx)
+    cfg = given.cfg.report
+    others = [Path(p).expanduser() for p in cfg.compare]
+    dest = Path(cfg.out).expanduser() if cfg.out is not None else run_dir
     try:
-        require_writable_dir(dest, "--out" if out is not None else "RUN_DIR")
-        runs = read_runs([run_dir, *(compare or [])])
+        require_writable_dir(dest, given.name("report.out") if cfg.out is not None else "RUN_DIR")
+        runs = read_runs([run_dir, *others])
         for run in runs:
             if run.warning is not None:
                 typer.echo(run.warning, err=True)
-        paths = write_runs(runs, dest, compare=bool(compare))
+        paths = write_runs(runs, dest, compare=bool(others))
     except ValueError as e:
         fail(str(e))
     except OSError as e:

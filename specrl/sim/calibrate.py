@@ -118,7 +118,7 @@ def _record(index: int, r: Any) -> Record:
 
 
 def load_trace(path: Path) -> Trace:
-    """Read and parse a trace file, or the trace in a ``benchmarks/gpu_check.py`` result
+    """Read and parse a trace file, or the trace in a ``specrl bench gpu`` result
     (``engine.trace``); a missing, unreadable or malformed one raises SimInputError naming the
     file."""
     return read_calibration(path)[0]

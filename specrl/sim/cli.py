@@ -1,28 +1,37 @@
-"""CLI of the simulator: ``specrl simulate SCENARIO | run | calibrate | list``.
+"""CLI of the simulator: ``specrl simulate SCENARIO | run | calibrate | validate | list``.
 
 ``register(app)`` adds the ``simulate`` group; a first argument that is not a subcommand is a
 scenario for ``run``. ``run`` prints a summary (or ``--json``) and, with ``--out DIR``, writes
 result.json, gantt.png and tornado.png; ``calibrate TRACE.json`` fits a hardware profile (and a
-model-free drafter's spec) to an engine trace (or a gpu_check result's), reports the held-out
-configs and predicts the measured rollouts beside it; ``list`` names the bundled specs. Every bad
-input, unwritable paths included, prints one ``error: ...`` line and exits 2 before any work.
-Details: docs/internals.md.
+model-free drafter's spec) to an engine trace (or a ``specrl bench gpu`` result's), reports the
+held-out configs and predicts the measured rollouts beside it; ``validate`` runs the simulator
+against published measurements (``specrl.sim.accuracy``), prints each table with its signed
+errors and, with ``--json PATH``, writes the record (benchmarks/results/sim_validate.json)
+atomically; ``list`` names the bundled specs. Every bad input, unwritable paths included, prints
+one ``error: ...`` line and exits 2 before any work. ``calibrate`` and ``validate`` read their
+settings as every command does (``cli_util.Shortcuts`` over ``config_commands.CalibrateCfg`` /
+``ValidateCfg``): defaults <- ``--config F.toml`` <- their options (each one key; an option and
+a ``--set`` of the same key in one command line are refused) <- ``--set section.key=value``;
+``run`` reads a scenario with its own ``--set``. Details: docs/internals.md, docs/simulator.md
+("Validation").
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import click
 import typer
 from typer.core import TyperGroup
 
-from specrl.cli_util import fail
+from specrl.cli_util import Given, Shortcuts, fail, named_as_keys, write_or_print
+from specrl.config_commands import MAX_SEED, CalibrateCfg, ValidateCfg
 from specrl.costmodel.errors import SimInputError
 from specrl.costmodel.specs import SPEC_KINDS, list_specs, load_drafter, load_hardware, load_model
-from specrl.fsutil import atomic_write, writable_problem
+from specrl.fsutil import atomic_write, result_file_problem, writable_problem
+from specrl.sim.accuracy import SECTIONS, run_validation
 from specrl.sim.calibrate import fit_trace, read_calibration, write_drafter, write_profile
 from specrl.sim.holdout import complement, held_out_checks, left_out, parse_rollouts
 from specrl.sim.report import gantt_png, sensitivity, text_summary, tornado_png
@@ -80,6 +89,7 @@ def build_app() -> typer.Typer:
     )
     app.command("run", epilog=_inputs_epilog())(run_command)
     app.command("calibrate")(calibrate_command)
+    app.command("validate")(validate_command)
     app.command("list")(list_command)
     return app
 
@@ -157,82 +167,124 @@ def _write_outputs(res: ScenarioResult, result: dict, out: Path, tornado: bool) 
     atomic_write(out / "result.json", json.dumps(result, indent=2))
 
 
+# The options kept beside --config/--set, each the same as one key (giving both is refused).
+CALIBRATE = Shortcuts(
+    CalibrateCfg,
+    CalibrateCfg.WHAT,
+    {
+        **named_as_keys("calibrate", "base", "out", "drafter_out", "name", "heldout", "seed"),
+        **named_as_keys("calibrate", "heldout_configs", "fit_configs"),
+        "as_json": ("--json", "calibrate.json_report"),
+    },
+    rules=CalibrateCfg.RULES,
+)
+
+
+def _calibrate_options(named: dict[str, Any]) -> dict[str, Any]:
+    """The options given, the config lists as lists; ``--heldout`` out of range is one line
+    naming it (``--set``/``--config``: the settings' bounds)."""
+    heldout = named.get("heldout")
+    if heldout is not None and not 0.0 <= heldout < 1.0:
+        fail(f"--heldout {heldout} must be in [0, 1)")
+    lists = ("heldout_configs", "fit_configs")
+    return {n: [c for c in v.split(",") if c] if n in lists else v for n, v in named.items()}
+
+
+def _calibrate_check(given: Given[CalibrateCfg]) -> None:
+    cfg = given.cfg.calibrate
+    if cfg.fit_configs and cfg.heldout_configs:
+        fits, held = given.name("calibrate.fit_configs"), given.name("calibrate.heldout_configs")
+        fail(f"{fits} and {held}: give one (each names the other's complement)")
+
+
 def calibrate_command(
+    ctx: typer.Context,
     trace: Annotated[
         Path,
         typer.Argument(
-            help="engine trace JSON, or a benchmarks/gpu_check.py result (its engine.trace and"
+            help="engine trace JSON, or a `specrl bench gpu` result (its engine.trace and"
             " engine.rollouts; see docs/simulator.md)"
         ),
     ],
+    config: Annotated[Path | None, CALIBRATE.config_option()] = None,
+    sets: Annotated[
+        list[str] | None,
+        CALIBRATE.set_option('calibrate.seed=3, calibrate.fit_configs=["bs1","bs64"]'),
+    ] = None,
     base: Annotated[
-        str,
-        typer.Option(
-            "--base",
-            help="hardware profile whose peak/bandwidth the fit scales (default: the trace's"
+        str | None,
+        CALIBRATE.option(
+            "base",
+            "hardware profile whose peak/bandwidth the fit scales (default: the trace's"
             " 'hardware', else cpu-2core)",
         ),
-    ] = "",
+    ] = None,
     out: Annotated[
-        Path, typer.Option("--out", help="where to write the fitted hardware profile TOML")
-    ] = Path("calibrated.toml"),
+        Path | None, CALIBRATE.option("out", "where to write the fitted hardware profile TOML")
+    ] = None,
     drafter_out: Annotated[
         Path | None,
-        typer.Option(
-            "--drafter-out",
-            help="model-free drafter traces: where to write the fitted drafter TOML"
+        CALIBRATE.option(
+            "drafter_out",
+            "model-free drafter traces: where to write the fitted drafter TOML"
             " (default: OUT with a -drafter suffix)",
         ),
     ] = None,
     name: Annotated[
-        str, typer.Option("--name", help="name of the fitted profile (default BASE-calibrated)")
-    ] = "",
+        str | None,
+        CALIBRATE.option("name", "name of the fitted profile (default BASE-calibrated)"),
+    ] = None,
     heldout: Annotated[
-        float, typer.Option("--heldout", help="fraction of records held out to report error")
-    ] = 0.25,
+        float | None,
+        CALIBRATE.option("heldout", "fraction of records held out to report error"),
+    ] = None,
     seed: Annotated[
-        int, typer.Option("--seed", help="seed of the held-out split", min=0, max=2**63 - 1)
-    ] = 0,
+        int | None,
+        CALIBRATE.option("seed", "seed of the held-out split", min=0, max=MAX_SEED),
+    ] = None,
     heldout_configs: Annotated[
-        str,
-        typer.Option(
-            "--heldout-configs",
-            help="comma-separated record 'config' labels held out as whole runs (instead of"
-            " --heldout)",
+        str | None,
+        CALIBRATE.option(
+            "heldout_configs",
+            "comma-separated record 'config' labels held out as whole runs (instead of --heldout)",
         ),
-    ] = "",
+    ] = None,
     fit_configs: Annotated[
-        str,
-        typer.Option(
-            "--fit-configs",
-            help="comma-separated record 'config' labels to fit on; every other config is held"
-            " out as a whole run (gpu_check: bs1,bs64 fits on batches 1 and 64)",
+        str | None,
+        CALIBRATE.option(
+            "fit_configs",
+            "comma-separated record 'config' labels to fit on; every other config is held"
+            " out as a whole run (bench gpu: bs1,bs64 fits on batches 1 and 64)",
         ),
-    ] = "",
-    as_json: Annotated[bool, typer.Option("--json", help="print the fit report as JSON")] = False,
+    ] = None,
+    as_json: Annotated[
+        bool | None, CALIBRATE.option("as_json", "print the fit report as JSON")
+    ] = None,
 ) -> None:
-    """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace (or a gpu_check result's
-    engine trace); write a hardware profile; report held-out configs and predicted rollouts."""
-    if not 0.0 <= heldout < 1.0:
-        fail(f"--heldout {heldout} must be in [0, 1)")
-    if fit_configs and heldout_configs:
-        fail("--fit-configs and --heldout-configs: give one (each names the other's complement)")
+    """Fit efficiency terms (overhead, bytes/s, FLOP/s) to a trace (or a bench gpu result's
+    engine trace); write a hardware profile; report held-out configs and predicted rollouts.
+    Settings: defaults <- --config FILE <- the options <- --set calibrate.key=value (every key:
+    specrl.config_commands.CalibrateCfg)."""
+    given = CALIBRATE.read_parsed(ctx, _calibrate_options, _calibrate_check)
+    cfg, what = given.cfg.calibrate, given.name
+    out = Path(cfg.out)
     if not out.name or out.is_dir():  # '.', '/', a directory: no file to write (nor a sibling)
-        fail(f"--out {out} is a directory: name the profile's TOML file")
+        fail(f"{what('calibrate.out')} {out} is a directory: name the profile's TOML file")
+    drafter_out = Path(cfg.drafter_out) if cfg.drafter_out else None
     drafter_out = drafter_out or out.with_stem(f"{out.stem}-drafter")
-    _check_writable(out, "--out", "file")
-    _check_writable(drafter_out, "--drafter-out", "file")
-    held = tuple(c for c in heldout_configs.split(",") if c)
+    _check_writable(out, what("calibrate.out"), "file")
+    _check_writable(drafter_out, what("calibrate.drafter_out"), "file")
+    held = tuple(cfg.heldout_configs)
     try:
         tr, raw_rollouts = read_calibration(trace)
         rollouts = parse_rollouts(raw_rollouts)
-        if fit_configs:
-            held = complement(tr, tuple(c for c in fit_configs.split(",") if c))
-        base_hw = load_hardware(base or tr.hardware or "cpu-2core")
+        if cfg.fit_configs:
+            held = complement(tr, tuple(cfg.fit_configs))
+        base_hw = load_hardware(cfg.base or tr.hardware or "cpu-2core")
         model = load_model(tr.model)  # the specs the fit needs, checked before it starts
         if tr.drafter:
             load_drafter(tr.drafter)
-        report = fit_trace(tr, base_hw, heldout, seed, name, held)
+        report = fit_trace(tr, base_hw, cfg.heldout, cfg.seed, cfg.name or "", held)
         checks = held_out_checks(model, report, tr, held, rollouts, left_out(raw_rollouts))
         write_profile(report, out, tr)
         drafter_path = write_drafter(report, drafter_out, tr)
@@ -240,7 +292,7 @@ def calibrate_command(
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {e.filename or out}: {e.strerror or e}")
-    if as_json:
+    if cfg.json_report:
         typer.echo(json.dumps(report.to_json() | checks, indent=2))
         return
     p = report.profile
@@ -285,6 +337,109 @@ def _echo_checks(checks: dict) -> None:
         )
     if rollouts["skipped"]:
         typer.echo(f"rollouts not measured: {', '.join(rollouts['skipped'])}")
+
+
+VALIDATE = Shortcuts(
+    ValidateCfg,
+    ValidateCfg.WHAT,
+    {
+        **named_as_keys("validation", "sections", "refit"),
+        "tornado": ("--tornado/--no-tornado", "validation.tornado"),
+        "json_path": ("--json", "validation.out"),
+    },
+    rules=ValidateCfg.RULES,
+)
+
+
+def _validate_options(named: dict[str, Any]) -> dict[str, Any]:
+    """The options given, ``--sections`` as a list (an unknown section: one line naming it)."""
+    if (text := named.get("sections")) is None:
+        return named
+    names = [n.strip() for n in text.split(",")]
+    if unknown := [n for n in names if n not in SECTIONS]:
+        fail(f"--sections: unknown section {unknown[0]!r}: choose from {','.join(SECTIONS)}")
+    return named | {"sections": names}
+
+
+def _chosen(cfg: ValidateCfg) -> list[str]:
+    """The sections that run, in ``SECTIONS`` order."""
+    v = cfg.validation
+    return [n for n in SECTIONS if n in v.sections and (v.tornado or n != "tornado")]
+
+
+def _validate_check(given: Given[ValidateCfg]) -> None:
+    if not _chosen(given.cfg):
+        tornado = given.name("validation.tornado")  # --no-tornado, or the key
+        off = tornado if tornado.startswith("--") else f"{tornado}=false"
+        fail(f"{given.name('validation.sections')}: nothing to run (only tornado, with {off})")
+
+
+def validate_command(
+    ctx: typer.Context,
+    config: Annotated[Path | None, VALIDATE.config_option()] = None,
+    sets: Annotated[
+        list[str] | None,
+        VALIDATE.set_option('validation.sections=["fits","heldout"], validation.refit=true'),
+    ] = None,
+    sections: Annotated[
+        str | None,
+        VALIDATE.option(
+            "sections",
+            f"comma-separated sections to run, in this order: {','.join(SECTIONS)}"
+            " (default: all; fits, heldout and nemo_rl take seconds, paper and tornado minutes)",
+            metavar="LIST",
+        ),
+    ] = None,
+    refit: Annotated[
+        bool | None,
+        VALIDATE.option(
+            "refit",
+            "fits section: re-derive the paper's fitted workload inputs (minutes) instead"
+            " of reading them from the scenario TOMLs",
+        ),
+    ] = None,
+    tornado: Annotated[
+        bool | None,
+        VALIDATE.option("tornado", "the sensitivity sweep of the paper scenarios"),
+    ] = None,
+    json_path: Annotated[
+        Path | None,
+        VALIDATE.option(
+            "json_path",
+            "write the record (command, date, machine, versions and every section's"
+            " rows) here, atomically (benchmarks/results/sim_validate.json)",
+            metavar="PATH",
+        ),
+    ] = None,
+) -> None:
+    """Run the simulator against published measurements (the paper's table, held-out serving
+    measurements, NeMo-RL steps) with their documented inputs; print each table with the signed
+    error of every row (full run: ~15 min on 2 cores, ~25 with --refit). Settings: defaults <-
+    --config FILE <- the options <- --set validation.key=value (every key:
+    specrl.config_commands.ValidateCfg)."""
+    given = VALIDATE.read_parsed(ctx, _validate_options, _validate_check)
+    cfg = given.cfg.validation
+    chosen = _chosen(given.cfg)
+    record = Path(cfg.out) if cfg.out is not None else None
+    if record is not None and (problem := result_file_problem(record)):
+        fail(f"{given.name('validation.out')}: {problem}")
+    command = validate_command_line(chosen, cfg.refit, record)
+    result = run_validation(chosen, cfg.refit, command, typer.echo)
+    if record is not None:
+        write_or_print(record, json.dumps(result, indent=2, default=float))
+        typer.echo(f"wrote {record}")
+
+
+def validate_command_line(sections: list[str], refit: bool, json_path: Path | None) -> str:
+    """The ``specrl simulate validate`` command line that reproduces a run (recorded in it)."""
+    words = ["specrl", "simulate", "validate"]
+    if sections != list(SECTIONS):
+        words += ["--sections", ",".join(sections)]
+    if refit:
+        words.append("--refit")
+    if json_path is not None:
+        words += ["--json", str(json_path)]
+    return " ".join(words)
 
 
 def list_command() -> None:

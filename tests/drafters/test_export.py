@@ -22,6 +22,7 @@ import typer
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from specrl.cli_export import register as register_export
 from specrl.drafters.cli import register
 from specrl.drafters.distill import init_draft, save_draft_model
 from specrl.drafters.export import (
@@ -457,7 +458,8 @@ def test_export_draft_model_refusals(tmp_path):
 def app() -> typer.Typer:
     app = typer.Typer(no_args_is_help=True, rich_markup_mode=None)
     app.callback()(lambda: None)
-    register(app)
+    register(app)  # train-drafter
+    register_export(app)  # export-drafter
     return app
 
 

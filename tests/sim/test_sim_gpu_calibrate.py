@@ -1,28 +1,29 @@
-"""benchmarks/gpu_calibrate.py end to end on the CPU (--tiny): its trace feeds the calibrate CLI."""
+"""The calibration grid of ``specrl bench gpu --mode calibrate`` (``specrl.gpubench.calibrate``)
+on the CPU in smoke: its trace feeds the calibrate CLI."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import typer
 from typer.testing import CliRunner
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_calibrate.py"
+from specrl.config_gpubench import load_gpubench
+from specrl.gpubench.calibrate import grid_of, run_calibrate
+from specrl.gpubench.common import prepare
 
 
 def test_tiny_cpu_trace_is_accepted_by_simulate_calibrate(tmp_path):
     trace = tmp_path / "trace.json"
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--repeats", "1"]
-    subprocess.run([*cmd, "--out", str(trace)], check=True, env=env, capture_output=True)
+    sets = ['run.mode="calibrate"', "run.smoke=true", 'run.device="cpu"', "calibrate.repeats=1",
+            f"run.out={json.dumps(str(trace))}"]  # fmt: skip
+    cfg = load_gpubench(None, sets)
+    run_calibrate(cfg, prepare(cfg))
     data = json.loads(trace.read_text())
     kinds = {r["kind"] for r in data["records"]}
     assert kinds == {"decode", "verify", "prefill"}
     assert {r["tokens_per_seq"] for r in data["records"] if r["kind"] == "verify"} == {4}
+    assert len(data["records"]) == len(grid_of(cfg).points())  # the budget stopped none
 
     from specrl.sim.cli import register
 
@@ -37,3 +38,14 @@ def test_tiny_cpu_trace_is_accepted_by_simulate_calibrate(tmp_path):
     report = json.loads(res.output)
     assert report["n_fit"] + report["n_heldout"] == len(data["records"])
     assert report["profile"]["name"] == "cpu-2core-calibrated" and prof.exists()
+
+
+def test_the_default_grid_is_the_documented_one():
+    """docs/gpu.md: 40 decode + 39 verify points whose KV cache fits 300k tokens, and 3
+    prefills; a smaller --max-kv-tokens keeps fewer."""
+    points = grid_of(load_gpubench(None, ['run.mode="calibrate"'])).points()
+    count = {k: sum(p.kind == k for p in points) for k in ("decode", "verify", "prefill")}
+    assert count == {"decode": 40, "verify": 39, "prefill": 3}
+    assert all(p.batch * (p.context + p.tokens) <= 300_000 for p in points)
+    fewer = grid_of(load_gpubench(None, ['run.mode="calibrate"', "calibrate.max_kv_tokens=4096"]))
+    assert 3 < len(fewer.points()) < len(points)

@@ -154,7 +154,13 @@ def test_sim_package_stands_apart():
     import subprocess
     import sys
 
-    leaves = ("specrl.errors", "specrl.fsutil", "specrl.cli_util", "specrl.settings")  # leaves
+    leaves = (
+        "specrl.errors",
+        "specrl.fsutil",
+        "specrl.cli_util",
+        "specrl.settings",
+        "specrl.config_commands",
+    )  # leaves
     code = (  # and the step-cost model it shares with the speculation controller
         "import sys, specrl.sim.cli; bad = [m for m in sys.modules if m == 'torch' or "
         "(m.startswith('specrl.') and not m.startswith(('specrl.sim', 'specrl.costmodel')) "

@@ -1,19 +1,18 @@
-"""The ``engine`` section of benchmarks/gpu_check.py: specrl's engine on a random Llama-3.1-8B.
+"""The check's ``engine`` section: specrl's engine in bf16 on a random Llama-3.1-8B.
 
 Contract: ``engine_section(device, smoke, floors, mode, deadline, guard, out)`` returns the
 section's dict (layout in docs/gpu.md): (a) decode step time at each batch for specrl's engine
 with ``step_graphs=mode``, with ``"off"`` and for transformers' static-cache ``generate``, against
 the floor (weight bytes / ``floors``' copy bandwidth); (b) a verify step at k drafts against a
-decode step; (c) rollouts with an oracle drafter at set acceptance lengths against plain; the
-engine's step records of (a) and (b) as a calibration trace (``specrl simulate calibrate``).
-Points run in priority order, each through ``guard(name, fn)``, skipped once ``deadline``
-(``perf_counter``) passes. Imports only what the GPU machine has (no sim, no pydantic here).
+decode step; (c) rollouts with an oracle drafter at set acceptance lengths against plain
+(``rollouts``); the engine's step records of (a) and (b) as a calibration trace (``specrl
+simulate calibrate``). Points run in priority order, each through ``guard(name, fn)``, skipped
+once ``deadline`` (``perf_counter``) passes.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import random
 import statistics
 import time
@@ -21,19 +20,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from gpu_calibrate import LLAMA_8B, TINY, build_model, hardware_name, model_spec_toml
 
 from specrl.engine import Engine
-from specrl.models.config import ModelConfig
+from specrl.gpubench.common import inference_model, ratio, seconds
+from specrl.gpubench.oracle import fixed_spec
+from specrl.gpubench.rollouts import requests, rollout_batch
+from specrl.gpubench.sizes import ENGINE_GPU, ENGINE_SMOKE, EngineSizes
+from specrl.gpubench.trace import trace_document
 from specrl.models.device import synchronize
 from specrl.models.transformer import Transformer
-from specrl.rollout_types import Request, StepRecord
-from specrl.sampling import SamplingParams
-from specrl.spec.config import SpecConfig
-from specrl.spec.proposers import Draft, Proposer, register_proposer
+from specrl.rollout_types import StepRecord
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 Guard = Callable[[str, Callable[[], dict]], dict]
 # the run summary's keys from this section (``section_summary``)
@@ -41,68 +43,6 @@ ENGINE_KEYS = ("decode_bs1_over_floor", "decode_bs64_over_transformers",
                "verify_k3_bs1_over_decode", "oracle_al3.3_bs1_speedup")  # fmt: skip
 CONTENDERS = ("specrl", "specrl_off", "transformers")  # (a): step_graphs=mode, "off", theirs
 MAX_PAIRS_FACTOR = 4  # (a): extra (short, long) pairs while the step estimate is not positive
-BOOK_ROUNDS = 8  # (c): at most this many oracle rollouts settle the book (``settle_book``)
-SEED = 1  # every request's seed: its B samples get sample seeds sample_seed(SEED, i)
-
-
-@dataclass(frozen=True)
-class EngineSizes:
-    """The section's sizes: the GPU's, or ``--smoke``'s."""
-
-    model: ModelConfig
-    model_name: str  # the simulator's bundled spec ("" = write one beside the result)
-    prompt: int  # tokens of the one prompt every row samples from (a GRPO group)
-    batches: tuple[int, ...]  # decode points (a), in the order they run
-    short_tokens: int  # (a): step time = (min T(long) - min T(short)) / (long - short)
-    long_tokens: int
-    repeats: int  # (a): timed (short, long) pairs after one warm-up long call
-    transformers_batches: tuple[int, ...]  # (a) for transformers, in the order they run
-    verify_points: tuple[tuple[int, int], ...]  # (b): (batch, k), in the order they run
-    verify_tokens: int
-    rollout_batches: tuple[int, ...]  # (c)
-    rollout_tokens: int
-    rollout_k: int
-    acceptance_lengths: tuple[float, ...]  # (c): targets, emitted tokens per verify step
-
-
-GPU = EngineSizes(
-    LLAMA_8B, "llama-3.1-8b", prompt=512, batches=(1, 8, 64, 256), short_tokens=16,
-    long_tokens=64, repeats=3, transformers_batches=(64, 8, 256, 1),
-    verify_points=tuple((b, k) for b in (1, 64, 256) for k in (3, 5, 7)), verify_tokens=32,
-    rollout_batches=(1, 64), rollout_tokens=256, rollout_k=5, acceptance_lengths=(2.0, 2.8, 3.3),
-)  # fmt: skip
-SMOKE = EngineSizes(
-    TINY, "", prompt=16, batches=(1, 64), short_tokens=4, long_tokens=20, repeats=2,
-    transformers_batches=(64,), verify_points=((1, 3),), verify_tokens=8,
-    rollout_batches=(1, 8), rollout_tokens=64, rollout_k=3, acceptance_lengths=(2.0, 2.8, 3.3),
-)  # fmt: skip
-
-
-def solve_alpha(acceptance_length: float, k: int) -> float:
-    """The per-token acceptance a whose expected acceptance length at k drafts, bonus token
-    included, 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a), is ``acceptance_length``."""
-    if not 1.0 < acceptance_length < k + 1:
-        raise ValueError(f"acceptance length {acceptance_length} is outside (1, {k + 1}) at k={k}")
-    lo, hi = 0.0, 1.0
-    for _ in range(60):  # the sum rises with a: bisection to below 1e-15
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < acceptance_length else (lo, mid)
-    return (lo + hi) / 2
-
-
-@register_proposer("gpu-check-fixed")
-class FixedProposer(Proposer):
-    """Drafts k tokens per row that verification all but always rejects (the ids after the
-    row's last token): a verify step of exactly k drafts, whatever the model."""
-
-    deterministic = True
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def propose(self, batch, k: int) -> Draft:
-        rows = [[(h[-1] + 1 + i) % self.vocab for i in range(k)] for h in batch.histories]
-        return Draft.from_lists(rows, k)
 
 
 @dataclass
@@ -121,29 +61,10 @@ class Points:
         return self.guard(name, fn)
 
 
-def requests(prompt: list[int], batch: int, new_tokens: int) -> list[Request]:
-    """``batch`` samples of ``prompt`` (one request, n = batch), exactly ``new_tokens`` each."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=batch, seed=SEED)
-    return [Request(prompt, params)]
-
-
-def seconds(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    """Wall seconds of ``fn()`` (synchronised) and its result."""
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return time.perf_counter() - t0, out
-
-
 def median_time(records: list[StepRecord], batch: int, tokens: int) -> float | None:
     """The median step time of ``records`` of ``batch`` rows and ``tokens`` per row."""
     times = [r.step_time_s for r in records if (r.batch_size, r.tokens_per_seq) == (batch, tokens)]
     return statistics.median(times) if times else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 # --------------------------------------------------------------------------- (a) decode
@@ -213,7 +134,7 @@ def engine_decode(
     }
 
 
-def transformers_model(model: Transformer, device: torch.device):
+def transformers_model(model: Transformer, device: torch.device) -> LlamaForCausalLM:
     """transformers' ``LlamaForCausalLM`` in bf16 on ``device`` holding ``model``'s weights (no
     end-of-sequence token: every row runs to ``max_new_tokens``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -229,7 +150,7 @@ def transformers_model(model: Transformer, device: torch.device):
 
 
 @torch.inference_mode()
-def same_logits(model: Transformer, hf, prompt: list[int]) -> dict:
+def same_logits(model: Transformer, hf: LlamaForCausalLM, prompt: list[int]) -> dict:
     """Both models' last-position logits on a prefix of ``prompt`` (the same weights: equal up
     to bf16 rounding)."""
     ids = torch.tensor([prompt[:16]], device=hf.device)  # [1, T]
@@ -240,7 +161,9 @@ def same_logits(model: Transformer, hf, prompt: list[int]) -> dict:
     return {"logits_max_abs_diff": diff, "logits_max_abs": float(ours.abs().max())}
 
 
-def transformers_decode(hf, prompt: list[int], batch: int, z: EngineSizes, deadline: float) -> dict:
+def transformers_decode(
+    hf: LlamaForCausalLM, prompt: list[int], batch: int, z: EngineSizes, deadline: float
+) -> dict:
     """transformers' static-cache ``generate`` (sampling at temperature 1, compiled as
     ``generate`` does it on CUDA: ``torch.compile`` of the decode forward, reduce-overhead) at
     ``batch`` rows: ``step_times``; the warm-up compiles."""
@@ -265,8 +188,7 @@ def verify_point(
     """A verify step of ``batch`` rows with k drafts each (``FixedProposer``, k fixed): the
     median verify record (the k+1-token forward, the rejection sampler, bookkeeping) of one
     timed call after a warm-up call; its verify records to ``trace``."""
-    spec = SpecConfig("gpu-check-fixed", k, options={"vocab": z.model.vocab_size},
-                      exact="sample", adaptive=False)  # fmt: skip
+    spec = fixed_spec(k, z.model.vocab_size)
     reqs = requests(prompt, batch, z.verify_tokens)
     engine.generate(reqs, spec=spec)  # warm-up: captures this batch's verify step
     engine.record_steps = True
@@ -278,116 +200,6 @@ def verify_point(
     trace += records
     full = sum(r.tokens_per_seq == k + 1 for r in records)
     return {"verify_s": median_time(records, batch, k + 1), "verify_steps": full, "call_s": call_s}
-
-
-# --------------------------------------------------------------------------- (c) rollouts
-
-
-def oracle_spec(z: EngineSizes, book: dict[int, list[int]], alpha: float) -> SpecConfig:
-    """The oracle drafter at fixed k drafting ``book`` with per-token acceptance ``alpha``; a
-    row off its book drafts k wrong tokens (every step of a row a verify step of k + 1)."""
-    from reasoning_spec_vs_plain import OracleProposer  # noqa: F401 (registers "oracle")
-
-    options = {"book": book, "accept": alpha, "off_book": True}
-    return SpecConfig("oracle", z.rollout_k, options=options, exact="sample", adaptive=False)
-
-
-def book_of(out: list) -> dict[int, list[int]]:
-    """Each sample seed's prompt + completion in ``out`` (the oracle's book)."""
-    return {c.seed: list(c.prompt_ids) + list(c.token_ids) for c in out}
-
-
-def settle_book(
-    engine: Engine,
-    reqs: list[Request],
-    book: dict[int, list[int]],
-    z: EngineSizes,
-    deadline: float = math.inf,
-) -> tuple[dict[int, list[int]], int, bool]:
-    """The book the oracle's own rollouts reproduce, the rounds it took and whether one did:
-    oracle rollouts at acceptance 1, each drafting the last one's tokens, until one reproduces
-    its book (at most ``BOOK_ROUNDS``, none begun past ``deadline`` after the first). A
-    position sampled in a verify step (k + 1 tokens per row) may round differently from the
-    plain step's (1 token) in bf16 on a GPU, and with near-uniform
-    logits (random weights) an inverse-CDF sample flips often. Past a row's first flip the
-    oracle drafts k wrong tokens, so every token of a round comes from a verify step of the
-    timed runs' shape; where a position rounds alike at every offset of that step (one GEMM
-    shape) the next round reproduces it: two rounds settle the book (more where it does not).
-    On the CPU the verify step rounds like the plain one and round 0 settles it (the plain
-    book)."""
-    for rounds in range(BOOK_ROUNDS):
-        if rounds and time.perf_counter() > deadline:
-            return book, rounds, False
-        out = book_of(engine.generate(reqs, spec=oracle_spec(z, book, 1.0)))
-        if out == book:
-            return book, rounds, True
-        book = out
-    return book, BOOK_ROUNDS, False
-
-
-def static_builds(engine: Engine) -> int:
-    """Static steps the engine has built so far (0 without static steps; the oracle drafts on
-    the host, so it has none of its own)."""
-    return 0 if engine.static is None else engine.static.graphs.built
-
-
-def warm_seconds(engine: Engine, fn: Callable[[], Any]) -> tuple[float, Any, int]:
-    """Seconds and result of ``fn`` (a generate call), and its runs: run again (once) when it
-    built static steps (captured a CUDA graph) on the way, so the time is of warm steps. An
-    oracle at acceptance < 1 meets batch buckets and spans a lockstep run does not (rows finish
-    apart), and its rollouts repeat exactly, so the second run builds none."""
-    before = static_builds(engine)
-    t, out = seconds(fn, engine.device)
-    if static_builds(engine) == before:
-        return t, out, 1
-    t, out = seconds(fn, engine.device)
-    return t, out, 2
-
-
-def rollout_batch(
-    engine: Engine, prompt: list[int], batch: int, z: EngineSizes, deadline: float
-) -> dict:
-    """Plain and oracle-drafted rollouts of ``batch`` rows (sample-exact verification, fixed k),
-    each timed once after a warm-up call; the oracle drafts the settled book (``settle_book``,
-    whose first round is the oracle's warm-up; a timed oracle run that built static steps is
-    run again, ``warm_seconds``). ``same_tokens``: the oracle's rollout equals
-    plain's (sample-exact; on a GPU only where the step shapes round alike); ``same_as_book``:
-    it equals the book it drafted."""
-    reqs = requests(prompt, batch, z.rollout_tokens)
-    tokens = batch * z.rollout_tokens
-    engine.generate(reqs)  # warm-up
-    plain_s, plain = seconds(partial(engine.generate, reqs), engine.device)
-    book, rounds, settled = settle_book(engine, reqs, book_of(plain), z, deadline)
-    rows = []
-    for i, target in enumerate(z.acceptance_lengths):
-        config = f"al{target}_bs{batch}"
-        if i and time.perf_counter() > deadline:
-            rows.append({"config": config, "batch_size": batch, "skipped": "deadline"})
-            continue
-        alpha = solve_alpha(target, z.rollout_k)
-        spec = oracle_spec(z, book, alpha)
-        spec_s, out, runs = warm_seconds(engine, partial(engine.generate, reqs, spec=spec))
-        rows.append({
-            "config": config,
-            "batch_size": batch,
-            "prompt_tokens": len(prompt),
-            "new_tokens": z.rollout_tokens,
-            "k": z.rollout_k,
-            "acceptance_length": target,
-            "alpha": alpha,
-            "measured_acceptance_length": engine.stats.acceptance_length,
-            "plain_s": plain_s,
-            "spec_s": spec_s,
-            "plain_tokens_per_s": tokens / plain_s,
-            "spec_tokens_per_s": tokens / spec_s,
-            "speedup": plain_s / spec_s,
-            "spec_runs": runs,
-            "book_rounds": rounds,
-            "book_settled": settled,
-            "same_tokens": [c.token_ids for c in out] == [c.token_ids for c in plain],
-            "same_as_book": book_of(out) == book,
-        })  # fmt: skip
-    return {"rows": rows}
 
 
 # --------------------------------------------------------------------------- the section
@@ -431,19 +243,11 @@ def decode_row(batch: int, floor: dict, points: dict[tuple[int, str], dict]) -> 
 def trace_of(
     records: list[StepRecord], device: torch.device, z: EngineSizes, mode: str, out: Path
 ) -> dict:
-    """The decode and verify records as a calibration trace (``specrl.sim.calibrate``), each
-    record's ``config`` its batch size; in smoke the tiny model's spec is written beside
-    ``out``."""
-    machine, hardware = hardware_name(str(device))
-    model = z.model_name
-    if not model:
-        spec = out.with_suffix(".model.toml")
-        spec.write_text(model_spec_toml(z.model, "tiny-llama"))
-        model = str(spec.resolve())
+    """The decode and verify records as a calibration trace, each record's ``config`` its
+    batch size; in smoke the tiny model's spec is written beside ``out``."""
     rows = [r.to_json() | {"config": f"bs{r.batch_size}"} for r in records]
     meta = {"step_graphs": mode, "prompt_tokens": z.prompt}
-    return {"machine": machine, "model": model, "dtype": "bf16", "hardware": hardware,
-            "records": rows, "meta": meta}  # fmt: skip
+    return trace_document(rows, device, z.model, z.model_name, out, meta)
 
 
 def section_summary(decode: list[dict], verify: list[dict], rollouts: list[dict]) -> dict:
@@ -535,10 +339,10 @@ def engine_section(
 ) -> dict:
     """The section (module docstring); ``out`` is the result's path (smoke's model spec goes
     beside it)."""
-    z = SMOKE if smoke else GPU
+    z = ENGINE_SMOKE if smoke else ENGINE_GPU
     pts = Points(deadline, guard)
     t0 = time.perf_counter()
-    model = build_model(z.model, str(device), torch.bfloat16)
+    model = inference_model(z.model, device, torch.bfloat16)
     synchronize(device)
     build_s = time.perf_counter() - t0
     rng = random.Random(0)
