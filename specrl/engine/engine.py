@@ -1,8 +1,9 @@
 """Continuous-batching generation over a preallocated KV cache.
 
 ``Engine(model).generate(requests)`` returns ``n`` completions per request, in request order,
-their per-token tensors views of one flat ``RolloutTensors`` (tokens are kept on the device by
-slot while rows decode, ``engine.tokens``, and reach the host once per finished row);
+their per-token tensors views of one flat ``RolloutTensors`` (each live row keeps its tokens,
+logprobs and versions as lists, ``call.emit``; a finished row's become tensors at once, so that
+``on_done`` announces whole completions);
 a bad request comes back as an ``"error"`` completion while the others run; a row stops at the
 context (``"length"``). Sampling is counter-based per request seed, so a request samples the
 same tokens alone or batched. Each iteration admits rows (``admission``), grows the cache

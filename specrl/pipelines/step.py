@@ -189,7 +189,7 @@ def logprob_delta(
     t0 = time.perf_counter()
     live = [c for c in comps if c.num_tokens]
     if ours is None:
-        ours = learner.raw_logprobs([(c.prompt_ids, c.token_ids) for c in live])
+        ours = learner.raw_logprobs([(c.prompt_ids, c.tokens) for c in live])
     if len(ours) != len(live):
         raise ValueError(f"{len(ours)} learner logprob rows for {len(live)} completions")
     mine = torch.cat([o.float() for o in ours]).cpu() if ours else torch.zeros(0)  # one copy

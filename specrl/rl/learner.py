@@ -359,22 +359,16 @@ class Learner:
         logprobs: torch.Tensor,  # [N, T]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Behaviour logprobs [N, T] (the current ones where a sample has none, and at
-        padding) and which samples have them [N], on ``logprobs``' device: the samples'
-        tensors concatenated, moved once and scattered into place (no Python per token)."""
+        padding) and which samples have them [N], on ``logprobs``' device (the samples'
+        tensors padded on the host, no Python per token, and moved once)."""
+        none = torch.zeros(0)
         old = [_behaviour_of(s) for s in samples]
         has = torch.tensor([o is not None for o in old])  # [N]
-        given = [o for o in old if o is not None]
-        if not given:
-            return logprobs.detach(), has.to(logprobs.device)
-        flat = torch.cat(given).to(logprobs.device, logprobs.dtype)  # [M]
-        lengths = torch.tensor([len(o) if o is not None else 0 for o in old])  # [N]
-        rows = torch.repeat_interleave(torch.arange(len(old)), lengths)  # [M]
-        cols = torch.arange(len(flat)) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
-                                                                 lengths)  # fmt: skip
-        rows, cols, has = on(logprobs.device, rows, cols, has)
-        out = logprobs.detach().clone()
-        out[rows, cols] = flat
-        return out, has
+        width = logprobs.shape[1]
+        given = _padded([none if o is None else o for o in old], width)  # [N, T]
+        known = _padded([torch.ones(0 if o is None else len(o)) for o in old], width).bool()
+        given, known, has = on(logprobs.device, given.to(logprobs.dtype), known, has)
+        return torch.where(known, given, logprobs.detach()), has
 
     def _grads_to_masters(self) -> None:
         """'params' mode: add the bf16 gradients, in float32, to the masters' ``.grad``."""
