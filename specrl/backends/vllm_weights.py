@@ -23,7 +23,7 @@ Staged = list[tuple[str, torch.Tensor]]  # (checkpoint name, engine-dtype copy) 
 
 def to_hf(named: Mapping[str, torch.Tensor], config: ModelConfig) -> Iterator[tuple[str, Any]]:
     """Our parameter names -> Hugging Face checkpoint names (fused q/k/v, gate/up split)."""
-    from specrl.models.checkpoints import name_map
+    from specrl.models.checkpoints import hf_split, name_map, split_sizes
 
     for ours, theirs in name_map(config):
         if ours not in named:
@@ -31,17 +31,10 @@ def to_hf(named: Mapping[str, torch.Tensor], config: ModelConfig) -> Iterator[tu
                 continue  # absent in this model (tied head, no bias / qk-norm)
             raise ValueError(f"weight update: no tensor for parameter {ours!r}")
         t = named[ours].detach()
-        if len(theirs) == 1:
-            yield theirs[0], t
-            continue
-        if len(theirs) == 3:
-            kv = config.num_kv_heads * config.head_dim
-            sizes = [config.num_heads * config.head_dim, kv, kv]
-        else:
-            sizes = [config.intermediate_size, config.intermediate_size]
-        if t.shape[0] != sum(sizes):
+        rows = t.flatten(0, 1).shape[0] if t.dim() == 3 else t.shape[0]
+        if len(theirs) > 1 and rows != sum(split_sizes(config, theirs, rows)):
             raise ValueError(f"weight update: tensor {ours!r} has shape {tuple(t.shape)}")
-        yield from zip(theirs, t.split(sizes), strict=True)
+        yield from hf_split(config, theirs, t).items()
 
 
 def vllm_to_ours(config: ModelConfig) -> dict[str, str]:

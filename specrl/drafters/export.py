@@ -274,7 +274,7 @@ def eagle3_tensors(
         if ours in state:
             t = state[ours]
             rows = t.shape[0] if t.dim() else 0
-            sizes = [rows] if len(theirs) == 1 else split_sizes(target, len(theirs))
+            sizes = [rows] if len(theirs) == 1 else split_sizes(target, theirs, rows)
             if t.dim() == 0 or rows != sum(sizes):
                 raise ExportError(
                     f"head tensor {ours} has shape {tuple(t.shape)}: not this target's"

@@ -46,6 +46,8 @@ _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
 # inverse frequencies older transformers versions saved (made from the config here).
 UNUSED_OK = (".rotary_emb.inv_freq",)
 LISTED_TENSORS = 3  # tensor names an error lists before "..."
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")  # a SwiGLU's HF projections
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # Mixtral's names for an expert's gate, up and down
 
 
 class CheckpointError(ValueError):
@@ -346,7 +348,7 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _layer_map(i: int) -> list[tuple[str, list[str]]]:
+def _layer_map(c: ModelConfig, i: int) -> list[tuple[str, list[str]]]:
     """(our name, [HF names concatenated along dim 0]) for layer i."""
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     q = f"layers.{i}."
@@ -358,9 +360,36 @@ def _layer_map(i: int) -> list[tuple[str, list[str]]]:
         (q + "attn.q_norm.weight", [a + "q_norm.weight"]),
         (q + "attn.k_norm.weight", [a + "k_norm.weight"]),
         (q + "mlp_norm.weight", [p + "post_attention_layernorm.weight"]),
-        (q + "mlp.gate_up.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-        (q + "mlp.down.weight", [p + "mlp.down_proj.weight"]),
+        *(_moe_map(c, i) if c.is_moe_layer(i) else _mlp_map(q + "mlp.", p + "mlp.")),
     ]
+
+
+def _mlp_map(ours: str, hf: str) -> list[tuple[str, list[str]]]:
+    """A SwiGLU's fused gate/up and its down projection under prefixes ``ours`` and ``hf``."""
+    gate, up, down = MLP_NAMES
+    return [
+        (ours + "gate_up.weight", [f"{hf}{gate}.weight", f"{hf}{up}.weight"]),
+        (ours + "down.weight", [f"{hf}{down}.weight"]),
+    ]
+
+
+def _moe_map(c: ModelConfig, i: int) -> list[tuple[str, list[str]]]:
+    """A MoE layer's router, stacked experts (every expert's HF tensors in order, concatenated
+    along dim 0 and viewed as the stacked shape) and Qwen2-MoE's shared expert."""
+    ours = f"layers.{i}.mlp."
+    mixtral = c.model_type == "mixtral"
+    hf = f"model.layers.{i}." + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = MIXTRAL_EXPERT_NAMES if mixtral else MLP_NAMES
+    experts = [f"{hf}experts.{e}." for e in range(c.num_experts)]
+    pairs = [
+        (ours + "gate.weight", [hf + "gate.weight"]),
+        (ours + "gate_up", [f"{x}{name}.weight" for x in experts for name in (gate, up)]),
+        (ours + "down", [f"{x}{down}.weight" for x in experts]),
+    ]
+    if c.shared_expert_intermediate_size:
+        pairs += _mlp_map(ours + "shared_", hf + "shared_expert.")
+        pairs.append((ours + "shared_gate.weight", [hf + "shared_expert_gate.weight"]))
+    return pairs
 
 
 def name_map(config: ModelConfig) -> list[tuple[str, list[str]]]:
@@ -370,7 +399,7 @@ def name_map(config: ModelConfig) -> list[tuple[str, list[str]]]:
         ("norm.weight", ["model.norm.weight"]),
     ]
     for i in range(config.num_layers):
-        pairs += _layer_map(i)
+        pairs += _layer_map(config, i)
     if not config.tie_word_embeddings:
         pairs.append(("lm_head.weight", ["lm_head.weight"]))
     return pairs
@@ -422,7 +451,8 @@ def tensor_mismatch(config: ModelConfig, used: set[str], names: Iterable[str]) -
 
 def load_state(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
     """Copy Hugging Face-named tensors into ``model`` (shapes checked, nothing left unset,
-    nothing left unused: ``tensor_mismatch``)."""
+    nothing left unused: ``tensor_mismatch``); stacked experts are their experts' tensors
+    concatenated and viewed in the stacked shape."""
     params = dict(model.named_parameters())
     problem = tensor_mismatch(model.config, used_tensors(model), hf)
     if problem is not None:
@@ -431,10 +461,12 @@ def load_state(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
         if ours not in params:
             continue
         value = torch.cat([hf[n] for n in theirs], dim=0)
-        if value.shape != params[ours].shape:
+        want = params[ours].shape
+        if value.numel() == want.numel() and value.dim() == 2 and len(want) == 3:
+            value = value.view(want)  # [E * rows, cols] -> [E, rows, cols]
+        if value.shape != want:
             raise CheckpointError(
-                f"tensor {theirs[0]} has shape {tuple(value.shape)}, "
-                f"expected {tuple(params[ours].shape)}"
+                f"tensor {theirs[0]} has shape {tuple(value.shape)}, expected {tuple(want)}"
             )
         with torch.no_grad():
             params[ours].copy_(value)
@@ -445,21 +477,29 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {}
     for ours, theirs in name_map(model.config):
-        if ours not in params:
-            continue
-        t = params[ours].detach()
-        parts = [t] if len(theirs) == 1 else t.split(split_sizes(model.config, len(theirs)))
-        out.update({name: p.contiguous() for name, p in zip(theirs, parts, strict=True)})
+        if ours in params:
+            out.update(hf_split(model.config, theirs, params[ours].detach()))
     return out
 
 
-def split_sizes(c: ModelConfig, n: int) -> list[int]:
-    """Row counts of the n Hugging Face tensors a fused specrl tensor splits into: 3 for the
-    fused attention projection (q, k, v), 2 for the fused MLP input (gate, up)."""
-    if n == 3:
+def hf_split(c: ModelConfig, theirs: list[str], t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A specrl tensor ``t`` as the Hugging Face tensors ``theirs`` it fuses (``name_map``):
+    q/k/v split by heads, gate/up halves, stacked experts one tensor per expert and part."""
+    if len(theirs) == 1:
+        return {theirs[0]: t.contiguous()}
+    rows = t.flatten(0, 1) if t.dim() == 3 else t  # stacked experts [E, r, c] -> [E * r, c]
+    parts = rows.split(split_sizes(c, theirs, rows.shape[0]))
+    return {n: p.contiguous() for n, p in zip(theirs, parts, strict=True)}
+
+
+def split_sizes(c: ModelConfig, theirs: list[str], rows: int) -> list[int]:
+    """Row counts of the Hugging Face tensors ``theirs`` that a fused specrl tensor of ``rows``
+    rows (stacked experts flattened) splits into: q, k, v by heads; any other fusion (gate/up,
+    an expert's parts) in equal parts."""
+    if len(theirs) == 3 and ".q_proj." in theirs[0]:
         kv = c.num_kv_heads * c.head_dim
         return [c.num_heads * c.head_dim, kv, kv]
-    return [c.intermediate_size, c.intermediate_size]
+    return [rows // len(theirs)] * len(theirs)
 
 
 def load_model(

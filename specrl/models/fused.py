@@ -4,9 +4,10 @@
 ``Transformer.hidden_states`` returns for a stack of decoder blocks and its final norm from ONE
 ``GemvKernel.layers`` call, bit for bit what the modules compute, or None where that path does
 not apply (a switch off, no kernel, autograd, not bf16, no cache read, layer features the
-kernels do not take, weights not packed yet) and the caller runs the modules. It reads the
-modules through the protocols below (what ``models.transformer``'s ``Block``, ``RMSNorm`` and
-``AttnContext`` offer), so that it imports nothing of the model that calls it.
+kernels do not take, MoE layers among them, weights not packed yet) and the caller runs the
+modules. It reads the modules through the protocols below (what ``models.transformer``'s
+``Block``, ``RMSNorm`` and ``AttnContext`` offer), so that it imports nothing of the model that
+calls it.
 Details, and why: docs/internals.md.
 """
 
@@ -119,7 +120,7 @@ def _kernel(
     """The kernel when the one-call path applies to this stack and forward (see module)."""
     if ctx.cache is None or not ctx.read_cache or ctx.static or not x.is_contiguous():
         return None
-    if c.qk_norm or c.attention_bias or c.head_dim % 32 or c.head_dim > 256:
+    if c.is_moe or c.qk_norm or c.attention_bias or c.head_dim % 32 or c.head_dim > 256:
         return None
     kernel = gemv.native_bf16(x, cos, ctx.cache.k, final_norm.weight)
     return kernel if kernel is not None and final_norm.native else None

@@ -24,6 +24,7 @@ from specrl.models.cache import KVCache
 from specrl.models.config import ModelConfig
 from specrl.models.fused import run_layers
 from specrl.models.linear import Linear
+from specrl.models.moe import MoE, Routing
 from specrl.models.packed_attention import PackedAttention, PackedMask, use_flex
 from specrl.models.rope import rope_inv_freq, rotate_half
 
@@ -194,16 +195,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm decoder layer: attention, then a dense SwiGLU or (``config.is_moe_layer``) a
+    mixture of experts, which reads the forward's ``ctx.routing``."""
+
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.attn = Attention(c, layer)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.moe = c.is_moe_layer(layer)
+        self.mlp = MoE(c, c.moe_layers.index(layer)) if self.moe else MLP(c)
 
     def forward(self, x, cos, sin, ctx: AttnContext) -> torch.Tensor:
         x, h = self.mlp_norm.add_norm(x, self.attn(self.attn_norm(x), cos, sin, ctx))
-        return x + self.mlp(h)
+        return x + (self.mlp(h, ctx.routing, not ctx.static) if self.moe else self.mlp(h))
 
 
 @dataclass
@@ -220,6 +225,7 @@ class AttnContext:
     store: torch.Tensor | None = None  # [B, T] cache position of each token (None: positions)
     packed: PackedMask | None = None  # packed rows via flex attention (no cache; mask None)
     static: bool = False  # a static step: the whole cache through SDPA, no host reads
+    routing: Routing | None = None  # MoE layers' routing record / replay (``models.moe``)
     _visible: tuple | None = field(default=None, repr=False)  # visible_keys(), once per forward
     _written: tuple | None = field(default=None, repr=False)  # write_index(), once per forward
 
@@ -372,6 +378,7 @@ class Transformer(nn.Module):
         prefill: bool = False,
         tree: torch.Tensor | None = None,
         parents: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [B, T, H] and the outputs of layers in ``capture``.
 
@@ -386,9 +393,11 @@ class Transformer(nn.Module):
         a mask built on the device, no host read of device data. With ``tree`` ([T, T]
         ancestor-or-self, a draft tree) the T tokens are stored at consecutive cache positions from
         ``positions[:, 0]`` while RoPE uses ``positions`` (a token's depth), and each token
-        attends to the cache before the root and to its ancestors only.
+        attends to the cache before the root and to its ancestors only. ``routing``
+        (``models.moe.Routing``): the MoE layers record their experts into it or replay its.
         """
         ctx = self.attn_context(positions, cache, kv_len, segments, slots, prefill, tree, parents)
+        ctx.routing = routing
         cos, sin = self.rope(positions)
         x = self.embed(ids)
         if self.native_layers:  # the whole stack in one native call, where that applies
@@ -417,10 +426,12 @@ class Transformer(nn.Module):
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         prefill: bool = False,  # write the cache, attend only within ids
         tree: torch.Tensor | None = None,  # [T, T] draft tree (see ``hidden_states``)
+        routing: Routing | None = None,  # MoE routing record / replay (``models.moe``)
     ) -> ForwardOutput:
         h, captured = self.hidden_states(
-            ids, positions, cache, kv_len, capture, slots=slots, prefill=prefill, tree=tree
-        )
+            ids, positions, cache, kv_len, capture, slots=slots, prefill=prefill, tree=tree,
+            routing=routing,
+        )  # fmt: skip
         sel = h if logits_at is None else h.gather(1, _expand_idx(logits_at, h.shape[-1]))
         return ForwardOutput(self.lm_head(sel), h, captured)
 

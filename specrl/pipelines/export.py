@@ -50,12 +50,12 @@ from specrl.errors import one_line
 from specrl.fsutil import fsync_path, naming, room_problem, writable_problem
 from specrl.models.checkpoints import (
     CheckpointError,
+    hf_split,
     hf_state_dict,
     load_config,
     load_tokenizer,
     name_map,
     resolve_model,
-    split_sizes,
 )
 from specrl.models.config import ModelConfig
 from specrl.models.heads import DraftHead, default_layers, read_head_config, save_head
@@ -272,10 +272,8 @@ def _hf_names(ours: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str
     for name, theirs in name_map(config):
         if name not in ours:
             continue
-        t = ours[name]
         used.add(name)
-        parts = [t] if len(theirs) == 1 else t.split(split_sizes(config, len(theirs)))
-        out.update({n: p.contiguous() for n, p in zip(theirs, parts, strict=True)})
+        out.update(hf_split(config, theirs, ours[name]))
     extra = sorted(set(ours) - used)
     if extra:
         raise ModelExportError(f"the sharded policy has a tensor {extra[0]} the model has no "

@@ -34,6 +34,12 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     """The cost model's description of a ``specrl.models.transformer.Transformer``."""
     c = model.config
     params = float(sum(p.numel() for p in model.parameters()))
+    moe = {}
+    if c.is_moe:  # a shared expert counted in experts of the routed width
+        shared = round(c.shared_expert_intermediate_size / c.moe_intermediate_size)
+        moe = dict(experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+                   shared_experts=shared, moe_layers=len(c.moe_layers),
+                   moe_intermediate=c.moe_intermediate_size)  # fmt: skip
     return ModelSpec(
         name=f"engine-{c.model_type}",
         layers=c.num_layers,
@@ -44,7 +50,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         vocab=c.vocab_size,
         intermediate=c.intermediate_size,
         params_total=params,
-        params_active=params,
+        params_active=params - (c.num_parameters() - c.num_parameters(active=True)),
+        **moe,
     )
 
 

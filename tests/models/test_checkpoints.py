@@ -88,4 +88,4 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_hf_config_names_the_architecture_of_its_model_type(model_type):
     cfg = ModelConfig.from_hf_dict(tiny_config().to_hf_dict() | {"model_type": model_type})
     arch = cfg.to_hf_dict()["architectures"][0]
-    assert arch.lower().startswith(model_type) and arch.endswith("ForCausalLM")
+    assert arch.lower().startswith(model_type.replace("_", "")) and arch.endswith("ForCausalLM")
