@@ -1,10 +1,12 @@
-"""``specrl export RUN OUT`` and ``specrl export-drafter``: a run's checkpoint as a Hugging Face
-model directory, a trained drafter in the layout vLLM loads.
+"""``specrl export RUN OUT``, ``specrl export-drafter`` and ``specrl upcycle OUT``: a run's
+checkpoint as a Hugging Face model directory, a trained drafter in the layout vLLM loads, a
+dense model sparsely upcycled to a mixture of experts.
 
-``register(app)`` adds both. Their settings are read like every command's (``cli_util.Shortcuts``
-over ``config_commands.ExportCfg`` / ``ExportDrafterCfg``): defaults <- ``--config F.toml`` <- the
-options, each one key (``EXPORT``, ``EXPORT_DRAFTER``; an option and a ``--set`` of the same key
-are refused) <- ``--set section.key=value``.
+``register(app)`` adds all three. Their settings are read like every command's
+(``cli_util.Shortcuts`` over ``config_commands.ExportCfg``, ``ExportDrafterCfg``,
+``UpcycleCfg``): defaults <- ``--config F.toml`` <- the options, each one key (``EXPORT``,
+``EXPORT_DRAFTER``, ``UPCYCLE``; an option and a ``--set`` of the same key are refused) <-
+``--set section.key=value``.
 
 ``export`` checks everything it can before reading a weight (the run dir, a checkpoint that
 verifies, ``export.step``, the run's model and tokenizer, ``export.merge_drafter``,
@@ -17,7 +19,9 @@ drafter's files against their manifest (``drafters.export``), writes it, and rec
 settings as ``OUT/export_drafter.toml`` (paths absolute: ``--config`` on it exports the same
 drafter again); bad settings, unusable paths, damaged drafters and OSErrors exit 2 with one
 ``error:`` line (before any work where they can), and a failed export leaves no output
-directory it created. Details: docs/export.md.
+directory it created. ``upcycle`` checks its settings, the model and OUT before any work and
+writes OUT as ``export`` does (``pipelines.upcycle``), recording ``OUT/specrl_upcycle.toml``.
+Details: docs/export.md.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Annotated
 import typer
 
 from specrl.cli_util import Shortcuts, fail, os_errors_in_one_line
-from specrl.config_commands import MAX_STEP, ExportCfg, ExportDrafterCfg
+from specrl.config_commands import MAX_STEP, ExportCfg, ExportDrafterCfg, UpcycleCfg
 from specrl.errors import unknown
 from specrl.fsutil import atomic_write, writable_problem
 from specrl.paths import drafter_cache_dir
@@ -278,7 +282,76 @@ def _tokenizer_dir(model: str) -> Path | None:
         return None
 
 
+# --------------------------------------------------------------------------- upcycle
+
+
+UPCYCLE = Shortcuts(
+    UpcycleCfg,
+    "upcycle",
+    {
+        "model": ("--model", "model.name"),
+        "experts": ("--experts", "upcycle.experts"),
+        "top_k": ("--top-k", "upcycle.top_k"),
+        "seed": ("--seed", "upcycle.seed"),
+    },
+)
+
+
+def upcycle_command(
+    ctx: typer.Context,
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="the model directory to write (absent or empty)")
+    ],
+    config: Annotated[
+        Path | None, UPCYCLE.config_option("; OUT/specrl_upcycle.toml of an upcycle too")
+    ] = None,
+    sets: Annotated[
+        list[str] | None, UPCYCLE.set_option("upcycle.router_std=0.05, upcycle.dtype='bfloat16'")
+    ] = None,
+    model: Annotated[
+        str | None, UPCYCLE.option("model", "the dense model (default: the bundled SmolLM2)")
+    ] = None,
+    experts: Annotated[
+        int | None, UPCYCLE.option("experts", "experts per layer, each a copy of the dense MLP")
+    ] = None,
+    top_k: Annotated[int | None, UPCYCLE.option("top_k", "experts per token")] = None,
+    seed: Annotated[int | None, UPCYCLE.option("seed", "seed of the router's weights")] = None,
+) -> None:
+    """Write a dense model sparsely upcycled to a mixture of experts as the model directory OUT.
+
+    Every layer's MLP becomes --experts copies of it behind a random router that picks --top-k
+    per token with weights summing to 1, so the MoE computes what the dense model does (up to
+    float rounding) until training moves the experts apart. Llama and Mistral become Mixtral,
+    Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE: OUT loads in transformers and vLLM, and trains with
+    `specrl train --set model.name=OUT`. OUT must not exist or be empty; it appears only when
+    complete, with specrl_upcycle.toml: the settings (specrl.config_commands.UpcycleCfg;
+    defaults <- --config FILE <- the options <- --set).
+    """
+    import torch
+
+    from specrl.models.checkpoints import CheckpointError
+    from specrl.pipelines.export import ModelExportError
+    from specrl.pipelines.upcycle import write_upcycled
+
+    given = UPCYCLE.read(ctx)
+    cfg = given.cfg
+    up = cfg.upcycle
+    existed = out.is_dir()
+    try:
+        path = write_upcycled(cfg.model.name, out, up.experts, up.top_k, up.seed, up.router_std,
+                              getattr(torch, up.dtype))  # fmt: skip
+        header = f"# specrl upcycle of {cfg.model.name}\n"
+        _record(path, UpcycleCfg.RECORD, header + cfg.to_toml(), existed)
+    except (ModelExportError, CheckpointError) as e:
+        fail(str(e))
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        fail(f"cannot write {out}: {e.strerror or e}{where} (nothing was left there)")
+    typer.echo(str(path))
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``export`` and ``export-drafter`` to the main specrl CLI."""
+    """Add ``export``, ``export-drafter`` and ``upcycle`` to the main specrl CLI."""
     app.command("export")(export_command)
     app.command("export-drafter")(os_errors_in_one_line(export_drafter))
+    app.command("upcycle")(upcycle_command)

@@ -434,6 +434,79 @@ CALIBRATE_COVERAGE = Coverage(
     ),
 )  # fmt: skip
 
+# --------------------------------------------------------------------------- upcycle
+
+MAX_EXPERTS = 256  # models.upcycle.MAX_EXPERTS (a test checks they agree)
+
+
+class UpModelCfg(Section):
+    """The dense model upcycled."""
+
+    name: str = Field(MODEL, min_length=1, description="A bundled name, a model directory or a "
+                      ".gguf file: a Llama, Mistral, Qwen2 or Qwen3 decoder.")  # fmt: skip
+
+
+class UpcycleSectionCfg(Section):
+    """The mixture of experts made."""
+
+    experts: int = Field(4, ge=2, le=MAX_EXPERTS, description="Experts per layer, each a copy of "
+                         "the dense MLP, in [2, 256].")  # fmt: skip
+    top_k: int = Field(
+        2,
+        ge=1,
+        le=MAX_EXPERTS,
+        description="Experts per token, in [1, experts] (their weights renormalised to sum to "
+        "1: the dense output at step 0).",
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the router's random weights.")
+    router_std: float = Field(
+        0.02,
+        ge=0.0,
+        le=1e6,
+        allow_inf_nan=False,
+        description="Standard deviation of the router's weights (0: every token routed alike).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="float32 or bfloat16: the weights written."
+    )
+
+
+class UpcycleCfg(CommandSettings):
+    """Settings of `specrl upcycle OUT` (--config FILE; --set upcycle.key=value)."""
+
+    WHAT = "upcycle"
+    RECORD = "specrl_upcycle.toml"
+
+    model: UpModelCfg = Field(default_factory=UpModelCfg, description="The dense model.")
+    upcycle: UpcycleSectionCfg = Field(
+        default_factory=UpcycleSectionCfg, description="The experts."
+    )
+
+    def check_values(self) -> None:
+        up = self.upcycle
+        if up.top_k > up.experts:
+            raise ValueError(f"upcycle.top_k ({up.top_k}) must be <= upcycle.experts "
+                             f"({up.experts})")  # fmt: skip
+
+
+UPCYCLE_COVERAGE = Coverage(
+    rules=(),
+    always=(
+        "upcycle.experts",
+        "upcycle.top_k",
+        "upcycle.seed",
+        "upcycle.router_std",
+        "upcycle.dtype",
+    ),  # fmt: skip
+    checked=(
+        (
+            "model.name",
+            "models.checkpoints.resolve_model; models.upcycle: a dense Llama, "
+            "Mistral, Qwen2 or Qwen3",
+        ),
+    ),  # fmt: skip
+)
+
 COMMANDS: dict[str, tuple[type[CommandSettings], Coverage]] = {
     "generate": (GenerateCfg, GENERATE_COVERAGE),
     "export": (ExportCfg, EXPORT_COVERAGE),
@@ -441,6 +514,7 @@ COMMANDS: dict[str, tuple[type[CommandSettings], Coverage]] = {
     "report": (ReportCfg, REPORT_COVERAGE),
     "simulate validate": (ValidateCfg, VALIDATE_COVERAGE),
     "simulate calibrate": (CalibrateCfg, CALIBRATE_COVERAGE),
+    "upcycle": (UpcycleCfg, UPCYCLE_COVERAGE),
 }
 
 

@@ -44,6 +44,7 @@ BASE_ARGS = {
     ("export",): ["RUN", "OUT"],
     ("generate",): ["hi"],
     ("simulate", "calibrate"): ["{trace}"],
+    ("upcycle",): ["OUT"],
 }
 TRACE = {  # a good engine trace for ``simulate calibrate`` (its fit is never reached)
     "machine": "test", "model": "smollm2-135m",

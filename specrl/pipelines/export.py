@@ -535,19 +535,38 @@ def export_model(
 def write_export(source: ExportSource, out: Path, shard_size: int = DEFAULT_SHARD_SIZE) -> Path:
     """``export_model``'s writing, from inputs ``resolve_export`` checked (``check_out`` too)."""
     tensors = read_policy(source.ckpt, source.config)
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    needed = sum(t.numel() * t.element_size() for t in tensors.values())
-    if problem := room_problem(out, needed):  # before a byte is written
-        raise ModelExportError(problem)
+    check_room(out, tensors)
     with staged_dir(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config(source.config, dtype), indent=1))
-        (tmp / "generation_config.json").write_text(json.dumps(source.generation, indent=1))
-        _copy_tokenizer(source.model_dir, tmp)
-        write_weights(tensors, tmp, shard_size)
+        write_model_files(tmp, source.config, tensors, source.model_dir, source.generation,
+                          shard_size)  # fmt: skip
         if source.drafter is not None:
             write_drafter(source, tensors, tmp / DRAFTER_DIR)
     return out
+
+
+def check_room(out: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``ModelExportError`` unless ``out``'s disk holds ``tensors`` (before a byte is written)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    if problem := room_problem(out, needed):
+        raise ModelExportError(problem)
+
+
+def write_model_files(
+    folder: Path,
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    model_dir: Path,
+    generation: dict[str, Any],
+    shard_size: int = DEFAULT_SHARD_SIZE,
+) -> None:
+    """A Hugging Face model directory's files in ``folder``: config.json (in the weights'
+    dtype), ``generation``, ``model_dir``'s tokenizer files and the HF-named ``tensors``."""
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    (folder / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=1))
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    _copy_tokenizer(model_dir, folder)
+    write_weights(tensors, folder, shard_size)
 
 
 @contextlib.contextmanager
