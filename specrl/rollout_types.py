@@ -104,6 +104,10 @@ class Completion:
     verify_steps: int = 0  # decode/verify forwards that emitted tokens (the prefill's excluded)
     drafted: int = 0
     accepted: int = 0
+    # a mixture-of-experts target's experts [P + n - 1, moe_layers, top_k] (int16) of every
+    # input position (prompt, then the completion's tokens but the last) as the engine routed
+    # them: what the learner replays (``learner.routing_replay``); None: not recorded
+    routing: torch.Tensor | None = None
 
     def __post_init__(self) -> None:  # lists given for the token fields become tensors
         self.tokens, self.versions = _ids(self.tokens), _ids(self.versions)
@@ -128,9 +132,10 @@ class Completion:
         if not isinstance(other, Completion):
             return NotImplemented
         return all(
-            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            else a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
             for a, b in zip(vars(self).values(), vars(other).values(), strict=True)
-        )
+        )  # fmt: skip
 
     def __getstate__(self) -> dict:
         """Its own tokens only (a view would pickle the whole flat rollout's storage)."""

@@ -21,7 +21,7 @@ import torch
 
 from specrl.engine.call import Call
 from specrl.engine.kv import KVSpace
-from specrl.engine.rows import RowTensors, Seq, sample_rows
+from specrl.engine.rows import Kept, RowTensors, Seq, sample_rows
 from specrl.rollout_types import Completion, Request, request_problem, sample_seed
 from specrl.sampling import SamplingParams
 
@@ -33,7 +33,7 @@ class PromptStash:
 
     req: Request
     logits: torch.Tensor  # [V] float32 at the last prompt position
-    feats: torch.Tensor | None  # [n, F] the drafter's features of the prompt positions
+    kept: Kept  # [n, ...] what the prompt positions keep (drafter features, MoE experts)
 
 
 class Admission:
@@ -111,21 +111,20 @@ class Admission:
         stashed = [stash is not None and req is stash.req for req, _ in groups]
         fresh = [g for g, hit in enumerate(stashed) if not hit]
         logits: list[torch.Tensor | None] = [None] * len(groups)  # [V] each
-        feats: list[torch.Tensor | None] = [None] * len(groups)  # [n, F] each
+        kept: list[Kept] = [Kept()] * len(groups)  # [n, ...] each
         if fresh:
             prompts = [groups[g][0].prompt_ids for g in fresh]
-            out, f = call.prefill(prompts, [first_slot[g] for g in fresh])
+            out, k = call.prefill(prompts, [first_slot[g] for g in fresh])
             for i, g in enumerate(fresh):
-                logits[g] = out[i]
-                feats[g] = None if f is None else f[i]
+                logits[g], kept[g] = out[i], k[i]
         for g, hit in enumerate(stashed):
             if hit:
                 cache.copy_slot(stash_slot, first_slot[g], lens[g])
-                logits[g], feats[g] = stash.logits, stash.feats
+                logits[g], kept[g] = stash.logits, stash.kept
         if split and (stash is None or groups[-1][0] is not stash.req):
             cache.copy_slot(first_slot[-1], stash_slot, lens[-1])
-            self.stash = PromptStash(groups[-1][0], logits[-1], feats[-1])
-        self._start_rows(call, rows, groups, first_slot, lens, torch.stack(logits), feats, start)
+            self.stash = PromptStash(groups[-1][0], logits[-1], kept[-1])
+        self._start_rows(call, rows, groups, first_slot, lens, torch.stack(logits), kept, start)
         return bool(fresh)
 
     def _start_rows(
@@ -136,16 +135,15 @@ class Admission:
         first_slot: list[int],
         lens: list[int],
         logits: torch.Tensor,  # [G, V] last prompt position of each group
-        feats: list[torch.Tensor | None],  # per group: [n, F] prompt features, or None
+        kept: list[Kept],  # per group: [n, ...] what its prompt positions keep
         start: float,
     ) -> None:
         """Fork the groups into new rows and sample each row's first token."""
         new_rows = self._fork(groups, first_slot, lens)
         call.rows_changed()
         group_rows = [g for g, (_, c) in enumerate(groups) for _ in c]
-        if feats[0] is not None:
-            for seq, g in zip(new_rows, group_rows, strict=True):
-                seq.hidden = [feats[g]]
+        for seq, g in zip(new_rows, group_rows, strict=True):
+            seq.keep(kept[g])
         t = RowTensors.of(new_rows, call.device)
         counters = torch.zeros(len(new_rows), dtype=torch.int64, device=call.device)
         s = sample_rows(logits[group_rows], t, counters)

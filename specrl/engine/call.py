@@ -18,12 +18,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from specrl.engine.kv import KVSpace
-from specrl.engine.rows import ActiveSpec, RowTensors, Sampled, Seq
+from specrl.engine.rows import ActiveSpec, Kept, RowTensors, Sampled, Seq
 from specrl.models.device import on
+from specrl.models.moe import Routing
 from specrl.models.transformer import Transformer
 from specrl.rollout_types import Completion, EngineStats, StepRecord
 from specrl.spec.verify import Verified
@@ -80,43 +82,42 @@ class Call:
         """Host-built tensors on the engine's device (the same tensors on the CPU)."""
         return on(self.device, *tensors)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw):
-        """Target forward on the engine cache; also the drafter's features [B, T, F] if any."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw) -> tuple[Any, Kept]:
+        """Target forward on the engine cache; also what follows its positions into history
+        (``Kept``: the drafter's features [B, T, F], an MoE target's experts)."""
         capture = self.active.capture
-        out = self.model(ids, positions, self.kv.cache, capture=capture, **kw)
+        routing = Routing(record=True) if self.model.config.is_moe else None
+        out = self.model(ids, positions, self.kv.cache, capture=capture, routing=routing, **kw)
         if self.record_steps:  # positions [B, T]: the first query position = tokens cached
             self._shape = (ids.shape[0], ids.shape[1], float(positions[:, 0].float().mean()))
-        feats = torch.cat(out.captured, dim=-1) if capture else None
-        return out, feats
+        return out, kept_of(out.captured, routing, ids.shape)
 
     def prefill(
         self, prompts: list[list[int]], slots: list[int]
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, list[Kept]]:
         """Prefill each distinct prompt once, into the first of its slots, and copy its cache to
-        the others: per entry the last-position logits [N, V] (float32) and the drafter's prompt
-        features [len, F] (None without a learned drafter). Bit for bit what prefilling every
-        entry would give (the same forward's rows, copied)."""
+        the others: per entry the last-position logits [N, V] (float32) and what its prompt
+        positions keep (``Kept`` [len, ...]). Bit for bit what prefilling every entry would give
+        (the same forward's rows, copied)."""
         first: dict[tuple[int, ...], int] = {}  # prompt -> index of its forward row
         heads: list[int] = []  # index into prompts of each distinct prompt
         for i, p in enumerate(prompts):
             if first.setdefault(tuple(p), len(heads)) == len(heads):
                 heads.append(i)
-        logits, feats = self._prefill_forward(
-            [prompts[i] for i in heads], [slots[i] for i in heads]
-        )
+        logits, kept = self._prefill_forward([prompts[i] for i in heads], [slots[i] for i in heads])
         row = [first[tuple(p)] for p in prompts]
         for i, (p, r) in enumerate(zip(prompts, row, strict=True)):
             if heads[r] != i:
                 self.kv.cache.copy_slot(slots[heads[r]], slots[i], len(p))
-        if feats is not None:
-            feats = [feats[r, : len(p)] for p, r in zip(prompts, row, strict=True)]
-        return logits[row], feats
+        return logits[row], [
+            kept.at(r, slice(0, len(p))) for p, r in zip(prompts, row, strict=True)
+        ]
 
     def _prefill_forward(
         self, prompts: list[list[int]], slots: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, Kept]:
         """One prefill forward of the prompts into ``slots``: last-position logits [G, V]
-        (float32) and the drafter's features [G, width, F] (or None)."""
+        (float32) and what the positions keep (``Kept`` [G, width, ...])."""
         lens = [len(p) for p in prompts]
         width = max(lens)
         ids = torch.zeros(len(prompts), width, dtype=torch.int64)
@@ -125,8 +126,8 @@ class Call:
         positions = torch.arange(width).expand(len(prompts), width)
         last = torch.tensor(lens)[:, None] - 1
         ids, positions, last, at = self.on(ids, positions, last, torch.tensor(slots))
-        out, feats = self.forward(ids, positions, logits_at=last, slots=at, prefill=True)
-        return out.logits[:, 0].float(), feats
+        out, kept = self.forward(ids, positions, logits_at=last, slots=at, prefill=True)
+        return out.logits[:, 0].float(), kept
 
     def tensors(self, rows: list[Seq]) -> RowTensors:
         """The live rows' sampling tensors [B] (built once per batch composition)."""
@@ -216,6 +217,7 @@ class Call:
         """A finished row's completion takes its tokens (tensors) and its end."""
         c = seq.comp
         c.set_tokens(*seq.tensors())
+        c.routing = seq.routing()
         c.finish_reason = "stop" if stopped else "length"
         c.latency_s = now
         c.policy_version = self.version
@@ -237,6 +239,16 @@ class Call:
                 rows[i] = rows[last]
             rows.pop()
         self.rows_changed()
+
+
+def kept_of(captured: list[torch.Tensor], routing: Routing | None, shape: torch.Size) -> Kept:
+    """A forward's ``Kept``: its captured layers concatenated [B, T, F] and the experts its
+    ``routing`` recorded as [B, T, moe_layers, top_k] (``shape``: its ids' [B, T])."""
+    feats = torch.cat(captured, dim=-1) if captured else None
+    if routing is None or not routing.recorded:
+        return Kept(feats)
+    experts = routing.experts()  # [B * T, moe_layers, top_k]
+    return Kept(feats, experts.reshape(*shape, *experts.shape[1:]))
 
 
 def _cut(seq: Seq, tokens: list[int], n: int) -> tuple[int, bool]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specrl.engine.call import Call
-from specrl.engine.rows import Seq, sample_rows
+from specrl.engine.rows import Kept, Seq, sample_rows
 from specrl.engine.static import StaticSteps
 from specrl.models.device import device_mark, marked_seconds
 from specrl.rollout_types import EngineStats
@@ -98,14 +98,14 @@ class Decoder:
 
     def _plain_step(self, call: Call, rows: list[Seq], start: float) -> list[int]:
         if self.static is not None and self.static.fits(len(rows)):
-            s, feats = self.static.decode(call, rows)
-            _keep_hidden(rows, feats, [1] * len(rows))
+            s, kept = self.static.decode(call, rows)
+            _keep(rows, kept, [1] * len(rows))
             return call.emit_sampled(rows, s, start)
         pos = [s.pos for s in rows]
         ids, positions = call.on(torch.tensor([[s.history[-1]] for s in rows]),
                                  torch.tensor(pos)[:, None])  # fmt: skip
-        out, feats = call.forward(ids, positions, kv_len=max(pos) + 1)
-        _keep_hidden(rows, feats, [1] * len(rows))
+        out, kept = call.forward(ids, positions, kv_len=max(pos) + 1)
+        _keep(rows, kept, [1] * len(rows))
         s = sample_rows(out.logits[:, 0], call.tensors(rows), _counters(call, rows))
         return call.emit_sampled(rows, s, start)
 
@@ -163,7 +163,7 @@ class Decoder:
         if tree is not None:  # siblings: leaves under the root, stored after the chain
             ids, positions = tree.extend(ids, positions)
         width = ids.shape[1]
-        out, feats = call.forward(
+        out, kept = call.forward(
             ids.clamp(min=0),
             positions,
             kv_len=max(pos) + width,
@@ -178,12 +178,14 @@ class Decoder:
             v, chosen = resolve_siblings(v, lengths, draft.tokens[:, 0], draft.probs[:, 0],
                                          tree.tokens, tree.valid, logits[:, 0],
                                          logits[:, kk + 1 :], *sampling)  # fmt: skip
-            call.stats.sibling_accepted += tree.adopt(call.kv.cache, pos, chosen, feats)
+            call.stats.sibling_accepted += tree.adopt(
+                call.kv.cache, pos, chosen, kept.feats, kept.routes
+            )
         call.stats.verify_s += time.perf_counter() - t1
         _count(call.stats, rows, lengths, v.num_accepted)
         drafts.record(kk, lengths, v.num_accepted)
         proposer.observe(batch.row_ids, v.num_emitted)
-        _keep_hidden(rows, feats, v.num_emitted.tolist())
+        _keep(rows, kept, v.num_emitted.tolist())
         return call.emit_verified(rows, v, start)
 
     def _static_verify(
@@ -200,13 +202,13 @@ class Decoder:
         """``_spec_step``'s verification as one static step (no draft tree)."""
         t1 = time.perf_counter()
         probs = None if draft.probs is None else draft.probs[:, :kk]
-        v, lengths, feats = self.static.verify(call, rows, draft.tokens[:, :kk], lengths, probs,
-                                               call.active.spec.exact)  # fmt: skip
+        v, lengths, kept = self.static.verify(call, rows, draft.tokens[:, :kk], lengths, probs,
+                                              call.active.spec.exact)  # fmt: skip
         call.stats.verify_s += time.perf_counter() - t1
         _count(call.stats, rows, lengths, v.num_accepted)
         drafts.record(kk, lengths, v.num_accepted)
         call.active.proposer.observe(batch.row_ids, v.num_emitted)
-        _keep_hidden(rows, feats, v.num_emitted.tolist())
+        _keep(rows, kept, v.num_emitted.tolist())
         return call.emit_verified(rows, v, start)
 
 
@@ -249,12 +251,12 @@ def _counters(call: Call, rows: list[Seq]) -> torch.Tensor:  # [B] tokens emitte
     return call.on(torch.tensor([s.emitted for s in rows]))[0]
 
 
-def _keep_hidden(rows: list[Seq], feats: torch.Tensor | None, counts: list[int]) -> None:
-    """Store the features of the positions that became history (``counts`` per row)."""
-    if feats is None:
+def _keep(rows: list[Seq], kept: Kept, counts: list[int]) -> None:
+    """Store what the positions that became history keep (``counts`` per row)."""
+    if kept.feats is None and kept.routes is None:
         return
     for b, (seq, n) in enumerate(zip(rows, counts, strict=True)):
-        seq.hidden.append(feats[b, :n])
+        seq.keep(kept.at(b, slice(0, n)))
 
 
 def _take_hidden(rows: list[Seq]) -> list[torch.Tensor] | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specrl.engine.call import Call
-from specrl.engine.rows import Seq
+from specrl.engine.rows import Kept, Seq
 from specrl.models.transformer import Transformer
 from specrl.models.weights import check_weights
 from specrl.spec.verify import Verified, verify
@@ -90,7 +90,6 @@ def completion_batch(
 def restart(seq: Seq) -> None:
     """Clear a row's completion: its history is its prompt again, no logprob or version kept."""
     seq.restart_record()
-    seq.hidden = []
 
 
 class InflightUpdates:
@@ -162,19 +161,18 @@ def _reverify_rows(call: Call, rows: list[Seq], start: float, cap: int | None) -
     firsts = [s.comp.first_token_s for s in rows]
     for seq in rows:
         restart(seq)
-    prompt_logits, prompt_feats = _prefill_prompts(call, rows)  # [R, V], per row [n, F]
+    prompt_logits, prompt_kept = _prefill_prompts(call, rows)  # [R, V], per row [n, ...]
     cb = completion_batch(drafts, prompt_lens, call.kv.cache.max_len)
     ids, positions, lengths = call.on(cb.ids, cb.positions, cb.lengths)
-    out, feats = call.forward(ids, positions, kv_len=cb.kv_len)
+    out, kept = call.forward(ids, positions, kv_len=cb.kv_len)
     logits = torch.cat([prompt_logits[:, None], out.logits.float()], 1)  # [R, M+1, V]
     t = call.tensors(rows)  # the fresh seeds
     counters = torch.zeros(len(rows), dtype=torch.int64, device=call.device)
     sampling = (t.temperature, t.top_k, t.top_p, t.seeds, counters)
     v = verify(ids, lengths, None, logits, *sampling)
     accepted = v.num_accepted.tolist()
-    if feats is not None:  # kept history positions 0 .. n+a-1 (feats [R, M, F])
-        for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):
-            seq.hidden = [prompt_feats[b], feats[b, :a]]
+    for b, (seq, a) in enumerate(zip(rows, accepted, strict=True)):  # history 0 .. n+a-1
+        seq.keep(prompt_kept[b], kept.at(b, slice(0, a)))
     finished = call.emit_verified(rows, v, start, first=True)
     for seq, a, first in zip(rows, accepted, firsts, strict=True):
         if a:  # the completion still starts with its old first token
@@ -202,10 +200,9 @@ def _restart_rows(call: Call, rows: list[Seq], start: float) -> list[int]:
     t0 = time.perf_counter()
     for seq in rows:
         restart(seq)
-    logits, feats = _prefill_prompts(call, rows)  # [R, V], per row [n, F]
-    if feats is not None:
-        for seq, f in zip(rows, feats, strict=True):
-            seq.hidden = [f]
+    logits, kept = _prefill_prompts(call, rows)  # [R, V], per row [n, ...]
+    for seq, k in zip(rows, kept, strict=True):
+        seq.keep(k)
     v = _first_tokens(call, rows, logits[:, None])
     finished = call.emit_verified(rows, v, start, first=True)
     elapsed = time.perf_counter() - t0
@@ -215,10 +212,10 @@ def _restart_rows(call: Call, rows: list[Seq], start: float) -> list[int]:
     return finished
 
 
-def _prefill_prompts(call: Call, rows: list[Seq]) -> tuple[torch.Tensor, list | None]:
+def _prefill_prompts(call: Call, rows: list[Seq]) -> tuple[torch.Tensor, list[Kept]]:
     """Prefill each distinct prompt once into its first row's slot and copy it to the other
-    rows' slots: per row the logits [R, V] (float32) at the last prompt position and the
-    drafter's prompt features [n, F] (None without a learned drafter)."""
+    rows' slots: per row the logits [R, V] (float32) at the last prompt position and what its
+    prompt positions keep (``Kept`` [n, ...])."""
     return call.prefill([s.comp.prompt_ids for s in rows], list(range(len(rows))))
 
 

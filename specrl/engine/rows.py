@@ -1,7 +1,9 @@
 """A live row of a running ``generate`` call, what is sampled for it and the call's speculation.
 
 Contract: ``Seq`` is one live sequence (its completion record, history, stop set, the logprobs
-and versions of its emitted tokens, and the target features not yet handed to the drafter);
+and versions of its emitted tokens, the target features not yet handed to the drafter and, on
+a mixture-of-experts target, the experts of every history position fed so far); ``Kept`` is
+what a forward computed per position that follows the position into history;
 ``RowTensors`` are the rows' sampling settings as device tensors [B]; ``sample_rows`` samples
 one token per row with counter-based randomness (``specrl.sampling.uniforms``), so a row samples
 the same tokens alone or batched; ``ActiveSpec`` is the running call's speculation, by name.
@@ -21,6 +23,20 @@ from specrl.spec.config import SpecConfig
 from specrl.spec.proposers.base import Proposer
 
 
+@dataclass(frozen=True)
+class Kept:
+    """Per-position outputs of a forward that follow their positions into history: the
+    drafter's features [..., F] and an MoE target's experts [..., moe_layers, top_k] (int16),
+    each None where not recorded; ``at`` indexes both alike."""
+
+    feats: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
+
+    def at(self, *index: int | slice) -> Kept:
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Kept(pick(self.feats), pick(self.routes))
+
+
 @dataclass
 class Seq:
     """One live sequence: its completion record and decoding position."""
@@ -34,6 +50,8 @@ class Seq:
     stop: frozenset[int] = frozenset()
     # target features [n, F] of history positions not yet handed to the drafter (learned drafters)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    # MoE targets: experts [n, moe_layers, top_k] of the history positions fed (prompt first)
+    routes: list[torch.Tensor] = field(default_factory=list)
     # per emitted token: processed and raw logprobs, the weights version that sampled it
     logprobs: list[float] = field(default_factory=list)
     raw: list[float] = field(default_factory=list)
@@ -44,6 +62,22 @@ class Seq:
         """No token emitted yet (a new row; a row an in-flight update restarts)."""
         del self.history[len(self.comp.prompt_ids) :]
         self.logprobs, self.raw, self.versions, self.emitted = [], [], [], 0
+        self.hidden, self.routes = [], []
+
+    def keep(self, *parts: Kept) -> None:
+        """Append ``parts`` (each [n, ...]) to the features and experts kept."""
+        for part in parts:
+            if part.feats is not None:
+                self.hidden.append(part.feats)
+            if part.routes is not None:
+                self.routes.append(part.routes)
+
+    def routing(self) -> torch.Tensor | None:
+        """Experts [len(history) - 1, moe_layers, top_k] of every position but the last (the
+        inputs of the logprobs of its tokens), or None where none were recorded."""
+        if not self.routes:
+            return None
+        return torch.cat(self.routes)[: len(self.history) - 1].cpu()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Its completion's tokens, logprobs, raw logprobs and versions as tensors [n] each."""

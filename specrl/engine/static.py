@@ -21,11 +21,12 @@ from functools import partial
 
 import torch
 
-from specrl.engine.call import Call
-from specrl.engine.rows import Sampled, Seq
+from specrl.engine.call import Call, kept_of
+from specrl.engine.rows import Kept, Sampled, Seq
 from specrl.models.cache import KVCache
 from specrl.models.graphs import StepGraphs, bucket_for, buckets, pad_rows, span_for
-from specrl.models.transformer import ForwardOutput, Static, Transformer
+from specrl.models.moe import Routing
+from specrl.models.transformer import Static, Transformer
 from specrl.sampling import PAD_SETTINGS, STREAM_SAMPLE, SamplingHints, sample_logits, uniforms
 from specrl.spec.verify import Verified, verify
 
@@ -43,20 +44,20 @@ class StaticSteps:
         """Whether ``rows`` live rows fit a bucket."""
         return bucket_for(rows, self.sizes) is not None
 
-    def decode(self, call: Call, rows: list[Seq]) -> tuple[Sampled, torch.Tensor | None]:
-        """A plain step: per row one sampled token with its logprobs (host tensors [B]) and the
-        drafter's features [B, 1, F] (or None)."""
+    def decode(self, call: Call, rows: list[Seq]) -> tuple[Sampled, Kept]:
+        """A plain step: per row one sampled token with its logprobs (host tensors [B]) and what
+        its position keeps (``Kept`` [B, 1, ...])."""
         b, width = len(rows), self._bucket(call, len(rows))
         ints, floats, hints = _inputs(call, rows, width, 1)
         span = self._span(call, rows, 1)
         key = ("decode", width, span, hints, call.active.capture, self._cache)
         step = partial(decode_step, call.model, call.kv.cache, span, call.active.capture, hints)
-        packed, feats = self.graphs.run(key, step, {"ints": ints, "floats": floats})
+        packed, *kept = self.graphs.run(key, step, {"ints": ints, "floats": floats})
         host = self._to_host(packed[:b])  # [B, 3]
         call.shaped(b, 1, sum(s.pos for s in rows) / b)
         tokens = host[:, 0].to(torch.int64)
         sampled = Sampled(tokens, host[:, 1].float(), host[:, 2].float())
-        return sampled, None if feats is None else feats[:b].clone()
+        return sampled, _rows_of(kept, b)
 
     def verify(
         self,
@@ -66,9 +67,9 @@ class StaticSteps:
         lengths: torch.Tensor,  # [B] int64 drafts to verify per row
         probs: torch.Tensor | None,  # [B, kk, V] the drafts' q, None: deterministic drafts
         rule: str,
-    ) -> tuple[Verified, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[Verified, torch.Tensor, Kept]:
         """Verify ``drafts`` in one target forward: ``Verified`` and the lengths verified (host
-        tensors) and the drafter's features [B, kk+1, F] (or None)."""
+        tensors) and what its positions keep (``Kept`` [B, kk+1, ...])."""
         b, kk = drafts.shape
         width = self._bucket(call, b)
         ints, floats, hints = _inputs(call, rows, width, kk + 1)
@@ -83,13 +84,13 @@ class StaticSteps:
                self._cache)  # fmt: skip
         step = partial(verify_step, call.model, call.kv.cache, span, call.active.capture, hints,
                        rule)  # fmt: skip
-        packed, feats = self.graphs.run(key, step, inputs)
+        packed, *kept = self.graphs.run(key, step, inputs)
         host = self._to_host(packed[:b])  # [B, 2 + 3 (kk+1)]
         call.shaped(b, kk + 1, sum(s.pos for s in rows) / b)
         lengths_host, accepted = host[:, 0].to(torch.int64), host[:, 1].to(torch.int64)
         tokens, lp, raw = host[:, 2:].view(b, 3, kk + 1).unbind(1)
         v = Verified(tokens.to(torch.int64), accepted + 1, lp.float(), raw.float(), accepted)
-        return v, lengths_host, None if feats is None else feats[:b].clone()
+        return v, lengths_host, _rows_of(kept, b)
 
     def drop(self) -> None:
         """Drop every step (and with them their references to the KV cache)."""
@@ -121,6 +122,13 @@ class StaticSteps:
 
 
 Features = torch.Tensor | None  # [W, T, F] the drafter's features of a step, None: none asked
+Routes = torch.Tensor | None  # [W, T, moe_layers, top_k] an MoE target's experts, None: dense
+
+
+def _rows_of(kept: list[torch.Tensor | None], rows: int) -> Kept:
+    """A step's (features, experts) outputs for its first ``rows`` rows, copied out of the
+    static buffers (valid only until the next step)."""
+    return Kept(*(None if t is None else t[:rows].clone() for t in kept))
 
 
 def decode_step(
@@ -130,15 +138,17 @@ def decode_step(
     capture: tuple[int, ...],
     hints: SamplingHints,
     x: dict[str, torch.Tensor],  # ints [W, 5], floats [W, 2] (``_inputs``)
-) -> tuple[torch.Tensor, Features]:
+) -> tuple[torch.Tensor, Features, Routes]:
     """A plain step's device work: forward, sample; packed [W, 3] (token, processed and raw
-    logprob) and features. Reads no device data on the host (capturable)."""
+    logprob), features and experts. Reads no device data on the host (capturable)."""
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], 1)
-    out = model(ids, positions, cache, kv_len=span, capture=capture)
+    routing = Routing(record=True) if model.config.is_moe else None
+    out = model(ids, positions, cache, kv_len=span, capture=capture, routing=routing)
     temperature, top_p = x["floats"].unbind(1)
     u = uniforms(seeds, counters, STREAM_SAMPLE)
     s = sample_logits(out.logits[:, 0], temperature, top_k, top_p, u, hints=hints)
-    return torch.stack([t.to(torch.float64) for t in s], 1), _features(out)
+    kept = kept_of(out.captured, routing, ids.shape)
+    return torch.stack([t.to(torch.float64) for t in s], 1), kept.feats, kept.routes
 
 
 def verify_step(
@@ -149,20 +159,22 @@ def verify_step(
     hints: SamplingHints,
     rule: str,
     x: dict[str, torch.Tensor],  # ints [W, 2 kk + 5], floats, drafts [W, kk], lengths [W], probs
-) -> tuple[torch.Tensor, Features]:
+) -> tuple[torch.Tensor, Features, Routes]:
     """A verify step's device work: forward over the last token and the drafts, the rejection
     sampler; packed [W, 2 + 3 (kk+1)] (lengths, accepted, tokens, processed and raw logprobs)
-    and features. Reads no device data on the host (capturable)."""
+    features and experts. Reads no device data on the host (capturable)."""
     kk = x["drafts"].shape[1]
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], kk + 1)
     ids = torch.cat([ids[:, :1], x["drafts"].clamp(min=0)], 1)  # [W, kk+1]
-    out = model(ids, positions, cache, kv_len=span, capture=capture)
+    routing = Routing(record=True) if model.config.is_moe else None
+    out = model(ids, positions, cache, kv_len=span, capture=capture, routing=routing)
     temperature, top_p = x["floats"].unbind(1)
     v = verify(x["drafts"], x["lengths"], x.get("probs"), out.logits.float(), temperature, top_k,
                top_p, seeds, counters, rule=rule, hints=hints)  # fmt: skip
     columns = [x["lengths"][:, None], v.num_accepted[:, None], v.tokens, v.logprobs_processed,
                v.logprobs_raw]  # fmt: skip
-    return torch.cat([c.to(torch.float64) for c in columns], 1), _features(out)
+    kept = kept_of(out.captured, routing, ids.shape)
+    return torch.cat([c.to(torch.float64) for c in columns], 1), kept.feats, kept.routes
 
 
 def _inputs(
@@ -192,8 +204,3 @@ def _split_ints(
     """ids [W, T], positions [W, T], top_k [W], seeds [W], counters [W] of ``_inputs``' ints."""
     return (ints[:, :tokens], ints[:, tokens : 2 * tokens], ints[:, 2 * tokens],
             ints[:, 2 * tokens + 1], ints[:, 2 * tokens + 2])  # fmt: skip
-
-
-def _features(out: ForwardOutput) -> Features:
-    """The drafter's features [W, T, F] of a forward (captured layers concatenated), or None."""
-    return torch.cat(out.captured, dim=-1) if out.captured else None

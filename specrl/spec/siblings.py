@@ -72,17 +72,19 @@ class SiblingDraft:
         cache: KVCache,
         pos: list[int],  # per row: cache position of the root
         chosen: torch.Tensor,  # [B] accepted sibling, -1 = none
-        feats: torch.Tensor | None,  # [B, T, F] target features of the step's tokens
+        *kept: torch.Tensor | None,  # each [B, T, ...]: per-token outputs of the step's forward
     ) -> int:
-        """Move each accepted sibling's cache entries and features (stored after the chain) to
-        the first draft position, where the next step expects them; returns how many moved."""
+        """Move each accepted sibling's cache entries and ``kept`` outputs (features, experts;
+        stored after the chain) to the first draft position, where the next step expects them;
+        returns how many moved."""
         rows = torch.nonzero(chosen >= 0)[:, 0]
         if len(rows) == 0:
             return 0
         dst = torch.tensor(pos, device=rows.device)[rows] + 1
         cache.move_positions(rows, dst + self.chain + chosen[rows], dst)
-        if feats is not None:
-            feats[rows, 1] = feats[rows, 1 + self.chain + chosen[rows]]
+        for t in kept:
+            if t is not None:
+                t[rows, 1] = t[rows, 1 + self.chain + chosen[rows]]
         return len(rows)
 
 

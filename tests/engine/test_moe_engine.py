@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from specrl.engine import Engine
+from specrl.models.moe import Routing
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
 from specrl.spec.controller import model_spec
 from tests.conftest import make_tiny
+from tests.engine.test_inflight import SwitchEngine
 from tests.engine.test_spec_engine import NEW, PROMPT, VOCAB, assert_matches_exact
 
 MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
@@ -85,3 +87,48 @@ def test_the_cost_model_sees_the_experts():
     assert spec.is_moe and spec.experts == 8 and spec.experts_per_token == 2
     assert spec.moe_layers == 2 and spec.moe_intermediate == 16
     assert spec.params_active == c.num_parameters(active=True) < spec.params_total
+
+
+def teacher_forced_routing(target, ids: list[int]) -> torch.Tensor:
+    """Experts [len(ids), moe_layers, top_k] of one full forward over ``ids``."""
+    rec = Routing(record=True)
+    with torch.no_grad():
+        target(torch.tensor([ids]), torch.arange(len(ids))[None], routing=rec)
+    return rec.experts()
+
+
+@pytest.mark.parametrize(("method", "graphs"),
+                         [("none", "off"), ("ngram", "off"), ("eagle3", "off"), ("none", "static"),
+                          ("ngram", "static")])  # fmt: skip
+def test_completions_carry_the_experts_of_every_input_position(method, graphs):
+    """Each completion's routing is what a full forward over prompt + completion routes at
+    every position but the last (float32: the same experts), through prefill, shared prompts,
+    speculation and static steps."""
+    target = moe_target()
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=3)
+    comps, _ = generate(target, method, params, step_graphs=graphs)
+    for c in comps:
+        ids = c.prompt_ids + c.token_ids
+        assert c.routing.shape == (len(ids) - 1, 2, 2) and c.routing.dtype == torch.int16
+        assert torch.equal(c.routing, teacher_forced_routing(target, ids)[:-1])
+
+
+def test_a_dense_target_records_no_routing():
+    comps, _ = generate(make_tiny(seed=3), "ngram", SamplingParams(temperature=0, max_new_tokens=4))
+    assert all(c.routing is None for c in comps)
+
+
+@pytest.mark.parametrize("mode", ["reverify", "discard"])
+def test_an_in_flight_update_records_the_new_weights_routing(mode):
+    """Rows rewritten under new weights (re-prefilled, reverified or restarted) carry the
+    experts the new weights route at every input position."""
+    old, new = moe_target(seed=3), moe_target(seed=4)
+    update = ({k: v.clone() for k, v in new.named_parameters()}, 1, mode)
+    engine = SwitchEngine(old, [update], 1, max_batch=4, spec=SpecConfig("ngram", 3))
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=5)
+    comps = engine.generate([Request(p, params) for p in PROMPTS])
+    assert engine.stats.weight_updates == 1
+    for c in comps:
+        assert set(c.token_versions) == {1}
+        ids = c.prompt_ids + c.token_ids
+        assert torch.equal(c.routing, teacher_forced_routing(new, ids)[:-1])

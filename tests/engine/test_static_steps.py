@@ -159,25 +159,32 @@ def meta_inputs(width: int, tokens: int) -> dict[str, torch.Tensor]:
     return {"ints": ints, "floats": torch.ones(width, 2, device="meta")}
 
 
+MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("rule", ["distribution", "sample"])
-def test_steps_read_no_device_data_on_the_host(rule: str) -> None:
+def test_steps_read_no_device_data_on_the_host(rule: str, moe: bool) -> None:
     """A step on the meta device (no data: any bool(t), t.item(), t.tolist() raises) completes
-    with the packed shapes: nothing in it waits for the device (capturable)."""
+    with the packed shapes: nothing in it waits for the device (capturable), an MoE target's
+    expert routing and recording included."""
     with pytest.raises(Exception):  # noqa: B017, PT011 (the premise: meta data cannot be read)
         bool(torch.zeros(2, device="meta").any())
     with torch.device("meta"):
-        model = Transformer(tiny_config(vocab_size=VOCAB)).eval()
+        model = Transformer(tiny_config(vocab_size=VOCAB, **(MOE if moe else {}))).eval()
     cache = model.new_cache(4, 16)
     layers = (0, 1)
     hints = SamplingHints.of([0.0, 0.7, 1.0, 1.0], [0, 5, 0, 0], [1.0, 0.9, 1.0, 1.0], VOCAB)
-    packed, feats = decode_step(model, cache, Static(8), layers, hints, meta_inputs(4, 1))
+    packed, feats, routes = decode_step(model, cache, Static(8), layers, hints, meta_inputs(4, 1))
     assert packed.shape == (4, 3) and feats.shape[:2] == (4, 1)
+    assert (routes.shape == (4, 1, 2, 2)) if moe else routes is None
     x = meta_inputs(4, 4) | {
         "drafts": torch.zeros(4, 3, dtype=torch.int64, device="meta"),
         "lengths": torch.zeros(4, dtype=torch.int64, device="meta"),
         "probs": torch.zeros(4, 3, VOCAB, device="meta"),
     }
-    packed, _ = verify_step(model, cache, STATIC, (), hints, rule, x)
+    packed, _, _ = verify_step(model, cache, STATIC, (), hints, rule, x)
     assert packed.shape == (4, 2 + 3 * 4)
 
 
