@@ -361,6 +361,8 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
         "rollout.spec", _not("none"), " other than 'none'",
     ),
     AppliesOnly("rollout.step_graphs", "rollout.backend", _is("native"), "='native'"),
+    # vLLM returns no routing to replay
+    AppliesOnly("learner.routing_replay", "rollout.backend", _is("native"), "='native'"),
     *each(_ENV_FILE, "env.kind", _is("file"), "='file'"),
     *each(_ENV_RG, "env.kind", _is("reasoning_gym"), "='reasoning_gym'"),
     AppliesOnly("run.final_checkpoint", "run.checkpoint_every", lambda n: n > 0, " > 0"),
@@ -418,6 +420,9 @@ COVERAGE = settings.Coverage(
         ("rollout.spec_siblings", "rollout_plan._check_names: a deterministic drafter takes none"),
         ("drafter.mode", "rollout_plan._training_mode: an explicit mode needs a learned drafter "
          "(the proposer registry)"),
+        ("learner.routing_replay", "rl.learner.Learner: a mixture-of-experts policy"),
+        ("learner.moe_aux_loss_coef", "rl.learner.Learner: > 0 needs a mixture-of-experts "
+         "policy"),
     ),
 )  # fmt: skip
 

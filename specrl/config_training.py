@@ -84,6 +84,22 @@ class LearnerCfg(Section):
         "activations: less activation memory (longer rows, bigger micro-batches) for about "
         "one more forward pass of compute per step.",
     )
+    routing_replay: bool = Field(
+        False,
+        description="Mixture-of-experts policies (native backend): the learner's forward "
+        "routes every token to the experts the rollout engine routed it to (the router still "
+        "weighs them), so engine and learner differ by precision only, not by expert choice "
+        "(rollout routing replay). Costs one extra no-grad forward per step: the engine/learner "
+        "logprob mismatch is reported with and without it. A dense policy refuses it.",
+    )
+    moe_aux_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="Mixture-of-experts policies: weight of the load-balancing loss (E * sum "
+        "of token share x mean router probability per expert, averaged over MoE layers) added "
+        "to the policy loss; 0 = off, as RL usually keeps it. A dense policy refuses > 0.",
+    )
 
     @field_validator("betas")
     @classmethod

@@ -28,7 +28,10 @@ from specrl.config import (
     load_run_config,
     validate_config,
 )
+from specrl.envs.synthetic import IdCodec, ModFourEnv
+from specrl.pipelines.build import build_run
 from specrl.settings import AppliesOnly, Coverage, Section, coverage_problems, value_at
+from tests.conftest import make_tiny
 
 # Override sets searched for a configuration where a rule fails, and one where all of a field's
 # rules hold (a rule added later finds its own here, or the test says which rule lacks one).
@@ -68,6 +71,7 @@ VALUES = {  # a value other than the field's default, for each field with a rule
     "rollout.max_tokens_per_forward": "64",
     "rollout.alarm_action": '"disable_spec"',
     "rollout.step_graphs": '"static"',
+    "learner.routing_replay": "true",
     "rollout.drafter_path": f'"{HERE}"',
     "env.train_file": '"b.jsonl"',
     "env.eval_file": '"e.jsonl"',
@@ -218,10 +222,17 @@ CHECKED = {  # for each ``checked`` field: overrides its build-time check refuse
     "drafter.mode": (["rollout.spec=suffix", "drafter.mode=online"],
                      "drafter.mode='online' needs a learned drafter"),
 }  # fmt: skip
+# checked fields only the model can decide: refused when the run is built over a dense one
+CHECKED_WITH_MODEL = {
+    "learner.routing_replay": (["learner.routing_replay=true"],
+                               "learner.routing_replay needs a mixture-of-experts policy"),
+    "learner.moe_aux_loss_coef": (["learner.moe_aux_loss_coef=0.01"],
+                                  "learner.moe_aux_loss_coef > 0 needs a mixture-of-experts"),
+}  # fmt: skip
 
 
 def test_every_checked_field_has_an_example():
-    assert set(CHECKED) == {key for key, _ in COVERAGE.checked}
+    assert set(CHECKED) | set(CHECKED_WITH_MODEL) == {key for key, _ in COVERAGE.checked}
 
 
 @pytest.mark.parametrize("key", sorted(CHECKED))
@@ -232,6 +243,15 @@ def test_every_checked_field_is_refused_at_build(key):
     cfg = load_config(None, sets)  # the config alone cannot tell
     with pytest.raises(ConfigError) as e:
         plan_rollout(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", sorted(CHECKED_WITH_MODEL))
+def test_every_model_checked_field_is_refused_with_a_dense_model(key):
+    sets, words = CHECKED_WITH_MODEL[key]
+    cfg = load_config(None, ["rollout.placement=inline", *sets])
+    with pytest.raises(ValueError) as e:
+        build_run(cfg, model=make_tiny(), codec=IdCodec(), env=ModFourEnv(8)).close()
     assert words in str(e.value) and "\n" not in str(e.value)
 
 

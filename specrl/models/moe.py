@@ -33,7 +33,8 @@ class Routing:
     """Routing of one forward, shared by its MoE layers (the i-th MoE layer is ``index`` i).
 
     ``replay`` [N, moe_layers, top_k] (N = the forward's B * T tokens in row order): experts each
-    token must use (the router still weighs them); ``record``: keep each layer's chosen experts
+    token must use (the router still weighs them; a row of -1 routes that token freely);
+    ``record``: keep each layer's chosen experts
     in ``recorded`` and its router statistics in ``load`` (tokens per expert) and ``aux`` (the
     load-balancing loss term)."""
 
@@ -85,11 +86,11 @@ class MoE(nn.Module):
         """Experts [N, top_k] int64 and their weights [N, top_k] (x's dtype) for tokens x [N, H]:
         the router in float32, the top-k of its softmax or the replayed experts."""
         probs = F.linear(x.float(), self.gate.weight.float()).softmax(-1)  # [N, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k] each
         forced = routing.forced(self.index) if routing is not None else None
-        if forced is None:
-            weights, experts = probs.topk(self.top_k, dim=-1)
-        else:
-            experts = forced.to(device=x.device, dtype=torch.int64)
+        if forced is not None:  # a row of -1: that token routes freely
+            forced = forced.to(device=x.device, dtype=torch.int64)
+            experts = torch.where(forced[:, :1] >= 0, forced, experts)
             weights = probs.gather(-1, experts)
         if self.norm:
             weights = weights / weights.sum(-1, keepdim=True)

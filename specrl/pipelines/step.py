@@ -181,23 +181,29 @@ def _adv_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 def logprob_delta(
-    learner: Learner, comps: Sequence[Completion], ours: list[torch.Tensor] | None = None
+    learner: Learner,
+    comps: Sequence[Completion],
+    ours: list[torch.Tensor] | None = None,
+    replay: bool = False,
+    name: str = "logprob_delta",
 ) -> dict[str, float]:
-    """Mean and max |engine raw logprob - learner raw logprob| over all completion tokens;
-    ``ours``: the learner's raw logprobs of the non-empty completions if already computed (the
-    training forward at temperature 1), else a no-grad forward computes them."""
+    """Mean and max |engine raw logprob - learner raw logprob| over all completion tokens
+    (``name``_mean, ``name``_max); ``ours``: the learner's raw logprobs of the non-empty
+    completions if already computed (the training forward at temperature 1), else a no-grad
+    forward computes them (``replay``: routing the completions' recorded experts)."""
     t0 = time.perf_counter()
     live = [c for c in comps if c.num_tokens]
     if ours is None:
-        ours = learner.raw_logprobs([(c.prompt_ids, c.tokens) for c in live])
+        routings = [c.routing for c in live] if replay else None
+        ours = learner.raw_logprobs([(c.prompt_ids, c.tokens) for c in live], routings)
     if len(ours) != len(live):
         raise ValueError(f"{len(ours)} learner logprob rows for {len(live)} completions")
     mine = torch.cat([o.float() for o in ours]).cpu() if ours else torch.zeros(0)  # one copy
     theirs = torch.cat([c.token_raw_logprobs for c in live]) if live else torch.zeros(0)  # [M]
     delta = (mine - theirs).abs()  # [M]
     return {
-        "logprob_delta_mean": float(delta.mean()) if delta.numel() else 0.0,
-        "logprob_delta_max": float(delta.max()) if delta.numel() else 0.0,
+        f"{name}_mean": float(delta.mean()) if delta.numel() else 0.0,
+        f"{name}_max": float(delta.max()) if delta.numel() else 0.0,
         "logprob_time_s": time.perf_counter() - t0,
     }
 
@@ -208,12 +214,19 @@ def uses_behaviour_logprobs(parts: RunParts) -> bool:
 
 
 def train_samples(
-    comps: Sequence[Completion], advantages: torch.Tensor, behaviour: bool
+    comps: Sequence[Completion], advantages: torch.Tensor, behaviour: bool, replay: bool = False
 ) -> list[TrainSample]:
-    """One ``TrainSample`` per completion; ``advantages`` is ``[num_prompts, G]``."""
+    """One ``TrainSample`` per completion; ``advantages`` is ``[num_prompts, G]``; ``replay``:
+    with the experts the engine routed (``Completion.routing``)."""
     flat = advantages.flatten().tolist()
     return [
-        TrainSample(c.prompt_ids, c.tokens, a, c.token_logprobs if behaviour else None)
+        TrainSample(
+            c.prompt_ids,
+            c.tokens,
+            a,
+            c.token_logprobs if behaviour else None,
+            c.routing if replay else None,
+        )  # fmt: skip
         for c, a in zip(comps, flat, strict=True)
     ]
 
@@ -238,19 +251,28 @@ def check_served(guard: WeightGuard, batch: Batch) -> None:
 
 
 def train_policy(
-    learner: Learner, batch: Batch, behaviour: bool, capture: tuple[int, ...] | None
+    learner: Learner,
+    batch: Batch,
+    behaviour: bool,
+    capture: tuple[int, ...] | None,
+    replay: bool = False,
 ) -> tuple[dict[str, Any], list[Captured]]:
-    """One learner step on ``batch`` (``behaviour``: hand it the engine's processed logprobs)
-    and the engine/learner logprob mismatch: (row fields, the forward's features of the
-    ``capture`` layers, empty without)."""
+    """One learner step on ``batch`` (``behaviour``: hand it the engine's processed logprobs;
+    ``replay``: the engine's routing, ``learner.routing_replay``) and the engine/learner logprob
+    mismatch, with ``replay`` also without it (``logprob_delta_unreplayed_*``, one more no-grad
+    forward): (row fields, the forward's features of the ``capture`` layers, empty without)."""
     comps = batch.completions
-    samples = train_samples(comps, batch.advantages, behaviour)
+    samples = train_samples(comps, batch.advantages, behaviour, replay)
+    if replay:  # before the step: the policy the completions were sampled from
+        free = logprob_delta(learner, comps, name="logprob_delta_unreplayed")
     if learner.temperature == 1.0:  # the training forward's logprobs are the raw ones
         result = learner.train_step(samples, keep_logprobs=True, capture=capture)
         delta = logprob_delta(learner, comps, result.logprobs)
     else:
-        delta = logprob_delta(learner, comps)
+        delta = logprob_delta(learner, comps, replay=replay)
         result = learner.train_step(samples, capture=capture)
+    if replay:
+        delta |= free | {"logprob_time_s": delta["logprob_time_s"] + free["logprob_time_s"]}
     stats = dict(result.metrics)
     row = (
         delta
@@ -285,7 +307,8 @@ def learn(parts: RunParts, state: StepState, batch: Batch, waited_s: float) -> d
     row |= staleness(state.version, batch.completions)
     t0 = time.perf_counter()
     layers = parts.drafter.capture_layers() if parts.drafter is not None else None
-    fields, captured = train_policy(parts.learner, batch, uses_behaviour_logprobs(parts), layers)
+    fields, captured = train_policy(parts.learner, batch, uses_behaviour_logprobs(parts), layers,
+                                    parts.cfg.learner.routing_replay)  # fmt: skip
     row |= fields
     row |= publish(parts, state, batch.step)
     if parts.drafter is not None:

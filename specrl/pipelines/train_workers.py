@@ -91,9 +91,14 @@ class TrainRank:
             result.logprobs = [t.cpu() for t in result.logprobs] if self.rank == 0 else None
         return result
 
-    def raw_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-        """The learner's raw logprobs of ``sequences`` (rank 0 returns them; others ``[]``)."""
-        out = self.learner.raw_logprobs(sequences)
+    def raw_logprobs(
+        self,
+        sequences: list[tuple[list[int], list[int]]],
+        routings: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """The learner's raw logprobs of ``sequences`` (rank 0 returns them; others ``[]``),
+        ``routings``: each one's experts to replay."""
+        out = self.learner.raw_logprobs(sequences, routings)
         return [t.cpu() for t in out] if self.rank == 0 else []
 
     def next_block(self) -> dict[str, torch.Tensor] | None:
@@ -264,11 +269,14 @@ class TrainGroup:
         return StepResult(out[0].metrics, out[0].logprobs, features)
 
     def raw_logprobs(
-        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        routings: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """``Learner.raw_logprobs`` (every rank computes all of them; rank 0's come back)."""
         seqs = [(list(p), list(c)) for p, c in sequences]
-        return self._all("raw_logprobs", self.ray.put(seqs))[0]
+        given = None if routings is None else list(routings)
+        return self._all("raw_logprobs", self.ray.put(seqs), given)[0]
 
     @torch.no_grad()
     def pull_weights(self) -> None:

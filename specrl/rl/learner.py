@@ -9,7 +9,11 @@ whole batch's, through the registered loss and correction, and returns a ``StepR
 metrics (loss, grad norm, throughput, MFU), with ``keep_logprobs`` the step's per-token logprobs,
 with ``capture`` (layer indices) a drafter's features (``Captured``) from the same forward;
 ``accumulate_share`` takes one rank's share under the whole batch's normalisers (``rl.sharded``).
-fp32, or bf16 with float32 masters. It knows nothing of how rollouts were produced.
+A mixture-of-experts policy reports its router's balance per step (``moe_load_max``,
+``moe_aux_loss``), adds ``cfg.moe_aux_loss_coef`` times that loss, and with
+``cfg.routing_replay`` routes each token to the experts its sample recorded
+(``TrainSample.routing``, the engine's ``Completion.routing``). fp32, or bf16 with float32
+masters. It knows nothing of how rollouts were produced.
 Details: docs/internals.md.
 """
 
@@ -31,11 +35,17 @@ from specrl.models.device import (
     synchronize,
 )
 from specrl.models.flops import train_flops
+from specrl.models.moe import Routing
 from specrl.models.precision import resolve_precision
 from specrl.rl.corrections import get_correction
 from specrl.rl.head import HEAD_PRECISIONS, head_logprobs
 from specrl.rl.losses import LossNorm, get_loss
-from specrl.rl.packing import PackedBatch, Span, pack_sequences  # noqa: F401 (re-exported)
+from specrl.rl.packing import (  # noqa: F401 (Span re-exported)
+    PackedBatch,
+    Span,
+    pack_sequences,
+    packed_routing,
+)
 
 if TYPE_CHECKING:
     from specrl.config_training import LearnerCfg
@@ -54,6 +64,9 @@ class TrainSample:
     # behaviour policy per completion token: [n] (a tensor, e.g. ``Completion.token_logprobs``,
     # or a list of floats)
     old_logprobs: torch.Tensor | Sequence[float] | None = None
+    # an MoE policy's experts [P + n - 1, moe_layers, top_k] as the rollout routed the prompt and
+    # completion tokens (``Completion.routing``): what ``routing_replay`` imposes
+    routing: torch.Tensor | None = None
 
     def __getstate__(self) -> dict:
         """Tensors copied compact: a view would pickle all of its base (a flat rollout)."""
@@ -92,13 +105,15 @@ def packed_logprobs_and_features(
     chunk: int = 256,
     capture: tuple[int, ...] | None = None,
     head: str = "auto",
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, list[Captured]]:  # [M] flat in sequence order, one per sequence
     """``packed_logprobs`` and, with ``capture`` (layer indices, possibly empty), one
-    ``Captured`` per sequence from the same forward (else no features)."""
+    ``Captured`` per sequence from the same forward (else no features); ``routing``: the MoE
+    layers' record / replay (``models.moe.Routing``, replay in the batch's row order)."""
     batch = batch.to(model_device(model))
     hidden, layers = model.hidden_states(
         batch.ids, batch.positions, segments=batch.segments, parents=batch.parents,
-        capture=tuple(capture or ()),
+        capture=tuple(capture or ()), routing=routing,
     )  # fmt: skip
     features = capture_features(batch, hidden, layers) if capture is not None else []
     selected = hidden[batch.rows, batch.cols]  # [M, H]
@@ -264,6 +279,7 @@ class Learner:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a frozen ref_model")
+        self.moe = _check_moe(model, cfg)
         bf16_mode, head = cfg.bf16_mode, cfg.head_precision
         self.params, self.masters = self._for_training(model, dtype, bf16_mode)
         if head not in HEAD_PRECISIONS:
@@ -303,21 +319,45 @@ class Learner:
 
     @torch.no_grad()
     def raw_logprobs(
-        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        routings: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """Temperature-1 completion logprobs with the learner's own precision (for the
-        engine-vs-learner mismatch metric)."""
+        engine-vs-learner mismatch metric); ``routings``: each sequence's experts to replay."""
         batch = pack_sequences(sequences, self.row_len, self.share_prompts)
+        replay = packed_routing(batch, routings) if routings is not None else None
+        routing = None if replay is None else Routing(replay=replay.to(self.device))
         with self._autocast():
-            flat = packed_logprobs(self.model, batch, 1.0, self.chunk, self.head)
+            flat, _ = packed_logprobs_and_features(self.model, batch, 1.0, self.chunk, None,
+                                                   self.head, routing)  # fmt: skip
         return list(flat.split(batch.lengths))
 
     def _logprobs(
-        self, model: nn.Module, batch: PackedBatch, capture: tuple[int, ...] | None = None
+        self,
+        model: nn.Module,
+        batch: PackedBatch,
+        capture: tuple[int, ...] | None = None,
+        routing: Routing | None = None,
     ) -> tuple[torch.Tensor, list[Captured]]:  # [M], one per sequence with ``capture``
         with self._autocast():
             return packed_logprobs_and_features(model, batch, self.temperature, self.chunk,
-                                                capture, self.head)  # fmt: skip
+                                                capture, self.head, routing)  # fmt: skip
+
+    @property
+    def token_means(self) -> tuple[str, ...]:
+        """The token-weighted metrics of a step (``TOKEN_MEANS``, an MoE's ``MOE_MEANS``)."""
+        return TOKEN_MEANS + (MOE_MEANS if self.moe else ())
+
+    def _routing(self, samples: list[TrainSample], batch: PackedBatch) -> Routing | None:
+        """An MoE policy's routing for a micro-batch's forward: recorded (router statistics,
+        the load-balancing loss) and, with ``routing_replay``, the samples' experts imposed."""
+        if not self.moe:
+            return None
+        replay = None
+        if self.cfg.routing_replay:
+            replay = packed_routing(batch, [s.routing for s in samples])
+        return Routing(replay=None if replay is None else replay.to(self.device), record=True)
 
     def _micro_step(
         self,
@@ -332,7 +372,8 @@ class Learner:
         forward_tokens = batch.tokens
         batch = batch.to(self.device)
         width = max(batch.lengths)
-        flat, features = self._logprobs(self.model, batch, capture)  # [M]
+        routing = self._routing(samples, batch)
+        flat, features = self._logprobs(self.model, batch, capture, routing)  # [M]
         per_sample = list(flat.split(batch.lengths))
         logprobs = _padded(per_sample, width)
         mask = _padded([torch.ones(n) for n in batch.lengths], width)  # [N, T]
@@ -342,14 +383,20 @@ class Learner:
         corr = self.correction(logprobs.detach(), behaviour, has, self.is_cap)
         ref = None
         if self.ref_model is not None:
+            replayed = None if routing is None else Routing(replay=routing.replay)
             with torch.no_grad():
-                ref_flat, _ = self._logprobs(self.ref_model, batch)
+                ref_flat, _ = self._logprobs(self.ref_model, batch, routing=replayed)
             ref = _padded(list(ref_flat.split(batch.lengths)), width)
         out = self.loss_fn(logprobs, corr.old, adv, mask, ref_logprobs=ref, norm=norm,
                            is_weight=corr.weight, **self.loss_kwargs)  # fmt: skip
-        out.loss.backward()
+        loss, moe = out.loss, {}
+        if routing is not None:
+            moe, aux = router_metrics(routing)
+            share = len(samples) / norm.num_sequences  # the micro-batch's part of the batch mean
+            loss = loss + self.cfg.moe_aux_loss_coef * share * aux
+        loss.backward()
         self._grads_to_masters()
-        metrics = out.metrics | {"loss": float(out.loss.detach())}
+        metrics = out.metrics | moe | {"loss": float(loss.detach())}
         metrics |= {"forward_tokens": float(forward_tokens)}
         return StepResult(metrics, [lp.detach() for lp in per_sample], features)
 
@@ -447,7 +494,7 @@ class Learner:
         logprobs always."""
         groups = micro_batches(samples, self.micro_batch_tokens, self.share_prompts)
         parts = [self._micro_step([samples[i] for i in g], norm, capture) for g in groups]
-        metrics = _combine([p.metrics for p in parts])
+        metrics = _combine([p.metrics for p in parts], self.token_means)
         metrics.update(micro_batches=float(len(groups)), sequences=float(len(samples)))
         logprobs = [lp for p in parts for lp in p.logprobs]
         return StepResult(metrics, logprobs, [f for p in parts for f in p.features])
@@ -467,13 +514,35 @@ def batch_norm(samples: Sequence[TrainSample]) -> LossNorm:
 
 
 TOKEN_MEANS = ("clip_frac", "ratio_mean", "kl", "is_weight_mean")  # token-weighted metrics
+MOE_MEANS = ("moe_load_max", "moe_aux_loss")  # token-weighted too, an MoE policy's only
 
 
-def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Sum losses and token counts; token-weighted means of the per-token metrics."""
+def _combine(parts: list[dict[str, float]], means: tuple[str, ...]) -> dict[str, float]:
+    """Sum losses and token counts; token-weighted means of the per-token metrics ``means``."""
     tokens = sum(p["tokens"] for p in parts)
     out = {"loss": sum(p["loss"] for p in parts), "tokens": tokens}
     out["forward_tokens"] = sum(p["forward_tokens"] for p in parts)
-    for key in TOKEN_MEANS:
+    for key in means:
         out[key] = sum(p[key] * p["tokens"] for p in parts) / max(tokens, 1.0)
     return out
+
+
+def _check_moe(model: nn.Module, cfg: LearnerCfg) -> bool:
+    """Whether ``model`` is a mixture of experts; ``ValueError`` for MoE settings on a dense
+    one."""
+    config = model.config
+    if not config.is_moe and (cfg.routing_replay or cfg.moe_aux_loss_coef > 0):
+        what = "learner.routing_replay" if cfg.routing_replay else "learner.moe_aux_loss_coef > 0"
+        raise ValueError(f"{what} needs a mixture-of-experts policy; the model is a dense "
+                         f"{config.model_type}")  # fmt: skip
+    return config.is_moe
+
+
+def router_metrics(routing: Routing) -> tuple[dict[str, float], torch.Tensor]:
+    """A forward's router statistics: the busiest expert's load over the mean load in the most
+    unbalanced MoE layer (``moe_load_max``; 1 = balanced) and the load-balancing loss averaged
+    over the layers (``moe_aux_loss``, also returned as a tensor with its gradient)."""
+    loads = torch.stack(routing.load).float()  # [moe_layers, E]
+    balance = (loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)).max()
+    aux = torch.stack(routing.aux).mean()
+    return {"moe_load_max": float(balance), "moe_aux_loss": float(aux.detach())}, aux

@@ -6,7 +6,8 @@ a prompt segment, then a completion segment that also sees that prompt (``parent
 from 0, padding as segment -1. With ``share_prompts`` consecutive sequences with the same prompt
 (a GRPO group) share one copy of it. The result (``PackedBatch``) is built on the host;
 ``PackedBatch.to(device)`` moves its tensors with one copy each. ``Span`` says where one
-sequence's tokens sit. Pure data: no model, no autograd.
+sequence's tokens sit. ``packed_routing`` places the sequences' recorded MoE experts at their
+tokens (routing replay). Pure data: no model, no autograd.
 """
 
 from __future__ import annotations
@@ -154,3 +155,28 @@ def pack_sequences(
     flat = lambda x: torch.cat(x) if x else torch.zeros(0, dtype=torch.long)  # noqa: E731
     return PackedBatch(ids, positions, segments, parents, flat(rows), flat(cols), flat(targets),
                        lengths, spans)  # fmt: skip
+
+
+def packed_routing(
+    batch: PackedBatch, routings: Sequence[torch.Tensor | None]
+) -> torch.Tensor | None:
+    """Experts [R * L, moe_layers, top_k] int64 for every packed token in row order from each
+    sequence's recorded routing ([P + n - 1, moe_layers, top_k]: its prompt, then its
+    completion's tokens but the last), -1 where none was recorded (padding, a completion's last
+    token, a sequence without routing); None when no sequence has any. ``ValueError`` naming a
+    sequence whose routing does not fit its tokens."""
+    given = [r for r in routings if r is not None]
+    if not given:
+        return None
+    rows, width = batch.ids.shape
+    shape = tuple(given[0].shape[1:])  # (moe_layers, top_k)
+    out = torch.full((rows, width, *shape), -1, dtype=torch.int64)
+    for i, (span, n, routing) in enumerate(zip(batch.spans, batch.lengths, routings, strict=True)):
+        if routing is None:
+            continue
+        if tuple(routing.shape[1:]) != shape or len(routing) > span.prompt_len + n:
+            raise ValueError(f"sequence {i}: routing of shape {tuple(routing.shape)} does not fit "
+                             f"{span.prompt_len} + {n} tokens of {shape} experts")  # fmt: skip
+        cols = span.columns(n)[: len(routing)]
+        out[span.row, cols] = routing.to(torch.int64)
+    return out.reshape(rows * width, *shape)

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from specrl.models.moe import Routing
 from specrl.rl.learner import (
-    TOKEN_MEANS,
     Captured,
     Learner,
     PackedBatch,
@@ -144,18 +144,24 @@ class ShardedLearner(Learner):
         return list(model.parameters()), None
 
     def _logprobs(
-        self, model: nn.Module, batch: PackedBatch, capture: tuple[int, ...] | None = None
+        self,
+        model: nn.Module,
+        batch: PackedBatch,
+        capture: tuple[int, ...] | None = None,
+        routing: Routing | None = None,
     ) -> tuple[torch.Tensor, list[Captured]]:  # [M], one per sequence with ``capture``
-        out = super()._logprobs(model, batch, capture)
+        out = super()._logprobs(model, batch, capture, routing)
         if not torch.is_grad_enabled():  # no backward will reshard the root (reference model)
             model.reshard()
         return out
 
     @torch.no_grad()
     def raw_logprobs(
-        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        routings: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
-        out = super().raw_logprobs(sequences)
+        out = super().raw_logprobs(sequences, routings)
         self.model.reshard()
         return out
 
@@ -196,14 +202,15 @@ class ShardedLearner(Learner):
         return [t.to(self.device) for part in parts for t in part]
 
     def _reduced(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Sums over ranks of ``SUMMED``; token-weighted means of ``TOKEN_MEANS``."""
-        weighted = [metrics[k] * metrics["tokens"] for k in TOKEN_MEANS]
+        """Sums over ranks of ``SUMMED``; token-weighted means of ``token_means``."""
+        means = self.token_means
+        weighted = [metrics[k] * metrics["tokens"] for k in means]
         values = [metrics[k] for k in SUMMED] + weighted
         total = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.group)
-        sums = dict(zip(SUMMED + TOKEN_MEANS, total.tolist(), strict=True))
+        sums = dict(zip(SUMMED + means, total.tolist(), strict=True))
         tokens = max(sums["tokens"], 1.0)
-        return {k: sums[k] / tokens if k in TOKEN_MEANS else sums[k] for k in metrics}
+        return {k: sums[k] / tokens if k in means else sums[k] for k in metrics}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

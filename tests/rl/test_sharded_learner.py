@@ -33,6 +33,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TIMEOUT_S = 180  # the whole spawned run; a hang fails the tests instead of blocking them
 TIMINGS = ("time_s", "tokens_per_s", "model_tflops")  # metrics that differ run to run
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# an MoE's router statistics are per micro-batch (token shares of its tokens): other shares of
+# the batch, other values
+PARTITIONED = ("moe_load_max", "moe_aux_loss")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Scenario:
     seeds: tuple[int, ...] = (11, 12, 13)
     ref: bool = False  # a (sharded) reference model
     max_len: int | None = None  # Dr. GRPO's generation budget
+    moe: bool = False  # a mixture-of-experts policy (``gloo_ranks.MOE``)
 
 
 SCENARIOS = {
@@ -66,17 +70,26 @@ SCENARIOS = {
     "bf16_params": Scenario(
         dict(dtype="bf16", bf16_mode="params", micro_batch_tokens=24), dict(groups=3, size=4)
     ),
+    # a mixture of experts: experts sharded like any parameter, routing replayed, router
+    # statistics reduced over ranks (not the load-balancing loss: its token shares are a
+    # micro-batch's, so its gradient depends on how the batch is cut)
+    "moe": Scenario(
+        dict(routing_replay=True, micro_batch_tokens=24),
+        dict(groups=3, size=4, routing=True),
+        (51, 52, 53),
+        moe=True,
+    ),
 }
 FP32 = [name for name, sc in SCENARIOS.items() if "dtype" not in sc.learner]
 
 
 def _learner(name: str, mesh) -> Learner:
     cfg = LearnerCfg(**dict(dtype="fp32", lr=1e-2) | SCENARIOS[name].learner)
-    ref = tiny_policy() if SCENARIOS[name].ref else None  # the initial policy, as in a run
-    max_len = SCENARIOS[name].max_len
+    sc = SCENARIOS[name]
+    ref = tiny_policy(sc.moe) if sc.ref else None  # the initial policy, as in a run
     if mesh is None:
-        return Learner(tiny_policy(), cfg, max_len=max_len, ref_model=ref)
-    return ShardedLearner(tiny_policy(), cfg, mesh=mesh, max_len=max_len, ref_model=ref)
+        return Learner(tiny_policy(sc.moe), cfg, max_len=sc.max_len, ref_model=ref)
+    return ShardedLearner(tiny_policy(sc.moe), cfg, mesh=mesh, max_len=sc.max_len, ref_model=ref)
 
 
 def _run(name: str, mesh=None) -> dict:
@@ -151,7 +164,7 @@ def test_three_sharded_steps_equal_three_single_process_steps(ranks, single, nam
         for k in want["adam"]:
             _close(got["adam"][k], want["adam"][k])
         for g, w in zip(got["metrics"], want["metrics"], strict=True):
-            same = {k for k in w if k not in ("forward_tokens", "micro_batches")}
+            same = {k for k in w if k not in ("forward_tokens", "micro_batches", *PARTITIONED)}
             assert g.keys() == w.keys()
             assert {k: g[k] for k in same} == pytest.approx({k: w[k] for k in same}, rel=1e-5)
         for g, w in zip(got["kept"], want["kept"], strict=True):
@@ -185,6 +198,8 @@ def test_the_scenarios_exercise_what_they_claim(single):
     assert sorted(len(r) for r in split_by_tokens(nonempty(batch), WORLD)) == [3, 4]
     shares = split_by_tokens(tiny_batch(31, groups=1, size=1), WORLD)
     assert [len(r) for r in shares] == [0, 1]  # the 'idle' scenario leaves rank 0 empty
+    moe = single["moe"]["metrics"]
+    assert all(m["moe_aux_loss"] > 0 and m["moe_load_max"] > 1 for m in moe)
 
 
 def test_a_global_normaliser_gives_the_single_process_gradient_and_a_per_rank_one_does_not(
