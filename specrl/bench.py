@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specrl.costmodel.cost import expected_experts
 from specrl.fsutil import atomic_write
 from specrl.paths import cached_drafter
 from specrl.spec.proposers import head_kind
@@ -120,13 +121,26 @@ def roofline_tokens_per_s(
     bandwidth: float = CPU_BANDWIDTH_BYTES_S,
     peak_flops: float | None = None,
 ) -> float:
-    """Upper bound on decode tokens/s: max(weight+KV bytes / bandwidth, FLOPs / peak)."""
-    params = config.num_parameters()
+    """Upper bound on decode tokens/s: max(weight+KV bytes / bandwidth, FLOPs / peak); of a
+    mixture of experts the weights its ``batch`` tokens are expected to touch (``weights_read``)
+    and the FLOPs of its active parameters."""
     elem = torch.finfo(dtype).bits // 8
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * context * batch * elem
-    t_mem = (params * elem + kv) / bandwidth
+    t_mem = (weights_read(config, batch) * elem + kv) / bandwidth
     peak = peak_flops or CPU_PEAK_FLOPS.get(dtype, CPU_PEAK_FLOPS[torch.float32])
-    return batch / max(t_mem, 2 * params * batch / peak)
+    return batch / max(t_mem, 2 * config.num_parameters(active=True) * batch / peak)
+
+
+def weights_read(config, tokens: int) -> float:
+    """Parameters a forward of ``tokens`` tokens reads: every one of a dense model; of a mixture
+    of experts all but the experts, and per MoE layer the experts ``tokens`` tokens are expected
+    to touch under uniform routing (``costmodel.cost.expected_experts``)."""
+    if not config.is_moe:
+        return float(config.num_parameters())
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    layers = len(config.moe_layers)
+    touched = expected_experts(config.num_experts, config.num_experts_per_tok, tokens)
+    return config.num_parameters() - layers * (config.num_experts - touched) * expert
 
 
 def measure_machine(dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -5,23 +5,28 @@ router (``gate``, computed in float32) softmaxes over ``num_experts``, each toke
 experts (weights renormalised when ``norm_topk_prob``), each expert is a SwiGLU MLP, and the
 outputs are summed by weight; Qwen2-MoE adds a sigmoid-gated shared expert. Expert weights are
 stored stacked (``gate_up`` [E, 2I, H], ``down`` [E, H, I], Hugging Face's row layout per
-expert). Tokens are grouped by expert (one stable sort): with no autograd and where it runs, one
-grouped GEMM per projection (``torch._grouped_mm``, no host read); otherwise one GEMM per active
-expert (the counts read on the host), or in a static step (``host_reads=False``: capturable, no
-host read) every expert on every token, weighted by a dense [N, E] mix. A ``Routing`` handed in
-records each token's experts (routing replay's source) or imposes them (the learner replaying a
-rollout's routing).
+expert). Tokens are grouped by expert (one stable sort), then multiplied by the first of: bf16
+inference on a CPU with the native kernel (``specrl.kernels.gemv``: one packed copy of the
+experts, rebuilt when they change, batch-invariant products, as ``models.linear.Linear``), one
+per active expert; without autograd where it runs, one grouped GEMM per projection
+(``torch._grouped_mm``, no host read); else one GEMM per active expert (the counts read on the
+host), or in a static step off the CPU (``host_reads=False``: capturable) every expert on
+every token, weighted by a dense [N, E] mix. A ``Routing`` handed in records each token's
+experts (routing replay's source) or imposes them (the learner replaying a rollout's routing).
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specrl.kernels import gemv
+from specrl.kernels.hugepages import huge_zeros
 from specrl.models.config import ModelConfig
 from specrl.models.linear import Linear
 
@@ -64,8 +69,20 @@ class Routing:
         return torch.stack(self.recorded, dim=1)
 
 
+class NativeExperts(NamedTuple):
+    """The native kernel with the experts packed for it ([E, ...] each, ``gemv`` layout)."""
+
+    kernel: gemv.GemvKernel
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class MoE(nn.Module):
-    """Router + stacked SwiGLU experts (+ an optional gated shared expert)."""
+    """Router + stacked SwiGLU experts (+ an optional gated shared expert); ``native`` (see
+    ``models.transformer.set_native_kernels``): the native kernel where it applies."""
+
+    native: bool = True
+    _packed: tuple[tuple, NativeExperts] | None = None  # (the experts' key, their packed copy)
 
     def __init__(self, c: ModelConfig, index: int) -> None:
         super().__init__()
@@ -105,11 +122,34 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         experts, weights = self.route(flat, routing)
-        out = expert_mlp(flat, experts, weights, self.gate_up, self.down, host_reads)
+        native = self.native_experts(flat)
+        out = expert_mlp(flat, experts, weights, self.gate_up, self.down, host_reads, native)
         if self.shared:
             shared = self.shared_down(_swiglu(self.shared_gate_up(flat)))  # [N, H]
             out = out + torch.sigmoid(self.shared_gate(flat)) * shared
         return out.reshape(shape)
+
+    def native_experts(self, x: torch.Tensor) -> NativeExperts | None:
+        """The experts packed for the native kernel when it takes x [N, H] (bf16 CPU inference,
+        shapes it packs), packed now if they changed since; else None."""
+        kernel = gemv.native_bf16(x, self.gate_up, self.down) if self.native else None
+        if kernel is None or not (kernel.fits(self.gate_up[0]) and kernel.fits(self.down[0])):
+            return None
+        key = tuple((w.data_ptr(), w._version) for w in (self.gate_up, self.down))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None  # drop the old copy before packing the new one
+            packed = [_packed_stack(kernel, w) for w in (self.gate_up, self.down)]
+            self._packed = (key, NativeExperts(kernel, *packed))
+        return self._packed[1]
+
+
+def _packed_stack(kernel: gemv.GemvKernel, weights: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, *packed [N, K]]: the experts packed into one allocation (on huge pages
+    where granted: decoding streams them)."""
+    out = huge_zeros((weights.shape[0], *kernel.packed_shape(weights[0])), weights.dtype)
+    for e, w in enumerate(weights):
+        kernel.pack(w, out[e])
+    return out
 
 
 def expert_mlp(
@@ -119,11 +159,15 @@ def expert_mlp(
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     host_reads: bool = True,
+    native: NativeExperts | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * SwiGLU_{experts[n, j]}(x[n]) -> [N, H], tokens grouped by expert
-    (``host_reads=False``: nothing read on the host, see the module)."""
-    grouped = _grouped_runs(x, gate_up, down)
-    if not (grouped or host_reads):
+    (``host_reads=False``: nothing read on the host off the CPU; ``native``: the experts packed
+    for the native kernel; see the module)."""
+    if native is not None and experts.shape[0] == 1:  # one token (batch-1 decoding)
+        return _one_token_native(x, experts, weights, native)
+    grouped = native is None and _grouped_runs(x, gate_up, down)
+    if not (grouped or host_reads or x.device.type == "cpu"):
         return _dense(x, experts, weights, gate_up, down)
     k = experts.shape[1]
     flat = experts.reshape(-1)  # [N*k]
@@ -131,10 +175,14 @@ def expert_mlp(
     token = order // k  # [N*k] the token of each sorted pair
     counts = expert_counts(experts, gate_up.shape[0])  # [E]
     xs = x[token]  # [N*k, H]
-    run = _grouped if grouped else _per_expert
-    ys = run(xs, counts, gate_up, down)  # [N*k, H]
+    if native is not None:
+        ys = _per_expert_native(xs, counts, native)
+    else:
+        run = _grouped if grouped else _per_expert
+        ys = run(xs, counts, gate_up, down)  # [N*k, H]
     ys = ys * weights.reshape(-1)[order].unsqueeze(-1)  # [N*k, H]
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # each token's k summed
+    return out.index_add_(0, token, ys.float()).to(x.dtype)  # in float32, rounded once
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -173,6 +221,42 @@ def _grouped(
     offs = counts.cumsum(0).to(torch.int32)  # [E] end of each expert's rows
     hidden = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
     return torch._grouped_mm(_swiglu(hidden), down.transpose(-2, -1), offs=offs)  # [M, H]
+
+
+def _one_token_native(
+    x: torch.Tensor,  # [1, H] bf16
+    experts: torch.Tensor,  # [1, k]
+    weights: torch.Tensor,  # [1, k]
+    native: NativeExperts,
+) -> torch.Tensor:
+    """One token through its k experts with the native kernel: bit for bit what the grouped
+    path gives it (the same products, summed in float32 in expert order and rounded once),
+    without sorting or scattering."""
+    kernel, gate_up, down = native
+    two_i, h = gate_up.shape[1] * 16, down.shape[1] * 16
+    out = torch.zeros(1, h, dtype=torch.float32)
+    for e, j in sorted((e, j) for j, e in enumerate(experts[0].tolist())):
+        y = kernel.matmul(kernel.silu_mul(kernel.matmul(x, gate_up[e], two_i)), down[e], h)
+        out += y * weights[:, j : j + 1]  # the bf16 product, accumulated in float32
+    return out.to(x.dtype)
+
+
+def _per_expert_native(
+    xs: torch.Tensor,  # [M, H] bf16 sorted by expert
+    counts: torch.Tensor,  # [E]
+    native: NativeExperts,
+) -> torch.Tensor:
+    """``_per_expert`` through the native kernel (batch-invariant products, native SwiGLU)."""
+    kernel, gate_up, down = native
+    two_i, h = gate_up.shape[1] * 16, down.shape[1] * 16
+    parts, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            rows = xs[start : start + count]
+            hidden = kernel.silu_mul(kernel.matmul(rows, gate_up[e], two_i))
+            parts.append(kernel.matmul(hidden, down[e], h))
+            start += count
+    return torch.cat(parts) if parts else xs.new_zeros(0, h)
 
 
 def _dense(

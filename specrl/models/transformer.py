@@ -52,10 +52,10 @@ def set_native_elementwise(model: nn.Module, enabled: bool) -> None:
 
 def set_native_kernels(model: nn.Module, enabled: bool) -> None:
     """Turn the native kernels (products, attention, norms, SwiGLU, RoPE) on or off for every
-    ``Linear``, ``Attention``, ``RMSNorm`` and ``MLP`` in ``model`` (for A/B runs)."""
+    ``Linear``, ``Attention``, ``RMSNorm``, ``MLP`` and ``MoE`` in ``model`` (for A/B runs)."""
     set_native_elementwise(model, enabled)
     for m in model.modules():
-        if isinstance(m, (Linear, Attention)):
+        if isinstance(m, (Linear, Attention, MoE)):
             m.native = enabled
 
 

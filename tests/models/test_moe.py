@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specrl.bench import weights_read
 from specrl.models.checkpoints import hf_state_dict, load_model
 from specrl.models.config import ModelConfig, tiny_config
-from specrl.models.moe import MoE, Routing, expert_mlp
+from specrl.models.moe import MoE, Routing, _dense, expert_mlp
 from specrl.models.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -175,16 +176,48 @@ def test_moe_config_round_trips_and_rejects_bad_top_k():
 
 
 def test_the_static_path_reads_nothing_on_the_host_and_agrees():
-    """host_reads=False (a static step) on the meta device completes (no host read), and on the
-    CPU in float32 with autograd on (no grouped GEMM) it gives what the per-expert path does."""
+    """host_reads=False (a static step) on the meta device completes (no host read: every
+    expert densely mixed off the CPU), and the dense mix gives what the per-expert path does."""
     with torch.device("meta"):
         model = Transformer(moe_config()).eval()
         out = model.layers[0].mlp(torch.zeros(2, 3, 32), None, host_reads=False)
     assert out.shape == (2, 3, 32)
     torch.manual_seed(0)
     moe = Transformer(moe_config()).layers[0].mlp
-    x = torch.randn(2, 5, 32)
-    with torch.enable_grad():
-        dense = moe(x, None, host_reads=False)
-        looped = moe(x)
+    x = torch.randn(10, 32)
+    experts, weights = moe.route(x, None)
+    with torch.enable_grad():  # no grouped GEMM: the per-expert path
+        looped = expert_mlp(x, experts, weights, moe.gate_up, moe.down)
+    dense = _dense(x, experts, weights, moe.gate_up, moe.down)
     torch.testing.assert_close(dense, looped, atol=1e-5, rtol=1e-5)
+
+
+def test_native_experts_agree_with_the_portable_path_and_are_batch_invariant():
+    torch.manual_seed(0)
+    config = moe_config(hidden_size=64, moe_intermediate_size=32, num_experts_per_tok=3)
+    moe = Transformer(config).layers[0].mlp  # 3 per token: the order of their sum matters
+    moe = moe.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if moe.native_experts(x) is None:
+            pytest.skip("the native kernel does not run on this CPU")
+        native = moe(x[None])[0]
+        alone = torch.cat([moe(x[None, i : i + 1])[0] for i in range(7)])
+        moe.native = False
+        portable = moe(x[None])[0]
+    assert torch.equal(native, alone)  # each row the same alone or batched
+    torch.testing.assert_close(native.float(), portable.float(), atol=0.05, rtol=0.02)
+    with torch.no_grad():
+        moe.gate_up[0].mul_(2.0)  # the packed copy follows a weight update
+        moe.native = True
+        assert not torch.equal(moe(x[None])[0], native)
+
+
+def test_the_roofline_reads_the_experts_a_batch_touches():
+    c = moe_config(mlp_only_layers=(0,))  # 8 experts, 2 per token, MoE in layer 1
+    expert = 3 * c.hidden_size * c.moe_intermediate_size
+    assert weights_read(c, 1) == c.num_parameters(active=True)  # one token: its 2 experts
+    assert weights_read(c, 10_000) == pytest.approx(c.num_parameters())  # every expert
+    assert weights_read(c, 4) == pytest.approx(c.num_parameters() - 8 * 0.75**4 * expert)
+    dense = tiny_config()
+    assert weights_read(dense, 7) == dense.num_parameters()
