@@ -11,6 +11,7 @@ seconds. The formulas: docs/internals.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
@@ -19,10 +20,16 @@ from specrl.costmodel.drafters import catches_up, draft_forward
 from specrl.costmodel.specs import DTYPE_BYTES, PRECISIONS, DrafterSpec, HardwareSpec, ModelSpec
 
 
-def expected_experts(experts: int, top_k: int, tokens: float) -> float:
-    """Expected distinct experts touched per layer when ``tokens`` tokens each pick ``top_k``."""
+def expected_experts(
+    experts: int, top_k: int, tokens: float, popularity: Sequence[float] = ()
+) -> float:
+    """Expected distinct experts touched per layer when ``tokens`` tokens each pick ``top_k``:
+    each expert independently, with its ``popularity`` (the chance a token picks it, summing to
+    ``top_k``; () = uniform, top_k / experts each)."""
     if experts <= 0 or tokens <= 0:
         return 0.0
+    if popularity:
+        return sum(1.0 - (1.0 - min(q, 1.0)) ** tokens for q in popularity)
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
@@ -102,20 +109,30 @@ def routed_tokens(shape: ForwardShape, locality: float = 0.0) -> float:
 def weight_bytes_read(model: ModelSpec, tokens: float, layout: Layout | None = None) -> float:
     """Bytes of weights the busiest GPU of the replica streams for ``tokens`` routed tokens, times
     the replica's GPUs (so that dividing by gpus gives that GPU's share; the whole replica's
-    bytes for balanced sharding)."""
+    bytes for balanced sharding): ``dense_bytes_read`` + ``expert_bytes_read``."""
+    return dense_bytes_read(model, layout) + expert_bytes_read(model, tokens, layout)
+
+
+def dense_bytes_read(model: ModelSpec, layout: Layout | None = None) -> float:
+    """Bytes of the weights every forward reads whatever its routing."""
+    return model.dense_params * PRECISIONS[(layout or Layout()).precision].weight_bytes
+
+
+def expert_bytes_read(model: ModelSpec, tokens: float, layout: Layout | None = None) -> float:
+    """Bytes of the routed experts ``tokens`` routed tokens are expected to touch (the busiest
+    rank's under expert parallelism; the model's measured ``expert_popularity`` if any, else
+    uniform routing); 0 for a dense model."""
+    if not model.is_moe:
+        return 0.0
     layout = layout or Layout()
+    if layout.ep > 1:  # the busiest rank's experts, as if every rank read that many
+        busiest = busiest_rank_experts(model.experts, model.experts_per_token, tokens, layout.ep)
+        distinct = busiest * layout.ep
+    else:
+        distinct = expected_experts(model.experts, model.experts_per_token, tokens,
+                                    model.expert_popularity)  # fmt: skip
     per_param = PRECISIONS[layout.precision].weight_bytes
-    routed = 0.0
-    if model.is_moe:
-        if layout.ep > 1:  # the busiest rank's experts, as if every rank read that many
-            busiest = busiest_rank_experts(
-                model.experts, model.experts_per_token, tokens, layout.ep
-            )
-            distinct = busiest * layout.ep
-        else:
-            distinct = expected_experts(model.experts, model.experts_per_token, tokens)
-        routed = model.moe_layers * distinct * model.expert_params
-    return (model.dense_params + routed) * per_param
+    return model.moe_layers * distinct * model.expert_params * per_param
 
 
 def kv_bytes_read(model: ModelSpec, shape: ForwardShape) -> float:
@@ -200,10 +217,13 @@ def forward_cost(
     base = layout or Layout()
     layout = Layout(gpus, base.ep, base.precision, locality, base.skew)
     routed = routed_tokens(shape, locality)
-    mem_bytes = weight_bytes_read(model, routed, layout) + kv_bytes_read(model, shape)
+    mem_bytes = dense_bytes_read(model, layout) + kv_bytes_read(model, shape)
+    experts = expert_bytes_read(model, routed, layout)
     peak = hw.peak(layout.precision)
+    bandwidth = gpus * hw.hbm_bandwidth
     return ForwardCost(
-        memory_s=mem_bytes / (gpus * hw.hbm_bandwidth * hw.eta_mem),
+        memory_s=mem_bytes / (bandwidth * hw.eta_mem)
+        + experts / (bandwidth * (hw.eta_expert_mem or hw.eta_mem)),
         compute_s=busiest_gpu_flops(model, shape, layout) / (peak * hw.eta_compute),
         comm_s=comm_time(model, hw, gpus, shape.tokens, layout.ep),
         overhead_s=overhead_s,

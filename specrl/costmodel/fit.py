@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrl.costmodel.cost import ForwardShape, forward_flops, kv_bytes_read, weight_bytes_read
+from specrl.costmodel.cost import (
+    ForwardShape,
+    dense_bytes_read,
+    expert_bytes_read,
+    forward_flops,
+    kv_bytes_read,
+)
 from specrl.costmodel.specs import HardwareSpec, ModelSpec, with_overrides
 
 
@@ -37,18 +43,24 @@ class Record:
 
 
 def features(model: ModelSpec, rec: Record) -> np.ndarray:
-    """[1, bytes moved, FLOPs, verified logits, 1 if a verify, FLOPs if a prefill] of one
-    record, as the cost model counts them."""
+    """[1, bytes moved, FLOPs, verified logits, 1 if a verify, FLOPs if a prefill, routed
+    experts' bytes] of one record, as the cost model counts them: ``FEATURES`` columns (the
+    experts' bytes: the unique experts its tokens are expected to touch under the model's
+    measured routing, priced by their own rate; 0 for a dense model)."""
     shape = ForwardShape(rec.batch_size, rec.tokens_per_seq, rec.context_len)
-    moved = weight_bytes_read(model, shape.tokens) + kv_bytes_read(model, shape)
+    moved = dense_bytes_read(model) + kv_bytes_read(model, shape)
     verify = float(rec.kind == "verify")
     logits = shape.tokens * model.vocab * verify
     flops = forward_flops(model, shape)
-    return np.array([1.0, moved, flops, logits, verify, flops * (rec.kind == "prefill")])
+    experts = expert_bytes_read(model, shape.tokens)
+    return np.array([1.0, moved, flops, logits, verify, flops * (rec.kind == "prefill"), experts])
+
+
+FEATURES = 7  # columns of ``features``
 
 
 def design(model: ModelSpec, records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
-    """Features [n, 6] and measured seconds [n] of ``records``."""
+    """Features [n, FEATURES] and measured seconds [n] of ``records``."""
     x = np.stack([features(model, r) for r in records])
     return x, np.array([r.step_time_s for r in records])
 
@@ -76,15 +88,21 @@ def relative_nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = Non
 
 def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -> HardwareSpec:
     """The profile pricing a step as the fit does: a rate the fit dropped (coefficient 0)
-    becomes an infinite efficiency, so that term costs nothing in ``StepCostModel`` either."""
-    c0, per_byte, per_flop, per_logit, verify_s, prefill_flop = (float(c) for c in coef)
+    becomes an infinite efficiency, so that term costs nothing in ``StepCostModel`` either; but
+    a dropped routed-expert rate leaves ``eta_expert_mem`` 0 (experts priced at ``eta_mem``, as
+    in a profile without the term: the column is all zero for a dense model)."""
+    c0, per_byte, per_flop, per_logit, verify_s, prefill_flop, per_expert_byte = (
+        float(c) for c in coef
+    )
     eta_mem = 1.0 / (per_byte * base.hbm_bandwidth) if per_byte > 0 else math.inf
     eta_compute = 1.0 / (per_flop * base.peak_flops) if per_flop > 0 else math.inf
+    eta_expert = 1.0 / (per_expert_byte * base.hbm_bandwidth) if per_expert_byte > 0 else 0.0
     return with_overrides(
         base,
         name=name,
         eta_mem=eta_mem,
         eta_compute=eta_compute,
+        eta_expert_mem=eta_expert,
         step_overhead_s=c0,
         verify_s_per_logit=per_logit,
         verify_overhead_s=verify_s,
@@ -111,6 +129,6 @@ def fit_design(
     name: str,
     weights: np.ndarray | None = None,
 ) -> HardwareSpec:
-    """``fit_records`` from records' ``features`` x [n, 6], seconds y [n] and ``weights`` [n]
+    """``fit_records`` from records' ``features`` x [n, FEATURES], seconds y [n] and ``weights`` [n]
     (``relative_nnls``; a caller that refits often computes each record's features once)."""
     return profile_from_coefficients(base, relative_nnls(x, y, weights), name)

@@ -88,10 +88,14 @@ class ModelSpec(Spec):
     moe_layers: int = 0
     moe_intermediate: int = 0
     kv_bytes_per_token: int = 0  # 0: standard attention, 2 * layers * kv_heads * head_dim * bytes
+    # measured routing: per expert the chance a token picks it (summing to experts_per_token,
+    # the MoE layers' mean); () = uniform routing (experts_per_token / experts each)
+    expert_popularity: tuple[float, ...] = ()
 
     coverage: ClassVar[Coverage] = Coverage(
         rules=each(
-            ("experts_per_token", "shared_experts", "moe_layers", "moe_intermediate"),
+            ("experts_per_token", "shared_experts", "moe_layers", "moe_intermediate",
+             "expert_popularity"),
             "experts", lambda n: n > 0, " > 0 (a mixture-of-experts model)",
         ),
         always=(
@@ -172,6 +176,10 @@ class HardwareSpec(Spec):
     # link bandwidth times this efficiency (fitted on DeepEP's published kernel times)
     a2a_latency_s: float = 0.0
     a2a_efficiency: float = 1.0
+    # bandwidth efficiency of streaming routed experts' weights (the unique experts a forward's
+    # tokens touch; per-expert kernel calls make it lower than eta_mem's): 0 = eta_mem's.
+    # Fitted from an engine's own steps (``costmodel.fit``); 0 in every bundled profile.
+    eta_expert_mem: float = 0.0
 
     coverage: ClassVar[Coverage] = Coverage(
         rules=(
@@ -182,7 +190,7 @@ class HardwareSpec(Spec):
             "scale_out_bandwidth", "gpus_per_node", "eta_mem", "eta_compute", "step_overhead_s",
             "forward_overhead_s", "comm_latency_s", "mem_fraction", "verify_s_per_logit",
             "verify_overhead_s", "prefill_s_per_flop", "graph_capture_tokens", "peak_flops_fp8",
-            "a2a_latency_s", "a2a_efficiency",
+            "a2a_latency_s", "a2a_efficiency", "eta_expert_mem",
         ),
     )  # fmt: skip
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specrl.malloc import return_freed_memory
 from specrl.models.device import (
     autocast,
     model_device,
@@ -454,6 +455,8 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(stepped, self.max_grad_norm)
         self.optimizer.step()
         self._refresh_from_masters()
+        if self.moe:  # experts' token groups vary in size step to step: the freed heap
+            return_freed_memory()  # would otherwise grow (measured: 7 GB held as 14 GB)
         synchronize(device)
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=float(grad_norm), time_s=seconds)

@@ -57,7 +57,7 @@ class FitReport:
 
     @property
     def coef(self) -> np.ndarray:
-        """The coefficients [6] in ``costmodel.fit.features``' order."""
+        """The coefficients [FEATURES] in ``costmodel.fit.features``' order."""
         return np.array(list(self.coefficients.values()))
 
     def to_json(self) -> dict[str, Any]:
@@ -226,6 +226,7 @@ def fit_trace(
             "s_per_verify_logit": float(coef[3]),
             "verify_overhead_s": float(coef[4]),
             "s_per_prefill_flop": float(coef[5]),
+            "s_per_expert_byte": float(coef[6]),
         },
         fit_error=mape(x[fit_idx] @ coef, y[fit_idx]),
         heldout_error=mape(x[out_idx] @ coef, y[out_idx]),

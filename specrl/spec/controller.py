@@ -4,7 +4,8 @@
 0 = a plain step) by maximising expected emitted tokens per second from three estimates that
 ``observe`` refreshes after every step: the target's step times (``costmodel.cost`` over a
 profile fitted by ``costmodel.fit``, the simulator's model and fit, seeded by
-``measure_forwards``), the drafter's time, and per-position acceptance and coverage.
+``measure_forwards``; an MoE target's routing measured by ``measure_popularity`` prices the
+unique experts a verify touches), the drafter's time, and per-position acceptance and coverage.
 Speculation must beat a plain step by ``margin``; untried depths are explored within an
 ``explore_share`` budget. Decisions depend on measured times, so "distribution" runs reproduce
 in distribution ("sample" exactness: token for token).
@@ -26,12 +27,14 @@ from specrl.costmodel.cost import StepCostModel
 from specrl.costmodel.fit import Record, design, features, fit_design, nnls
 from specrl.costmodel.specs import HardwareSpec, ModelSpec, load_hardware
 from specrl.models.device import model_device, synchronize
+from specrl.models.moe import Routing
 
 BASE_PROFILE = "cpu-2core"  # its peaks only convert fitted rates to efficiencies
 
 
-def model_spec(model: torch.nn.Module) -> ModelSpec:
-    """The cost model's description of a ``specrl.models.transformer.Transformer``."""
+def model_spec(model: torch.nn.Module, popularity: tuple[float, ...] = ()) -> ModelSpec:
+    """The cost model's description of a ``specrl.models.transformer.Transformer``
+    (``popularity``: an MoE's measured routing, ``measure_popularity``)."""
     c = model.config
     params = float(sum(p.numel() for p in model.parameters()))
     moe = {}
@@ -39,7 +42,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         shared = round(c.shared_expert_intermediate_size / c.moe_intermediate_size)
         moe = dict(experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
                    shared_experts=shared, moe_layers=len(c.moe_layers),
-                   moe_intermediate=c.moe_intermediate_size)  # fmt: skip
+                   moe_intermediate=c.moe_intermediate_size,
+                   expert_popularity=popularity)  # fmt: skip
     return ModelSpec(
         name=f"engine-{c.model_type}",
         layers=c.num_layers,
@@ -77,7 +81,7 @@ def measure_forwards(
     device = model_device(model)
     records = []
     for b, t in shapes:
-        ids = torch.zeros(b, t, dtype=torch.long, device=device)  # [b, t]
+        ids = random_ids(model, b, t)  # [b, t]: an MoE routes them apart, as text
         positions = context + torch.arange(t, device=device)[None, :].expand(b, t)  # [b, t]
         model(ids, positions, cache, kv_len=context + t)  # warm-up
         synchronize(device)
@@ -87,6 +91,27 @@ def measure_forwards(
         kind = "decode" if t == 1 else "verify"
         records.append(Record(b, t, float(context), time.perf_counter() - t0, kind))
     return records
+
+
+def random_ids(model: torch.nn.Module, rows: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    """Seeded random token ids [rows, tokens] on the model's device."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (rows, tokens), generator=g)
+    return ids.to(model_device(model))
+
+
+@torch.inference_mode()
+def measure_popularity(model: torch.nn.Module, tokens: int = 512) -> tuple[float, ...]:
+    """An MoE's routing of ``tokens`` random tokens in one forward: per expert the share of
+    tokens that pick it, averaged over the MoE layers (summing to top-k); () for a dense
+    model."""
+    if not model.config.is_moe:
+        return ()
+    routing = Routing(record=True)
+    ids = random_ids(model, 1, tokens, seed=1)
+    model(ids, torch.arange(tokens, device=ids.device)[None], routing=routing)
+    load = torch.stack(routing.load).double().mean(0) / tokens  # [E]
+    return tuple(load.tolist())
 
 
 @dataclass
@@ -195,9 +220,9 @@ class TargetCost:
     startup: list[Record]
     window: int = 256
     base: HardwareSpec = field(default_factory=lambda: load_hardware(BASE_PROFILE))
-    recent: deque = field(default_factory=deque)  # (features [6], shape, seconds) of steps
+    recent: deque = field(default_factory=deque)  # (features [FEATURES], shape, seconds) of steps
     cost: StepCostModel = field(init=False)
-    _startup_x: np.ndarray = field(init=False)  # [n, 6] features of the start-up records
+    _startup_x: np.ndarray = field(init=False)  # [n, FEATURES] features of the start-up records
     _affine: dict = field(default_factory=dict)  # (rows, k) -> (seconds at 0, per context)
     _lines: dict = field(default_factory=dict)  # (rows, tokens, kind) -> features at 0, per ctx
 
@@ -213,7 +238,7 @@ class TargetCost:
         4x its plain step, where it costs ~1.1x, and speculation was never chosen)."""
         shapes = [(r.batch_size, r.tokens_per_seq) for r in self.startup]
         shapes += [shape for _, shape, _ in self.recent]
-        x = np.vstack([self._startup_x, *(f for f, _, _ in self.recent)])  # [n, 6]
+        x = np.vstack([self._startup_x, *(f for f, _, _ in self.recent)])  # [n, FEATURES]
         y = np.array([r.step_time_s for r in self.startup] + [t for _, _, t in self.recent])
         count = Counter(shapes)
         weights = np.array([1.0 / count[shape] for shape in shapes])  # [n]
@@ -226,9 +251,9 @@ class TargetCost:
         line = self._lines.get(key)
         if line is None:
             line = self._lines[key] = context_line(
-                lambda c: features(self.model, replace(record, context_len=c))  # [6]
+                lambda c: features(self.model, replace(record, context_len=c))  # [FEATURES]
             )
-        x = line[0] + line[1] * record.context_len  # [6]
+        x = line[0] + line[1] * record.context_len  # [FEATURES]
         self.recent.append((x, key[:2], record.step_time_s))
         while len(self.recent) > self.window:
             self.recent.popleft()
@@ -455,4 +480,5 @@ def start_controller(
 ) -> SpecController:
     """A controller for ``model`` after timing its forwards at ``calibration_shapes``."""
     records = measure_forwards(model, calibration_shapes(max_batch, k_max))
-    return SpecController(k_max, TargetCost(model_spec(model), records), cheap_drafts)
+    spec = model_spec(model, measure_popularity(model))
+    return SpecController(k_max, TargetCost(spec, records), cheap_drafts)

@@ -200,7 +200,7 @@ def test_checked_inputs_pass_where_the_specs_read_them():
 SPEC_CASES = [  # (class, data where the rule fails, field, a value other than its default)
     *((ModelSpec, "qwen3-8b", key, value) for key, value in
       (("experts_per_token", 8), ("shared_experts", 1), ("moe_layers", 4),
-       ("moe_intermediate", 512))),
+       ("moe_intermediate", 512), ("expert_popularity", (0.5, 0.5)))),
     (HardwareSpec, "h100", "eager_s_per_layer", 1e-4),
     (TrainingEfficiency, {"model_class": "dense", "train_mfu": 0.4, "logprob_mfu": 0.4},
      "expert_parallel", 8),

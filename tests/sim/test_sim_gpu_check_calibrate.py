@@ -34,7 +34,7 @@ from specrl.sim.rollout import EngineConfig, simulate_rollout
 
 MODEL = load_model("llama-3.1-8b")
 # c0, s/byte, s/FLOP, s/verified logit, verify overhead, s/prefill FLOP: an H200-like truth
-TRUTH = np.array([3e-4, 1 / 3.8e12, 1 / 6.5e14, 2e-12, 1e-4, 0.0])
+TRUTH = np.array([3e-4, 1 / 3.8e12, 1 / 6.5e14, 2e-12, 1e-4, 0.0, 0.0])
 TRUE_PROFILE = profile_from_coefficients(load_hardware("h200"), TRUTH, "truth")
 PROMPT, NEW, K = 512, 256, 5
 
