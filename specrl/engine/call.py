@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from specrl.engine.kv import KVSpace
 from specrl.engine.rows import ActiveSpec, Kept, RowTensors, Sampled, Seq
 from specrl.models.device import on
 from specrl.models.moe import Routing
-from specrl.models.transformer import Transformer
+from specrl.models.transformer import ForwardOutput, Transformer
 from specrl.rollout_types import Completion, EngineStats, StepRecord
 from specrl.spec.verify import Verified
 
@@ -82,11 +81,13 @@ class Call:
         """Host-built tensors on the engine's device (the same tensors on the CPU)."""
         return on(self.device, *tensors)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, **kw) -> tuple[Any, Kept]:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, **kw
+    ) -> tuple[ForwardOutput, Kept]:
         """Target forward on the engine cache; also what follows its positions into history
         (``Kept``: the drafter's features [B, T, F], an MoE target's experts)."""
         capture = self.active.capture
-        routing = Routing(record=True) if self.model.config.is_moe else None
+        routing = Routing.experts_of(self.model.config)
         out = self.model(ids, positions, self.kv.cache, capture=capture, routing=routing, **kw)
         if self.record_steps:  # positions [B, T]: the first query position = tokens cached
             self._shape = (ids.shape[0], ids.shape[1], float(positions[:, 0].float().mean()))

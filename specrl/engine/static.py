@@ -142,7 +142,7 @@ def decode_step(
     """A plain step's device work: forward, sample; packed [W, 3] (token, processed and raw
     logprob), features and experts. Reads no device data on the host (capturable)."""
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], 1)
-    routing = Routing(record=True) if model.config.is_moe else None
+    routing = Routing.experts_of(model.config)
     out = model(ids, positions, cache, kv_len=span, capture=capture, routing=routing)
     temperature, top_p = x["floats"].unbind(1)
     u = uniforms(seeds, counters, STREAM_SAMPLE)
@@ -166,7 +166,7 @@ def verify_step(
     kk = x["drafts"].shape[1]
     ids, positions, top_k, seeds, counters = _split_ints(x["ints"], kk + 1)
     ids = torch.cat([ids[:, :1], x["drafts"].clamp(min=0)], 1)  # [W, kk+1]
-    routing = Routing(record=True) if model.config.is_moe else None
+    routing = Routing.experts_of(model.config)
     out = model(ids, positions, cache, kv_len=span, capture=capture, routing=routing)
     temperature, top_p = x["floats"].unbind(1)
     v = verify(x["drafts"], x["lengths"], x.get("probs"), out.logits.float(), temperature, top_k,

@@ -39,15 +39,21 @@ class Routing:
 
     ``replay`` [N, moe_layers, top_k] (N = the forward's B * T tokens in row order): experts each
     token must use (the router still weighs them; a row of -1 routes that token freely);
-    ``record``: keep each layer's chosen experts
-    in ``recorded`` and its router statistics in ``load`` (tokens per expert) and ``aux`` (the
-    load-balancing loss term)."""
+    ``record``: keep each layer's chosen experts in ``recorded`` and, with ``statistics``, its
+    router statistics in ``load`` (tokens per expert) and ``aux`` (the load-balancing loss
+    term)."""
 
     replay: torch.Tensor | None = None
     record: bool = False
+    statistics: bool = True  # with ``record``: ``load`` and ``aux`` too (the learner's)
     recorded: list[torch.Tensor] = field(default_factory=list)  # per MoE layer [N, top_k]
     load: list[torch.Tensor] = field(default_factory=list)  # per MoE layer [E] token counts
     aux: list[torch.Tensor] = field(default_factory=list)  # per MoE layer, a scalar
+
+    @classmethod
+    def experts_of(cls, config: ModelConfig) -> Routing | None:
+        """A forward's recorder of the experts alone (an engine's), None for a dense model."""
+        return cls(record=True, statistics=False) if config.is_moe else None
 
     def forced(self, index: int) -> torch.Tensor | None:
         """[N, top_k] experts MoE layer ``index`` must use, or None."""
@@ -57,9 +63,11 @@ class Routing:
         """Record a layer's experts [N, top_k] and router probabilities [N, E]."""
         if not self.record:
             return
+        self.recorded.append(experts.to(ROUTE_DTYPE))
+        if not self.statistics:
+            return
         e = probs.shape[-1]
         counts = expert_counts(experts, e)  # [E]
-        self.recorded.append(experts.to(ROUTE_DTYPE))
         self.load.append(counts)
         share = counts.float() / max(experts.numel(), 1)  # fraction of routed pairs per expert
         self.aux.append(e * (share.detach() * probs.mean(0)).sum())
