@@ -11,11 +11,13 @@ same step's policy), the router's balance; ``docs/img/moe_grpo.png``.
 ``cost``: step time of a verify forward of k+1 tokens per row over a decode forward of one, at
 batch 1, 8 and 32 (k = 1..``--k-max``), for the dense model and its upcycle, measured in one
 process on the engine's own forwards (bf16 where the CPU multiplies it natively), and what the
-cost model fitted on the MoE's own records predicts for each: with the routing-aware
-unique-expert term (fitted on the popularity the engine measured) and with the uniform-routing
-one, errors stated. Then the speculation controller on the MoE (``ngram`` and ``suffix``,
-k <= ``--k-max``, adaptive as ``specrl train`` runs it) against plain decoding, tokens/s at each
-batch (the bench's chat prompts, 128 new tokens, best of ``--repeats`` interleaved runs).
+cost model fitted on the MoE's own records (k + 1 = 1, 2, 4 tokens per row) predicts for the
+other widths: with the unique-expert term (the routing the engine measured, its own rate), with
+those bytes at the dense rate, and priced flat (a verify touching a decode step's experts, as
+a dense-model cost model assumes), errors stated. Then the speculation controller on the MoE
+(``ngram`` and ``suffix``, k <= ``--k-max``, adaptive as ``specrl train`` runs it) against plain
+decoding, tokens/s at each batch (the bench's chat prompts, 128 new tokens, best of
+``--repeats`` interleaved runs).
 
     .venv/bin/python benchmarks/moe.py grpo --out benchmarks/results/moe_grpo.json
     .venv/bin/python benchmarks/moe.py cost --out benchmarks/results/moe_verify_cost.json
@@ -195,20 +197,24 @@ def timed_forwards(model, widths: range, repeats: int) -> dict[tuple[int, int], 
     return best
 
 
-def fit_errors(spec, times: dict[tuple[int, int], float], one_rate: bool) -> dict[str, Any]:
+def fit_errors(spec, times: dict[tuple[int, int], float], variant: str) -> dict[str, Any]:
     """The cost model fitted on the ``FIT_WIDTHS`` records of ``times`` and its relative error
-    on every record (``one_rate``: routed experts' bytes priced at the dense rate, the model
-    without the unique-expert term)."""
+    on every record. ``variant``: 'unique' (the unique-expert term as ``spec`` routes),
+    'one_rate' (its experts' bytes at the dense rate), 'flat' (verification priced as if it
+    touched a decode step's experts: the MoE as a dense model of its active size)."""
     import numpy as np
 
+    from specrl.costmodel.cost import expert_bytes_read
     from specrl.costmodel.fit import Record, design, relative_nnls
 
     records = [Record(b, t, float(CONTEXT), s, "decode" if t == 1 else "verify")
                for (b, t), s in times.items()]  # fmt: skip
     x, y = design(spec, records)
-    if one_rate:
+    if variant == "one_rate":
         x[:, 1] += x[:, 6]
         x[:, 6] = 0.0
+    elif variant == "flat":  # a token's k experts per row, however many tokens verify
+        x[:, 6] = [expert_bytes_read(spec, 1) * r.batch_size for r in records]
     fit = np.array([r.tokens_per_seq in FIT_WIDTHS for r in records])
     coef = relative_nnls(x[fit], y[fit])
     err = x @ coef / y - 1
@@ -244,8 +250,8 @@ def cost(args: argparse.Namespace) -> dict[str, Any]:
         if model.config.is_moe:
             popularity = measure_popularity(model)
             entry["popularity"] = popularity
-            entry["fit_unique_experts"] = fit_errors(model_spec(model, popularity), times, False)
-            entry["fit_one_byte_rate"] = fit_errors(model_spec(model), times, True)
+            spec = model_spec(model, popularity)
+            entry["fits"] = {v: fit_errors(spec, times, v) for v in ("unique", "one_rate", "flat")}
         if model.config.is_moe:
             entry["controller"] = controller_vs_plain(model, path, dtype, args)
         out[name] = entry
