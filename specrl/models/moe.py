@@ -76,6 +76,16 @@ class Routing:
         """Every recorded layer's experts stacked: [N, moe_layers, top_k]."""
         return torch.stack(self.recorded, dim=1)
 
+    def summary(self) -> tuple[dict[str, float], torch.Tensor]:
+        """The recorded router statistics: the busiest expert's load over the mean load in the
+        most unbalanced MoE layer (``moe_load_max``; 1 = balanced) and the load-balancing loss
+        averaged over the layers (``moe_aux_loss``, also returned as a tensor with its
+        gradient)."""
+        loads = torch.stack(self.load).float()  # [moe_layers, E]
+        balance = (loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)).max()
+        aux = torch.stack(self.aux).mean()
+        return {"moe_load_max": float(balance), "moe_aux_loss": float(aux.detach())}, aux
+
 
 class NativeExperts(NamedTuple):
     """The native kernel with the experts packed for it ([E, ...] each, ``gemv`` layout)."""

@@ -392,7 +392,7 @@ class Learner:
                            is_weight=corr.weight, **self.loss_kwargs)  # fmt: skip
         loss, moe = out.loss, {}
         if routing is not None:
-            moe, aux = router_metrics(routing)
+            moe, aux = routing.summary()
             share = len(samples) / norm.num_sequences  # the micro-batch's part of the batch mean
             loss = loss + self.cfg.moe_aux_loss_coef * share * aux
         loss.backward()
@@ -539,13 +539,3 @@ def _check_moe(model: nn.Module, cfg: LearnerCfg) -> bool:
         raise ValueError(f"{what} needs a mixture-of-experts policy; the model is a dense "
                          f"{config.model_type}")  # fmt: skip
     return config.is_moe
-
-
-def router_metrics(routing: Routing) -> tuple[dict[str, float], torch.Tensor]:
-    """A forward's router statistics: the busiest expert's load over the mean load in the most
-    unbalanced MoE layer (``moe_load_max``; 1 = balanced) and the load-balancing loss averaged
-    over the layers (``moe_aux_loss``, also returned as a tensor with its gradient)."""
-    loads = torch.stack(routing.load).float()  # [moe_layers, E]
-    balance = (loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)).max()
-    aux = torch.stack(routing.aux).mean()
-    return {"moe_load_max": float(balance), "moe_aux_loss": float(aux.detach())}, aux
