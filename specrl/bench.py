@@ -204,6 +204,7 @@ class GenerateBench:
     drafter: str | None = None  # for method "draft": a model path or prefix:N
     max_tokens_per_forward: int | None = None  # adaptive k (SpecConfig); None = fixed k
     exact: str = "distribution"  # the verification rule (SpecConfig.exact)
+    controller: bool = False  # k per step from the cost-model controller (SpecConfig.adaptive)
     settings: str | None = None  # the command's settings as TOML, recorded in ``meta``
 
 
@@ -237,7 +238,8 @@ def specrl_runner(model, prompts, b: GenerateBench, spec, draft=None) -> Callabl
     from specrl.sampling import SamplingParams
 
     group = b.group_size
-    spec = dataclasses.replace(spec, max_tokens_per_forward=b.max_tokens_per_forward, exact=b.exact)
+    spec = dataclasses.replace(spec, max_tokens_per_forward=b.max_tokens_per_forward, exact=b.exact,
+                               adaptive=b.controller and spec.enabled)  # fmt: skip
     engine = Engine(model, max_batch=len(prompts) * group, spec=spec, draft_model=draft)
     params = SamplingParams(temperature=1.0, max_new_tokens=b.new_tokens, n=group)
 

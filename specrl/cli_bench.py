@@ -159,7 +159,8 @@ def bench_generate(
     bench = GenerateBench(model=cfg.model.name, dtype=torch_dtype, batch_sizes=b.batch_sizes,
                           new_tokens=b.new_tokens, compare=b.compare, repeats=b.repeats,
                           methods=methods, k=s.num_spec_tokens, group_size=b.group_size,
-                          drafter=s.drafter, exact=s.exact, settings=cfg.to_toml())  # fmt: skip
+                          drafter=s.drafter, exact=s.exact, controller=s.controller,
+                          settings=cfg.to_toml())  # fmt: skip
     try:
         resolve_model(cfg.model.name)
         result = run_generate_bench(bench)

@@ -105,6 +105,11 @@ class BgSpecCfg(Section):
         description="Verification rule: 'distribution' (rejection sampling) or 'sample' (plain "
         "sampling's tokens, one for one with the same seed).",
     )
+    controller: bool = Field(
+        False,
+        description="Each step drafts the k in 0..num_spec_tokens the engine's cost-model "
+        "controller picks (as `specrl train` runs by default) instead of num_spec_tokens.",
+    )
 
 
 def _drafts(drafters: list[str]) -> bool:
@@ -112,7 +117,7 @@ def _drafts(drafters: list[str]) -> bool:
 
 
 GENERATE_APPLIES: tuple[AppliesOnly, ...] = settings.each(
-    under("spec", "num_spec_tokens", "drafter", "exact"), "spec.drafters", _drafts,
+    under("spec", "num_spec_tokens", "drafter", "exact", "controller"), "spec.drafters", _drafts,
     " naming a drafter",
 )  # fmt: skip
 

@@ -5,10 +5,13 @@ unknown keys with a did-you-mean, the settings recorded in the result and read b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from typer.testing import CliRunner
 
 from specrl import settings
+from specrl.bench import specrl_runner
 from specrl.bench_grpo import run_configs
 from specrl.cli import app
 from specrl.config_bench import (
@@ -22,6 +25,7 @@ from specrl.config_bench import (
     load_generate_bench,
     load_grpo_bench,
 )
+from specrl.spec.config import SpecConfig
 
 
 class ReachedWork(BaseException):  # noqa: N818 - not an error: the inputs were all accepted
@@ -203,6 +207,7 @@ RULE_CASES = [
     (load_generate_bench, GENERATE_APPLIES, "spec.num_spec_tokens=5", []),
     (load_generate_bench, GENERATE_APPLIES, 'spec.drafter="prefix:2"', []),
     (load_generate_bench, GENERATE_APPLIES, 'spec.exact="sample"', ['spec.drafters=["none"]']),
+    (load_generate_bench, GENERATE_APPLIES, "spec.controller=true", []),
     (load_grpo_bench, GRPO_APPLIES, "runs.drafters=[\"mtp\"]", ['bench.mode="interleaved"']),
     (load_grpo_bench, GRPO_APPLIES, "runs.batches=[1]", ['bench.mode="interleaved"']),
     (load_grpo_bench, GRPO_APPLIES, "interleaved.ceiling=true", []),
@@ -233,3 +238,26 @@ def test_the_bounds_are_the_librarys():
     assert config_bench.MAX_SPEC_TOKENS == MAX_SPEC_TOKENS
     assert config_bench.MAX_BATCH == cli_options.MAX_BATCH
     assert config_bench.MAX_NEW_TOKENS == cli_options.MAX_NEW_TOKENS
+
+
+def test_the_controller_setting_reaches_the_benchmark_and_its_engines(no_work, monkeypatch):
+    """spec.controller=true: the benchmark's speculating engines choose k per step (plain stays
+    plain)."""
+    assert invoke("generate", "--spec", "ngram", "--set", "spec.controller=true") is None
+    (bench,) = no_work
+    assert bench.controller is True and bench.methods == ["ngram"]
+    specs = []
+
+    class FakeEngine:  # records the speculation it is built with; generates nothing
+        stats = SimpleNamespace(acceptance_length=1.0)
+
+        def __init__(self, model, **kw) -> None:
+            specs.append(kw["spec"])
+
+        def generate(self, requests) -> list:
+            return []
+
+    monkeypatch.setattr("specrl.engine.Engine", FakeEngine)
+    for spec in (SpecConfig("ngram", 3), SpecConfig("none", 0)):
+        specrl_runner(None, [[1, 2]], bench, spec)
+    assert [s.adaptive for s in specs] == [True, False]
