@@ -18,7 +18,9 @@ Details: docs/internals.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -93,6 +95,12 @@ class NativeExperts(NamedTuple):
     kernel: gemv.GemvKernel
     gate_up: torch.Tensor
     down: torch.Tensor
+
+    def mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s SwiGLU of rows [M, H] bf16 -> [M, H] (batch-invariant products)."""
+        kernel, two_i, h = self.kernel, self.gate_up.shape[1] * 16, self.down.shape[1] * 16
+        return kernel.matmul(kernel.silu_mul(kernel.matmul(rows, self.gate_up[e], two_i)),
+                             self.down[e], h)  # fmt: skip
 
 
 class MoE(nn.Module):
@@ -193,11 +201,10 @@ def expert_mlp(
     token = order // k  # [N*k] the token of each sorted pair
     counts = expert_counts(experts, gate_up.shape[0])  # [E]
     xs = x[token]  # [N*k, H]
-    if native is not None:
-        ys = _per_expert_native(xs, counts, native)
+    if grouped:
+        ys = _grouped(xs, counts, gate_up, down)  # [N*k, H]
     else:
-        run = _grouped if grouped else _per_expert
-        ys = run(xs, counts, gate_up, down)  # [N*k, H]
+        ys = _per_expert(xs, counts, native.mlp if native else partial(_swiglu_mlp, gate_up, down))
     ys = ys * weights.reshape(-1)[order].unsqueeze(-1)  # [N*k, H]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # each token's k summed
     return out.index_add_(0, token, ys.float()).to(x.dtype)  # in float32, rounded once
@@ -250,31 +257,10 @@ def _one_token_native(
     """One token through its k experts with the native kernel: bit for bit what the grouped
     path gives it (the same products, summed in float32 in expert order and rounded once),
     without sorting or scattering."""
-    kernel, gate_up, down = native
-    two_i, h = gate_up.shape[1] * 16, down.shape[1] * 16
-    out = torch.zeros(1, h, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32)
     for e, j in sorted((e, j) for j, e in enumerate(experts[0].tolist())):
-        y = kernel.matmul(kernel.silu_mul(kernel.matmul(x, gate_up[e], two_i)), down[e], h)
-        out += y * weights[:, j : j + 1]  # the bf16 product, accumulated in float32
+        out += native.mlp(e, x) * weights[:, j : j + 1]  # the bf16 product, summed in float32
     return out.to(x.dtype)
-
-
-def _per_expert_native(
-    xs: torch.Tensor,  # [M, H] bf16 sorted by expert
-    counts: torch.Tensor,  # [E]
-    native: NativeExperts,
-) -> torch.Tensor:
-    """``_per_expert`` through the native kernel (batch-invariant products, native SwiGLU)."""
-    kernel, gate_up, down = native
-    two_i, h = gate_up.shape[1] * 16, down.shape[1] * 16
-    parts, start = [], 0
-    for e, count in enumerate(counts.tolist()):
-        if count:
-            rows = xs[start : start + count]
-            hidden = kernel.silu_mul(kernel.matmul(rows, gate_up[e], two_i))
-            parts.append(kernel.matmul(hidden, down[e], h))
-            start += count
-    return torch.cat(parts) if parts else xs.new_zeros(0, h)
 
 
 def _dense(
@@ -296,14 +282,22 @@ def _dense(
 def _per_expert(
     xs: torch.Tensor,  # [M, H] sorted by expert
     counts: torch.Tensor,  # [E]
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, rows [m, H]) -> [m, H]
 ) -> torch.Tensor:
-    """One GEMM pair per expert that has tokens (the counts read on the host)."""
+    """``mlp`` of each expert that has tokens over its rows (the counts read on the host)."""
     parts, start = [], 0
     for e, count in enumerate(counts.tolist()):
         if count:
-            rows = xs[start : start + count]
-            parts.append(F.linear(_swiglu(F.linear(rows, gate_up[e])), down[e]))
+            parts.append(mlp(e, xs[start : start + count]))
             start += count
-    return torch.cat(parts) if parts else xs.new_zeros(0, down.shape[1])
+    return torch.cat(parts) if parts else xs[:0]
+
+
+def _swiglu_mlp(
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    e: int,
+    rows: torch.Tensor,  # [m, H]
+) -> torch.Tensor:
+    """Expert ``e``'s SwiGLU of rows through PyTorch's products -> [m, H]."""
+    return F.linear(_swiglu(F.linear(rows, gate_up[e])), down[e])
