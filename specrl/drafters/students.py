@@ -1,4 +1,5 @@
-"""What ``OnlineDrafter`` trains: a learned head (EAGLE-3 / MTP) or a draft model, one interface.
+"""What ``OnlineDrafter`` trains: a learned head (EAGLE-3 / MTP / block) or a draft model, one
+interface.
 
 A ``Student`` wraps the drafter's trainable float32 ``module`` and gives the policy ``layers`` it
 reads, ``loss(batch)`` and ``kl(batch)`` (KL(policy || drafter) at the first draft position: the
@@ -50,10 +51,11 @@ class HeadStudent:
     def __init__(self, head: DraftHead) -> None:
         self.module = head
         self.layers = tuple(head.feature_layers)
+        self.depth = getattr(head, "block_size", UNROLL)  # a block head trains its block
         head.float().requires_grad_(True)
 
     def loss(self, batch: list[Example]) -> torch.Tensor:
-        return ttt_loss(self.module, collate(batch, _longest(batch)), UNROLL, DECAY)
+        return ttt_loss(self.module, collate(batch, _longest(batch)), self.depth, DECAY)
 
     @torch.no_grad()
     def kl(self, batch: list[Example]) -> float:
@@ -61,9 +63,9 @@ class HeadStudent:
         feats, toks, final, mask = collate(batch, _longest(batch))
         if not mask.any():
             return float("nan")
-        g = head.unroll(feats.to(head.dtype), toks, 1)[0]
-        lq = torch.log_softmax(head.logits(g[mask]).float(), -1)  # [N, Vd]
-        p = target_probs(head, final[mask])  # [N, Vd] (restricted to the draft vocabulary)
+        g, where = head.depth_outputs(feats.to(head.dtype), toks, mask, 1)[0]
+        lq = torch.log_softmax(head.logits(g).float(), -1)  # [N, Vd]
+        p = target_probs(head, final[where])  # [N, Vd] (restricted to the draft vocabulary)
         plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
         return float((plogp - p * lq).sum(-1).mean())
 

@@ -82,18 +82,17 @@ def collate(examples: list[Example], max_len: int):
 
 
 def ttt_loss(head: DraftHead, batch, unroll: int, decay: float, loss: str = "ce") -> torch.Tensor:
-    """Weighted ``HEAD_LOSSES[loss]`` over unroll depths (see docs/internals.md)."""
+    """Weighted ``HEAD_LOSSES[loss]`` over draft depths: the unroll's (an EAGLE-3 / MTP head)
+    or a block's slots (a block head), ``decay**j`` at depth j (see docs/internals.md)."""
     feats, tokens, final, mask = on(model_device(head), *batch)  # examples may sit elsewhere
     target_p = target_probs(head, final[mask])  # [N, Vd] at the loss positions only
-    outs = head.unroll(feats.to(head.dtype), tokens, unroll)
+    outs = head.depth_outputs(feats.to(head.dtype), tokens, mask, unroll)
     total = torch.zeros((), dtype=torch.float32, device=feats.device)
-    for j, g in enumerate(outs):
-        m = mask.clone()
-        m[:, :j] = False
-        if not m.any():
+    for j, (g, where) in enumerate(outs):
+        if not where.any():
             continue
-        lp = F.log_softmax(head.logits(g[m]).float(), -1)  # [Nj, Vd]
-        total = total + decay**j * HEAD_LOSSES[loss](target_p[m[mask]], lp)
+        lp = F.log_softmax(head.logits(g).float(), -1)  # [Nj, Vd]
+        total = total + decay**j * HEAD_LOSSES[loss](target_p[where[mask]], lp)
     return total
 
 

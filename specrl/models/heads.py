@@ -50,21 +50,23 @@ from specrl.models.transformer import (
     cache_mask,
 )
 
-KINDS = ("eagle3", "mtp")
+KINDS = ("eagle3", "mtp", "block")  # block: models.block_head (k drafts in one forward)
 ARCHS = ("proj", "eagle3")  # the head layer's layout (docs/internals.md)
 FORMAT = "specrl-draft-head"
 VERSION = 1
 HEAD_FILES = ("head.safetensors", "head.json")  # what ``load_head`` reads; the manifest lists both
 MODEL_FILES = ("model.safetensors", "config.json")  # of a draft model or a vLLM-layout export
+GEOMETRY = ("layers", "block_size")  # head.json keys of a block head's shape
 CHECKSUMS = "checksums"  # a drafter record's key: true when a manifest.json was written with it
 
 
 def default_layers(kind: str, num_layers: int) -> tuple[int, ...]:
-    """Target layers a head reads: EAGLE-3 (1, L//2-1, L-4) clamped and deduplicated; MTP (L-1,)."""
+    """Target layers a head reads: EAGLE-3 and block (1, L//2-1, L-4) clamped and deduplicated;
+    MTP (L-1,)."""
     top = num_layers - 1
     if kind == "mtp":
         return (top,)
-    if kind != "eagle3":
+    if kind not in KINDS:
         raise ValueError(f"unknown head kind {kind!r}; known: {KINDS}")
     picks = (1, num_layers // 2 - 1, num_layers - 4)
     return tuple(sorted({min(max(p, 0), top) for p in picks}))
@@ -90,7 +92,7 @@ class DraftHead(nn.Module):
         self.kind, self.arch, self.feature_layers, self.target_config = kind, arch, layers, c
         self.head_config = c.replace(num_layers=1)
         h = c.hidden_size
-        self.fc = Linear(len(layers) * h, h, bias=False) if kind == "eagle3" else None
+        self.fc = Linear(len(layers) * h, h, bias=False) if kind != "mtp" else None
         self.hnorm = RMSNorm(h, c.rms_norm_eps)
         self.enorm = RMSNorm(h, c.rms_norm_eps)
         self.proj = Linear(2 * h, h, bias=False) if arch == "proj" else None
@@ -271,6 +273,46 @@ class DraftHead(nn.Module):
         return outs
 
 
+    def depth_outputs(
+        self,
+        feats: torch.Tensor,  # [B, T, F] target features at positions 0..T-1
+        tokens: torch.Tensor,  # [B, T] token x_{i+1} for each position i
+        mask: torch.Tensor,  # [B, T] bool: position i's target x_{i+2} is a loss target
+        steps: int,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft depth j < ``steps``: (g [N_j, H], where [B, T] bool): the head's outputs
+        at the positions ``where`` marks (depth j at position i predicts x_{i+2}), the loss's
+        view of ``unroll`` (a block head samples anchors instead)."""
+        out = []
+        for j, g in enumerate(self.unroll(feats, tokens, steps)):
+            where = mask.clone()
+            where[:, :j] = False
+            out.append((g[where], where))
+        return out
+
+    def geometry(self) -> dict:
+        """What besides kind, layers and vocabulary rebuilds this head (head.json)."""
+        return {}
+
+
+def new_head(
+    target: Transformer,
+    kind: str = "eagle3",
+    feature_layers: tuple[int, ...] | None = None,
+    draft_vocab: torch.Tensor | None = None,
+    arch: str = "proj",
+    geometry: dict | None = None,
+) -> DraftHead:
+    """A head of ``kind`` over ``target``: a ``DraftHead``, or for ``"block"`` a
+    ``models.block_head.BlockHead`` built with ``geometry`` (its layers and block size)."""
+    if kind == "block":
+        from specrl.models.block_head import BlockHead
+
+        _check_arch(kind, arch)
+        return BlockHead(target, feature_layers, draft_vocab, **(geometry or {}))
+    return DraftHead(target, kind, feature_layers, draft_vocab, arch)
+
+
 def fresh_head(
     target: Transformer, kind: str, seed: int, arch: str = "proj", vocab: int = 0
 ) -> DraftHead:
@@ -280,7 +322,7 @@ def fresh_head(
     d2t = torch.arange(vocab) if 0 < vocab < target.config.vocab_size else None
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return DraftHead(target, kind, draft_vocab=d2t, arch=arch)
+        return new_head(target, kind, draft_vocab=d2t, arch=arch)
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -291,7 +333,7 @@ def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_arch(kind: str, arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown head arch {arch!r}; known: {ARCHS}")
-    if arch == "eagle3" and kind != "eagle3":
+    if arch != "proj" and kind != "eagle3":
         raise ValueError(f"head arch 'eagle3' is for eagle3 heads, not {kind!r} heads")
 
 
@@ -368,7 +410,7 @@ def head_config(head: DraftHead) -> dict:
         "feature_layers": list(head.feature_layers),
         "draft_vocab_size": None if head.d2t is None else len(head.d2t),
         "target": head.target_config.to_hf_dict(),
-    }
+    } | head.geometry()
 
 
 def save_head(head: DraftHead, out: str | Path, extra: dict | None = None) -> Path:
@@ -401,6 +443,8 @@ def read_head_config(path: str | Path) -> dict:
         isinstance(layers, list) and all(type(x) is int for x in layers)
     ):
         raise ValueError(f"{path}/head.json lacks or mistypes 'target' or 'feature_layers'")
+    if any(k in cfg and type(cfg[k]) is not int for k in GEOMETRY):
+        raise ValueError(f"{path}/head.json mistypes {' or '.join(GEOMETRY)} (not integers)")
     cfg.setdefault("arch", "proj")  # heads saved before there was a choice
     if cfg["arch"] not in ARCHS:
         raise ValueError(f"{path}/head.json has an unknown arch {cfg['arch']!r}; known: {ARCHS}")
@@ -427,7 +471,8 @@ def load_head(
         raise ValueError(f"{path} holds a {cfg['kind']!r} head, not {kind!r}")
     state = load_file(str(Path(path) / "head.safetensors"))
     layers, vocab = tuple(cfg["feature_layers"]), state.get("d2t")
-    head = DraftHead(target, cfg["kind"], layers, vocab, arch=cfg["arch"])
+    geometry = {k: cfg[k] for k in GEOMETRY if k in cfg}
+    head = new_head(target, cfg["kind"], layers, vocab, cfg["arch"], geometry)
     try:
         head.load_state_dict(cast_floats(state, head.dtype))
     except RuntimeError as e:  # missing, unexpected or mis-shaped tensors (several lines)

@@ -1,4 +1,4 @@
-"""Learned drafters (EAGLE-3, MTP) keep speculation lossless: whole-sequence distribution on a
+"""Learned drafters (EAGLE-3, MTP, block) keep speculation lossless: whole-sequence distribution on a
 tiny model matches exact enumeration (chi-square), and greedy output equals plain decoding."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specrl.engine import Engine
-from specrl.models.heads import DraftHead
+from specrl.models.heads import DraftHead, new_head
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -15,7 +15,7 @@ from tests.conftest import make_tiny
 from tests.engine.test_spec_engine import NEW, PROMPT, VOCAB, assert_matches_exact
 
 torch.set_num_threads(1)
-KINDS = ["eagle3", "mtp", "eagle3-vocab"]  # -vocab: reduced draft vocabulary (half the tokens)
+KINDS = ["eagle3", "mtp", "eagle3-vocab", "block", "block-vocab"]  # -vocab: half the tokens
 
 
 def noisy_head(target, kind: str, seed: int = 0) -> DraftHead:
@@ -23,7 +23,7 @@ def noisy_head(target, kind: str, seed: int = 0) -> DraftHead:
     torch.manual_seed(seed)
     kind, reduced = kind.removesuffix("-vocab"), kind.endswith("-vocab")
     v = target.config.vocab_size
-    head = DraftHead(target, kind, draft_vocab=torch.arange(1, v, 2) if reduced else None)
+    head = new_head(target, kind, draft_vocab=torch.arange(1, v, 2) if reduced else None)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.5)

@@ -14,7 +14,7 @@ from specrl.spec.config import SpecConfig
 from specrl.spec.verify import verify
 from tests.conftest import make_tiny
 
-DRAFTERS = ["ngram", "suffix", "self", "draft", "eagle3", "mtp"]
+DRAFTERS = ["ngram", "suffix", "self", "draft", "eagle3", "mtp", "block"]
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8], [9, 9, 9, 9, 9]]
 SETTINGS = {
     "T1": dict(temperature=1.0),

@@ -24,7 +24,7 @@ VOCAB = 32
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6], [9, 9, 9], [4, 3, 2, 1, 4, 3, 2, 1, 4]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, n=2, seed=3, stop_token_ids=(7,))
 SAMPLED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=4)
-METHODS = ["none", "ngram", "suffix", "draft", "eagle3", "mtp"]
+METHODS = ["none", "ngram", "suffix", "draft", "eagle3", "mtp", "block"]
 
 
 def mode_for(device: str) -> str:

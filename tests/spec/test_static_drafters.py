@@ -1,4 +1,4 @@
-"""Static drafting steps (EAGLE-3, MTP, draft model): the same drafts (q to float rounding) and
+"""Static drafting steps (EAGLE-3, MTP, block, draft model): the same drafts (q to float rounding) and
 completions as uncaptured drafting (engine and proposer level, rows moving between slots, new
 and finished rows, a reduced draft vocabulary); weights loaded in place keep the steps, a
 vocabulary switch drops them; the drafting step reads no device data on the host (meta device)."""
@@ -19,6 +19,7 @@ from specrl.sampling import STREAM_DRAFT, SamplingHints, SamplingParams
 from specrl.spec.config import SpecConfig
 from specrl.spec.proposers import static_draft
 from specrl.spec.proposers.base import ProposerBatch
+from specrl.spec.proposers.block import BlockProposer
 from specrl.spec.proposers.draft_model import DraftModelProposer, model_draft_step
 from specrl.spec.proposers.eagle3 import Eagle3Proposer, head_draft_step
 from specrl.spec.proposers.mtp import MtpProposer
@@ -31,7 +32,7 @@ VOCAB = 8  # small: random drafters' drafts are accepted now and then
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6], [0, 0, 0], [4, 3, 2, 1, 4, 3, 2, 1, 4]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, n=2, seed=3, stop_token_ids=(7,))
 SAMPLED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=4)
-METHODS = ["draft", "eagle3", "mtp", "eagle3-vocab"]  # -vocab: a reduced draft vocabulary
+METHODS = ["draft", "eagle3", "mtp", "eagle3-vocab", "block", "block-vocab"]  # -vocab: reduced vocab
 
 
 def target() -> Transformer:
@@ -164,7 +165,7 @@ def proposers(method: str) -> tuple:
         pair = [DraftModelProposer(draft_model()) for _ in range(2)]
     else:
         head = noisy_head(model, method)
-        cls = MtpProposer if head.kind == "mtp" else Eagle3Proposer
+        cls = {"mtp": MtpProposer, "block": BlockProposer}.get(head.kind, Eagle3Proposer)
         pair = [cls(model, drafter=head) for _ in range(2)]
     pair[1].use_static(StepGraphs(torch.device("cpu"), capture=False), buckets(4))
     for p in pair:

@@ -20,7 +20,14 @@ import torch
 from specrl.models.cache import KVCache
 from specrl.models.device import model_device, on
 from specrl.models.graphs import StepGraphs
-from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config, load_head
+from specrl.models.heads import (
+    DraftHead,
+    cast_floats,
+    check_compatible,
+    head_config,
+    load_head,
+    new_head,
+)
 from specrl.models.transformer import STATIC, Transformer
 from specrl.sampling import SamplingHints
 from specrl.spec.proposers import register_proposer, static_draft
@@ -46,7 +53,7 @@ class Eagle3Proposer(Proposer):
         if drafter is None and drafter_path is not None:
             drafter = load_head(drafter_path, target_model, kind=self.kind)
         if drafter is None:
-            drafter = DraftHead(target_model, self.kind).eval()
+            drafter = new_head(target_model, self.kind).eval()
         check_compatible(head_config(drafter), target_model.config)
         if drafter.kind != self.kind:
             raise ValueError(f"a {drafter.kind!r} head cannot serve the {self.kind!r} drafter")
