@@ -64,10 +64,11 @@ class BlockHead(DraftHead):
     # ------------------------------------------------------------------ drafting
 
     def run(self, x: torch.Tensor, cos, sin, ctx: AttnContext) -> torch.Tensor:
-        """The head's layers over x [B, T, H] (one native call where that applies): g [B, T, H]."""
-        if self.target.native_layers:
-            if run_layers(self.layers, self.norm, self.head_config, x, cos, sin, ctx) is not None:
-                return x  # the stack's output, left in its input
+        """The head's layers over x [B, T, H] (one native call where that applies): g [B, T, H]
+        (x itself when the native call wrote it there)."""
+        native = self.target.native_layers
+        if native and run_layers(self.layers, self.norm, self.head_config, x, cos, sin, ctx):
+            return x  # the stack's output, left in its input
         for blk in self.layers:
             x = blk(x, cos, sin, ctx)
         return x

@@ -272,7 +272,6 @@ class DraftHead(nn.Module):
             outs.append(x + blk.mlp(blk.mlp_norm(x)))
         return outs
 
-
     def depth_outputs(
         self,
         feats: torch.Tensor,  # [B, T, F] target features at positions 0..T-1

@@ -1,5 +1,5 @@
-"""Learned drafters (EAGLE-3, MTP, block) keep speculation lossless: whole-sequence distribution on a
-tiny model matches exact enumeration (chi-square), and greedy output equals plain decoding."""
+"""Learned drafters (EAGLE-3, MTP, block) keep speculation lossless: whole-sequence distribution
+on a tiny model matches exact enumeration (chi-square), and greedy output equals plain decoding."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Static drafting steps (EAGLE-3, MTP, block, draft model): the same drafts (q to float rounding) and
-completions as uncaptured drafting (engine and proposer level, rows moving between slots, new
-and finished rows, a reduced draft vocabulary); weights loaded in place keep the steps, a
-vocabulary switch drops them; the drafting step reads no device data on the host (meta device)."""
+"""Static drafting steps (EAGLE-3, MTP, block, draft model): the same drafts (q to float
+rounding) and completions as uncaptured drafting (engine and proposer level, rows moving between
+slots, new and finished rows, a reduced draft vocabulary); weights loaded in place keep the
+steps, a vocabulary switch drops them; the drafting step reads no device data on the host (meta
+device)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ VOCAB = 8  # small: random drafters' drafts are accepted now and then
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6], [0, 0, 0], [4, 3, 2, 1, 4, 3, 2, 1, 4]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, n=2, seed=3, stop_token_ids=(7,))
 SAMPLED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=4)
-METHODS = ["draft", "eagle3", "mtp", "eagle3-vocab", "block", "block-vocab"]  # -vocab: reduced vocab
+METHODS = ["draft", "eagle3", "mtp", "eagle3-vocab", "block", "block-vocab"]  # -vocab: reduced
 
 
 def target() -> Transformer:
