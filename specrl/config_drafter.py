@@ -51,11 +51,21 @@ class TdModelCfg(Section):
 class TdDrafterCfg(Section):
     """What is trained."""
 
-    kind: Literal["eagle3", "mtp", "draft"] = Field(
+    kind: Literal["eagle3", "mtp", "block", "draft"] = Field(
         "eagle3",
-        description="'eagle3' or 'mtp': a head on the target's features; 'draft': a draft "
-        "model distilled from the target's first drafter.draft_layers layers.",
+        description="'eagle3' or 'mtp': a head on the target's features; 'block': a block "
+        "drafter on them (DFlash-style: drafter.block_size drafts in one forward); 'draft': a "
+        "draft model distilled from the target's first drafter.draft_layers layers.",
     )
+    block_size: int = Field(
+        8,
+        ge=1,
+        le=16,
+        description="kind='block': the draft positions of its block, trained together (the "
+        "most drafts per step it is built for; the training depth, as train.unroll is a "
+        "head's).",
+    )
+    block_layers: int = Field(2, ge=1, le=64, description="kind='block': its decoder layers.")
     head_arch: Literal["proj", "eagle3"] = Field(
         "proj",
         description="kind='eagle3': 'proj' (specrl's layer: inputs projected 2H->H) or 'eagle3' "
@@ -168,6 +178,9 @@ _HEADS = " other than 'draft'"
 APPLIES_ONLY: tuple[AppliesOnly, ...] = (
     AppliesOnly("drafter.head_arch", "drafter.kind", _is("eagle3"), "='eagle3'"),
     AppliesOnly("drafter.draft_layers", "drafter.kind", _is("draft"), "='draft'"),
+    *settings.each(("drafter.block_size", "drafter.block_layers"), "drafter.kind",
+                   _is("block"), "='block'"),
+    AppliesOnly("train.unroll", "drafter.kind", lambda k: k != "block", " other than 'block'"),
     *settings.each(
         ("drafter.draft_vocab", "train.tv_steps", "train.tv_lr"), "drafter.kind",
         lambda k: k != "draft", _HEADS,
@@ -182,7 +195,7 @@ COVERAGE = settings.Coverage(
         "drafter.kind",
         *under("data", "prompts", "num_prompts", "samples_per_prompt", "max_new_tokens",
                "temperatures"),
-        *under("train", "steps", "lr", "batch_size", "unroll", "ckpt_every"),
+        *under("train", "steps", "lr", "batch_size", "ckpt_every"),
         *under("eval", "prompts", "num_spec_tokens"),
         *under("run", "out", "seed"),
     ),

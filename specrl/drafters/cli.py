@@ -118,7 +118,7 @@ def train_drafter(cfg: TrainDrafterCfg) -> None:
     from specrl.drafters.distill import distill, init_draft
     from specrl.drafters.train import NonFiniteWeights, TrainConfig, acceptance, train_head
     from specrl.models.checkpoints import resolve_model
-    from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency
+    from specrl.models.heads import default_layers, draft_vocab_by_frequency, new_head
 
     drafter, model, task, seed = cfg.drafter.kind, cfg.model.name, cfg.data.task, cfg.run.seed
     d, t, ev = cfg.data, cfg.train, cfg.eval
@@ -185,7 +185,10 @@ def train_drafter(cfg: TrainDrafterCfg) -> None:
     if drafter == "draft":  # ``head``: the drafter trained below, here a small model
         head = init_draft(target, draft_layers)  # fp32 master weights; the target stays bf16
     else:
-        head = DraftHead(target, drafter, feature_layers, vocab, arch=cfg.drafter.head_arch)
+        geometry = None
+        if drafter == "block":
+            geometry = {"layers": cfg.drafter.block_layers, "block_size": cfg.drafter.block_size}
+        head = new_head(target, drafter, feature_layers, vocab, cfg.drafter.head_arch, geometry)
         head = head.float()  # fp32 master weights
     k = ev.num_spec_tokens
 
@@ -194,7 +197,8 @@ def train_drafter(cfg: TrainDrafterCfg) -> None:
                 for temp in (0.0, 1.0)}  # fmt: skip
 
     before = measure()
-    train_cfg = TrainConfig(steps=t.steps, lr=t.lr, batch_size=t.batch_size, unroll=t.unroll,
+    unroll = cfg.drafter.block_size if drafter == "block" else t.unroll  # depths trained
+    train_cfg = TrainConfig(steps=t.steps, lr=t.lr, batch_size=t.batch_size, unroll=unroll,
                             ckpt_every=t.ckpt_every, seed=seed)  # fmt: skip
     t0 = time.perf_counter()
     try:

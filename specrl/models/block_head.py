@@ -1,19 +1,21 @@
-"""The block drafter's head (DFlash-style parallel drafting): k draft tokens in ONE forward.
+"""The block drafter's head (DFlash, as vLLM's ``DFlashDraftModel``): k drafts in ONE forward.
 
 ``BlockHead(target, feature_layers=None, draft_vocab=None, layers=BLOCK_LAYERS,
-block_size=BLOCK_SIZE)`` is a ``DraftHead`` of kind ``"block"``: the same input layer as an
-EAGLE-3 head (an fc over several target layers' features, then ``proj`` of the normed feature
-h_i and the embedding of x_{i+1}) feeds ``layers`` decoder layers, causally over the context
-(``step``: the row's cached keys, as EAGLE-3's head keeps them), and a block of k mask positions
-after it (``block``: a learned mask vector at RoPE positions n-1 .. n+k-2 for a row of n
-tokens) that attends to every context key and bidirectionally within the block, giving
-g [B, k, H] whose slot j predicts x_{n+j}. The embedding and LM head are the target's (shared,
-not in the state dict; an optional reduced draft vocabulary ``d2t`` as EAGLE-3's). The k drafts
-of a block are drawn independently, each from its own q_j (a distribution given the context), so
-the rejection sampler keeps the output exact. ``depth_outputs`` is the training forward: a
-sample of anchors per row, each with its k-slot block, in one pass (context causal; a block's
-queries see the context keys up to its anchor and their own block), aligned as the EAGLE-3
-unroll's depths (depth j at position i predicts x_{i+2}). Details: docs/internals.md.
+block_size=BLOCK_SIZE, mask_token=None)`` is a ``DraftHead`` of kind ``"block"``. The context
+is the target's features: an fc over several target layers (EAGLE-3's), normed (``hnorm``, vLLM's
+``hidden_norm``), projected by each of its ``layers`` decoder layers (Qwen3 layers: q/k norms)
+to keys and values at the context positions and cached per row (``step``); the context never
+runs through the layers. The block (``block``) is k+1 slots after it: slot 0 the row's last
+token (position n-1 of a row of n tokens), slots 1..k the ``mask_token``'s embedding, through the
+layers attending to every context key and bidirectionally within the block; slot j's output
+predicts the token at its own position (x_{n-1+j}), so slots 1..k give the k drafts. The
+embedding and LM head are the target's (shared, not in the state dict; an optional reduced draft
+vocabulary ``d2t`` as EAGLE-3's). The k drafts are drawn independently, each from its own q_j
+(a distribution given the context), so the rejection sampler keeps the output exact.
+``depth_outputs`` is the training forward: a sample of anchors per row, each with its block, in
+one pass (a block's queries see the context keys up to its anchor and their own block),
+aligned as the EAGLE-3 unroll's depths (depth j at position i predicts x_{i+2}). Details:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from torch import nn
 
 from specrl.models.cache import KVCache
 from specrl.models.fused import run_layers
-from specrl.models.heads import DraftHead, _qkv
+from specrl.models.heads import DraftHead
 from specrl.models.transformer import AttnContext, Block, Static, Transformer
 
-BLOCK_LAYERS = 2  # decoder layers of a block head (DFlash uses a few; 2 is measured here)
+BLOCK_LAYERS = 2  # decoder layers of a block head (DFlash uses a few)
 BLOCK_SIZE = 8  # draft positions a block head trains for (the k it is built to draft)
 MAX_DRAFT = 16  # the most drafts one block may hold (rollout.num_spec_tokens' bound)
 
@@ -43,23 +45,29 @@ class BlockHead(DraftHead):
         draft_vocab: torch.Tensor | None = None,  # [Vd] sorted target ids; None = full vocab
         layers: int = BLOCK_LAYERS,
         block_size: int = BLOCK_SIZE,
+        mask_token: int | None = None,  # the token id whose embedding fills the mask slots
     ) -> None:
+        c = target.config
+        mask_token = c.vocab_size - 1 if mask_token is None else mask_token
         if not 1 <= layers <= 64:
             raise ValueError(f"a block head has 1 to 64 layers, got {layers}")
         if not 1 <= block_size <= MAX_DRAFT:
             raise ValueError(f"block_size must be in [1, {MAX_DRAFT}], got {block_size}")
+        if not 0 <= mask_token < c.vocab_size:
+            raise ValueError(
+                f"mask_token must be a token id in [0, {c.vocab_size}), got {mask_token}"
+            )
         super().__init__(target, "block", feature_layers, draft_vocab, arch="proj")
-        c = target.config
-        del self.block  # the EAGLE-3 head's one layer; a block head has ``layers`` of its own
-        self.head_config = c.replace(num_layers=layers)
+        del self.block, self.enorm, self.proj  # an EAGLE-3 head's (fc, hnorm, norm stay)
+        self.head_config = c.replace(num_layers=layers, qk_norm=True)
         self.layers = nn.ModuleList(Block(self.head_config, i) for i in range(layers))
-        self.mask_embed = nn.Parameter(torch.randn(c.hidden_size) * 0.02)  # [H]
-        self.block_size = block_size
+        self.block_size, self.mask_token = block_size, int(mask_token)
         self.to(device=target.embed.weight.device, dtype=target.embed.weight.dtype)
 
     def geometry(self) -> dict:
-        """Its layer count and block size (head.json; ``load_head`` rebuilds it from them)."""
-        return {"layers": len(self.layers), "block_size": self.block_size}
+        """Its layer count, block size and mask token (head.json; ``load_head`` rebuilds it)."""
+        return {"layers": len(self.layers), "block_size": self.block_size,
+                "mask_token": self.mask_token}  # fmt: skip
 
     # ------------------------------------------------------------------ drafting
 
@@ -73,32 +81,58 @@ class BlockHead(DraftHead):
             x = blk(x, cos, sin, ctx)
         return x
 
-    def layer(self, h, tokens, cos, sin, ctx: AttnContext) -> torch.Tensor:
-        """The context stream: ``layers`` decoder layers over the head inputs -> g [B, T, H]."""
-        return self.run(self.inputs(h, tokens), cos, sin, ctx)
+    def context(self, h: torch.Tensor, positions: torch.Tensor):
+        """Each layer's context keys and values [B, T, kv_heads, D] from head inputs h [B, T, H]
+        (``features_in``) at ``positions`` [B, T] (vLLM's precomputed context K/V)."""
+        c = self.hnorm(h)
+        cos, sin = self.target.rope(positions, like=self.norm.weight)
+        return [blk.attn.project(c, cos, sin)[1:] for blk in self.layers]
+
+    def step(
+        self,
+        h: torch.Tensor,  # [B, T, H] head inputs (``features_in``) of new context positions
+        tokens: torch.Tensor,  # [B, T] unused (the context is features only)
+        positions: torch.Tensor,  # [B, T] their positions
+        cache: KVCache | None = None,
+        rows: torch.Tensor | None = None,  # [B, T] cache slot written by each position
+        slots: torch.Tensor | None = None,
+        kv_len: int | Static | None = None,
+    ) -> torch.Tensor:
+        """Write the context's keys and values into every layer's cache at (``rows``,
+        ``positions``); returns h (a block head has no per-position output to draft from)."""
+        if cache is None or rows is None:
+            raise ValueError("a block head's context goes into a cache (cache and rows)")
+        for blk, (k, v) in zip(self.layers, self.context(h, positions), strict=True):
+            cache.write(blk.attn.layer, rows, positions, k, v)
+        return h
 
     def block(
         self,
-        positions: torch.Tensor,  # [B, k] RoPE and cache positions of the block's slots
+        last: torch.Tensor,  # [B, 1] each row's last token
+        positions: torch.Tensor,  # [B, k+1] the slots' positions (the last token's first)
         cache: KVCache,
         slots: torch.Tensor | None = None,  # [B] cache slot of each row; None = 0..B-1
         kv_len: int | Static | None = None,
     ) -> torch.Tensor:
-        """The block after each row's cached context: g [B, k, H]; slot j at ``positions[:, j]``
-        (the row's history length - 1 + j) sees the cache before ``positions[:, 0]`` and every
-        slot of its block. ``kv_len=STATIC``: a static step (no host read, row b in slot b)."""
-        b, k = positions.shape
+        """The block after each row's cached context: g [B, k+1, H] (slot 0 the last token,
+        slots 1..k masks), each slot seeing the cache before ``positions[:, 0]`` and every slot
+        of its block. ``kv_len=STATIC``: a static step (no host read, row b in slot b)."""
+        b, width = positions.shape
+        ids = torch.cat([last, last.new_full((b, width - 1), self.mask_token)], dim=1)
+        x = self.target.embed(ids).to(self.norm.weight.dtype)  # [B, k+1, H]
         ctx = block_context(positions, cache, slots, kv_len)
         cos, sin = self.target.rope(positions, like=self.norm.weight)
-        x = self.mask_embed.expand(b, k, -1).contiguous()
         return self.run(x, cos, sin, ctx)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         """A cache of ``slots`` rows over ``max_len`` context positions plus room for a block
-        of up to ``MAX_DRAFT`` slots after the longest context."""
+        of up to ``MAX_DRAFT`` + 1 slots after the longest context."""
         c, p = self.head_config, self.norm.weight
-        size = max_len + max(MAX_DRAFT, self.block_size)
+        size = max_len + max(MAX_DRAFT, self.block_size) + 1
         return KVCache(c.num_layers, slots, c.num_kv_heads, size, c.head_dim, p.dtype, p.device)
+
+    def unroll(self, feats, tokens, steps):  # noqa: D102 - EAGLE-3's unroll does not apply
+        raise NotImplementedError("a block head trains through depth_outputs")
 
     # ------------------------------------------------------------------ training
 
@@ -106,27 +140,28 @@ class BlockHead(DraftHead):
         self,
         feats: torch.Tensor,  # [B, T, F] target features at positions 0..T-1
         tokens: torch.Tensor,  # [B, T] token x_{i+1} for each position i
-        mask: torch.Tensor,  # [B, T] bool: position i's next-next token is a loss target
+        mask: torch.Tensor,  # [B, T] bool: position i's target x_{i+2} is a loss target
         steps: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per block slot j < ``steps``: (g [N_j, H], where [B, T] bool) as ``DraftHead``'s:
-        slot j of the block whose context ends at anchor a predicts x_{a+j+2}, listed at
-        position a+j. Anchors: up to ceil(T / steps) loss positions per row (all of them at
-        ``steps=1``), drawn by a generator seeded from the batch's tokens (reproducible)."""
+        mask slot j+1 of the block anchored at a (context 0..a, slot 0 the token x_{a+1} at
+        position a+1) predicts x_{a+j+2}, listed at position a+j. Anchors: up to
+        ceil(T / steps) loss positions per row (all of them at ``steps=1``), drawn by a
+        generator seeded from the batch's tokens (reproducible)."""
         b, t, _ = feats.shape
         idx, valid = pick_anchors(mask, tokens, math.ceil(t / steps))  # [B, A] each
-        a = idx.shape[1]
-        offsets = torch.arange(steps, device=feats.device)
+        a, w = idx.shape[1], steps + 1  # anchors, block width
         pos_c = torch.arange(t, device=feats.device).expand(b, t)  # [B, T]
-        pos_b = (idx[:, :, None] + 1 + offsets).reshape(b, a * steps)  # [B, A*S]
-        x_c = self.inputs(self.features_in(feats), tokens)  # [B, T, H]
-        x_b = self.mask_embed.expand(b, a * steps, -1)  # [B, A*S, H]
-        rope_c = self.target.rope(pos_c, like=self.norm.weight)
-        rope_b = self.target.rope(pos_b, like=self.norm.weight)
-        mask_c, mask_b = training_masks(idx, steps, t)
-        for blk in self.layers:
-            x_c, x_b = _train_layer(blk, x_c, x_b, rope_c, rope_b, mask_c, mask_b)
-        g = x_b.view(b, a, steps, -1)  # [B, A, S, H]
+        pos_b = (idx[:, :, None] + 1 + torch.arange(w, device=feats.device)).reshape(b, a * w)
+        first = tokens.gather(1, idx)[:, :, None]  # [B, A, 1] x_{a+1}
+        ids = torch.cat([first, first.new_full((b, a, steps), self.mask_token)], 2)
+        x = self.target.embed(ids.reshape(b, a * w)).to(self.norm.weight.dtype)  # [B, A*W, H]
+        context = self.context(self.features_in(feats), pos_c)
+        rope = self.target.rope(pos_b, like=self.norm.weight)
+        sees = training_mask(idx, w, t)  # [B, 1, A*W, T + A*W]
+        for blk, kv in zip(self.layers, context, strict=True):
+            x = _train_layer(blk, x, kv, rope, sees)
+        g = x.view(b, a, w, -1)[:, :, 1:]  # [B, A, S, H] the mask slots
         out = []
         for j in range(steps):
             at = idx + j  # [B, A]
@@ -153,36 +188,30 @@ def pick_anchors(
     return idx, mask.gather(1, idx)
 
 
-def training_masks(idx: torch.Tensor, steps: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention masks of ``depth_outputs``: the context's causal [T, T] and the blocks'
-    [B, 1, A*S, T + A*S] (a slot of anchor a sees context keys p <= a and its own block)."""
+def training_mask(idx: torch.Tensor, width: int, t: int) -> torch.Tensor:
+    """[B, 1, A*W, T + A*W] bool: a slot of the block anchored at a sees the context keys
+    p <= a and every slot of its own block (idx [B, A] anchors, W slots per block)."""
     b, a = idx.shape
     dev = idx.device
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    p = torch.arange(t, device=dev)
-    anchor = idx.repeat_interleave(steps, dim=1)  # [B, A*S]
-    sees_ctx = p[None, None, :] <= anchor[:, :, None]  # [B, A*S, T]
-    own = torch.arange(a, device=dev).repeat_interleave(steps)  # [A*S]
-    sees_block = (own[:, None] == own[None, :]).expand(b, -1, -1)  # [B, A*S, A*S]
-    return causal, torch.cat([sees_ctx, sees_block], dim=2)[:, None]
+    anchor = idx.repeat_interleave(width, dim=1)  # [B, A*W]
+    sees_ctx = torch.arange(t, device=dev)[None, None, :] <= anchor[:, :, None]  # [B, A*W, T]
+    own = torch.arange(a, device=dev).repeat_interleave(width)  # [A*W]
+    sees_block = (own[:, None] == own[None, :]).expand(b, -1, -1)  # [B, A*W, A*W]
+    return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
 
 
-def _train_layer(blk: Block, x_c, x_b, rope_c, rope_b, mask_c, mask_b):
-    """One decoder layer over the context x_c [B, T, H] (causal) and the blocks x_b
-    [B, A*S, H] (over the context's keys and their own): the new (x_c, x_b)."""
+def _train_layer(blk: Block, x, context, rope, sees) -> torch.Tensor:
+    """One decoder layer over the blocks x [B, A*W, H], attending to the context's keys and
+    values ``context`` ([B, T, kv_heads, D] each) and their own: the new x."""
     attn = blk.attn
-    q_c, k_c, v_c = _qkv(attn, blk.attn_norm(x_c), *rope_c)  # [B, heads, T, D]
-    q_b, k_b, v_b = _qkv(attn, blk.attn_norm(x_b), *rope_b)  # [B, heads, A*S, D]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    a_c = sdpa(q_c, k_c, v_c, attn_mask=mask_c, enable_gqa=True)
-    keys, values = torch.cat([k_c, k_b], 2), torch.cat([v_c, v_b], 2)
-    a_b = sdpa(q_b, keys, values, attn_mask=mask_b, enable_gqa=True)
-    outs = []
-    for x, att in ((x_c, a_c), (x_b, a_b)):
-        b, n = x.shape[:2]
-        x = x + attn.o(att.transpose(1, 2).reshape(b, n, -1))
-        outs.append(x + blk.mlp(blk.mlp_norm(x)))
-    return outs[0], outs[1]
+    q, k, v = (y.transpose(1, 2) for y in attn.project(blk.attn_norm(x), *rope))
+    keys = torch.cat([context[0].transpose(1, 2), k], 2)  # [B, kv_heads, T + A*W, D]
+    values = torch.cat([context[1].transpose(1, 2), v], 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=sees,
+                                                           enable_gqa=True)  # fmt: skip
+    b, n = x.shape[:2]
+    x = x + attn.o(out.transpose(1, 2).reshape(b, n, -1))
+    return x + blk.mlp(blk.mlp_norm(x))
 
 
 def block_context(

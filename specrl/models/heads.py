@@ -56,7 +56,7 @@ FORMAT = "specrl-draft-head"
 VERSION = 1
 HEAD_FILES = ("head.safetensors", "head.json")  # what ``load_head`` reads; the manifest lists both
 MODEL_FILES = ("model.safetensors", "config.json")  # of a draft model or a vLLM-layout export
-GEOMETRY = ("layers", "block_size")  # head.json keys of a block head's shape
+GEOMETRY = ("layers", "block_size", "mask_token")  # head.json keys of a block head's shape
 CHECKSUMS = "checksums"  # a drafter record's key: true when a manifest.json was written with it
 
 

@@ -51,7 +51,9 @@ def test_depth_outputs_equal_cached_drafting(steps):
                 head.step(head.features_in(feats[row : row + 1, :n]), tokens[row : row + 1, :n],
                           torch.arange(n)[None], cache, torch.zeros(1, n, dtype=torch.long),
                           zero, n)  # fmt: skip
-                g = head.block(n + torch.arange(steps)[None], cache, zero, n + steps)
+                last = tokens[row : row + 1, a : a + 1]  # x_{a+1}, at position a+1
+                g = head.block(last, n + torch.arange(steps + 1)[None], cache, zero,
+                               n + steps + 1)[:, 1:]  # fmt: skip
                 for j in range(steps):
                     got, where = outs[j]
                     if a + j >= t:
@@ -78,6 +80,7 @@ def test_block_head_save_load_roundtrip(tmp_path):
     save_head(head, tmp_path / "h")
     back = load_head(tmp_path / "h", target, kind="block")
     assert isinstance(back, BlockHead) and len(back.layers) == 3 and back.block_size == 6
+    assert back.mask_token == target.config.vocab_size - 1
     for (n, a), (m, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
         assert n == m and torch.equal(a, b)
     with pytest.raises(ValueError, match="holds a 'block' head, not 'eagle3'"):

@@ -45,8 +45,11 @@ def app() -> typer.Typer:
         (["--set", "data.temperatures=[-1]"], "bad value for data.temperatures[0]"),
         (["--set", "data.temperatures=[]"], "bad value for data.temperatures"),
         (["--set", "data.temperatures=1,0"], "bad value for data.temperatures: expected a list"),
-        (["--drafter", "medusa"], "bad value for drafter.kind: Input should be 'eagle3', 'mtp' "
-         "or 'draft' (got \"medusa\")"),
+        (["--drafter", "medusa"], "bad value for drafter.kind: Input should be 'eagle3', 'mtp', "
+         "'block' or 'draft' (got \"medusa\")"),
+        (["--set", "drafter.block_size=4"], "drafter.block_size=4 needs drafter.kind='block'"),
+        (["--drafter", "block", "--set", "train.unroll=2"], "train.unroll=2 needs drafter.kind "
+         "other than 'block'"),
         (["--set", f"run.seed={2**63}"], "bad value for run.seed: Input should be less than or "
          "equal to 9223372036854775807 (got 9223372036854775808)"),
         (["--set", "run.seed=-1"], "bad value for run.seed"),

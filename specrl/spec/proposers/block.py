@@ -1,13 +1,14 @@
-"""Block drafting (DFlash-style): a ``BlockHead`` drafts k tokens in one forward.
+"""Block drafting (DFlash): a ``BlockHead`` drafts k tokens in one forward.
 
 ``BlockProposer(target_model, drafter_path=None, drafter=None)`` is the EAGLE-3 proposer's
-machinery (features handed over by the engine, its own KV cache of the context, slots per row,
-static steps) with a ``models.block_head.BlockHead``: each ``propose`` feeds the new features
-through the head's context stream, then ONE forward of the k-slot block after the context gives
-k distributions q_j; draft j is drawn from q_j with ``draft_stream`` uniforms (the chain's draws,
-each from its own slot's logits: drafts do not feed back), so drafting costs nearly the same at
-any k. ``check`` refuses a head of another target. With ``use_static`` the block runs as one
-static step per bucket and k (the catch-up stays uncaptured, as EAGLE-3's).
+machinery (features handed over by the engine, a KV cache of its own, a slot per row, static
+steps) with a ``models.block_head.BlockHead``: each ``propose`` writes the new features into the
+head's cache (each layer's context keys and values), then ONE forward of the block after them
+(the row's last token and k mask slots) gives k distributions q_j; draft j is drawn from q_j
+with ``draft_stream`` uniforms (the chain's draws, each from its own slot's logits: drafts do not
+feed back), so drafting costs nearly the same at any k. ``check`` refuses a head of another
+target. With ``use_static`` the block runs as one static step per bucket and k (the catch-up
+stays uncaptured, as EAGLE-3's).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from specrl.models.block_head import BlockHead
 from specrl.models.cache import KVCache
 from specrl.models.device import on
+from specrl.models.graphs import pad_rows
 from specrl.models.transformer import STATIC
 from specrl.sampling import SamplingHints
 from specrl.spec.proposers import register_proposer, static_draft
@@ -36,12 +38,14 @@ class BlockProposer(Eagle3Proposer):
     def _draft(self, batch: ProposerBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uncaptured drafting: tokens [B, k] and q [B, k, V], each row in its own slot."""
         slot_ids = [self._slot(r) for r in batch.row_ids]
-        ends = [len(h) - 1 for h in batch.histories]  # slot 0's position per row
-        slots, first = on(self.device, torch.tensor(slot_ids), torch.tensor(ends)[:, None])
+        ends = [len(h) - 1 for h in batch.histories]  # the last token's position per row
+        last = torch.tensor([h[-1] for h in batch.histories])[:, None]
+        slots, first, last = on(self.device, torch.tensor(slot_ids), torch.tensor(ends)[:, None],
+                                last)  # fmt: skip
         self._catch_up(batch, slot_ids, slots, ends)
-        positions = first + torch.arange(k, device=self.device)  # [B, k]
-        g = self.head.block(positions, self.cache, slots, max(ends) + k)
-        return block_draws(self.head, g, *static_draft.batch_sampling(batch, k))
+        positions = first + torch.arange(k + 1, device=self.device)  # [B, k+1]
+        g = self.head.block(last, positions, self.cache, slots, max(ends) + k + 1)
+        return block_draws(self.head, g[:, 1:], *static_draft.batch_sampling(batch, k))
 
     def _draft_static(
         self, batch: ProposerBatch, k: int, width: int
@@ -54,8 +58,10 @@ class BlockProposer(Eagle3Proposer):
                                                        capacity)  # fmt: skip
         ends = [len(h) - 1 for h in batch.histories]
         g = self._catch_up(batch, list(range(len(batch))), None, ends, static=True)
-        # positions [W, k]: ends + 0..k-1 (step_inputs' k+1 draft steps less the first)
-        x = static_draft.step_inputs(batch, g, ends, k + 1, width, self.cache.max_len - 1)
+        # positions [W, k+1]: ends + 0..k (step_inputs' k+2 draft steps less the first)
+        x = static_draft.step_inputs(batch, g, ends, k + 2, width, self.cache.max_len - 1)
+        last = torch.tensor([h[-1] for h in batch.histories])[:, None]  # [B, 1]
+        x["last"] = pad_rows(last.to(self.device), width)
         lm, d2t = self.head.lm_head().weight, self.head.d2t  # refreshed outside any capture
         reads = (self.cache.k.data_ptr(), self.cache.max_len, lm.data_ptr(),
                  None if d2t is None else d2t.data_ptr())  # fmt: skip
@@ -79,9 +85,10 @@ def block_draws(
 
 
 def block_draft_step(head: BlockHead, cache: KVCache, key: DraftKey, x: Inputs) -> Drafted:
-    """The static drafting step: the block of ``key.k`` slots over W rows (``x``:
-    ``step_inputs`` with k + 1 steps, its positions [W, k] the slots'), row b's cache in slot b;
-    tokens [W, k] and q [W, k, V]. Reads no device data on the host (capturable)."""
-    g = head.block(x["positions"], cache, kv_len=STATIC)
+    """The static drafting step: the block of ``key.k`` + 1 slots over W rows (``x``:
+    ``step_inputs`` with k + 2 steps, its positions [W, k+1] the slots', and ``last`` [W, 1]
+    the rows' last tokens), row b's cache in slot b; tokens [W, k] and q [W, k, V]. Reads no
+    device data on the host (capturable)."""
+    g = head.block(x["last"], x["positions"], cache, kv_len=STATIC)
     sampling, u = static_draft.unpack_sampling(x, key)
-    return block_draws(head, g, sampling, u, key.hints)
+    return block_draws(head, g[:, 1:], sampling, u, key.hints)
