@@ -159,7 +159,8 @@ def _record(out: Path, name: str, text: str, existed: bool | None) -> None:
 
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-_VLLM_METHOD = {"eagle3": "eagle3", "draft": "draft_model"}  # vLLM's speculative method
+_VLLM_METHOD = {"eagle3": "eagle3", "block": "dflash", "draft": "draft_model"}  # vLLM's method
+_HEADS = ("eagle3", "block")  # exported from a head directory (with the target's LM head)
 EXPORT_DRAFTER = Shortcuts(
     ExportDrafterCfg,
     "export-drafter",
@@ -183,7 +184,9 @@ def export_drafter(
         list[str] | None,
         EXPORT_DRAFTER.set_option("drafter.kind=draft, export.dtype=bfloat16"),
     ] = None,
-    drafter: Annotated[str | None, EXPORT_DRAFTER.option("drafter", "eagle3 | draft")] = None,
+    drafter: Annotated[
+        str | None, EXPORT_DRAFTER.option("drafter", "eagle3 | block | draft")
+    ] = None,
     source: Annotated[
         Path | None,
         EXPORT_DRAFTER.option(
@@ -194,24 +197,28 @@ def export_drafter(
     ] = None,
     out: Annotated[Path | None, EXPORT_DRAFTER.option("out", "output directory (required)")] = None,
     model: Annotated[
-        str | None, EXPORT_DRAFTER.option("model", "target model (eagle3: its LM head rows)")
+        str | None,
+        EXPORT_DRAFTER.option("model", "target model (eagle3, block: its LM head rows)"),
     ] = None,
     dtype: Annotated[
         str | None,
         EXPORT_DRAFTER.option(
-            "dtype", "eagle3: float32 | bfloat16 | float16 (default: the head's)"
+            "dtype", "eagle3, block: float32 | bfloat16 | float16 (default: the head's)"
         ),
     ] = None,
 ) -> None:
-    """Export a trained drafter to the layout vLLM loads (EAGLE-3 head or HF draft model).
+    """Export a trained drafter to the layout vLLM loads (EAGLE-3 head, block head as DFlash, or
+    HF draft model).
 
-    Then serve with vLLM: speculative_config {"method": "eagle3" or "draft_model", "model": OUT}.
+    Then serve with vLLM: speculative_config {"method": "eagle3", "dflash" or "draft_model",
+    "model": OUT} (dflash: "num_speculative_tokens" up to the head's block size).
     Settings: defaults <- --config FILE <- the options <- --set section.key=value (every key:
     specrl.config_commands.ExportDrafterCfg); OUT gets them as export_drafter.toml.
     """
     import torch
 
     from specrl.drafters.export import ExportError, export_draft_model, export_eagle3
+    from specrl.drafters.export_dflash import export_dflash
 
     given = EXPORT_DRAFTER.read(ctx)
     cfg, name = given.cfg, given.name
@@ -219,14 +226,14 @@ def export_drafter(
     if kind == "mtp":
         fail("vLLM runs MTP only from the MTP layers built into specific models' own checkpoints "
              "(DeepSeek-V3, MiMo, Qwen3-Next, ...): an MTP head cannot be exported; "
-             "use --drafter eagle3 or draft")  # fmt: skip
-    if kind not in ("eagle3", "draft"):
-        fail(unknown(name("drafter.kind"), kind, ["eagle3", "draft"]))
+             "use --drafter eagle3, block or draft")  # fmt: skip
+    if kind not in _VLLM_METHOD:
+        fail(unknown(name("drafter.kind"), kind, list(_VLLM_METHOD)))
     if cfg.export.out is None:
         fail(f"{name('export.out')} is required")
-    if dtype is not None and (kind != "eagle3" or dtype not in EXPORT_DTYPES):
-        fail(f"{name('export.dtype')} must be one of {', '.join(EXPORT_DTYPES)} (eagle3 only), "
-             f"got {dtype!r}")  # fmt: skip
+    if dtype is not None and (kind not in _HEADS or dtype not in EXPORT_DTYPES):
+        fail(f"{name('export.dtype')} must be one of {', '.join(EXPORT_DTYPES)} (eagle3 and "
+             f"block only), got {dtype!r}")  # fmt: skip
     src = Path(cfg.drafter.source).expanduser() if cfg.drafter.source else None
     src = src or drafter_cache_dir(model, kind)
     if not src.is_dir():
@@ -238,11 +245,12 @@ def export_drafter(
         fail(f"cannot use {name('export.out')}: {problem}")
     existed = None if dest.is_dir() and any(dest.iterdir()) else dest.is_dir()
     try:
-        if kind == "eagle3":
+        if kind in _HEADS:
             if dest.resolve() == src.resolve():
                 fail(f"{name('export.out')} must differ from {name('drafter.source')} (the "
                      "head's own files would be mixed in)")  # fmt: skip
-            export_eagle3(src, model, dest, None if dtype is None else getattr(torch, dtype))
+            export = export_eagle3 if kind == "eagle3" else export_dflash
+            export(src, model, dest, None if dtype is None else getattr(torch, dtype))
         else:
             # the target's tokenizer only when the draft is a model without one (resolving a
             # bundled target converts it once: not for a source that is no model at all)

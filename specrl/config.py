@@ -85,7 +85,8 @@ class RolloutCfg(Section):
     spec: str = Field(
         "suffix",
         description="Speculation method: 'none' (plain decoding) or a registered drafter "
-        "(ngram, suffix, draft, self, eagle3, mtp as available). Unset with "
+        "(ngram, suffix, draft, self, eagle3, mtp, block as available; block: a DFlash-style "
+        "head drafting k tokens in one forward, best with num_spec_tokens=8). Unset with "
         "rollout.backend='vllm' it is 'ngram' (vLLM has no suffix drafter on CPU).",
     )
     num_spec_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per verify step (k).")
@@ -122,7 +123,8 @@ class RolloutCfg(Section):
     drafter_path: str | None = Field(
         None,
         description="Drafter weights (must exist): a model directory for 'draft', a head "
-        "directory for 'eagle3'/'mtp' (default: the one `specrl train-drafter` cached).",
+        "directory for 'eagle3'/'mtp'/'block' (default: the one `specrl train-drafter` "
+        "cached).",
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences decoded at once.")
     backend: str = Field(
@@ -131,8 +133,8 @@ class RolloutCfg(Section):
         description="Rollout engine, a name in specrl.backends.REGISTRY: 'native' (specrl's "
         "engine: every drafter, in-flight "
         "updates) or 'vllm' (vLLM's engine in the trainer's process; the vllm extra; "
-        "speculation 'none', 'ngram', 'draft' or 'eagle3' with a head exported by `specrl "
-        "export-drafter`).",
+        "speculation 'none', 'ngram', 'draft', 'eagle3' with a head exported by `specrl "
+        "export-drafter`, or a trained 'block' head served frozen as vLLM's dflash).",
     )
     placement: Literal["auto", "inline", "process"] = Field(
         "auto",

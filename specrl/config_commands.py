@@ -215,7 +215,11 @@ EXPORT_COVERAGE = Coverage(
 class XdDrafterCfg(Section):
     """The trained drafter exported."""
 
-    kind: str = Field("eagle3", description="eagle3 (a head) or draft (a draft model).")
+    kind: str = Field(
+        "eagle3",
+        description="eagle3 (a head), block (a block head, as vLLM's dflash) or draft (a draft "
+        "model).",
+    )
     source: str | None = Field(
         None,
         description="The trained drafter's directory (unset: where `specrl train-drafter` "
@@ -226,8 +230,9 @@ class XdDrafterCfg(Section):
 class XdModelCfg(Section):
     """The target the drafter was trained for."""
 
-    name: str = Field(MODEL, min_length=1, description="Target model (eagle3: its LM head rows "
-                      "are written; draft: its tokenizer, when the draft has none).")  # fmt: skip
+    name: str = Field(MODEL, min_length=1, description="Target model (eagle3, block: its LM "
+                      "head rows are written; draft: its tokenizer, when the draft has "
+                      "none).")  # fmt: skip
 
 
 class XdExportCfg(Section):
@@ -235,7 +240,8 @@ class XdExportCfg(Section):
 
     out: str | None = Field(None, description="Output directory (required).")
     dtype: str | None = Field(
-        None, description="kind='eagle3': float32, bfloat16 or float16 (unset: the head's)."
+        None,
+        description="kind 'eagle3' or 'block': float32, bfloat16 or float16 (unset: the head's).",
     )
 
 
@@ -254,10 +260,10 @@ EXPORT_DRAFTER_COVERAGE = Coverage(
     rules=(),
     always=("model.name",),
     checked=(
-        ("drafter.kind", "cli_export: eagle3 or draft (mtp: why not)"),
+        ("drafter.kind", "cli_export: eagle3, block or draft (mtp: why not)"),
         ("drafter.source", "cli_export: a directory; drafters.export: a drafter of the kind"),
-        ("export.out", "cli_export: given, writable, not drafter.source (eagle3)"),
-        ("export.dtype", "cli_export: one of EXPORT_DTYPES, kind='eagle3' only"),
+        ("export.out", "cli_export: given, writable, not drafter.source (eagle3, block)"),
+        ("export.dtype", "cli_export: one of EXPORT_DTYPES, kind 'eagle3' or 'block' only"),
     ),
 )
 

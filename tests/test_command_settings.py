@@ -142,9 +142,10 @@ def test_a_multi_line_docstring_writes_valid_toml():
         (["export", "RUN", "OUT", "--set", "export.shard_size='lots'"],
          ["export.shard_size: not a size: 'lots'"]),
         (["export-drafter", "--out", "o", "--set", "drafter.kind='medusa'"],
-         ["unknown drafter.kind 'medusa'; valid: draft, eagle3"]),
+         ["unknown drafter.kind 'medusa'; valid: block, draft, eagle3"]),
         (["export-drafter", "--out", "o", "--set", "export.dtype='int8'"],
-         ["export.dtype must be one of float32, bfloat16, float16 (eagle3 only), got 'int8'"]),
+         ["export.dtype must be one of float32, bfloat16, float16 (eagle3 and block only), "
+          "got 'int8'"]),
         (["report", "RUN", "--set", "report.compare='b'"],
          ['bad value for report.compare: expected a list (got "b")']),
         # a field where it cannot apply: both named, in the words it was given in

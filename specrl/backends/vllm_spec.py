@@ -1,12 +1,13 @@
 """What vLLM speculates with for specrl's ``SpecConfig`` (the vLLM backend's speculation).
 
 ``vllm_speculative_config(spec, max_batch, drafter_dir)`` is vLLM's ``speculative_config``
-(``None``: plain decoding) for ``ngram``, ``draft`` and ``eagle3`` (a head in vLLM's layout),
+(``None``: plain decoding) for ``ngram``, ``draft``, ``eagle3`` (a head in vLLM's layout) and
+``block`` (a block head in vLLM's DFlash layout, served frozen: vLLM's ``dflash`` method),
 with the k cap as vLLM's per-batch-size schedule; anything else is a one-line ``ValueError``
 naming what is unsupported. ``check_spec`` is the registry's rule for the vLLM backend's plans;
 ``served_drafter`` writes, where needed, the drafter directory vLLM loads for a plan (a specrl
-head exported, a drafter trained from nothing); ``lookup_for`` is the batch-size -> k table of
-a per-call ``spec`` override.
+head exported, a drafter trained from nothing; a block head only frozen); ``lookup_for`` is the
+batch-size -> k table of a per-call ``spec`` override.
 Details: docs/internals.md.
 """
 
@@ -24,13 +25,15 @@ from specrl.drafters.export import (
     is_eagle3_export,
     is_head_dir,
 )
-from specrl.models.heads import fresh_head, save_head
+from specrl.drafters.export_dflash import export_dflash, is_dflash_export
+from specrl.models.heads import fresh_head, read_head_config, save_head
 from specrl.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     from specrl.rollout_plan import RolloutPlan
 
-SUPPORTED_SPEC = ("none", "ngram", "draft", "eagle3")
+SUPPORTED_SPEC = ("none", "ngram", "draft", "eagle3", "block")
+VLLM_METHODS = {"draft": "draft_model", "eagle3": "eagle3", "block": "dflash"}
 NATIVE_ONLY = {"suffix": "its history spans calls inside specrl's engine",
                "hybrid": "its suffix half's history spans calls inside specrl's engine",
                "self": "layer-skip self-speculation is specrl's"}  # fmt: skip
@@ -64,8 +67,9 @@ def vllm_speculative_config(
                 "prompt_lookup_min": int(opts.get("min_n", 2))}  # fmt: skip
     else:
         _check_drafter_dir(method, drafter_dir)
-        out |= {"method": "draft_model" if method == "draft" else "eagle3",
-                "model": str(drafter_dir)}  # fmt: skip
+        out |= {"method": VLLM_METHODS[method], "model": str(drafter_dir)}
+        if method == "block":  # drafts drawn from q, as specrl's engine draws them
+            out["draft_sample_method"] = "probabilistic"
     out["num_speculative_tokens_per_batch_size"] = _schedule(spec, max_batch)
     return out
 
@@ -105,6 +109,12 @@ def _check_drafter_dir(method: str, drafter_dir: str | os.PathLike | None) -> No
                 f"rollout.spec='draft' on the vllm backend needs a draft model directory "
                 f"(config.json + safetensors), got {drafter_dir!r}"
             )
+    elif method == "block":
+        if drafter_dir is None or not is_dflash_export(drafter_dir):
+            raise ValueError(
+                f"rollout.spec='block' on the vllm backend needs a block head in vLLM's DFlash "
+                f"layout or a specrl block head directory (head.json), got {drafter_dir!r}"
+            )
     elif drafter_dir is None or not is_eagle3_export(drafter_dir):
         raise ValueError(
             f"rollout.spec='eagle3' on the vllm backend needs a head in vLLM's EAGLE-3 layout "
@@ -119,7 +129,18 @@ def check_spec(spec: SpecConfig, drafter_dir: str | None, trained: bool = False)
     vLLM's layout, and a drafter the run trains from nothing (``trained``, no directory)."""
     if not _check_method(spec.validate()) or spec.method == "ngram":
         return
+    if spec.method == "block" and trained:
+        raise ValueError(
+            "rollout.spec='block' on the vllm backend serves a trained block head frozen "
+            "(drafter.mode='frozen' with rollout.drafter_path, or the head `specrl "
+            "train-drafter --drafter block` cached): training it during the run needs "
+            "rollout.backend='native'"
+        )
     if drafter_dir is None and trained:
+        return
+    if spec.method == "block" and drafter_dir is not None and is_head_dir(drafter_dir):
+        if read_head_config(drafter_dir).get("kind") != "block":
+            raise ValueError(f"rollout.drafter_path {drafter_dir} holds no block head")
         return
     if spec.method == "eagle3" and drafter_dir is not None and is_head_dir(drafter_dir):
         eagle3_head_config(Path(drafter_dir))  # ExportError (a ValueError): vLLM cannot load it
@@ -137,8 +158,10 @@ def served_drafter(
     a draft model's untrained start (``drafters.distill.untrained_draft``, the tokenizer of
     ``model_dir`` with it). ``ValueError`` (one line) for a head vLLM cannot serve."""
     method, path = plan.spec.method, plan.drafter_dir
-    if not plan.spec.enabled or method not in ("eagle3", "draft"):
+    if not plan.spec.enabled or method not in ("eagle3", "draft", "block"):
         return path
+    if method == "block":  # served frozen (check_spec): exported when it is a specrl head
+        return str(export_dflash(path, policy, out / "dflash")) if is_head_dir(path) else path
     if method == "draft":
         if path is not None:
             return path

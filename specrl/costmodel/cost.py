@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
 
-from specrl.costmodel.drafters import catches_up, draft_forward
+from specrl.costmodel.drafters import catches_up, draft_forward, in_one_forward
 from specrl.costmodel.specs import DTYPE_BYTES, PRECISIONS, DrafterSpec, HardwareSpec, ModelSpec
 
 
@@ -310,12 +310,15 @@ class StepCostModel:
 
     def draft(self, n_seqs: float, k: int, context: float) -> float:
         """Drafting k positions per sequence: k drafter forwards (the first over the k + 1
-        verified positions for kinds that catch up), or CPU time if model-free."""
+        verified positions for kinds that catch up), one forward of k + 1 tokens (a block
+        drafter), or CPU time if model-free."""
         if self.drafter is None or k == 0:
             return 0.0
         if self.draft_model is None:
             per_seq = self.drafter.cpu_s_per_seq + self.drafter.cpu_s_per_ctx_token * context
             return per_seq * n_seqs
+        if in_one_forward(self.drafter):  # the block: the last token and k mask slots
+            return self.draft_forward(n_seqs, k + 1, context)
         width = self.tree_width
         first = k + 1 if catches_up(self.drafter) else width
         rest = (k - 1) * self.draft_forward(n_seqs, width, context) if k > 1 else 0.0

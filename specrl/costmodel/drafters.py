@@ -3,11 +3,14 @@
 Contract: ``draft_forward(drafter, target)`` returns the ModelSpec of ONE draft forward (one draft
 position for every sequence), or None for model-free drafters whose cost is CPU time per sequence
 (``DrafterSpec.cpu_s_per_seq`` and ``cpu_s_per_ctx_token``). ``catches_up(drafter)`` says whether
-the kind's first forward of a round runs over all k + 1 verified positions of every sequence (vLLM's
-EAGLE-3, MTP and draft-model proposers feed the target's hidden states / tokens of every scheduled
-position) rather than one. Kinds are registered (``DRAFTER_KINDS``: a builder and that flag) and
-looked up by ``DrafterSpec.kind``; adding a mechanism means adding one entry here, not branches in
-the cost model. A kind's per-position acceptance shape is data (``DrafterSpec.position_ratio``).
+the kind's first forward of a round runs over all k + 1 verified positions of every sequence
+(vLLM's EAGLE-3, MTP and draft-model proposers feed the target's hidden states / tokens of every
+scheduled position) rather than one; ``in_one_forward(drafter)`` whether it drafts all k
+positions in ONE forward of k + 1 query tokens per sequence (the block drafter, DFlash: nearly
+flat in k where that forward is memory-bound) rather than k forwards. Kinds are registered
+(``DRAFTER_KINDS``: a builder and those flags) and looked up by ``DrafterSpec.kind``; adding a
+mechanism means adding one entry here, not branches in the cost model. A kind's per-position
+acceptance shape is data (``DrafterSpec.position_ratio``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ def _eagle3(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
     )
 
 
+def _block(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
+    """DFlash (vLLM's ``DFlashDraftModel``): fc over 3 target layers, ``layers`` Qwen3 layers
+    whose K/V projections also read the context, the LM head over the draft vocabulary."""
+    h, heads, kv, hd = target.hidden, target.heads, target.kv_heads, target.head_dim
+    inter = drafter.intermediate or target.intermediate
+    vocab = drafter.draft_vocab or target.vocab
+    attention = h * (heads + 2 * kv) * hd + heads * hd * h
+    params = 3 * h * h + drafter.layers * (attention + 3 * h * inter) + h * vocab
+    return ModelSpec(name=f"block[{target.name}]", layers=drafter.layers, hidden=h, heads=heads,
+                     kv_heads=kv, head_dim=hd, vocab=vocab, intermediate=inter,
+                     params_total=params, params_active=params)  # fmt: skip
+
+
 def _mtp(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
     h, vocab = target.hidden, target.vocab
     fixed = drafter.layers * (2 * h * h + _layer_dense_params(target)) + h * vocab
@@ -83,16 +99,18 @@ def _model_free(drafter: DrafterSpec, target: ModelSpec) -> None:
 
 @dataclass(frozen=True)
 class DrafterKind:
-    """How a kind drafts: the forward it runs, and whether its first forward catches up on the
-    k + 1 verified positions."""
+    """How a kind drafts: the forward it runs, whether its first forward catches up on the
+    k + 1 verified positions, and whether one forward drafts all k positions."""
 
     build: Builder
     catches_up: bool
+    in_one_forward: bool = False
 
 
 DRAFTER_KINDS: MappingProxyType[str, DrafterKind] = MappingProxyType(
     {
         "eagle3": DrafterKind(_eagle3, True),
+        "block": DrafterKind(_block, False, in_one_forward=True),
         "mtp": DrafterKind(_mtp, True),
         "draft_model": DrafterKind(_draft_model, True),
         "ngram": DrafterKind(_model_free, False),
@@ -117,3 +135,8 @@ def draft_forward(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec | None:
 def catches_up(drafter: DrafterSpec) -> bool:
     """Whether the kind's first draft forward runs over the k + 1 verified positions."""
     return _kind(drafter).catches_up
+
+
+def in_one_forward(drafter: DrafterSpec) -> bool:
+    """Whether the kind drafts all k positions in one forward of k + 1 tokens per sequence."""
+    return _kind(drafter).in_one_forward

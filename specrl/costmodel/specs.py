@@ -208,6 +208,7 @@ class HardwareSpec(Spec):
 DRAFTER_FIELDS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
     {
         "eagle3": ("layers", "draft_vocab", "intermediate"),
+        "block": ("layers", "draft_vocab", "intermediate"),
         "mtp": ("layers",),
         "draft_model": ("model",),
         "ngram": ("cpu_s_per_seq", "cpu_s_per_ctx_token"),

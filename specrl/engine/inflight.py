@@ -27,7 +27,7 @@ from specrl.spec.verify import Verified, verify
 
 MODES = ("reverify", "keep", "discard")
 REWRITE_MODES = frozenset({"reverify", "discard"})
-REWRITE_DRAFTERS = frozenset({"none", "ngram", "suffix", "eagle3", "mtp"})
+REWRITE_DRAFTERS = frozenset({"none", "ngram", "suffix", "eagle3", "mtp", "block"})
 _MASK64 = (1 << 64) - 1
 
 

@@ -44,6 +44,7 @@ QUESTION = "Repeat exactly: one two three four five, one two three four five, on
         (SpecConfig("self", 3), None, "'self' is not supported by the vllm backend"),
         (SpecConfig("mtp", 3), None, "'mtp' is not supported by the vllm backend"),
         (SpecConfig("eagle3", 3), "HEAD", "needs a head in vLLM's EAGLE-3 layout"),
+        (SpecConfig("block", 3), "HEAD", "needs a block head in vLLM's DFlash layout"),
         (SpecConfig("draft", 3), None, "needs a draft model directory"),
         (SpecConfig("ngram", 3, siblings=2), None, "spec_siblings > 0 is not supported"),
         (SpecConfig("ngram", 3, exact="sample"), None, "spec_exact='sample' is not supported"),
@@ -66,6 +67,10 @@ def test_speculative_config_from_specrl_vocabulary(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     draft = vllm_speculative_config(SpecConfig("draft", 2), 8, tmp_path)
     assert draft["method"] == "draft_model" and draft["model"] == str(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    block = vllm_speculative_config(SpecConfig("block", 8), 8, tmp_path)
+    assert (block["method"], block["num_speculative_tokens"]) == ("dflash", 8)
+    assert block["draft_sample_method"] == "probabilistic"  # drafts drawn from q, as ours
     # the adaptive-k cap becomes vLLM's batch-size schedule: k = min(k, cap // B - 1)
     capped = SpecConfig("ngram", 3, max_tokens_per_forward=16)
     assert _schedule(capped, 10) == [(1, 4, 3), (5, 5, 2), (6, 8, 1), (9, 10, 0)]

@@ -130,7 +130,7 @@ def test_reverify_is_exact_for_the_new_policy_and_keep_is_not(name, at):
     assert results["keep"] < 1e-6  # the test has power: a stale mixture is caught
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle3", "block"])
 def test_reverify_and_discard_are_exact_with_drafters(method):
     """With a drafter, rewritten rows still follow B's exact distribution (discard as well)."""
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=NEW, n=3000, seed=4)

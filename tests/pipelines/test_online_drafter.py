@@ -66,7 +66,7 @@ def test_learner_captures_each_samples_features_from_its_training_forward():
         torch.testing.assert_close(c.final.float(), final[0], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "draft", "hybrid"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "block", "draft", "hybrid"])
 def test_online_updates_reach_the_engine_with_version_and_content(no_cache, kind, monkeypatch):
     parts = tiny_parts(eagle_config(f"rollout.spec={kind}", "drafter.mode=online"))
     trainer = parts.drafter.trainer
@@ -140,9 +140,13 @@ def test_frozen_needs_a_trained_head_and_explicit_modes_need_a_learned_drafter(n
     with pytest.raises(ConfigError, match="'mtp' is not supported by the vllm backend"):
         plan_rollout(eagle_config("rollout.spec=mtp", "rollout.backend=vllm",
                                  "drafter.mode=online"))  # fmt: skip
+    with pytest.raises(ConfigError, match="serves a trained block head frozen .* needs "
+                       "rollout.backend='native'"):  # fmt: skip
+        plan_rollout(eagle_config("rollout.spec=block", "rollout.backend=vllm",
+                                 "drafter.mode=online"))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft"])
+@pytest.mark.parametrize("kind", ["eagle3", "block", "draft"])
 def test_resume_restores_the_drafter_and_its_optimizer(no_cache, tmp_path, kind):
     cfg = eagle_config(f"rollout.spec={kind}", "drafter.mode=online", "run.steps=2",
                       "run.checkpoint_every=2", "run.eval_every=0")  # fmt: skip

@@ -65,3 +65,16 @@ def test_drafters_are_much_cheaper_than_target():
     mtp = draft_forward(load_drafter("mtp"), load_model("deepseek-v3"))
     assert mtp.is_moe and mtp.params_active < 0.1 * 37e9
     assert draft_forward(load_drafter("ngram"), target) is None
+
+
+def test_a_block_drafter_drafts_k_tokens_in_one_forward():
+    """DFlash prices one forward of k + 1 tokens per sequence: at batch 1 (memory-bound) 15
+    drafts cost under 1.5x of 1 draft, while EAGLE-3's k forwards grow with k; at a large batch
+    (compute-bound) the block's cost grows with its tokens too."""
+    target, hw = load_model("qwen3-8b"), load_hardware("h100")
+    block = StepCostModel(target, hw, 1, load_drafter("dflash"))
+    eagle = StepCostModel(target, hw, 1, load_drafter("eagle3"))
+    assert block.draft(1, 15, 1000) < 1.5 * block.draft(1, 1, 1000)
+    assert block.draft(1, 15, 1000) == block.draft_forward(1, 16, 1000)
+    assert eagle.draft(1, 15, 1000) > 5 * eagle.draft(1, 1, 1000)
+    assert block.draft(512, 15, 1000) > 3 * block.draft(512, 1, 1000)
