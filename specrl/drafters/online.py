@@ -106,6 +106,7 @@ class _Ledger:
     updates: int = 0
     budget_s: float = 0.0
     update_s: float | None = None  # measured seconds per optimizer step (EMA)
+    full: bool = False  # the budget reached its carry cap this step (it can grow no further)
     trained_len: int = 0
     last_loss: float = 0.0
     losses: list[float] = field(default_factory=list)
@@ -153,6 +154,7 @@ class OnlineDrafter:
             self.buffer.append(examples)
         share = self.cfg.time_share * signals.step_s
         ledger = self.ledger
+        ledger.full = ledger.budget_s + share >= CARRY_STEPS * share
         ledger.budget_s = min(ledger.budget_s + share, CARRY_STEPS * share)
         measure = examples and (ledger.budget_s > 0 or ledger.updates == 0)
         kl = self.fresh_kl(examples) if measure else math.nan  # drafter time: paid from the budget
@@ -186,11 +188,17 @@ class OnlineDrafter:
 
     def _affordable(self) -> int:
         """Optimizer steps the budget pays for in full at their measured cost (unused budget
-        carries over), at most ``cfg.max_updates``; one while that cost is still unmeasured."""
-        per, budget = self.ledger.update_s, self.ledger.budget_s
+        carries over), at most ``cfg.max_updates``; one while that cost is still unmeasured,
+        and one on credit when the budget is full (at its carry cap) yet short of one update:
+        its debt is repaid from the next steps' shares, so training goes on at the share on
+        average instead of stopping for good once an update costs more than the cap holds."""
+        per, ledger = self.ledger.update_s, self.ledger
         if per is None:
             return 1
-        return max(0, min(self.cfg.max_updates, int(budget / per)))
+        n = int(ledger.budget_s / per)
+        if n == 0 and ledger.full and ledger.budget_s > 0:
+            n = 1
+        return max(0, min(self.cfg.max_updates, n))
 
     def _pick_vocab(self, examples: list[Example]) -> None:
         """A head trained from scratch drafts from the step's most frequent tokens."""

@@ -232,6 +232,36 @@ def test_updates_are_paid_from_the_time_budget():
     assert trainer._affordable() == 0
     trainer.ledger.budget_s = -0.01
     assert trainer._affordable() == 0
+    # an update dearer than the full budget can hold: one on credit, then none until repaid
+    trainer.ledger.update_s, trainer.ledger.budget_s, trainer.ledger.full = 1.2, 0.8, True
+    assert trainer._affordable() == 1
+    trainer.ledger.budget_s, trainer.ledger.full = -0.4, False
+    assert trainer._affordable() == 0
+
+
+def test_a_dear_update_does_not_stop_training_for_good(no_cache, monkeypatch):
+    """Steps of 1 s with a 0.1 share (the budget caps at 0.4 s) and updates measured at 1 s:
+    the trainer still updates, about once per 10 steps (the share on average)."""
+    from specrl.config import DrafterCfg
+    from specrl.drafters.online import StepSignals
+    from specrl.drafters.students import HeadStudent
+
+    trainer = OnlineDrafter(HeadStudent(DraftHead(make_tiny(0), "eagle3")),
+                            DrafterCfg(time_share=0.1), "online", fresh=False)  # fmt: skip
+    trainer.ledger.update_s = 1.0
+    trainer.buffer.append([])  # something to train on (the batch is patched below)
+    spent = []
+
+    def train(n):
+        spent.append(n)
+        trainer.ledger.budget_s -= n * 1.0  # as _train charges what the updates took
+        return [0.0] * n
+
+    monkeypatch.setattr(trainer, "_train", lambda n: train(n) if n else [])
+    monkeypatch.setattr(trainer, "fresh_kl", lambda examples: 1.0)
+    for step in range(40):
+        trainer.step([], StepSignals(step_s=1.0, version=step))
+    assert 3 <= sum(spent) <= 5
 
 
 def test_context_note_names_the_trained_length():
