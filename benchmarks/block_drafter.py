@@ -225,7 +225,8 @@ def contenders(heads_: dict, args) -> dict[str, Any]:
 def vllm_serving(args, target, tok, heads_: dict) -> dict[str, Any]:
     """The block head exported to vLLM's DFlash layout and served by vLLM (k = its block size)
     on ``args.eval_rows[-1]`` held-out prompts, 8 at a time: vLLM's acceptance length (1 +
-    accepted / drafts, from its counters) and specrl's engine's, greedy and at T=1."""
+    accepted / drafts, from its counters), tokens and first reply, and specrl's engine's
+    acceptance and tokens, greedy and at T=1."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -245,7 +246,7 @@ def vllm_serving(args, target, tok, heads_: dict) -> dict[str, Any]:
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": k,
             "draft_sample_method": "probabilistic"}  # fmt: skip
     llm = LLM(model=str(resolve_model(MODEL)), dtype="bfloat16", seed=args.seed,
-              speculative_config=spec, max_num_seqs=8)  # fmt: skip
+              speculative_config=spec, max_num_seqs=8, disable_log_stats=False)  # fmt: skip
     ids = prompts(tok, "eval", args.eval_rows[-1], args.seed + 1)
     name = llm.llm_engine.model_config.served_model_name
     rows = {}
@@ -268,6 +269,8 @@ def vllm_serving(args, target, tok, heads_: dict) -> dict[str, Any]:
             "vllm_acceptance_length": 1 + d.accepted / max(d.drafts, 1),
             "vllm_drafts": d.drafts, "vllm_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "vllm_seconds": spent, "vllm_accepted_per_position": list(d.per_pos),
+            "vllm_first_reply": tok.decode(list(outs[0].outputs[0].token_ids))[:300],
+            "specrl_tokens": ours["tokens"],
             "specrl_acceptance_length": ours["acceptance_length"],
             "specrl_per_position_acceptance": ours["per_position_acceptance"],
         }  # fmt: skip

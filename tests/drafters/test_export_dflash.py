@@ -214,7 +214,7 @@ def test_vllm_serves_the_export_losslessly(tmp_path, monkeypatch):
     with process_state_kept():
         llm = LLM(model=str(served), dtype="float32", enforce_eager=True, seed=0,
                   max_model_len=128, max_num_seqs=4, skip_tokenizer_init=True,
-                  speculative_config=spec)  # fmt: skip
+                  speculative_config=spec, disable_log_stats=False)  # fmt: skip
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
