@@ -67,11 +67,30 @@ def vllm_speculative_config(
                 "prompt_lookup_min": int(opts.get("min_n", 2))}  # fmt: skip
     else:
         _check_drafter_dir(method, drafter_dir)
+        if method == "block" and _on_cpu():
+            raise ValueError(DFLASH_CPU)
         out |= {"method": VLLM_METHODS[method], "model": str(drafter_dir)}
         if method == "block":  # drafts drawn from q, as specrl's engine draws them
             out["draft_sample_method"] = "probabilistic"
     out["num_speculative_tokens_per_batch_size"] = _schedule(spec, max_batch)
     return out
+
+
+# measured (docs/drafters.md, benchmarks/results/block_vllm.json): greedy replies equal and
+# acceptance as specrl's, sampled ones wrong (a few tokens each, then a stop token)
+DFLASH_CPU = (
+    "rollout.spec='block' on the vllm backend: vLLM 0.32's dflash method emits wrong tokens "
+    "when it samples (temperature > 0) on the CPU platform, so its rollouts would not be the "
+    "policy's; use rollout.backend='native' (the block drafter, exact), or serve the exported "
+    "head greedily with vLLM outside specrl"
+)
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (imported when asked: vLLM is an extra)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _check_method(spec: SpecConfig) -> bool:

@@ -61,24 +61,28 @@ HF_ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# specrl head tensor -> vLLM EAGLE-3 checkpoint tensors (concatenated along dim 0 in specrl)
+# a head decoder layer's tensor -> vLLM's names in the layer (a fused one split along dim 0)
+LAYER_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attn_norm.weight", ("input_layernorm.weight",)),
+    ("attn.qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
+    ("attn.qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv")),
+    ("attn.o.weight", ("self_attn.o_proj.weight",)),
+    ("attn.q_norm.weight", ("self_attn.q_norm.weight",)),
+    ("attn.k_norm.weight", ("self_attn.k_norm.weight",)),
+    ("mlp_norm.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("mlp.down.weight", ("mlp.down_proj.weight",)),
+)
+# specrl head tensor -> vLLM EAGLE-3 checkpoint tensors (concatenated along dim 0 in specrl); the
+# eagle3 layout's layer has no pre-attention norm (input_layernorm is the embedding's, enorm)
 EAGLE3_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fc.weight", ("fc.weight",)),
     ("hnorm.weight", ("midlayer.hidden_norm.weight",)),
     ("enorm.weight", ("midlayer.input_layernorm.weight",)),
-    (
-        "block.attn.qkv.weight",
-        tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"),
-    ),
-    ("block.attn.qkv.bias", tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkv")),
-    ("block.attn.o.weight", ("midlayer.self_attn.o_proj.weight",)),
-    ("block.attn.q_norm.weight", ("midlayer.self_attn.q_norm.weight",)),
-    ("block.attn.k_norm.weight", ("midlayer.self_attn.k_norm.weight",)),
-    ("block.mlp_norm.weight", ("midlayer.post_attention_layernorm.weight",)),
-    ("block.mlp.gate_up.weight", ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")),
-    ("block.mlp.down.weight", ("midlayer.mlp.down_proj.weight",)),
+    *((f"block.{ours}", tuple(f"midlayer.{t}" for t in theirs))
+      for ours, theirs in LAYER_NAMES if ours != "attn_norm.weight"),
     ("norm.weight", ("norm.weight",)),
-)
+)  # fmt: skip
 
 
 class ExportError(ValueError):
@@ -99,7 +103,6 @@ def export_eagle3(
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` (docs/internals.md) and
     their manifest; ``source``: what config.json names as the head exported (default: the
     resolved ``head_dir``); ``say``: the notice for a head made before checksums."""
-    from safetensors.torch import save_file
 
     head_dir, out = Path(head_dir), Path(out_dir)
     unverified = verified(head_dir, HEAD_FILES)
@@ -115,27 +118,33 @@ def export_eagle3(
     if d2t is not None:
         _check_d2t(d2t, tcfg.vocab_size)
     tensors = eagle3_tensors(state, tcfg, lm_head, d2t)
-    dtype = dtype or state["norm.weight"].dtype
-    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     config = eagle3_config(tcfg, cfg["feature_layers"], len(lm_head) if d2t is None else len(d2t))
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config["specrl_export"] = {
-        "format": FORMAT,
-        "version": VERSION,
-        CHECKSUMS: True,
-        "source": source or str(head_dir.resolve()),
-        "feature_layers": cfg["feature_layers"],
-    }
+    record = {"format": FORMAT, "version": VERSION, "source": source or str(head_dir.resolve()),
+              "feature_layers": cfg["feature_layers"]}  # fmt: skip
+    write_export(out, tensors, config, record, dtype or state["norm.weight"].dtype)
+    if unverified is not None:
+        say(unverified)
+    return out
+
+
+def write_export(
+    out: Path, tensors: dict[str, torch.Tensor], config: dict, record: dict, dtype: torch.dtype
+) -> Path:
+    """A head's export as vLLM loads it (``write_dir``): ``model.safetensors`` of ``tensors``
+    (floating ones in ``dtype``) and ``config.json`` of ``config`` with its ``torch_dtype`` and
+    specrl's ``record`` (``specrl_export``, checksums marked)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    config = config | {"torch_dtype": str(dtype).removeprefix("torch."),
+                       "specrl_export": record | {CHECKSUMS: True}}  # fmt: skip
 
     def write(tmp: Path) -> list[str]:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         return ["model.safetensors", "config.json"]
 
-    write_dir(out, write)
-    if unverified is not None:
-        say(unverified)
-    return out
+    return write_dir(out, write)
 
 
 def import_eagle3(
@@ -284,17 +293,23 @@ def eagle3_tensors(
     if "block.attn.qkv.bias" in state and target.model_type != "qwen3":
         # vLLM's Llama layer gives o_proj a bias whenever attention_bias is set
         out["midlayer.self_attn.o_proj.bias"] = torch.zeros(target.hidden_size)
-    lm_head = lm_head.detach().float()
-    if d2t is None:
-        out["lm_head.weight"] = lm_head.contiguous()  # [V, H]
-    else:
-        d2t = d2t.to(torch.int64)
-        out["lm_head.weight"] = lm_head.index_select(0, d2t).contiguous()  # [Vd, H]
-        out["d2t"] = d2t - torch.arange(len(d2t))  # [Vd] offsets: target id = i + d2t[i]
+    out |= draft_lm_head(lm_head, d2t)
+    if d2t is not None:
         t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-        out["t2d"] = t2d.index_fill_(0, d2t, True)  # [V]
+        out["t2d"] = t2d.index_fill_(0, d2t.to(torch.int64), True)  # [V]
     _check_complete(out, target)
     return out
+
+
+def draft_lm_head(lm_head: torch.Tensor, d2t: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """vLLM's ``lm_head.weight`` of a draft head: the target's LM head [V, H], or its rows
+    ``d2t`` [Vd] with ``d2t`` as vLLM's offsets (draft i -> target i + d2t[i])."""
+    lm_head = lm_head.detach().float()
+    if d2t is None:
+        return {"lm_head.weight": lm_head.contiguous()}  # [V, H]
+    d2t = d2t.to(torch.int64)
+    return {"lm_head.weight": lm_head.index_select(0, d2t).contiguous(),  # [Vd, H]
+            "d2t": d2t - torch.arange(len(d2t))}  # fmt: skip
 
 
 def expected_eagle3_shapes(

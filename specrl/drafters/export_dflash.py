@@ -21,34 +21,24 @@ from pathlib import Path
 import torch
 
 from specrl.drafters.export import (
+    LAYER_NAMES,
     ExportError,
     Say,
     _check_d2t,
     _read_safetensors,
     _target_lm_head,
+    draft_lm_head,
     verified,
-    write_dir,
+    write_export,
 )
 from specrl.models.checkpoints import split_sizes
 from specrl.models.config import ModelConfig
-from specrl.models.heads import CHECKSUMS, HEAD_FILES, check_compatible, notice, read_head_config
+from specrl.models.heads import HEAD_FILES, check_compatible, notice, read_head_config
 
 FORMAT = "specrl-vllm-dflash"
 VERSION = 1
 TOP_NAMES = (("fc.weight", "fc.weight"), ("hnorm.weight", "hidden_norm.weight"),
              ("norm.weight", "norm.weight"))  # fmt: skip
-# a block head layer's tensor -> vLLM's (a fused one split along dim 0)
-LAYER_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attn_norm.weight", ("input_layernorm.weight",)),
-    ("attn.qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
-    ("attn.qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv")),
-    ("attn.o.weight", ("self_attn.o_proj.weight",)),
-    ("attn.q_norm.weight", ("self_attn.q_norm.weight",)),
-    ("attn.k_norm.weight", ("self_attn.k_norm.weight",)),
-    ("mlp_norm.weight", ("post_attention_layernorm.weight",)),
-    ("mlp.gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-    ("mlp.down.weight", ("mlp.down_proj.weight",)),
-)
 
 
 def export_dflash(
@@ -60,8 +50,6 @@ def export_dflash(
 ) -> Path:
     """See the module docstring; ``ExportError`` (one line) for a head that is not a block
     head of this target or whose files do not match their manifest."""
-    from safetensors.torch import save_file
-
     head_dir, out = Path(head_dir), Path(out_dir)
     unverified = verified(head_dir, HEAD_FILES)
     try:
@@ -82,20 +70,10 @@ def export_dflash(
         _check_d2t(d2t, tcfg.vocab_size)
     layers = int(cfg.get("layers", 0))
     tensors = dflash_tensors(state, tcfg, layers, lm_head, d2t)
-    dtype = dtype or state["norm.weight"].dtype
-    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     config = dflash_config(tcfg, cfg, len(tensors["lm_head.weight"]))
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config["specrl_export"] = {"format": FORMAT, "version": VERSION, CHECKSUMS: True,
-                               "source": str(head_dir.resolve()), "kind": "block",
-                               "feature_layers": cfg["feature_layers"]}  # fmt: skip
-
-    def write(tmp: Path) -> list[str]:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        return ["model.safetensors", "config.json"]
-
-    write_dir(out, write)
+    record = {"format": FORMAT, "version": VERSION, "source": str(head_dir.resolve()),
+              "kind": "block", "feature_layers": cfg["feature_layers"]}  # fmt: skip
+    write_export(out, tensors, config, record, dtype or state["norm.weight"].dtype)
     if unverified is not None:
         say(unverified)
     return out
@@ -129,14 +107,7 @@ def dflash_tensors(
         if sum(sizes) != len(t):
             raise ExportError(f"head tensor {ours} has shape {tuple(t.shape)}: not this target's")
         out |= {n: p.contiguous() for n, p in zip(theirs, t.split(sizes), strict=True)}
-    lm_head = lm_head.detach().float()
-    if d2t is None:
-        out["lm_head.weight"] = lm_head.contiguous()  # [V, H]
-    else:
-        d2t = d2t.to(torch.int64)
-        out["lm_head.weight"] = lm_head.index_select(0, d2t).contiguous()  # [Vd, H]
-        out["d2t"] = d2t - torch.arange(len(d2t))  # [Vd] offsets: target id = i + d2t[i]
-    return out
+    return out | draft_lm_head(lm_head, d2t)
 
 
 def dflash_config(target: ModelConfig, head: dict, draft_vocab: int) -> dict:

@@ -67,14 +67,24 @@ def test_speculative_config_from_specrl_vocabulary(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     draft = vllm_speculative_config(SpecConfig("draft", 2), 8, tmp_path)
     assert draft["method"] == "draft_model" and draft["model"] == str(tmp_path)
-    (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
-    block = vllm_speculative_config(SpecConfig("block", 8), 8, tmp_path)
-    assert (block["method"], block["num_speculative_tokens"]) == ("dflash", 8)
-    assert block["draft_sample_method"] == "probabilistic"  # drafts drawn from q, as ours
     # the adaptive-k cap becomes vLLM's batch-size schedule: k = min(k, cap // B - 1)
     capped = SpecConfig("ngram", 3, max_tokens_per_forward=16)
     assert _schedule(capped, 10) == [(1, 4, 3), (5, 5, 2), (6, 8, 1), (9, 10, 0)]
     assert _schedule(SpecConfig("ngram", 3), 4) == [(1, 4, 3)]
+
+
+def test_the_block_drafter_is_served_as_vllms_dflash_except_on_the_cpu(tmp_path, monkeypatch):
+    from specrl.backends import vllm_spec
+
+    (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    monkeypatch.setattr(vllm_spec, "_on_cpu", lambda: False)
+    block = vllm_speculative_config(SpecConfig("block", 8), 8, tmp_path)
+    assert (block["method"], block["num_speculative_tokens"]) == ("dflash", 8)
+    assert block["draft_sample_method"] == "probabilistic"  # drafts drawn from q, as ours
+    monkeypatch.setattr(vllm_spec, "_on_cpu", lambda: True)  # sampled dflash is wrong there
+    with pytest.raises(ValueError, match="emits wrong tokens when it samples") as e:
+        vllm_speculative_config(SpecConfig("block", 8), 8, tmp_path)
+    assert "\n" not in str(e.value)
 
 
 def test_weight_names_round_trip_through_hugging_face_and_vllm_names():
