@@ -3,24 +3,27 @@
 One script, one process, on the bundled model: the target's own replies to the ``reasoning``
 preset's prompts (reasoning-gym basic_arithmetic, the ``step_by_step`` template, up to 512 new
 tokens, T=1) are the training rollouts of BOTH drafters (the same examples: both read the same
-target layers); each trains for the same wall time (``--train-seconds``: its steps from a
-measured per-step time, train-drafter's recipe: batch 8, lr 1e-3, a 4096-token draft vocabulary,
-cross-entropy to the target's distribution with decay ``--decay`` over depths: EAGLE-3's unroll
-of 3, the block's 8 slots). Then on held-out prompts (eval split, same template, T=1) at batch
-1, 8 and 32: tokens/s of plain decoding, of EAGLE-3 at each k of ``--eagle-k``, of the block
-drafter at each k of ``--block-k``, and of each with the cost-model controller (k per step, up
-to its largest k), the same prompts and seeds for all; acceptance length by k, drafting seconds
-per speculative step, and the decode roofline measured in the same run (copy bandwidth, GEMM
-FLOP/s). Every contender answers the same requests in each of ``--repeats`` interleaved rounds
-in a fresh random order, per contender the median of its within-round ratios to plain, beside a
-control (a second plain engine). With ``--exact sample`` (the default) every contender emits
-plain sampling's tokens for the same seeds (equal work: the ratios are speed alone; a stochastic
-drafter then draws its drafts on plain sampling's stream, which accepts less than rejection
-sampling); ``--exact distribution`` verifies by rejection sampling, as RL runs by default, and
-replies (so their lengths) then differ between contenders. The JSON carries
+target layers); each trains for the same wall time (``--train-seconds``: its steps from a measured
+per-step time, train-drafter's recipe: batch 8, lr 1e-3, a 4096-token draft vocabulary,
+cross-entropy to the target's distribution weighed decay**j over depths: EAGLE-3's unroll of 3 at
+0.8, the block's 8 slots at ``--decay``, 0.6 its recipe). Then on held-out prompts (eval split,
+same template, T=1) at batch 1, 8 and 32: tokens/s of plain decoding, of EAGLE-3 at each k of
+``--eagle-k``, of the block drafter at each k of ``--block-k``, and of each with the cost-model
+controller (k per step, up to its largest k), the same prompts and seeds for all; acceptance length
+by k, drafting seconds per speculative step, and the decode roofline measured in the same run (copy
+bandwidth, GEMM FLOP/s). Every contender answers the same requests in each of ``--repeats``
+interleaved rounds in a fresh random order, per contender the median of its within-round ratios to
+plain, beside a control (a second plain engine). With ``--exact sample`` (the default) every
+contender emits plain sampling's tokens for the same seeds (equal work: the ratios are speed alone;
+a stochastic drafter then draws its drafts on plain sampling's stream, which accepts less than
+rejection sampling); ``--exact distribution`` verifies by rejection sampling, as RL runs by
+default, and replies (so their lengths) then differ between contenders. The JSON carries
 ``specrl.bench.run_metadata()``.
 
-    .venv/bin/python benchmarks/block_drafter.py --out benchmarks/results/block_vs_eagle3.json
+    .venv/bin/python benchmarks/block_drafter.py --exact distribution \
+        --out benchmarks/results/block_vs_eagle3.json
+    .venv/bin/python benchmarks/block_drafter.py \
+        --out benchmarks/results/block_vs_eagle3_sample.json
 
 ``--work DIR`` keeps the rollouts/examples and trained heads between runs (reused when there).
 ``--vllm`` instead serves the trained block head in vLLM (``specrl export-drafter --drafter
@@ -361,7 +364,13 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=640, help="training examples cut to this")
     p.add_argument("--train-seconds", type=float, default=240.0)
     p.add_argument("--probe-steps", type=int, default=6)
-    p.add_argument("--decay", type=float, default=0.8)
+    p.add_argument(
+        "--decay",
+        type=float,
+        default=0.6,
+        help="the block head's decay over slots "
+        "(its recipe, BlockHead.decay; EAGLE-3 keeps its 0.8)",
+    )
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--eagle-k", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--block-k", type=int, nargs="+", default=[2, 4, 8])

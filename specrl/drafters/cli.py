@@ -198,8 +198,9 @@ def train_drafter(cfg: TrainDrafterCfg) -> None:
 
     before = measure()
     unroll = cfg.drafter.block_size if drafter == "block" else t.unroll  # depths trained
+    decay = getattr(head, "decay", TrainConfig.decay)  # a head's recipe (a draft model: unused)
     train_cfg = TrainConfig(steps=t.steps, lr=t.lr, batch_size=t.batch_size, unroll=unroll,
-                            ckpt_every=t.ckpt_every, seed=seed)  # fmt: skip
+                            decay=decay, ckpt_every=t.ckpt_every, seed=seed)  # fmt: skip
     t0 = time.perf_counter()
     try:
         if drafter == "draft":

@@ -22,7 +22,7 @@ from specrl.drafters.train import collate, target_probs, ttt_loss
 from specrl.models.heads import DraftHead, draft_vocab_by_frequency
 from specrl.models.transformer import Transformer
 
-UNROLL, DECAY = 3, 0.8  # training-time-test depth and weight (train-drafter's defaults)
+UNROLL = 3  # training-time-test depth (train-drafter's default); the decay is the head's
 
 
 class Student(Protocol):
@@ -55,7 +55,8 @@ class HeadStudent:
         head.float().requires_grad_(True)
 
     def loss(self, batch: list[Example]) -> torch.Tensor:
-        return ttt_loss(self.module, collate(batch, _longest(batch)), self.depth, DECAY)
+        head = self.module
+        return ttt_loss(head, collate(batch, _longest(batch)), self.depth, head.decay)
 
     @torch.no_grad()
     def kl(self, batch: list[Example]) -> float:

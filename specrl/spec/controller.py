@@ -318,6 +318,7 @@ class SpecController:
     budget: float = 0.0  # seconds of exploration the controller may still spend
     steps: int = 0
     explored: int = 0  # steps that verified more than the estimates asked, to measure them
+    exploring: bool = False  # the step chosen last explores: its overrun is charged (observe)
     # (rows, verified k, predicted s, measured s) of recent steps, the prediction made first
     predictions: deque = field(default_factory=lambda: deque(maxlen=4096))
     _plan: Plan | None = None  # the last evaluation of the rates (``choose``)
@@ -456,12 +457,16 @@ class SpecController:
             return best
         self.budget -= extra
         self.explored += 1
+        self.exploring = True
         return widest
 
     def observe(self, out: StepOutcome) -> None:
         """One finished step (``StepOutcome``)."""
         predicted = self.predict(out.rows, out.verified, out.context, out.asked, out.caught_up)
         self.predictions.append((out.rows, out.verified, predicted, out.step_s))
+        if self.exploring:  # what exploring took beyond its price is paid from the budget too
+            self.budget -= max(out.step_s - predicted, 0.0)
+            self.exploring = False
         self.acceptance.observe(out.drafted, out.accepted, out.asked if out.asked else None)
         if out.asked:
             self.draft.observe(out.rows, out.asked, out.draft_s, out.caught_up)

@@ -196,6 +196,23 @@ def test_exploration_spends_at_most_its_share(smollm2):
     assert spent <= ctl.explore_share * base + 1e-12
 
 
+def test_an_explored_step_that_overruns_its_price_pays_the_difference(smollm2):
+    """Exploring is paid at its predicted extra time when chosen; an explored step that then
+    took longer (a catch-up after a plain stretch, say) pays the overrun from the budget as
+    well, so exploring costs its share of the time measured, not only of the time predicted.
+    Steps that do not explore leave the budget as their choice left it."""
+    ctl = controller(smollm2)
+    ctl.budget = 1.0
+    k = ctl.choose(8, 64.0)
+    assert k == ctl.k_max and ctl.exploring
+    before, price = ctl.budget, ctl.predict(8, k, 64.0, caught_up=0)
+    ctl.observe(StepOutcome(8, k, k, 64.0, price + 0.25, 0.0, [k] * 8, [0] * 8))
+    assert ctl.budget == pytest.approx(before - 0.25, abs=1e-6) and not ctl.exploring
+    before = ctl.budget
+    ctl.observe(StepOutcome(8, 0, 0, 64.0, 10.0, 0.0))  # a plain step, however long
+    assert ctl.budget == before
+
+
 @pytest.mark.parametrize("reach", [[0.9, 0.8, 0.7], [0.3, 0.1, 0.0]])
 def test_cap_on_cheap_drafts_maximises_tokens_per_second(smollm2, reach):
     """With a deterministic drafter the controller drafts k_max where drafting can pay and
