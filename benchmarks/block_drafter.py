@@ -107,7 +107,8 @@ def train_for(make, examples: list, args, depth: int) -> tuple[Any, dict[str, An
 def heads(target, examples: list, args, kinds=("eagle3", "block")) -> tuple[dict, dict]:
     """The trained heads of ``kinds`` (bf16, eval) and their training records (cached in the
     work dir; EAGLE-3 always with train-drafter's decay 0.8, the block with ``args.decay``)."""
-    from specrl.models.heads import draft_vocab_by_frequency, load_head, new_head, save_head
+    from specrl.models.head_kinds import load_head, new_head
+    from specrl.models.heads import draft_vocab_by_frequency, save_head
 
     completions = [e.tokens[e.prompt_len :].tolist() for e in examples]
     vocab = draft_vocab_by_frequency(completions, DRAFT_VOCAB, target.config.vocab_size)

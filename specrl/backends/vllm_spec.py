@@ -26,7 +26,8 @@ from specrl.drafters.export import (
     is_head_dir,
 )
 from specrl.drafters.export_dflash import export_dflash, is_dflash_export
-from specrl.models.heads import fresh_head, read_head_config, save_head
+from specrl.models.head_kinds import fresh_head
+from specrl.models.heads import read_head_config, save_head
 from specrl.spec.config import SpecConfig
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def served_drafter(
     """The drafter directory vLLM loads for ``plan``: ``plan.drafter_dir`` where vLLM loads it
     as it is, else one written under ``out`` (a directory the caller owns): a specrl EAGLE-3
     head exported (``drafters.export.export_eagle3``), a head trained from nothing
-    (``models.heads.fresh_head``, seeded by ``run.seed`` as the trainer starts it) exported, or
+    (``models.head_kinds.fresh_head``, seeded by ``run.seed`` as the trainer starts it) exported, or
     a draft model's untrained start (``drafters.distill.untrained_draft``, the tokenizer of
     ``model_dir`` with it). ``ValueError`` (one line) for a head vLLM cannot serve."""
     method, path = plan.spec.method, plan.drafter_dir

@@ -118,7 +118,8 @@ def train_drafter(cfg: TrainDrafterCfg) -> None:
     from specrl.drafters.distill import distill, init_draft
     from specrl.drafters.train import NonFiniteWeights, TrainConfig, acceptance, train_head
     from specrl.models.checkpoints import resolve_model
-    from specrl.models.heads import default_layers, draft_vocab_by_frequency, new_head
+    from specrl.models.head_kinds import new_head
+    from specrl.models.heads import default_layers, draft_vocab_by_frequency
 
     drafter, model, task, seed = cfg.drafter.kind, cfg.model.name, cfg.data.task, cfg.run.seed
     d, t, ev = cfg.data, cfg.train, cfg.eval

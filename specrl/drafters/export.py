@@ -107,16 +107,16 @@ def export_eagle3(
     head_dir, out = Path(head_dir), Path(out_dir)
     unverified = verified(head_dir, HEAD_FILES)
     cfg = eagle3_head_config(head_dir)
-    tcfg, lm_head = _target_lm_head(target)  # lm_head [V, H]
+    tcfg, lm_head = target_lm_head(target)  # lm_head [V, H]
     try:
         check_compatible(cfg, tcfg)
     except ValueError as e:
         raise ExportError(str(e)) from None
     _check_layers(cfg["feature_layers"], tcfg.num_layers)
-    state = _read_safetensors(head_dir / "head.safetensors")
+    state = read_safetensors(head_dir / "head.safetensors")
     d2t = state.pop("d2t", None)  # [Vd] target ids, or None (full vocabulary)
     if d2t is not None:
-        _check_d2t(d2t, tcfg.vocab_size)
+        check_d2t(d2t, tcfg.vocab_size)
     tensors = eagle3_tensors(state, tcfg, lm_head, d2t)
     config = eagle3_config(tcfg, cfg["feature_layers"], len(lm_head) if d2t is None else len(d2t))
     record = {"format": FORMAT, "version": VERSION, "source": source or str(head_dir.resolve()),
@@ -196,7 +196,7 @@ def _head_state(src: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None
     EAGLE-3 checkpoint tensors in ``src``."""
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
-        tensors |= _read_safetensors(f)
+        tensors |= read_safetensors(f)
     offsets = tensors.pop("d2t", None)  # [Vd]: target id = i + offsets[i]
     for derived in ("t2d", "lm_head.weight", "midlayer.self_attn.o_proj.bias"):
         tensors.pop(derived, None)  # from d2t, the target's LM head, zeros (eagle3_tensors)
@@ -257,7 +257,7 @@ def _check_layers(layers: list[int], num_layers: int) -> None:
         )
 
 
-def _check_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
+def check_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
     ok = d2t.dim() == 1 and len(d2t) > 0 and not d2t.is_floating_point()
     ok = ok and bool((d2t[1:] > d2t[:-1]).all()) and 0 <= int(d2t[0]) <= int(d2t[-1]) < vocab_size
     if not ok:
@@ -380,7 +380,7 @@ def eagle3_config(target: ModelConfig, feature_layers: list[int], draft_vocab: i
     return config
 
 
-def _target_lm_head(target: str | os.PathLike | Transformer) -> tuple[ModelConfig, torch.Tensor]:
+def target_lm_head(target: str | os.PathLike | Transformer) -> tuple[ModelConfig, torch.Tensor]:
     """(target config, its LM head [V, H]) from a loaded model or a model name/directory (only
     the one tensor is read)."""
     if isinstance(target, Transformer):
@@ -414,7 +414,7 @@ def _read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
     return None
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

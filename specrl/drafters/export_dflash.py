@@ -24,10 +24,10 @@ from specrl.drafters.export import (
     LAYER_NAMES,
     ExportError,
     Say,
-    _check_d2t,
-    _read_safetensors,
-    _target_lm_head,
+    check_d2t,
     draft_lm_head,
+    read_safetensors,
+    target_lm_head,
     verified,
     write_export,
 )
@@ -59,15 +59,15 @@ def export_dflash(
     if cfg.get("kind") != "block":
         raise ExportError(f"{head_dir} holds a {cfg.get('kind')!r} head; vLLM's dflash method "
                           "serves a block head (specrl train-drafter --drafter block)")  # fmt: skip
-    tcfg, lm_head = _target_lm_head(target)  # lm_head [V, H]
+    tcfg, lm_head = target_lm_head(target)  # lm_head [V, H]
     try:
         check_compatible(cfg, tcfg)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    state = _read_safetensors(head_dir / "head.safetensors")
+    state = read_safetensors(head_dir / "head.safetensors")
     d2t = state.pop("d2t", None)  # [Vd] target ids, or None (full vocabulary)
     if d2t is not None:
-        _check_d2t(d2t, tcfg.vocab_size)
+        check_d2t(d2t, tcfg.vocab_size)
     layers = int(cfg.get("layers", 0))
     tensors = dflash_tensors(state, tcfg, layers, lm_head, d2t)
     config = dflash_config(tcfg, cfg, len(tensors["lm_head.weight"]))

@@ -1,12 +1,15 @@
-"""Learned draft heads that read the target's hidden states: EAGLE-3 and MTP.
+"""Learned draft heads that read the target's hidden states: EAGLE-3 and MTP (and the base of
+the block head, ``models.block_head``).
 
 A ``DraftHead`` is one decoder layer over a frozen target ``Transformer`` whose embedding and LM
 head it shares (not in its state dict): position i reads a feature h_i and the embedding of
 x_{i+1}, and its logits predict x_{i+2}; drafting feeds its own output back. Kinds ``eagle3``
 (fc over several target layers) and ``mtp`` (the last layer); layouts ``arch="proj"`` (default)
 and ``"eagle3"`` (vLLM's). An optional reduced draft vocabulary (``d2t``) predicts over Vd
-tokens. ``save_head`` / ``load_head`` keep a head directory; ``check_compatible`` refuses a head
-of another target. Details (the layer's equations, the format): docs/internals.md.
+tokens. ``save_head`` / ``models.head_kinds.load_head`` keep a head directory (head.json records
+a block head's ``GEOMETRY``); ``check_compatible`` refuses a head of another target; the loss
+sees a head through ``depth_outputs``. Details (the layer's equations, the format):
+docs/internals.md.
 
 Saved drafters (a head here, a draft model in ``drafters.distill``, a vLLM-layout export in
 ``drafters.export``) carry a ``manifest.json`` (``fsutil.write_manifest``: size and sha256 of
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -90,7 +93,7 @@ class DraftHead(nn.Module):
         layers = tuple(feature_layers or default_layers(kind, c.num_layers))
         if list(layers) != sorted(set(layers)) or not all(0 <= x < c.num_layers for x in layers):
             raise ValueError(f"feature_layers must be distinct, sorted, in [0, {c.num_layers})")
-        _check_arch(kind, arch)
+        check_arch(kind, arch)
         self.kind, self.arch, self.feature_layers, self.target_config = kind, arch, layers, c
         self.head_config = c.replace(num_layers=1)
         h = c.hidden_size
@@ -296,42 +299,12 @@ class DraftHead(nn.Module):
         return {}
 
 
-def new_head(
-    target: Transformer,
-    kind: str = "eagle3",
-    feature_layers: tuple[int, ...] | None = None,
-    draft_vocab: torch.Tensor | None = None,
-    arch: str = "proj",
-    geometry: dict | None = None,
-) -> DraftHead:
-    """A head of ``kind`` over ``target``: a ``DraftHead``, or for ``"block"`` a
-    ``models.block_head.BlockHead`` built with ``geometry`` (its layers and block size)."""
-    if kind == "block":
-        from specrl.models.block_head import BlockHead
-
-        _check_arch(kind, arch)
-        return BlockHead(target, feature_layers, draft_vocab, **(geometry or {}))
-    return DraftHead(target, kind, feature_layers, draft_vocab, arch)
-
-
-def fresh_head(
-    target: Transformer, kind: str, seed: int, arch: str = "proj", vocab: int = 0
-) -> DraftHead:
-    """A random head seeded by ``seed`` (the global RNG left as it was); ``vocab`` in
-    (0, V): a draft vocabulary of that size fixed from the start (the first ``vocab`` ids, a
-    placeholder until a trainer picks them), else the full vocabulary."""
-    d2t = torch.arange(vocab) if 0 < vocab < target.config.vocab_size else None
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return new_head(target, kind, draft_vocab=d2t, arch=arch)
-
-
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``b`` can be copied into ``a`` as it is (shape, dtype, device)."""
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-def _check_arch(kind: str, arch: str) -> None:
+def check_arch(kind: str, arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown head arch {arch!r}; known: {ARCHS}")
     if arch != "proj" and kind != "eagle3":
@@ -450,40 +423,6 @@ def read_head_config(path: str | Path) -> dict:
     if cfg["arch"] not in ARCHS:
         raise ValueError(f"{path}/head.json has an unknown arch {cfg['arch']!r}; known: {ARCHS}")
     return cfg
-
-
-def load_head(
-    path: str | Path,
-    target: Transformer,
-    kind: str | None = None,
-    say: Callable[[str], None] | None = None,
-) -> DraftHead:
-    """Load a saved head onto ``target``: ``DrafterDamaged`` (a ``ValueError``) when a file does
-    not match its manifest, ``ValueError`` when it is damaged otherwise or incompatible (json's
-    and torch's state-dict mismatches included), ``OSError`` when a file is unreadable,
-    safetensors' ``SafetensorError`` when head.safetensors is damaged. A head without a manifest
-    (made before checksums) loads, and ``say`` (default ``notice``) gets one line saying so."""
-    from safetensors.torch import load_file
-
-    unverified = verify_drafter(path, HEAD_FILES)
-    cfg = read_head_config(path)
-    check_compatible(cfg, target.config)
-    if kind is not None and cfg["kind"] != kind:
-        raise ValueError(f"{path} holds a {cfg['kind']!r} head, not {kind!r}")
-    state = load_file(str(Path(path) / "head.safetensors"))
-    layers, vocab = tuple(cfg["feature_layers"]), state.get("d2t")
-    geometry = {k: cfg[k] for k in GEOMETRY if k in cfg}
-    head = new_head(target, cfg["kind"], layers, vocab, cfg["arch"], geometry)
-    try:
-        head.load_state_dict(cast_floats(state, head.dtype))
-    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors (several lines)
-        why = " ".join(str(e).split())
-        raise ValueError(
-            f"{path}/head.safetensors does not fit a {cfg['kind']} head: {why}"
-        ) from None
-    if unverified is not None:
-        (say or notice)(unverified)
-    return head.eval()
 
 
 # ------------------------------------------------------------------- verified drafter files

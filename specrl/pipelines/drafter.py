@@ -30,14 +30,8 @@ from specrl.drafters.distill import SPEC_FILE, untrained_draft
 from specrl.drafters.export import import_eagle3, is_eagle3_export, is_head_dir
 from specrl.drafters.online import OnlineDrafter, StepSignals, context_note
 from specrl.drafters.students import student_for
-from specrl.models.heads import (
-    MODEL_FILES,
-    fresh_head,
-    load_head,
-    notice,
-    read_head_config,
-    verify_drafter,
-)
+from specrl.models.head_kinds import fresh_head, load_head
+from specrl.models.heads import MODEL_FILES, notice, read_head_config, verify_drafter
 from specrl.pipelines.guard import WeightGuard
 from specrl.rl import Captured
 from specrl.rollout_plan import RolloutPlan, refusing
@@ -89,7 +83,7 @@ def _initial_drafter(plan: RolloutPlan, seed: int, policy: torch.nn.Module) -> t
     head in vLLM's EAGLE-3 layout read back by ``drafters.export.import_eagle3``), else a draft
     model's untrained start (``drafters.distill.untrained_draft``, as the engine builds it) or a
     random head seeded by ``seed`` (``run.seed``) in the plan's head layout and vocabulary size
-    (``models.heads.fresh_head``, as the vLLM backend writes it)."""
+    (``models.head_kinds.fresh_head``, as the vLLM backend writes it)."""
     spec, path = plan.spec.method, plan.drafter_dir
     if proposer_takes(spec, "draft_model"):
         if path is None:

@@ -190,7 +190,8 @@ def load_drafter_head(path: str, target: Transformer, kind: str) -> DraftHead:
     damaged or made for another target or kind."""
     from safetensors import SafetensorError
 
-    from specrl.models.heads import DrafterDamaged, load_head
+    from specrl.models.head_kinds import load_head
+    from specrl.models.heads import DrafterDamaged
 
     if not Path(path).is_dir():
         raise ValueError(

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specrl.models.block_head import BlockHead, pick_anchors
-from specrl.models.heads import load_head, new_head, save_head
+from specrl.models.head_kinds import load_head, new_head
+from specrl.models.heads import save_head
 from tests.conftest import make_tiny
 
 torch.set_num_threads(1)

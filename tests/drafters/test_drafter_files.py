@@ -22,7 +22,8 @@ from specrl.config import ConfigError
 from specrl.drafters.distill import init_draft, save_draft_model
 from specrl.drafters.export import ExportError, export_eagle3
 from specrl.fsutil import MANIFEST, manifest_problem
-from specrl.models.heads import DrafterDamaged, DraftHead, load_head, save_head
+from specrl.models.head_kinds import load_head
+from specrl.models.heads import DrafterDamaged, DraftHead, save_head
 from specrl.pipelines.drafter import build_drafter_side
 from specrl.spec.config import load_drafter_head
 from tests.conftest import make_tiny

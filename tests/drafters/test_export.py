@@ -34,7 +34,8 @@ from specrl.drafters.export import (
 )
 from specrl.fsutil import write_manifest
 from specrl.models.checkpoints import hf_state_dict, load_model
-from specrl.models.heads import HEAD_FILES, DraftHead, load_head, save_head
+from specrl.models.head_kinds import load_head
+from specrl.models.heads import HEAD_FILES, DraftHead, save_head
 from specrl.models.transformer import Transformer
 from tests.conftest import ON_SERVER_WORKER, make_tiny
 

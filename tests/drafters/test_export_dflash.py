@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from specrl.cli_export import register as register_export
 from specrl.drafters.export import ExportError
 from specrl.drafters.export_dflash import export_dflash, is_dflash_export
-from specrl.models.heads import new_head, save_head
+from specrl.models.head_kinds import new_head
+from specrl.models.heads import save_head
 from tests.conftest import ON_SERVER_WORKER, make_tiny
 from tests.drafters.test_export import (
     D2T,
@@ -33,6 +34,9 @@ from tests.drafters.test_export import (
 )
 
 torch.set_num_threads(1)
+# vLLM's CPU attention takes head_dim 32, 64, 80, 96, 112, 128, 256 (not the tiny model's 8)
+VLLM_SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1,
+                  head_dim=64, max_position_embeddings=512)  # fmt: skip
 
 
 def block_head(target, d2t=D2T, layers: int = 2):
@@ -45,8 +49,8 @@ def block_head(target, d2t=D2T, layers: int = 2):
     return head.eval()
 
 
-def exported(tmp_path, family: str = "llama", d2t=D2T, layers: int = 2):
-    target = make_tiny(seed=1, **({"num_layers": L, "vocab_size": V} | FAMILIES[family]))
+def exported(tmp_path, family: str = "llama", d2t=D2T, layers: int = 2, **shape):
+    target = make_tiny(seed=1, **({"num_layers": L, "vocab_size": V} | FAMILIES[family] | shape))
     head = block_head(target, d2t, layers)
     out = export_dflash(save_head(head, tmp_path / "head"), target, tmp_path / "dflash")
     return target, head, out
@@ -200,7 +204,7 @@ def test_vllm_serves_the_export_losslessly(tmp_path, monkeypatch):
 
     if not vllm_available():
         pytest.skip("vllm is not installed (specrl[vllm])")
-    target, head, out = exported(tmp_path, "llama", None, layers=1)
+    target, head, out = exported(tmp_path, "llama", None, layers=2, **VLLM_SHAPE)
     served = model_dir(target, tmp_path / "target")
     for key, value in ENV_DEFAULTS.items() | {("VLLM_CPU_KVCACHE_SPACE", "1")}:
         if key not in os.environ:

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.models.heads import (
-    DraftHead,
-    default_layers,
-    draft_vocab_by_frequency,
-    load_head,
-    save_head,
-)
+from specrl.models.head_kinds import load_head
+from specrl.models.heads import DraftHead, default_layers, draft_vocab_by_frequency, save_head
 from specrl.spec.proposers.eagle3 import Eagle3Proposer
 from tests.conftest import make_tiny
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specrl.engine import Engine
-from specrl.models.heads import DraftHead, new_head
+from specrl.models.head_kinds import new_head
+from specrl.models.heads import DraftHead
 from specrl.rollout_types import Request
 from specrl.sampling import SamplingParams
 from specrl.spec.config import SpecConfig
@@ -82,7 +83,7 @@ def test_engine_refuses_head_of_another_target():
 def test_greedy_equal_plain_smollm2(kind, smollm2, smollm2_tok):
     """SmolLM2 (fp32): greedy output with a learned drafter equals plain decoding. Uses the
     trained head from the user cache when present (``specrl train-drafter``), else a random one."""
-    from specrl.models.heads import load_head
+    from specrl.models.head_kinds import load_head
     from specrl.paths import drafter_cache_dir
     from tests.conftest import PROMPTS
 

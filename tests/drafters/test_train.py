@@ -25,7 +25,8 @@ from specrl.drafters.train import (
     train_head,
     ttt_loss,
 )
-from specrl.models.heads import DraftHead, draft_vocab_by_frequency, load_head
+from specrl.models.head_kinds import load_head
+from specrl.models.heads import DraftHead, draft_vocab_by_frequency
 from tests.conftest import make_tiny
 
 torch.set_num_threads(1)

@@ -380,7 +380,8 @@ HEAD_SETS = ("rollout.spec=eagle3", "drafter.mode=online", "rollout.max_new_toke
 
 def test_merge_drafter_writes_the_trained_eagle3_head_in_vllms_layout(model, tmp_path, monkeypatch):
     from specrl.drafters.export import import_eagle3
-    from specrl.models.heads import fresh_head, save_head
+    from specrl.models.head_kinds import fresh_head
+    from specrl.models.heads import save_head
 
     monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))  # no cached drafter
     policy = load_model(model)

@@ -20,7 +20,8 @@ from specrl.backends.vllm_worker import parameters_by_name
 from specrl.config import ConfigError, load_config
 from specrl.drafters.export import export_eagle3, import_eagle3, is_eagle3_export
 from specrl.models.fingerprint import fingerprint
-from specrl.models.heads import DraftHead, fresh_head, save_head
+from specrl.models.head_kinds import fresh_head
+from specrl.models.heads import DraftHead, save_head
 from specrl.pipelines.guard import WeightSyncError
 from tests.backends.sabotage import Sabotaged
 from tests.conftest import ON_SERVER_WORKER, make_tiny

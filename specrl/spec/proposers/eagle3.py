@@ -20,14 +20,8 @@ import torch
 from specrl.models.cache import KVCache
 from specrl.models.device import model_device, on
 from specrl.models.graphs import StepGraphs
-from specrl.models.heads import (
-    DraftHead,
-    cast_floats,
-    check_compatible,
-    head_config,
-    load_head,
-    new_head,
-)
+from specrl.models.head_kinds import load_head, new_head
+from specrl.models.heads import DraftHead, cast_floats, check_compatible, head_config
 from specrl.models.transformer import STATIC, Transformer
 from specrl.sampling import SamplingHints
 from specrl.spec.proposers import register_proposer, static_draft
