@@ -6,7 +6,7 @@ tokens, T=1) are the training rollouts of BOTH drafters (the same examples: both
 target layers); each trains for the same wall time (``--train-seconds``: its steps from a measured
 per-step time, train-drafter's recipe: batch 8, lr 1e-3, a 4096-token draft vocabulary,
 cross-entropy to the target's distribution weighed decay**j over depths: EAGLE-3's unroll of 3 at
-0.8, the block's 8 slots at ``--decay``, 0.6 its recipe). Then on held-out prompts (eval split,
+0.8, the block's 8 slots at ``--decay``, 0.8 its recipe). Then on held-out prompts (eval split,
 same template, T=1) at batch 1, 8 and 32: tokens/s of plain decoding, of EAGLE-3 at each k of
 ``--eagle-k``, of the block drafter at each k of ``--block-k``, and of each with the cost-model
 controller (k per step, up to its largest k), the same prompts and seeds for all; acceptance length

@@ -38,8 +38,6 @@ MAX_DRAFT = 16  # the most drafts one block may hold (rollout.num_spec_tokens' b
 class BlockHead(DraftHead):
     """A block drafter over a frozen target (see the module docstring)."""
 
-    decay = 0.6  # measured against 0.8 (docs/drafters.md): the first slots matter most
-
     def __init__(
         self,
         target: Transformer,

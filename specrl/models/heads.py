@@ -78,7 +78,8 @@ def default_layers(kind: str, num_layers: int) -> tuple[int, ...]:
 class DraftHead(nn.Module):
     """EAGLE-3 / MTP head (see docs/internals.md). ``target`` is held, not registered."""
 
-    decay = 0.8  # the loss weight's decay over draft depths its training uses (decay**j)
+    decay = 0.8  # the loss weight's decay over draft depths (decay**j; a block head's too:
+    # 0.6 measured no better, docs/drafters.md)
 
     def __init__(
         self,
