@@ -37,8 +37,8 @@ from specrl.models.heads import HEAD_FILES, check_compatible, notice, read_head_
 
 FORMAT = "specrl-vllm-dflash"
 VERSION = 1
-TOP_NAMES = (("fc.weight", "fc.weight"), ("hnorm.weight", "hidden_norm.weight"),
-             ("norm.weight", "norm.weight"))  # fmt: skip
+TOP_NAMES = (("fc.weight", ("fc.weight",)), ("hnorm.weight", ("hidden_norm.weight",)),
+             ("norm.weight", ("norm.weight",)))  # fmt: skip
 
 
 def export_dflash(
@@ -102,7 +102,6 @@ def dflash_tensors(
                 continue
             raise ExportError(f"the head lacks {ours} (vLLM's {theirs[0]})")
         t = state[ours]
-        theirs = (theirs,) if isinstance(theirs, str) else theirs
         sizes = [len(t)] if len(theirs) == 1 else split_sizes(target, list(theirs), len(t))
         if sum(sizes) != len(t):
             raise ExportError(f"head tensor {ours} has shape {tuple(t.shape)}: not this target's")

@@ -116,11 +116,13 @@ class BlockHead(DraftHead):
     ) -> torch.Tensor:
         """The block after each row's cached context: g [B, k+1, H] (slot 0 the last token,
         slots 1..k masks), each slot seeing the cache before ``positions[:, 0]`` and every slot
-        of its block. ``kv_len=STATIC``: a static step (no host read, row b in slot b)."""
+        of its block (a draft tree whose every slot sees every other: ``attn_context``'s
+        ``tree``). ``kv_len=STATIC``: a static step (no host read, row b in slot b)."""
         b, width = positions.shape
         ids = torch.cat([last, last.new_full((b, width - 1), self.mask_token)], dim=1)
         x = self.target.embed(ids).to(self.norm.weight.dtype)  # [B, k+1, H]
-        ctx = block_context(positions, cache, slots, kv_len)
+        every = torch.ones(width, width, dtype=torch.bool, device=positions.device)
+        ctx = self.target.attn_context(positions, cache, kv_len, slots=slots, tree=every)
         cos, sin = self.target.rope(positions, like=self.norm.weight)
         return self.run(x, cos, sin, ctx)
 
@@ -212,28 +214,3 @@ def _train_layer(blk: Block, x, context, rope, sees) -> torch.Tensor:
     b, n = x.shape[:2]
     x = x + attn.o(out.transpose(1, 2).reshape(b, n, -1))
     return x + blk.mlp(blk.mlp_norm(x))
-
-
-def block_context(
-    positions: torch.Tensor,  # [B, k] the slots' positions (consecutive per row)
-    cache: KVCache,
-    slots: torch.Tensor | None,
-    kv_len: int | Static | None,
-) -> AttnContext:
-    """The block's attention context: each slot stored at its position in its row's slot and
-    seeing the keys before the block's first position and every key of the block (built on the
-    device; a static step reads the whole cache, rows 0..B-1 in slots 0..B-1)."""
-    b, k = positions.shape
-    static = isinstance(kv_len, Static)
-    if static:
-        length = kv_len.length or cache.max_len
-    else:
-        length = kv_len if kv_len is not None else int(positions.max()) + 1
-    keys = torch.arange(length, device=positions.device)
-    rel = keys[None, :] - positions[:, :1]  # [B, L] key position relative to slot 0
-    mask = (rel < k)[:, None, :].expand(b, k, length)  # [B, k, L]
-    rows = torch.arange(b, device=positions.device) if slots is None or static else slots
-    rows = rows[:, None].expand(b, k)
-    return AttnContext(positions, mask[:, None], cache, rows, length,
-                       slots=None if static else slots, store=positions,
-                       static=static)  # fmt: skip

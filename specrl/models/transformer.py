@@ -352,11 +352,16 @@ class Transformer(nn.Module):
         tree: torch.Tensor,  # [T, T] bool: tree[i, j] = token j is token i or its ancestor
     ) -> AttnContext:
         """Token i of row b is stored at cache position ``positions[b, 0] + i`` and attends to
-        everything cached before the first token plus its ancestors (and itself) in ``tree``."""
+        everything cached before the first token plus its ancestors (and itself) in ``tree``.
+        ``kv_len=STATIC``: a static step (rows 0..B-1 in slots 0..B-1 over the whole cache,
+        the mask built on the device)."""
         b, t = positions.shape
         start = positions[:, :1]  # [B, 1] cache position of the first (root) token
         store = start + torch.arange(t, device=positions.device)[None, :]  # [B, T]
-        if kv_len is None:
+        static = isinstance(kv_len, Static)
+        if static:
+            kv_len, slots = kv_len.length or cache.max_len, None
+        elif kv_len is None:
             kv_len = int(store.max()) + 1
         keys = torch.arange(kv_len, device=positions.device)
         rel = keys[None, :] - start  # [B, kv_len] key index relative to the root
@@ -364,7 +369,8 @@ class Transformer(nn.Module):
         in_tree = tree[:, rel.clamp(0, t - 1)].permute(1, 0, 2) & inside[:, None, :]
         mask = (rel < 0)[:, None, :] | in_tree  # [B, T, kv_len]
         rows = _rows(slots, b, positions.device)[:, None].expand(b, t)
-        return AttnContext(positions, mask[:, None], cache, rows, kv_len, slots=slots, store=store)
+        return AttnContext(positions, mask[:, None], cache, rows, kv_len, slots=slots, store=store,
+                           static=static)  # fmt: skip
 
     def hidden_states(
         self,

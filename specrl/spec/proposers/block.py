@@ -52,14 +52,16 @@ class BlockProposer(Eagle3Proposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafting with row b in slot b: the catch-up uncaptured (its width varies), then the
         block as one static step over ``width`` rows: tokens [W, k] and q [W, k, V]. Padding
-        rows write the cache's last position only, past any context."""
+        rows write the cache's last k + 1 positions only, past any context."""
         capacity = self.cache.slots - 1  # the last slot is scratch
         self.slots, self.free = static_draft.bind_rows(self.cache, self.slots, batch.row_ids,
                                                        capacity)  # fmt: skip
         ends = [len(h) - 1 for h in batch.histories]
         g = self._catch_up(batch, list(range(len(batch))), None, ends, static=True)
-        # positions [W, k+1]: ends + 0..k (step_inputs' k+2 draft steps less the first)
-        x = static_draft.step_inputs(batch, g, ends, k + 2, width, self.cache.max_len - 1)
+        # positions [W, k+1]: ends + 0..k (step_inputs' k+2 draft steps less the first);
+        # padding rows' blocks stored from max_len - (k+1), past every context, to the end
+        pad = self.cache.max_len - (k + 1)
+        x = static_draft.step_inputs(batch, g, ends, k + 2, width, pad)
         last = torch.tensor([h[-1] for h in batch.histories])[:, None]  # [B, 1]
         x["last"] = pad_rows(last.to(self.device), width)
         lm, d2t = self.head.lm_head().weight, self.head.d2t  # refreshed outside any capture
