@@ -283,6 +283,13 @@ class ClusterCfg(Section):
         "CPU, NCCL with one GPU each on CUDA), each holding ~1/N of the weights, gradients and "
         "AdamW state; the trainer's process keeps one full copy to send to the rollout backends.",
     )
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="How the train workers are placed over the Ray cluster's nodes: 'pack' "
+        "(as few nodes as fit them) or 'spread' (one per node as far as nodes go). Every train "
+        "worker's node must see the run directory (shared storage); a run whose workers cannot "
+        "is refused before its first step.",
+    )
     address: str | None = Field(
         None,
         description="Ray cluster to join (as ray.init's address, e.g. '10.0.0.5:6379' or "
@@ -368,6 +375,7 @@ APPLIES_ONLY: tuple[AppliesOnly, ...] = (
     *each(_ENV_FILE, "env.kind", _is("file"), "='file'"),
     *each(_ENV_RG, "env.kind", _is("reasoning_gym"), "='reasoning_gym'"),
     AppliesOnly("run.final_checkpoint", "run.checkpoint_every", lambda n: n > 0, " > 0"),
+    AppliesOnly("cluster.placement", "cluster.train_workers", lambda n: n > 1, " > 1"),
     # train workers write one sharded (DCP) checkpoint with the optimizer's shards, always whole
     AppliesOnly("run.final_checkpoint", "cluster.train_workers", lambda n: n <= 1, " <= 1"),
     AppliesOnly("reward.timeout_s", "reward.workers", lambda n: n > 0, " > 0"),

@@ -61,6 +61,7 @@ VALUES = {  # a value other than the field's default, for each field with a rule
     "pipeline.update": '"in_flight"',
     "pipeline.in_flight_tokens": '"keep"',
     "cluster.address": '"10.0.0.5:6379"',
+    "cluster.placement": '"spread"',
     "cluster.threads": "2",
     "cluster.worker_cpus": "1.5",
     "cluster.worker_gpus": "1.0",

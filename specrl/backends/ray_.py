@@ -12,6 +12,7 @@ Details: docs/internals.md.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from specrl.backends.ray_session import (
     task_error,
 )
 from specrl.backends.registry import build_local
+from specrl.models.fingerprint import fingerprint_dtype
 from specrl.models.precision import torch_dtype
 from specrl.models.weights import check_weights, engine_copy
 from specrl.rollout_plan import RolloutPlan, Workers, worker_plan
@@ -82,10 +84,24 @@ class RolloutWorker:
         return self.backend.update_drafter(state, version)
 
     def _fetch(self, box: list[Any]) -> Any:
+        """(version, tensors) of the update in ``box``; blocks held elsewhere in the object
+        store (``RemoteWeights``) are fetched from there one by one."""
         import ray
 
         self.fetched.append(box[0].hex())
-        return ray.get(box[0])
+        version, payload = ray.get(box[0])
+        if isinstance(payload, RemoteWeights):
+            named: dict[str, torch.Tensor] = {}
+            for ref in payload.blocks:
+                named |= ray.get(ref)
+            return version, named
+        return version, payload
+
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def versions(self) -> Versions:
         return self.backend.versions()
@@ -111,6 +127,22 @@ class RolloutWorker:
 
 
 # --------------------------------------------------------------------------- driver side
+
+
+@dataclass(frozen=True)
+class RemoteWeights:
+    """A policy update already in Ray's object store, put by whoever gathered it (a train rank
+    on its node): the workers fetch it from there; ``fingerprint`` as ``fingerprint`` of the
+    whole in the engine's dtype."""
+
+    blocks: list[Any]  # object refs, each of a dict name -> tensor [*shape]
+    fingerprint: str
+    shapes: dict[str, tuple[int, ...]]  # name -> shape of every parameter
+
+    def nbytes(self) -> int:
+        """The update's bytes (each worker fetches as many)."""
+        size = torch.finfo(fingerprint_dtype(self.fingerprint)).bits // 8
+        return sum(math.prod(s) for s in self.shapes.values()) * size
 
 
 class _Died(Exception):
@@ -250,7 +282,7 @@ class RayBackend:
         self._updates: dict[str, Any] = {}  # method -> ref of the newest update
         self._faults = 0  # deaths not yet reported in a Rollout
         self._slots.extend(_Slot(i, self._spawn()) for i in range(cluster.count))
-        starts = [self._get(slot.actor.ready.remote(), slot) for slot in self._slots]
+        starts = self._ask_all("ready", lambda i: ())  # one dead at start is replaced too
         self.spec, features = starts[0]
         self.features = features - {GROUP_DONE}  # completions come back when a call ends
 
@@ -343,8 +375,17 @@ class RayBackend:
                 todo.appendleft(c)
         return [done[c] for c in range(len(chunks))]
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> float:
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | RemoteWeights, version: int
+    ) -> float:
+        """Put the update once (a ``RemoteWeights`` is in the store already) and give every
+        worker its reference."""
         t0 = time.perf_counter()
+        if isinstance(named_tensors, RemoteWeights):
+            meta = {k: torch.empty(s, device="meta") for k, s in named_tensors.shapes.items()}
+            check_weights(self._shapes, meta)  # type: ignore[arg-type]
+            self._broadcast("update_weights", named_tensors, version)
+            return time.perf_counter() - t0
         check_weights(self._shapes, named_tensors)  # type: ignore[arg-type]  # ValueError before anything moves
         self._broadcast("update_weights", _cpu(named_tensors, self._dtype), version)
         return time.perf_counter() - t0
@@ -354,7 +395,9 @@ class RayBackend:
         self._broadcast("update_drafter", _cpu(state, None), version)
         return time.perf_counter() - t0
 
-    def _broadcast(self, method: str, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def _broadcast(
+        self, method: str, tensors: dict[str, torch.Tensor] | RemoteWeights, version: int
+    ) -> None:
         """One put; every worker gets the ref (a replacement loads it at start)."""
         ref = self._ray.put((version, tensors))
         with self._sync:
@@ -397,6 +440,10 @@ class RayBackend:
     def pids(self) -> list[int]:
         """The workers' process ids."""
         return self._ask_all("pid", lambda i: ())
+
+    def nodes(self) -> list[str]:
+        """The Ray node ids the workers run on."""
+        return self._ask_all("node", lambda i: ())
 
     @property
     def actors(self) -> tuple[Any, ...]:

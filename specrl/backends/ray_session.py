@@ -1,7 +1,8 @@
 """This process's connection to Ray (the ``ray`` extra), for the Ray backend and the Ray run.
 
 ``import_ray()`` is the module or a one-line ``ConfigError``. ``RaySession.open(address)`` keeps
-an existing connection, joins ``cluster.address`` (never shut down) or starts a local Ray bound
+an existing connection, joins ``cluster.address`` (never shut down; a head on 127.0.0.1, nodes
+of this machine, over loopback) or starts a local Ray bound
 to 127.0.0.1 in a fresh temporary directory, which ``close`` (idempotent, also at exit) shuts
 down and removes. ``actor_threads`` is one actor's torch threads; ``check_fits`` raises
 ``ConfigError`` when the cluster cannot place the workers; ``task_error`` / ``death_line``
@@ -15,6 +16,8 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -103,7 +106,7 @@ class RaySession:
         if ray.is_initialized():
             return cls(owned)
         if address:
-            ray.init(address=address, configure_logging=False)
+            _join(ray, address)
             owned.connected = True
             return cls(owned)
         session = cls(owned)  # from here on, close() undoes what was started
@@ -125,13 +128,34 @@ class RaySession:
         self._finalizer()
 
 
-def _start_local(ray: ModuleType, temp_dir: str) -> None:
-    """A local Ray on 127.0.0.1 only (see the module docstring)."""
+@contextmanager
+def _loopback() -> Iterator[None]:
+    """Ray's single-machine switch on: it keeps 127.0.0.1 as it is (else it dials the host's
+    outward address for it)."""
     from ray._private import ray_constants  # private: the single-machine switch
 
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _join(ray: ModuleType, address: str) -> None:
+    """Join the cluster at ``address``; one whose head listens on 127.0.0.1 (nodes on this
+    machine) is joined over loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host not in (LOOPBACK, "localhost"):
+        ray.init(address=address, configure_logging=False)
+        return
+    with _loopback():
+        ray.init(address=address, configure_logging=False, _node_ip_address=LOOPBACK)
+
+
+def _start_local(ray: ModuleType, temp_dir: str) -> None:
+    """A local Ray on 127.0.0.1 only (see the module docstring)."""
+    with _loopback():
         ray.init(
             address="local",
             num_cpus=os.cpu_count() or 1,
@@ -140,8 +164,6 @@ def _start_local(ray: ModuleType, temp_dir: str) -> None:
             _node_ip_address=LOOPBACK,
             _temp_dir=temp_dir,
         )
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         raise RuntimeError(f"the local Ray node came up on {node_ip}, not {LOOPBACK}")

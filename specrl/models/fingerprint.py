@@ -4,7 +4,8 @@
 the names, shapes and a fixed sample of the values once cast to ``dtype`` (the same in any
 process and at any thread count; a learner's float32 masters cast to the engine's dtype match
 the engine's copy). It costs O(samples + rows) per tensor and catches a scaled, offset or
-rewritten row, not always a few scattered elements. ``fingerprint_dtype(fp)`` reads the dtype.
+rewritten row, not always a few scattered elements. ``fingerprint_parts`` / ``combine``: the
+same fingerprint from tensors held apart. ``fingerprint_dtype(fp)`` reads the dtype.
 Details (the sample): docs/internals.md.
 """
 
@@ -59,11 +60,24 @@ def _default_dtype(named: Mapping[str, torch.Tensor]) -> torch.dtype:
 def fingerprint(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
     """See docs/internals.md."""
     dtype = dtype or _default_dtype(named)
+    return combine(fingerprint_parts(named, dtype), dtype)
+
+
+def fingerprint_parts(named: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, bytes]:
+    """Each tensor's share of the fingerprint in ``dtype`` (its header and sampled values): the
+    parts of tensors held in different places (gathered blocks) ``combine`` into one."""
+    out = {}
+    for name, tensor in named.items():
+        header = f"{name}|{tuple(tensor.shape)}|{tensor.is_floating_point()}\n".encode()
+        out[name] = header + _sample_bytes(name, tensor, dtype)
+    return out
+
+
+def combine(parts: Mapping[str, bytes], dtype: torch.dtype) -> str:
+    """The fingerprint of the tensors whose ``fingerprint_parts`` (in ``dtype``) are ``parts``."""
     digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for name in sorted(named):
-        tensor = named[name]
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.is_floating_point()}\n".encode())
-        digest.update(_sample_bytes(name, tensor, dtype))
+    for name in sorted(parts):
+        digest.update(parts[name])
     return f"{_dtype_name(dtype)}:{digest.hexdigest()}"
 
 

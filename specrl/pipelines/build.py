@@ -7,8 +7,9 @@ functions before any model is loaded (``ConfigError``, ``FileEnvError``, ``Rewar
 line naming the bad value), then returns the frozen ``RunParts``: env, codec, learner, the
 rollout backend built from the plan, the weight-sync guard, the acceptance alarm, a learned
 head's trainer, the rewards (``pipelines.scoring``) and console notes (prompts dropped for
-length). ``RunParts.push_weights(version)`` sends the
-learner's weights through the guard. Tests pass a tiny model, codec and env, or a fake backend.
+length). ``RunParts.push_weights(version)`` sends the learner's weights through the guard (from
+train workers to Ray rollout workers through Ray's object store only, unless a learned drafter
+shares this process's copy). Tests pass a tiny model, codec and env, or a fake backend.
 Details: docs/internals.md.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from specrl.backends import RolloutBackend, build_backend, plan_rollout
+from specrl.backends.ray_ import RayBackend
 from specrl.config import Config, ConfigError, EnvCfg
 from specrl.envs.reasoning_gym_env import Env, Prompt
 from specrl.models.precision import torch_dtype
@@ -85,7 +87,11 @@ class RunParts:
         their shards into the learner's ``model`` block by block)."""
         t0 = time.perf_counter()
         if isinstance(self.learner, TrainGroup):
-            self.learner.pull_weights()
+            if isinstance(self.backend, RayBackend) and self.drafter is None:
+                # rank 0 -> object store -> the workers: not through this process
+                direct = self.learner.weight_blocks(self.guard.dtype)
+                return time.perf_counter() - t0 + self.guard.push(self.backend, direct, version)
+            self.learner.pull_weights()  # the drafter shares this process's copy
         named = dict(self.learner.model.named_parameters())
         return time.perf_counter() - t0 + self.guard.push(self.backend, named, version)
 

@@ -17,6 +17,7 @@ from dataclasses import astuple, dataclass, field
 import torch
 
 from specrl.backends.base import RolloutBackend, Served, Versions
+from specrl.backends.ray_ import RemoteWeights
 from specrl.models.fingerprint import fingerprint, fingerprint_dtype
 
 KEEP = 128  # fingerprints of the newest versions kept (more than any staleness bound: <= 64)
@@ -78,12 +79,19 @@ class WeightGuard:
         self.policy.remember(version, fingerprint(named, self.dtype))
 
     def push(
-        self, backend: RolloutBackend, named: Mapping[str, torch.Tensor], version: int
+        self,
+        backend: RolloutBackend,
+        named: Mapping[str, torch.Tensor] | RemoteWeights,
+        version: int,
     ) -> float:
-        """Fingerprint, send and (when already applied) check a policy update; seconds, the
-        fingerprints and the check included."""
+        """Fingerprint, send and (when already applied) check a policy update (a
+        ``RemoteWeights`` comes fingerprinted, in ``dtype``); seconds, the fingerprints and the
+        check included."""
         t0 = time.perf_counter()
-        self.remember(version, named)
+        if isinstance(named, RemoteWeights):
+            self.policy.remember(version, named.fingerprint)
+        else:
+            self.remember(version, named)
         backend.update_weights(named, version)
         self.policy.acked = version
         self.verify(backend.served())

@@ -7,8 +7,8 @@ returns the run's ``StepState``; a resume's changed settings go to ``changes.jso
 (``record_changes``) before config.toml is rewritten. ``finish_step(parts, state, run, row,
 log, stop)`` logs the row, checkpoints when due and returns whether the loop goes on;
 ``stop_checkpoint`` writes the checkpoint a stopped loop resumes from. ``METRIC_KEYS``: every
-step row's numeric keys; ``TIMING_KEYS``: those that vary from run to run. Details:
-docs/internals.md.
+step row's numeric keys; ``TIMING_KEYS``: those that vary from run to run;
+``PLACEMENT_KEYS``: where the parts ran (train workers' nodes). Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ TIMING_KEYS = frozenset(
      "drafter_train_s", "drafter_sync_s", "drafter_updates", "drafter_kl", "drafter_loss",
      "drafter_version", "drafter_trigger", "drafter_trained_len"}
 )  # fmt: skip
+# where the run's parts ran (not what they computed): equal work on other nodes differs here
+PLACEMENT_KEYS = frozenset({"train_nodes"})
 
 Echo = Callable[[str], None]
 

@@ -29,6 +29,7 @@ from specrl.pipelines.drafter import drafter_fields
 from specrl.pipelines.guard import WeightGuard
 from specrl.pipelines.scoring import Scorer, Scores
 from specrl.pipelines.state import StepState
+from specrl.pipelines.train_workers import TrainGroup
 from specrl.rl import Captured, Learner, TrainSample, compute_advantages
 from specrl.rollout_types import Completion, Request
 from specrl.sampling import SamplingParams
@@ -283,9 +284,13 @@ def train_policy(
 
 
 def publish(parts: RunParts, state: StepState, step: int) -> dict[str, Any]:
-    """Advance ``state`` past ``step`` and push the new weights through the guard."""
+    """Advance ``state`` past ``step`` and push the new weights through the guard; on train
+    workers, the Ray node of each (``train_nodes``, in rank order)."""
     version = state.learned(step)
-    return {"refit_time_s": parts.push_weights(version), "policy_version": version}
+    row = {"refit_time_s": parts.push_weights(version), "policy_version": version}
+    if isinstance(parts.learner, TrainGroup):
+        row["train_nodes"] = list(parts.learner.nodes)
+    return row
 
 
 def train_drafter(

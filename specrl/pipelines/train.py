@@ -33,7 +33,7 @@ from specrl.pipelines.signals import Interrupted, Stopped, StopRequest, stop_on_
 from specrl.pipelines.speed import measure_speedup
 from specrl.pipelines.sync import train_sync
 from specrl.pipelines.tracking import open_tracker
-from specrl.pipelines.train_workers import TrainWorkerDied
+from specrl.pipelines.train_workers import TrainGroup, TrainWorkerDied
 from specrl.rewards import RewardError
 
 LOOPS = {"sync": train_sync, "async": train_async}
@@ -66,6 +66,8 @@ def _unlocked_train(
     """``train`` once the caller holds the run's lock."""
     handlers = nullcontext(stop) if stop is not None else stop_on_signals()
     run = RunDir(run_dir)
+    if isinstance(parts.learner, TrainGroup):  # their shards go there: before any work
+        parts.learner.check_storage(run.path)
     with handlers as request:
         try:
             return _train(parts, run, resume, progress, stop_after, echo, request)

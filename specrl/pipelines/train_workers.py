@@ -1,17 +1,20 @@
 """Training over N processes: the sharded learner's ranks as Ray actors, driven from this one.
 
 ``TrainGroup.start(cfg, model, device, ...)`` places ``cluster.train_workers`` ranks (a Ray
-placement group on this node, whose run dir takes their checkpoint shards, in the run's Ray
-session; a local Ray binds 127.0.0.1), each a ``TrainRank``
-holding a ``rl.sharded.ShardedLearner`` over its copy of ``model`` in one torch.distributed
-group (gloo on CPU, NCCL on CUDA). The group stands in for the one-process ``Learner`` in
-``RunParts``: ``train_step`` / ``raw_logprobs`` run on every rank (the same samples; each takes
-its token share); ``model`` is this process's full copy, which ``pull_weights`` refreshes one
-block at a time (rank 0 sends a gathered block, every rank frees it) for ``RunParts.push_weights``
-to send through the guard. ``save`` / ``load`` write and read the ranks' DCP checkpoint
-(``rl.sharded_checkpoint``). Any failure kills every rank (nothing waits on a collective that
-cannot finish) and is raised in one line: a dead rank as ``TrainWorkerDied`` naming it, a
-rank's own error as itself.
+placement group, ``cluster.placement``: packed or spread over the nodes, in the run's Ray
+session; a local Ray binds 127.0.0.1), each a ``TrainRank`` holding a
+``rl.sharded.ShardedLearner`` over its copy of ``model`` in one torch.distributed group (gloo on
+CPU, NCCL on CUDA) formed at rank 0's node; ``nodes``: each rank's node id. ``check_storage(path)``
+proves every rank sees the run directory (a marker read and answered; else
+``SharedStorageError``, one line naming rank and node). The group stands in for the one-process
+``Learner`` in ``RunParts``: ``train_step`` / ``raw_logprobs`` run on every rank (the same
+samples; each takes its token share); ``model`` is this process's full copy, which
+``pull_weights`` refreshes one block at a time (rank 0 sends a gathered block, every rank frees
+it); ``weight_blocks(dtype)`` instead leaves the gathered blocks in Ray's object store on rank
+0's node (``RemoteWeights``, fingerprinted) for the Ray rollout workers to fetch. ``save`` /
+``load`` write and read the ranks' DCP checkpoint (``rl.sharded_checkpoint``). Any failure kills
+every rank (nothing waits on a collective that cannot finish) and is raised in one line: a dead
+rank as ``TrainWorkerDied`` naming it and its node, a rank's own error as itself.
 Details: docs/training.md.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import secrets
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specrl.backends.ray_ import RemoteWeights
 from specrl.backends.ray_session import (
     RaySession,
     actor_threads,
@@ -36,6 +41,9 @@ from specrl.backends.ray_session import (
 )
 from specrl.config import Config, ConfigError
 from specrl.config_training import LearnerCfg
+from specrl.fsutil import atomic_write
+from specrl.models.fingerprint import combine, fingerprint_parts
+from specrl.pipelines.rundir import RunDirError
 from specrl.rl import TrainSample
 from specrl.rl.learner import Learner, StepResult
 from specrl.rl.sharded import ShardedLearner, init_distributed, iter_full_state, learner_bytes
@@ -44,10 +52,15 @@ from specrl.rl.sharded_checkpoint import load_learner, save_learner
 POLL_S = 1.0  # how often the driver looks for a dead rank while the others work
 GRACE_S = 5.0  # after a rank's error, how long a peer's death may take to show (the cause)
 PLACE_S = 120.0  # how long the ranks' placement may take before it is a ConfigError
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}  # cluster.placement -> Ray's strategy
 
 
 class TrainWorkerDied(RuntimeError):
     """A train worker's process died; the run cannot go on (the message is one line)."""
+
+
+class SharedStorageError(RunDirError):
+    """A train worker's node does not see the run directory (one line naming rank and node)."""
 
 
 class TrainRank:
@@ -58,6 +71,29 @@ class TrainRank:
         self.rank, self.world = rank, world
         self.learner: ShardedLearner | None = None
         self.blocks: Any = None  # the weight iterator of a pull in progress
+
+    def node(self) -> str:
+        """The id of the Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def answer(self, marker: str, token: str) -> str | None:
+        """Prove this rank sees the run's storage: read ``marker`` (the trainer wrote
+        ``token`` into it) and write ``<marker>.rank<r>`` holding this rank's node id; None, or
+        why not (one line)."""
+        path = Path(marker)
+        try:
+            seen = path.read_text()
+        except OSError as e:
+            return f"cannot read {path.name} there ({e.strerror or e})"
+        if seen != token:
+            return f"{path.name} there holds other content (another directory of that name)"
+        try:
+            path.with_name(f"{path.name}.rank{self.rank}").write_text(self.node())
+        except OSError as e:
+            return f"cannot write beside it ({e.strerror or e})"
+        return None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the group's rendezvous: its node's address, a free port."""
@@ -101,9 +137,11 @@ class TrainRank:
         out = self.learner.raw_logprobs(sequences, routings)
         return [t.cpu() for t in out] if self.rank == 0 else []
 
-    def next_block(self) -> dict[str, torch.Tensor] | None:
-        """The next gathered block of full weights (rank 0; others ``{}``), ``None`` at the
-        end: a collective, every rank is called as often."""
+    def next_block(self, dtype: torch.dtype | None, put: bool) -> Any:
+        """The next gathered block of full weights on rank 0 (others: ``{}``), ``None`` at the
+        end: a collective, every rank is called as often. ``put``: rank 0 answers
+        ``([ref], parts)`` instead, the block's parameters (cast to ``dtype``) in Ray's object
+        store on its node and their ``fingerprint_parts``; else the block's tensors."""
         if self.blocks is None:
             self.blocks = iter_full_state(self.learner.model)
         block = next(self.blocks, None)
@@ -112,11 +150,24 @@ class TrainRank:
             return None
         if self.rank != 0:
             return {}
+        if put:
+            return self._put(block, dtype or torch.float32)
         moved: dict[int, torch.Tensor] = {}  # a tied weight moved (and sent) once
         for v in block.values():
             if id(v) not in moved:
                 moved[id(v)] = v.cpu()
         return {k: moved[id(v)] for k, v in block.items()}
+
+    def _put(self, block: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[list[Any], Any]:
+        """A block's parameters (as ``named_parameters`` names them) in the object store."""
+        import ray
+
+        names = self._params()
+        ours = {k: v.detach().to("cpu", dtype) for k, v in block.items() if k in names}
+        return [ray.put(ours)], fingerprint_parts(ours, dtype)
+
+    def _params(self) -> set[str]:
+        return set(dict(self.learner.model.named_parameters()))
 
     def save(self, path: str) -> None:
         """This rank's part of the group's DCP checkpoint (a collective)."""
@@ -142,6 +193,7 @@ class TrainGroup:
         self.ray = import_ray()
         self.actors: list[Any] = []
         self.pids: list[int | None] = []
+        self.nodes: list[str] = []  # each rank's Ray node id, in rank order
         self.group: Any = None  # the placement group
 
     @classmethod
@@ -161,7 +213,8 @@ class TrainGroup:
         return group
 
     def _place(self, device: torch.device) -> None:
-        """The ranks on this node (the run dir, where DCP writes, is this node's), then joined."""
+        """The ranks placed as ``cluster.placement`` says (on any nodes: each proves it sees
+        the run's storage, ``check_storage``), then joined at rank 0's node."""
         ray, c = self.ray, self.cfg.cluster
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -169,15 +222,15 @@ class TrainGroup:
         gpu = 1.0 if device.type == "cuda" else 0.0
         if gpu:
             self._check_gpus()
-        here = f"node:{ray.util.get_node_ip_address()}"
-        bundle = {"CPU": 0.01, here: 0.001} | ({"GPU": gpu} if gpu else {})
-        self.group = placement_group([bundle] * c.train_workers, strategy="STRICT_PACK")
+        bundle = {"CPU": 0.01} | ({"GPU": gpu} if gpu else {})
+        strategy = PLACEMENTS[c.placement]
+        self.group = placement_group([bundle] * c.train_workers, strategy=strategy)
         try:
             ray.get(self.group.ready(), timeout=PLACE_S)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(
                 f"bad value for cluster.train_workers: the Ray cluster did not place "
-                f"{c.train_workers} train workers ({bundle} each) on this node in {PLACE_S:g} s"
+                f"{c.train_workers} train workers ({bundle} each, {strategy}) in {PLACE_S:g} s"
             ) from None
         threads = actor_threads(c.threads, c.rollout_workers + c.train_workers - 1)
         remote = ray.remote(TrainRank)
@@ -187,10 +240,39 @@ class TrainGroup:
                        "scheduling_strategy": where}  # fmt: skip
             self.actors.append(remote.options(**options).remote(rank, c.train_workers, threads))
         self.pids = [None] * len(self.actors)
+        self.nodes = self._all("node")
         host, port = self._wait([self.actors[0].address.remote()])[0]
         ref = ray.put(self.model)
         args = (host, port, ref, self.cfg.learner, self.max_len, self.temperature, device.type)
         self.pids = self._all("setup", *args)
+
+    def check_storage(self, path: Path) -> None:
+        """``SharedStorageError`` (one line naming the rank and its node) unless every rank
+        reads a marker this process writes in ``path`` and writes an answer this process reads
+        (the ranks write their checkpoint shards there)."""
+        token = secrets.token_hex(8)
+        path = Path(path).absolute()  # a rank on another node has another cwd
+        marker = path / f".specrl-storage-{token}"
+        atomic_write(marker, token)
+        try:
+            answers = self._all("answer", str(marker), token)
+            for rank, why in enumerate(answers):
+                why = why or self._answered(marker, rank)
+                if why is not None:
+                    raise SharedStorageError(
+                        f"train worker {rank} on node {self.nodes[rank]} cannot use the run "
+                        f"directory {path}: {why}; every train worker's node must see it "
+                        "(shared storage, docs/training.md)"
+                    )
+        finally:
+            for f in path.glob(f"{marker.name}*"):
+                f.unlink(missing_ok=True)
+
+    def _answered(self, marker: Path, rank: int) -> str | None:
+        """None if rank ``rank``'s answer beside ``marker`` names its node, else why not."""
+        back = marker.with_name(f"{marker.name}.rank{rank}")
+        seen = back.read_text() if back.is_file() else None
+        return None if seen == self.nodes[rank] else f"its answer {back.name} is not seen here"
 
     def _check_gpus(self) -> None:
         """``ConfigError`` unless the cluster has a GPU for each rank besides the rollout
@@ -236,6 +318,8 @@ class TrainGroup:
         except ex.RayActorError as e:
             pid = self.pids[rank] if rank < len(self.pids) else None
             where = f" (pid {pid})" if pid else ""
+            if rank < len(self.nodes):
+                where += f" on node {self.nodes[rank]}"
             return TrainWorkerDied(f"train worker {rank}{where} died: {death_line(e)}"), None
         except ex.RayTaskError as e:
             return task_error(e, f"train worker {rank}"), None
@@ -283,7 +367,7 @@ class TrainGroup:
         """Refresh ``model`` from the ranks' shards, one gathered block at a time."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params |= dict(self.model.named_buffers(remove_duplicate=False))
-        while (blocks := self._all("next_block"))[0] is not None:
+        while (blocks := self._all("next_block", None, False))[0] is not None:
             done: set[int] = set()  # a tied weight is copied once
             for name, value in blocks[0].items():
                 if id(params[name]) not in done:
@@ -291,15 +375,27 @@ class TrainGroup:
                     done.add(id(params[name]))
             del blocks
 
+    def weight_blocks(self, dtype: torch.dtype) -> RemoteWeights:
+        """The policy's parameters in ``dtype`` as blocks in Ray's object store on rank 0's
+        node, with their fingerprint: the rollout workers fetch them from there, not through
+        this process (whose ``model`` is not refreshed: ``pull_weights`` does that)."""
+        refs: list[Any] = []
+        parts: dict[str, bytes] = {}
+        while (blocks := self._all("next_block", dtype, True))[0] is not None:
+            refs += blocks[0][0]
+            parts |= blocks[0][1]
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        return RemoteWeights(refs, combine(parts, dtype), shapes)
+
     def save(self, path: Path) -> None:
         """The ranks' DCP checkpoint in ``path`` (atomic, verified; see
-        ``rl.sharded_checkpoint``)."""
-        self._all("save", str(path))
+        ``rl.sharded_checkpoint``); absolute: a rank on another node has another cwd."""
+        self._all("save", str(Path(path).absolute()))
 
     def load(self, path: Path) -> None:
         """Load the DCP checkpoint in ``path`` (any number of ranks wrote it) into the ranks
         (``model`` follows at the next ``pull_weights``)."""
-        self._all("load", str(path))
+        self._all("load", str(Path(path).absolute()))
 
     def one_process(self) -> Learner:
         """A one-process ``Learner`` over a copy of ``model`` with this run's settings (to turn a
@@ -328,4 +424,4 @@ class TrainGroup:
         self.session.close()
 
 
-__all__ = ["TrainGroup", "TrainRank", "TrainWorkerDied"]
+__all__ = ["SharedStorageError", "TrainGroup", "TrainRank", "TrainWorkerDied"]

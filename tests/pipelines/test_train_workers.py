@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("ray")
 
-from specrl.pipelines.loop import TIMING_KEYS  # noqa: E402
+from specrl.pipelines.loop import PLACEMENT_KEYS, TIMING_KEYS  # noqa: E402
 from specrl.pipelines.manifest import SHARDED, SHARDED_MARK  # noqa: E402
 from specrl.pipelines.train import train  # noqa: E402
 from specrl.pipelines.train_workers import TrainWorkerDied  # noqa: E402
@@ -60,11 +60,12 @@ def rows(run: Path, log: str = "metrics.jsonl") -> list[dict]:
 
 
 def assert_rows_match(ours: list[dict], theirs: list[dict]) -> None:
-    """Equal keys and values, floats to float32 rounding; timings and ``WORK`` aside."""
+    """Equal keys and values, floats to float32 rounding; timings, ``WORK`` and where the
+    ranks ran (``PLACEMENT_KEYS``) aside."""
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs, strict=True):
-        assert a.keys() == b.keys()
-        keys = a.keys() - set(TIMING_KEYS) - set(WORK)
+        assert a.keys() - PLACEMENT_KEYS == b.keys() - PLACEMENT_KEYS
+        keys = a.keys() - set(TIMING_KEYS) - set(WORK) - PLACEMENT_KEYS
         for key in sorted(keys):
             x, y = a.get(key), b.get(key)
             if isinstance(x, float) or isinstance(y, float):
@@ -111,6 +112,8 @@ def two_workers(session, tmp_path_factory):
 def test_two_workers_equal_one(one_worker, two_workers):
     (run1, parts1), (run2, parts2, _) = one_worker, two_workers
     assert_rows_match(rows(run2), rows(run1))
+    assert all(r["train_nodes"] == parts2.learner.nodes for r in rows(run2))  # rank order
+    assert len(parts2.learner.nodes) == 2 and "train_nodes" not in rows(run1)[0]
     assert_rows_match(rows(run2, "eval.jsonl"), rows(run1, "eval.jsonl"))
     ours = dict(parts2.learner.model.named_parameters())
     for name, p in parts1.learner.model.named_parameters():
@@ -190,7 +193,7 @@ def test_killed_worker_ends_the_run_and_resume_repeats_no_step(session, tmp_path
     assert_released(group.pids)
     line = str(died.value)
     assert "\n" not in line
-    assert line.startswith(f"train worker 1 (pid {group.pids[1]}) died")
+    assert line.startswith(f"train worker 1 (pid {group.pids[1]}) on node {group.nodes[1]} died")
     assert f"last checkpoint {run / 'checkpoints/step_000002'}" in line
     run_tiny(session, run, *sets, *TWO, resume=True)
     assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
