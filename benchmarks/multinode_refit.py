@@ -1,11 +1,12 @@
-"""Refit across Ray nodes: bytes and seconds of a step's weight push, one node vs two.
+"""Refit across Ray nodes: bytes and seconds of a step's weight push, one node vs several.
 
 One script, one process (the driver), on the bundled model with 2 train workers and 1 rollout
 worker (``cluster.worker_cpus=1``), on a Ray cluster of raylets on this machine
 (``tests/backends/ray_cluster.py``: a head without CPUs, everything on 127.0.0.1):
 
 - ``one node``: one node with 3 CPUs, ``cluster.placement=pack`` (ranks and worker together);
-- ``two nodes``: two nodes with 2 CPUs each, ``cluster.placement=spread`` (a rank on each).
+- ``two nodes``: three nodes with 1 CPU each, ``cluster.placement=spread``: a rank on each of
+  two, the worker (1 CPU) on the third, so its fetch crosses nodes.
 
 In each layout, ``--repeats`` pushes of the policy (``RunParts.push_weights``, a step's refit:
 the ranks gather the weights block by block into rank 0's object store in the engine's dtype,
@@ -39,7 +40,7 @@ from tests.backends.ray_cluster import ray_cluster  # noqa: E402
 
 LAYOUTS = {
     "one node": ((3,), "pack"),
-    "two nodes": ((2, 2), "spread"),
+    "two nodes": ((1, 1, 1), "spread"),
 }
 
 
