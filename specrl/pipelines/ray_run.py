@@ -194,7 +194,8 @@ def _drive(
         with stop_on_signals() as stop:
             actor = _learner(ray, cfg, make_parts or build_run)
             try:
-                reply = _wait(ray, actor, actor.run.remote(call, run_dir, kwargs), stop, console)
+                where = str(Path(run_dir).absolute())  # the actor's cwd is its node's
+                reply = _wait(ray, actor, actor.run.remote(call, where, kwargs), stop, console)
             finally:
                 ray.kill(actor, no_restart=True)
     finally:

@@ -6,12 +6,18 @@ head without CPUs for the driver, two nodes with one CPU each), everything on 12
   each row names both ranks' nodes (``train_nodes``), both ranks write their checkpoint shards,
   the weights reach the rollout worker from rank 0's node without this process (its copy of
   the model never changes), and the run resumes on one rank equal to an uninterrupted run.
+- The real ``specrl train``, from another directory with a relative ``--run-dir``, joins the
+  cluster at ``cluster.address`` (its head's 127.0.0.1 address) and spreads its ranks.
+
 Its faults (storage a node cannot see, nodes lost): ``test_multinode_faults``.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,7 @@ from tests.backends.ray_cluster import ray_cluster  # noqa: E402
 from tests.backends.ray_helpers import host, listeners, ray_processes  # noqa: E402
 from tests.conftest import ON_SERVER_WORKER, make_tiny  # noqa: E402
 from tests.pipelines.pipeline_fakes import tiny_config, tiny_parts  # noqa: E402
+from tests.pipelines.test_kill_resume import ROOT, make_model_dir, train_sets  # noqa: E402
 from tests.pipelines.test_train_workers import WORK, rows  # noqa: E402
 
 pytestmark = ON_SERVER_WORKER  # one Ray cluster at a time (tests/conftest.py)
@@ -123,3 +130,19 @@ def test_resume_on_one_rank_equals_the_uninterrupted_run(cluster, one_process, t
     assert {n for r in rows(tmp_path) for n in r["train_nodes"]} == set(cluster.ids[1:])
     run(tmp_path, *WORKER, resume=True)
     assert_same_run(rows(tmp_path), rows(one_process))
+
+
+def test_specrl_train_joins_the_cluster(cluster, tmp_path):
+    model = make_model_dir(tmp_path / "model")
+    address = f'cluster.address="{cluster.cluster.address}"'
+    sets = train_sets(model, "run.steps=2", address, *SPREAD, *WORKER)
+    cmd = [sys.executable, "-m", "specrl.cli", "train", "--no-compare", "--no-progress",
+           "--run-dir", "run", *sets]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = rows(tmp_path / "run")
+    assert [r["step"] for r in ours] == [0, 1]
+    assert all(set(r["train_nodes"]) == set(cluster.ids[1:]) for r in ours)
+    shards = list((tmp_path / "run/checkpoints/step_000002" / SHARDED).glob("shard-*"))
+    assert len(shards) == 2
