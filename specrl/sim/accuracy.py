@@ -50,7 +50,13 @@ from specrl.sim.published import DEEPEP_SOURCE, NEMO_RL_V03_PHASES, fit_all_to_a
 from specrl.sim.report import sensitivity
 from specrl.sim.runner import run_scenario
 from specrl.sim.scenario import load_scenario
-from specrl.sim.serving import SERVING, TARGET_HARDWARE, fit_group_acceptance, serving_value
+from specrl.sim.serving import (
+    ORIGINS,
+    SERVING,
+    TARGET_HARDWARE,
+    fit_group_acceptance,
+    serving_value,
+)
 from specrl.sim.training import load_efficiency
 
 Log = Callable[[str], None]
@@ -203,8 +209,10 @@ def heldout_section() -> dict[str, Any]:
                          acceptance_used=p.acceptance_length or fitted.get(p.group)))  # fmt: skip
     held = [r for r in rows if r["role"] == "heldout"]
     scoped = error_stats([r for r in held if r["hardware"] in TARGET_HARDWARE])
+    by_origin = {o: error_stats([r for r in held if r["origin"] == o]) for o in ORIGINS}
     return {"rows": rows, "fitted_acceptance": fitted, "target_hardware": list(TARGET_HARDWARE),
-            **scoped, "all_hardware": error_stats(held)}  # fmt: skip
+            **scoped, "all_hardware": error_stats(held), "by_origin": by_origin,
+            "sources": len(by_origin)}  # fmt: skip
 
 
 def nemo_rl_section() -> dict[str, Any]:
@@ -300,6 +308,8 @@ def _heldout_lines(data: dict[str, Any]) -> list[str]:
     lines.append(f"held out on {'/'.join(data['target_hardware'])} (the target's scope):"
                  f" {line.format(**data)}; all: {line.format(**data['all_hardware'])};"
                  f" fitted acceptance {data['fitted_acceptance']}")  # fmt: skip
+    lines += [f"  {origin:<28} {line.format(**stats)}"
+              for origin, stats in data["by_origin"].items()]  # fmt: skip
     return lines
 
 

@@ -39,6 +39,7 @@ class ServingPoint:
     assumed: str = ""
     acceptance_length: float = 0.0  # published acceptance (0: fitted on the group's fit row)
     acceptance_source: str = ""
+    origin: str = ""  # the independent source group (``ORIGINS``): errors are reported by it
 
     @property
     def kind(self) -> str:
@@ -75,17 +76,61 @@ DEEPSEEK_MTP_ACCEPTANCE = (
     " the MTP module is accepted 85-90% of the time; 1.875 tokens per step at k = 1 (the midpoint)"
 )
 NEMO_V03 = "NeMo-RL v0.3 Megatron-Core blog: GRPO step breakdown, generation phase (vLLM)"
+VLLM_16937 = (
+    "vllm-project/vllm PR #16937 ([V1][Spec Decode] EAGLE-3 Support), comment of 2025-04-24:"
+    " 'Output tokens/s on H100 BS1', Llama-3.1-8B-Instruct, MT-bench, --max_num_seqs 1: vanilla 133"
+)
+VLLM_20780 = (
+    "vllm-project/vllm issue #20780 (2025-07-10): Llama 3.1 8B, BS 1, TPOT in ms by K, vanilla"
+    " 7.07; EAGLE 3 at K = 2..7: 4.32 / 4.09 / 4.05 / 4.13 / 4.2 / 4.29; acceptance lengths 2.36 /"
+    " 2.79 / 3.08 / 3.32 / 3.46 / 3.54"
+)
+VLLM_20780_GPU = "the issue names no GPU: H100 as in the same author's PR #16937 run"
+SPECFORGE_339 = (
+    "sgl-project/SpecForge issue #339 (2025-12-01): Qwen/Qwen3-30B-A3B, --tp-size 2 on H100,"
+    " bfloat16, SGLang bench_eagle3 on mtbench:20; throughput by batch 1 / 4 / 8 / 16: 222.47 /"
+    " 566.21 / 733.61 / 1012.96; EAGLE-3 (3 steps, top-k 1, 4 draft tokens) at batch 4: 447.90,"
+    " acceptance 1.86"
+)
+ANGELSLIM_163 = (
+    "Tencent/AngelSlim issue #163 (2025-12-08): Qwen3-30B-A3B, H100 x4, TP4, EP1, SGLang;"
+    " throughput by batch 1 / 4 / 8: 218.89 / 507.49 / 677.14"
+)
+MTBENCH_20 = (
+    "throughput taken as output tokens/s; 20 MT-bench prompts, so batches above 20 (the reports'"
+    " 32 and 64) cannot be full and are left out"
+)
+SGLANG_4716 = (
+    "sgl-project/sglang PR #4716 (Fix EAGLE3 for llama3.3 70b, 2025-03-24): Llama-3.3-70B-Instruct,"
+    " H100 TP8, --dtype float16, --cuda-graph-max-bs 1, MT-bench 80 questions: 'w/o spec: ..."
+    " Throughput: 88.61 token/s'"
+)
+DATACRUNCH_R1 = (
+    "datacrunch-research/blogs, deepseek-r1-deployment.md: DeepSeek-R1 on 8xH200, SGLang"
+    " bench_one_batch --batch-size 1 --input 128 --output 256 --tp 8 --enable-torch-compile:"
+    " 'Decode. median latency: 0.02098 s, median throughput: 47.67 token/s'"
+)
+# Independent source groups (one organisation's publications or one reporter's runs each)
+EAGLE3_PAPER = "EAGLE-3 paper"
+SGLANG = "SGLang docs and PRs"
+NEMO_RL = "NeMo-RL blog"
+VLLM = "vLLM GitHub"
+QWEN30B_REPORTS = "SpecForge/AngelSlim reports"
+DATACRUNCH = "DataCrunch blog"
+ORIGINS = (EAGLE3_PAPER, SGLANG, NEMO_RL, VLLM, QWEN30B_REPORTS, DATACRUNCH)
 STEADY = "MT-bench-like 150-token prompts and 400-token outputs"
 EAGLE_LAYOUT = "chain k = 3 as the paper states; acceptance from the batch-2 column"
 
 SERVING: tuple[ServingPoint, ...] = (
     ServingPoint("sglang-llama8b-b1", "Llama-3.1-8B, 1xH100, batch 1, plain", "heldout",
-                 "tok_per_s", 158.34, SGLANG_DOCS, "llama-3.1-8b", "h100", assumed=STEADY),
+                 "tok_per_s", 158.34, SGLANG_DOCS, "llama-3.1-8b", "h100", assumed=STEADY,
+                 origin=EAGLE3_PAPER),
     *(
         ServingPoint(f"eagle3-sglang-b{b}", f"Llama-3.1-8B, 1xH100, batch {b}, EAGLE-3",
                      "fit" if b == 2 else "heldout", "speedup", value, EAGLE3_TABLE,
                      "llama-3.1-8b", "h100", batch=b, drafter="eagle3", k=3,
-                     group="eagle3-sglang-mtbench", assumed=f"{STEADY}; {EAGLE_LAYOUT}")
+                     group="eagle3-sglang-mtbench", assumed=f"{STEADY}; {EAGLE_LAYOUT}",
+                     origin=EAGLE3_PAPER)
         for b, value in ((2, 1.81), (4, 1.82), (8, 1.62), (16, 1.48), (24, 1.39), (32, 1.32),
                          (48, 1.38), (56, 1.34), (64, 1.38))
     ),
@@ -95,7 +140,7 @@ SERVING: tuple[ServingPoint, ...] = (
                      "llama-3.1-8b", "rtx3090", batch=b, drafter="eagle3", k=2,
                      group="eagle3-vllm-3090-mtbench",
                      assumed=f"{STEADY}; chain k = 2 as the paper states; acceptance from the"
-                     " batch-2 column; engine terms of the H100 vLLM fit")
+                     " batch-2 column; engine terms of the H100 vLLM fit", origin=EAGLE3_PAPER)
         for b, value in ((2, 1.75), (4, 1.68), (8, 1.58), (16, 1.49), (24, 1.42), (32, 1.36),
                          (48, 1.21), (56, 1.01))
     ),
@@ -105,17 +150,60 @@ SERVING: tuple[ServingPoint, ...] = (
                      "deepseek-v3", "h200", gpus=8, precision="fp8", batch=b, drafter="mtp",
                      k=1, acceptance_length=1.875, acceptance_source=DEEPSEEK_MTP_ACCEPTANCE,
                      assumed=f"{STEADY}; one MTP draft (k = 1, SGLang's minimal MTP setting);"
-                     " experts tensor-parallel (SGLang's TP8 default)")
+                     " experts tensor-parallel (SGLang's TP8 default)", origin=SGLANG)
         for b, value in ((1, 1.8), (32, 1.5))
     ),
     ServingPoint("nemo-v03-llama8b-generation", "Llama-3.1-8B, 8xH100 TP1, RL rollout, plain",
                  "heldout", "seconds", 58.0, NEMO_V03 + ": Llama-3.1-8B-Instruct, 8 H100",
                  "llama-3.1-8b", "h100", scenario="nemo-rl-v03-llama8b-8xh100",
-                 phase="generation", assumed="scenario inputs (prompt length, TP, tail)"),
+                 phase="generation", assumed="scenario inputs (prompt length, TP, tail)",
+                 origin=NEMO_RL),
     ServingPoint("nemo-v03-qwen30b-generation", "Qwen3-30B-A3B, 64xH100 TP2, RL rollout, plain",
                  "heldout", "seconds", 78.0, NEMO_V03 + ": Qwen3-30B-A3B, 64 H100",
                  "qwen3-30b-a3b", "h100", gpus=2, scenario="nemo-rl-v03-qwen3-30b-a3b-64xh100",
-                 phase="generation", assumed="scenario inputs (prompt length, TP2, tail)"),
+                 phase="generation", assumed="scenario inputs (prompt length, TP2, tail)",
+                 origin=NEMO_RL),
+    ServingPoint("vllm-16937-llama8b-b1", "Llama-3.1-8B, 1xH100, batch 1, plain (vLLM V1)",
+                 "heldout", "tok_per_s", 133.0, VLLM_16937, "llama-3.1-8b", "h100",
+                 assumed=STEADY, origin=VLLM),
+    ServingPoint("vllm-20780-llama8b-b1", "Llama-3.1-8B, H100, batch 1, plain: 7.07 ms TPOT",
+                 "heldout", "tok_per_s", 1 / 7.07e-3, VLLM_20780, "llama-3.1-8b", "h100",
+                 assumed=f"{STEADY}; {VLLM_20780_GPU}", origin=VLLM),
+    *(
+        ServingPoint(f"vllm-20780-eagle3-k{k}", f"Llama-3.1-8B, H100, batch 1, EAGLE-3 k = {k}",
+                     "heldout", "speedup", 7.07 / tpot_ms, VLLM_20780, "llama-3.1-8b", "h100",
+                     drafter="eagle3", k=k, acceptance_length=accepted,
+                     acceptance_source=VLLM_20780, assumed=f"{STEADY}; {VLLM_20780_GPU}",
+                     origin=VLLM)
+        for k, accepted, tpot_ms in ((2, 2.36, 4.32), (3, 2.79, 4.09), (4, 3.08, 4.05),
+                                     (5, 3.32, 4.13), (6, 3.46, 4.2), (7, 3.54, 4.29))
+    ),
+    *(
+        ServingPoint(f"specforge-qwen30b-tp{tp}-b{b}",
+                     f"Qwen3-30B-A3B, {tp}xH100 TP{tp}, batch {b}, plain", "heldout",
+                     "tok_per_s", value, source, "qwen3-30b-a3b", "h100", gpus=tp, batch=b,
+                     assumed=f"{STEADY}; {MTBENCH_20}", origin=QWEN30B_REPORTS)
+        for tp, source, series in (
+            (2, SPECFORGE_339, ((1, 222.47), (4, 566.21), (8, 733.61), (16, 1012.96))),
+            (4, ANGELSLIM_163, ((1, 218.89), (4, 507.49), (8, 677.14))),
+        )
+        for b, value in series
+    ),
+    ServingPoint("specforge-qwen30b-tp2-b4-eagle3", "Qwen3-30B-A3B, 2xH100 TP2, batch 4, EAGLE-3",
+                 "heldout", "speedup", 447.90 / 566.21, SPECFORGE_339, "qwen3-30b-a3b", "h100",
+                 gpus=2, batch=4, drafter="eagle3", k=3, acceptance_length=1.86,
+                 acceptance_source=SPECFORGE_339,
+                 assumed=f"{STEADY}; {MTBENCH_20}; chain of 3 (steps 3, top-k 1, 4 draft tokens)",
+                 origin=QWEN30B_REPORTS),
+    ServingPoint("sglang-4716-llama70b-tp8-b1", "Llama-3.3-70B, 8xH100 TP8, batch 1, plain",
+                 "heldout", "tok_per_s", 88.61, SGLANG_4716, "llama-3.1-70b", "h100", gpus=8,
+                 assumed=f"{STEADY}; float16 as bf16 (the same bytes and FLOPs)",
+                 origin=SGLANG),
+    ServingPoint("datacrunch-deepseek-r1-b1", "DeepSeek-R1, 8xH200 TP8, batch 1, plain",
+                 "heldout", "tok_per_s", 47.67, DATACRUNCH_R1, "deepseek-v3", "h200", gpus=8,
+                 precision="fp8", prompt_len=128, output_len=256,
+                 assumed="DeepSeek-R1 has DeepSeek-V3's architecture; experts tensor-parallel",
+                 origin=DATACRUNCH),
 )  # fmt: skip
 
 

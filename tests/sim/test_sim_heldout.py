@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specrl.sim.serving import (
+    ORIGINS,
     SERVING,
     TARGET_HARDWARE,
     fit_group_acceptance,
@@ -30,6 +31,19 @@ def test_the_table_covers_dense_moe_plain_speculative_batches_tp_and_gpus():
     assert all(p.source and p.published > 0 for p in SERVING)
 
 
+def test_the_set_has_40_points_from_5_independent_sources():
+    """Issue 54's floor: at least 40 points, at least 5 source groups, every point in one, and
+    the regimes the cost model misses present (MoE under TP at small batch, dense at TP8,
+    speculation at batch 1 over a k sweep with its measured acceptance)."""
+    assert len(SERVING) >= 40 and all(p.origin in ORIGINS for p in SERVING)
+    assert len({p.origin for p in SERVING}) == len(ORIGINS) >= 5
+    moe_tp = {(p.gpus, p.batch) for p in HELDOUT if p.kind == "moe plain" and not p.scenario}
+    assert {(2, 1), (4, 1), (8, 1)} <= moe_tp
+    assert any(p.model == "llama-3.1-70b" and p.gpus == 8 for p in HELDOUT)
+    sweep = [p for p in HELDOUT if p.batch == 1 and p.drafter and p.acceptance_length]
+    assert {p.k for p in sweep if p.model == "llama-3.1-8b"} >= set(range(2, 8))
+
+
 def test_held_out_rows_never_move_a_fit():
     """A group's acceptance is fitted on its fit row alone: changing every held-out published
     value leaves it unchanged."""
@@ -49,15 +63,17 @@ def test_a_steady_point_holds_its_batch_until_it_finishes():
 
 
 def test_held_out_error_as_recorded():
-    """The accuracy docs/simulator.md reports (on H100/H200 median 11.0%, max 26.5%; over every
-    row, the RTX 3090 series too, median 10.5%): neither may get worse by more than a point
-    without the docs being updated."""
+    """The accuracy docs/simulator.md reports (on H100/H200 median 23.6%, max 501%; over every
+    row, the RTX 3090 series too, median 13.6%; by source, the EAGLE-3 paper's tables median
+    7.5%, max 14.0%): none may get worse by more than a point without the docs being updated."""
     fitted = {g: fit_group_acceptance(g) for g in {p.group for p in SERVING if p.role == "fit"}}
     error = {p.key: abs(serving_value(p, fitted.get(p.group)) / p.published - 1) for p in HELDOUT}
     scoped = [error[p.key] for p in HELDOUT if p.hardware in TARGET_HARDWARE]
-    assert len(scoped) >= 10
-    assert np.median(scoped) <= 0.12 and max(scoped) <= 0.275
-    assert np.median(list(error.values())) <= 0.115
+    assert len(scoped) >= 30
+    assert np.median(scoped) <= 0.246 and max(scoped) <= 5.024
+    assert np.median(list(error.values())) <= 0.146
+    paper = [error[p.key] for p in HELDOUT if p.origin == "EAGLE-3 paper"]
+    assert np.median(paper) <= 0.085 and max(paper) <= 0.15
 
 
 def test_the_rtx3090_series_is_compute_bound_by_batch_56():
