@@ -16,8 +16,8 @@ versions) and one dict per section run, in ``SECTIONS`` order; ``log`` gets each
   sweep under the two alternative explanations of the k = 3 level (acceptance decaying along the
   response; forwards wider than the CUDA graph cap run eagerly);
 - ``heldout``: published serving measurements never used for fitting (``specrl.sim.serving``),
-  the median and largest |error| on the GPUs the target names (``TARGET_HARDWARE``) and over
-  every row;
+  the median and largest |error| on the GPUs the target names (``TARGET_HARDWARE``), over
+  every row and by source group (``ServingPoint.origin``, ``ORIGINS``);
 - ``nemo_rl``: NeMo-RL GRPO step times and v0.3 phase breakdowns (checks of the training model);
 - ``tornado``: the sensitivity of the paper scenarios' end-to-end speedup to their uncertain
   inputs.

@@ -4,7 +4,8 @@
 and an RTX 3090 series): a steady batch on one replica or a phase of a bundled scenario, with a
 ``quantity`` (``tok_per_s``, ``speedup`` or ``seconds``). A speculative point's acceptance is
 published or set by its group's "fit" row (``fit_group_acceptance``); "heldout" rows never fit
-anything. ``serving_value(point)`` returns the simulated value.
+anything; each row names its independent source group (``origin``, one of ``ORIGINS``).
+``serving_value(point)`` returns the simulated value.
 Details: docs/internals.md.
 """
 
