@@ -8,6 +8,7 @@ import json
 import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,21 @@ def wandb_records(run: Path) -> list:
     return out
 
 
+def finished_records(run: Path, seconds: float = 30.0) -> list:
+    """``wandb_records`` once the log holds W&B's ``exit`` record: its service writes the log
+    in another process, and ``finish()`` may return before the last records reach the file."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            records = wandb_records(run)
+        except Exception:  # a record cut where the writer stands
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, "the W&B log never got its exit record"
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def offline(monkeypatch):
     """No network, no prompt: W&B in offline mode, quiet."""
@@ -128,7 +144,7 @@ def test_a_run_with_wandb_writes_an_offline_run_holding_the_records_numbers(tmp_
     run = tmp_path / "run"
     train(tiny_parts(tiny_config(*SHORT, "run.wandb=true")), str(run), progress=False)
     history: dict[str, list[tuple[int, float]]] = {}
-    for record in wandb_records(run):
+    for record in finished_records(run):
         if record.WhichOneof("record_type") != "history":
             continue
         items = record.history.item
