@@ -31,35 +31,27 @@ def _layer_dense_params(target: ModelSpec) -> float:
 
 
 def _eagle3(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
-    h, heads, kv, hd = target.hidden, target.heads, target.kv_heads, target.head_dim
-    inter = drafter.intermediate or target.intermediate
-    vocab = drafter.draft_vocab or target.vocab
-    attention = 2 * h * heads * hd + 2 * h * 2 * kv * hd + heads * hd * h  # qkv read 2H input
-    params = 3 * h * h + drafter.layers * (attention + 3 * h * inter) + h * vocab
-    return ModelSpec(
-        name=f"eagle3[{target.name}]",
-        layers=drafter.layers,
-        hidden=h,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=hd,
-        vocab=vocab,
-        intermediate=inter,
-        params_total=params,
-        params_active=params,
-    )
+    """EAGLE-3: fc over 3 target layers, ``layers`` decoder layers whose q/k/v read the token's
+    embedding beside the hidden state (2H inputs), the LM head over the draft vocabulary."""
+    return _feature_head("eagle3", drafter, target, qkv_inputs=2)
 
 
 def _block(drafter: DrafterSpec, target: ModelSpec) -> ModelSpec:
     """DFlash (vLLM's ``DFlashDraftModel``): fc over 3 target layers, ``layers`` Qwen3 layers
     whose K/V projections also read the context, the LM head over the draft vocabulary."""
+    return _feature_head("block", drafter, target, qkv_inputs=1)
+
+
+def _feature_head(kind: str, drafter: DrafterSpec, target: ModelSpec, qkv_inputs: int) -> ModelSpec:
+    """A head over the target's features: fc (3H -> H), ``drafter.layers`` decoder layers of
+    the target's attention shape (q/k/v reading ``qkv_inputs`` x H), its MLP and LM head."""
     h, heads, kv, hd = target.hidden, target.heads, target.kv_heads, target.head_dim
     inter = drafter.intermediate or target.intermediate
     vocab = drafter.draft_vocab or target.vocab
-    attention = h * (heads + 2 * kv) * hd + heads * hd * h
+    attention = qkv_inputs * h * (heads + 2 * kv) * hd + heads * hd * h
     params = 3 * h * h + drafter.layers * (attention + 3 * h * inter) + h * vocab
-    return ModelSpec(name=f"block[{target.name}]", layers=drafter.layers, hidden=h, heads=heads,
-                     kv_heads=kv, head_dim=hd, vocab=vocab, intermediate=inter,
+    return ModelSpec(name=f"{kind}[{target.name}]", layers=drafter.layers, hidden=h,
+                     heads=heads, kv_heads=kv, head_dim=hd, vocab=vocab, intermediate=inter,
                      params_total=params, params_active=params)  # fmt: skip
 
 

@@ -107,7 +107,25 @@ def export_eagle3(
     head_dir, out = Path(head_dir), Path(out_dir)
     unverified = verified(head_dir, HEAD_FILES)
     cfg = eagle3_head_config(head_dir)
-    tcfg, lm_head = target_lm_head(target)  # lm_head [V, H]
+    tcfg, lm_head, state, d2t = head_inputs(head_dir, cfg, target)
+    tensors = eagle3_tensors(state, tcfg, lm_head, d2t)
+    config = eagle3_config(tcfg, cfg["feature_layers"], len(lm_head) if d2t is None else len(d2t))
+    record = {"format": FORMAT, "version": VERSION, "source": source or str(head_dir.resolve()),
+              "feature_layers": cfg["feature_layers"]}  # fmt: skip
+    write_export(out, tensors, config, record, dtype or state["norm.weight"].dtype)
+    if unverified is not None:
+        say(unverified)
+    return out
+
+
+def head_inputs(
+    head_dir: Path, cfg: dict, target: str | os.PathLike | Transformer
+) -> tuple[ModelConfig, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """What exporting the head in ``head_dir`` (its head.json ``cfg``) over ``target`` needs,
+    checked: (the target's config, its LM head [V, H], the head's tensors without ``d2t``,
+    ``d2t`` [Vd] sorted target ids or None); ``ExportError`` (one line) for a head of another
+    target, feature layers the target lacks or a bad ``d2t``."""
+    tcfg, lm_head = target_lm_head(target)
     try:
         check_compatible(cfg, tcfg)
     except ValueError as e:
@@ -117,14 +135,7 @@ def export_eagle3(
     d2t = state.pop("d2t", None)  # [Vd] target ids, or None (full vocabulary)
     if d2t is not None:
         check_d2t(d2t, tcfg.vocab_size)
-    tensors = eagle3_tensors(state, tcfg, lm_head, d2t)
-    config = eagle3_config(tcfg, cfg["feature_layers"], len(lm_head) if d2t is None else len(d2t))
-    record = {"format": FORMAT, "version": VERSION, "source": source or str(head_dir.resolve()),
-              "feature_layers": cfg["feature_layers"]}  # fmt: skip
-    write_export(out, tensors, config, record, dtype or state["norm.weight"].dtype)
-    if unverified is not None:
-        say(unverified)
-    return out
+    return tcfg, lm_head, state, d2t
 
 
 def write_export(

@@ -24,16 +24,14 @@ from specrl.drafters.export import (
     LAYER_NAMES,
     ExportError,
     Say,
-    check_d2t,
     draft_lm_head,
-    read_safetensors,
-    target_lm_head,
+    head_inputs,
     verified,
     write_export,
 )
 from specrl.models.checkpoints import split_sizes
 from specrl.models.config import ModelConfig
-from specrl.models.heads import HEAD_FILES, check_compatible, notice, read_head_config
+from specrl.models.heads import HEAD_FILES, notice, read_head_config
 
 FORMAT = "specrl-vllm-dflash"
 VERSION = 1
@@ -59,15 +57,7 @@ def export_dflash(
     if cfg.get("kind") != "block":
         raise ExportError(f"{head_dir} holds a {cfg.get('kind')!r} head; vLLM's dflash method "
                           "serves a block head (specrl train-drafter --drafter block)")  # fmt: skip
-    tcfg, lm_head = target_lm_head(target)  # lm_head [V, H]
-    try:
-        check_compatible(cfg, tcfg)
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-    state = read_safetensors(head_dir / "head.safetensors")
-    d2t = state.pop("d2t", None)  # [Vd] target ids, or None (full vocabulary)
-    if d2t is not None:
-        check_d2t(d2t, tcfg.vocab_size)
+    tcfg, lm_head, state, d2t = head_inputs(head_dir, cfg, target)  # lm_head [V, H]
     layers = int(cfg.get("layers", 0))
     tensors = dflash_tensors(state, tcfg, layers, lm_head, d2t)
     config = dflash_config(tcfg, cfg, len(tensors["lm_head.weight"]))
