@@ -304,8 +304,8 @@ REPORT_COVERAGE = Coverage(
 
 # specrl.sim.accuracy.SECTIONS, in the order they run (this leaf imports no simulator; a test
 # checks they agree)
-VALIDATE_SECTIONS = ("fits", "paper", "heldout", "nemo_rl", "tornado")
-ValidateSection = Literal["fits", "paper", "heldout", "nemo_rl", "tornado"]
+VALIDATE_SECTIONS = ("fits", "paper", "heldout", "physics", "nemo_rl", "tornado")
+ValidateSection = Literal["fits", "paper", "heldout", "physics", "nemo_rl", "tornado"]
 
 
 class ValidateSectionCfg(Section):
@@ -316,8 +316,8 @@ class ValidateSectionCfg(Section):
         min_length=1,
         max_length=64,
         description="The sections to run (they run in the order fits, paper, heldout, "
-        "nemo_rl, tornado whatever the order here; fits, heldout and nemo_rl take seconds, "
-        "paper and tornado minutes).",
+        "physics, nemo_rl, tornado whatever the order here; fits, heldout and nemo_rl take "
+        "seconds, paper, physics and tornado minutes).",
     )
     refit: bool = Field(
         False,

@@ -1,7 +1,8 @@
 """Step cost model: seconds for prefill, decode, draft and verify forwards of one engine replica.
 
 ``StepCostModel`` prices a forward of one replica of ``gpus`` GPUs as weight and KV bytes over
-effective bandwidth + FLOPs over effective compute + TP/EP communication, for the busiest GPU;
+effective bandwidth + FLOPs over effective compute + TP/EP communication, for the busiest GPU,
++ the fixed floor of its layers (``layer_floor``);
 a speculative step adds the drafter's forwards (or a model-free drafter's CPU time) and the
 rejection sampler's per-logit cost. It covers MoE routing and expert parallelism, precision,
 CUDA-graph limits and the engine terms ``prefill_group`` and ``draft_coverage``. All times in
@@ -125,14 +126,23 @@ def expert_bytes_read(model: ModelSpec, tokens: float, layout: Layout | None = N
     if not model.is_moe:
         return 0.0
     layout = layout or Layout()
-    if layout.ep > 1:  # the busiest rank's experts, as if every rank read that many
-        busiest = busiest_rank_experts(model.experts, model.experts_per_token, tokens, layout.ep)
-        distinct = busiest * layout.ep
-    else:
-        distinct = expected_experts(model.experts, model.experts_per_token, tokens,
-                                    model.expert_popularity)  # fmt: skip
     per_param = PRECISIONS[layout.precision].weight_bytes
+    # under expert parallelism the busiest rank's experts, as if every rank read that many
+    distinct = touched_experts(model, tokens, layout) * layout.ep
     return model.moe_layers * distinct * model.expert_params * per_param
+
+
+def touched_experts(model: ModelSpec, tokens: float, layout: Layout | None = None) -> float:
+    """Expected routed experts per MoE layer that ``tokens`` routed tokens touch on the busiest
+    GPU: all distinct ones under tensor parallelism (each GPU runs a slice of every one), the
+    busiest rank's under expert parallelism; 0 for a dense model."""
+    if not model.is_moe or tokens <= 0:
+        return 0.0
+    layout = layout or Layout()
+    if layout.ep > 1:
+        return busiest_rank_experts(model.experts, model.experts_per_token, tokens, layout.ep)
+    return expected_experts(model.experts, model.experts_per_token, tokens,
+                            model.expert_popularity)  # fmt: skip
 
 
 def kv_bytes_read(model: ModelSpec, shape: ForwardShape) -> float:
@@ -226,8 +236,18 @@ def forward_cost(
         + experts / (bandwidth * (hw.eta_expert_mem or hw.eta_mem)),
         compute_s=busiest_gpu_flops(model, shape, layout) / (peak * hw.eta_compute),
         comm_s=comm_time(model, hw, gpus, shape.tokens, layout.ep),
-        overhead_s=overhead_s,
+        overhead_s=overhead_s + layer_floor(model, hw, routed, layout),
     )
+
+
+def layer_floor(
+    model: ModelSpec, hw: HardwareSpec, routed: float = 0.0, layout: Layout | None = None
+) -> float:
+    """Fixed seconds of one forward beyond its bytes and FLOPs, the same on every GPU of a
+    tensor-parallel replica: ``layer_s`` per decoder layer, ``moe_layer_s`` more per MoE layer
+    and ``expert_s`` per routed expert the ``routed`` tokens touch in each MoE layer."""
+    experts = model.moe_layers * touched_experts(model, routed, layout) * hw.expert_s
+    return model.layers * hw.layer_s + model.moe_layers * hw.moe_layer_s + experts
 
 
 @dataclass(frozen=True)

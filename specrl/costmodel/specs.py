@@ -180,6 +180,16 @@ class HardwareSpec(Spec):
     # tokens touch; per-expert kernel calls make it lower than eta_mem's): 0 = eta_mem's.
     # Fitted from an engine's own steps (``costmodel.fit``); 0 in every bundled profile.
     eta_expert_mem: float = 0.0
+    # Fixed seconds of every forward per decoder layer (``layer_s``: the graphed kernels'
+    # floor: norms, rotary, attention, GEMM tails, which do not shrink with tensor parallelism)
+    # and extra per MoE layer (``moe_layer_s``: router GEMM, top-k, expert alignment, grouped
+    # GEMMs, combine; vLLM's fused_moe sequence), and per routed expert a forward touches in
+    # a MoE layer (``expert_s``: its tiles of the grouped GEMMs, on every GPU under tensor
+    # parallelism, whatever its slice). 0 = not modelled; fitted on published serving points
+    # (``specrl simulate validate --sections physics``).
+    layer_s: float = 0.0
+    moe_layer_s: float = 0.0
+    expert_s: float = 0.0
 
     coverage: ClassVar[Coverage] = Coverage(
         rules=(
@@ -190,7 +200,8 @@ class HardwareSpec(Spec):
             "scale_out_bandwidth", "gpus_per_node", "eta_mem", "eta_compute", "step_overhead_s",
             "forward_overhead_s", "comm_latency_s", "mem_fraction", "verify_s_per_logit",
             "verify_overhead_s", "prefill_s_per_flop", "graph_capture_tokens", "peak_flops_fp8",
-            "a2a_latency_s", "a2a_efficiency", "eta_expert_mem",
+            "a2a_latency_s", "a2a_efficiency", "eta_expert_mem", "layer_s", "moe_layer_s",
+            "expert_s",
         ),
     )  # fmt: skip
 

@@ -14,10 +14,15 @@ versions) and one dict per section run, in ``SECTIONS`` order; ``log`` gets each
 - ``paper``: every row of arXiv 2604.26779's table (``specrl.sim.paper.PAPER_ROWS``, role "fit"
   or "check"), the k-sweep and n-gram shape checks, the EAGLE-3 acceptance refit, and the k
   sweep under the two alternative explanations of the k = 3 level (acceptance decaying along the
-  response; forwards wider than the CUDA graph cap run eagerly);
+  response; forwards wider than the CUDA graph cap run eagerly), the step cost linear in k that
+  RL-Zero's sweep implies (``paper.linear_k_costs``) and the share of each sweep row's
+  speculative time whose verify forward is compute-bound (``paper.verify_roof``);
 - ``heldout``: published serving measurements never used for fitting (``specrl.sim.serving``),
   the median and largest |error| on the GPUs the target names (``TARGET_HARDWARE``), over
   every row and by source group (``ServingPoint.origin``, ``ORIGINS``);
+- ``physics``: the free constants of the Hopper profiles (``specrl.sim.fidelity.FREE``) fitted
+  leaving each source group out, the left-out groups' errors pooled (the headline), the fit on
+  every group and the errors of the constants the profiles carry (minutes);
 - ``nemo_rl``: NeMo-RL GRPO step times and v0.3 phase breakdowns (checks of the training model);
 - ``tornado``: the sensitivity of the paper scenarios' end-to-end speedup to their uncertain
   inputs.
@@ -36,6 +41,14 @@ from typing import Any
 import numpy as np
 
 from specrl.costmodel.specs import load_hardware, load_model
+from specrl.sim.fidelity import (
+    FREE,
+    current_values,
+    errors_under,
+    fitted_points,
+    leave_one_source_out,
+    stats,
+)
 from specrl.sim.paper import (
     PAPER_ROWS,
     RATIO_GRID,
@@ -43,8 +56,10 @@ from specrl.sim.paper import (
     acceptance_fit,
     drift_alternative,
     graph_alternative,
+    linear_k_costs,
     refit_paper_inputs,
     scenario_value,
+    verify_roof,
 )
 from specrl.sim.published import DEEPEP_SOURCE, NEMO_RL_V03_PHASES, fit_all_to_all, fit_training
 from specrl.sim.report import sensitivity
@@ -61,7 +76,7 @@ from specrl.sim.training import load_efficiency
 
 Log = Callable[[str], None]
 
-SECTIONS = ("fits", "paper", "heldout", "nemo_rl", "tornado")
+SECTIONS = ("fits", "paper", "heldout", "physics", "nemo_rl", "tornado")
 DRIFT_CHECK_DECAY = 0.02  # per 1k response tokens: fits the acceptance lengths within 0.1%
 ONE_SEED = ("workload.seeds=1",)
 TORNADO_SCENARIOS = (
@@ -127,6 +142,8 @@ def run_section(name: str, refit: bool = False, log: Log = print) -> dict[str, A
         return paper_section()
     if name == "heldout":
         return heldout_section()
+    if name == "physics":
+        return physics_section(log)
     if name == "nemo_rl":
         return nemo_rl_section()
     if name == "tornado":
@@ -183,7 +200,16 @@ def paper_section() -> dict[str, Any]:
         "acceptance": {"position_ratio": float(ratio), "worst_error": float(worst)},
         "drift_alternative": _floats(drift_alternative(DRIFT_CHECK_DECAY)),
         "graph_alternative": _floats(graph_alternative()),
+        "k_sweep_linear": linear_k_costs(),
+        "verify_roof": {key: verify_roof(_row_scenario(key)) for key in K_SWEEP_KEYS},
     }
+
+
+K_SWEEP_KEYS = ("rlzero-rollout", "rlzero-k5", "rlzero-k7", "rlthink-k5", "rlthink-k7")
+
+
+def _row_scenario(key: str) -> str:
+    return next(r.scenario for r in PAPER_ROWS if r.key == key)
 
 
 def error_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -213,6 +239,17 @@ def heldout_section() -> dict[str, Any]:
     return {"rows": rows, "fitted_acceptance": fitted, "target_hardware": list(TARGET_HARDWARE),
             **scoped, "all_hardware": error_stats(held), "by_origin": by_origin,
             "sources": len(by_origin)}  # fmt: skip
+
+
+def physics_section(log: Log = print) -> dict[str, Any]:
+    """The free constants of the Hopper profiles fitted leaving each source out, the pooled
+    errors of the left-out sources, and the fit on every source beside what the profiles carry
+    (``specrl.sim.fidelity``; minutes)."""
+    result = leave_one_source_out(log=log)
+    carried = current_values()
+    result["carried"] = {c.field: v * c.unit for c, v in zip(FREE, carried, strict=True)}
+    result["carried_errors"] = stats(errors_under(carried, fitted_points()))
+    return result
 
 
 def nemo_rl_section() -> dict[str, Any]:
@@ -256,7 +293,8 @@ def _floats(d: dict[str, Any]) -> dict[str, Any]:
 def section_lines(name: str, data: dict[str, Any]) -> list[str]:
     """The table of one section's dict (``run_section``), one string per line."""
     render = {"fits": _fits_lines, "paper": _paper_lines, "heldout": _heldout_lines,
-              "nemo_rl": _nemo_rl_lines, "tornado": _tornado_lines}  # fmt: skip
+              "physics": _physics_lines, "nemo_rl": _nemo_rl_lines,
+              "tornado": _tornado_lines}  # fmt: skip
     return render[name](data)
 
 
@@ -280,6 +318,7 @@ def _paper_lines(data: dict[str, Any]) -> list[str]:
     lines += [f"{r['role']:<6} {r['label']:<52} {r['simulated']:>9.3f} {r['published']:>9.3f}"
               f" {r['error']:>+8.1%}" for r in data["rows"]]  # fmt: skip
     acc, drift, graph = data["acceptance"], data["drift_alternative"], data["graph_alternative"]
+    lin = data["k_sweep_linear"]
     return [
         *lines,
         f"checks within 15%: {data['checks_within_15pct']}/{data['checks']}; median |error|"
@@ -293,6 +332,14 @@ def _paper_lines(data: dict[str, Any]) -> list[str]:
         + _sweep(drift),
         f"graph alternative (cap {graph['graph_capture_tokens']:.0f} tokens, fitted"
         f" {graph['eager_s_per_layer'] * 1e6:.0f} us per layer):" + _sweep(graph),
+        f"RL-Zero's k sweep as a step of base + per_draft x k decode steps: base"
+        f" {lin['base']:.2f}, per_draft {lin['per_draft']:.2f} (worst residual"
+        f" {lin['worst_residual']:.3f}; a verify forward alone is 1)",
+        "verify forwards compute-bound (share of speculative time; mean rows per replica): "
+        + ", ".join(
+            f"{k} {v['compute_bound_share']:.0%} ({v['mean_rows']:.0f})"
+            for k, v in data["verify_roof"].items()
+        ),
     ]
 
 
@@ -305,12 +352,41 @@ def _heldout_lines(data: dict[str, Any]) -> list[str]:
     lines += [f"{r['role']:<8} {r['label']:<48} {r['simulated']:>9.3f} {r['published']:>9.3f}"
               f" {r['error']:>+8.1%}" for r in data["rows"]]  # fmt: skip
     line = "{n_heldout} rows, median |error| {median_abs_error:.1%}, max {max_abs_error:.1%}"
-    lines.append(f"held out on {'/'.join(data['target_hardware'])} (the target's scope):"
+    lines.append(f"on {'/'.join(data['target_hardware'])} (the target's scope; in sample for the"
+                 " fitted engine constants, held out from everything else; --sections physics"
+                 " holds the held-out error):"
                  f" {line.format(**data)}; all: {line.format(**data['all_hardware'])};"
                  f" fitted acceptance {data['fitted_acceptance']}")  # fmt: skip
     lines += [f"  {origin:<28} {line.format(**stats)}"
               for origin, stats in data["by_origin"].items()]  # fmt: skip
     return lines
+
+
+def _physics_lines(data: dict[str, Any]) -> list[str]:
+    loso, every = data["leave_one_source_out"], data["all_sources"]
+    line = "{rows} rows, median |error| {median:.1%}, max {max:.1%}"
+    lines = [
+        "",
+        f"free constants {', '.join(data['free'])}; loss {data['loss']}",
+        f"{'left out':<28} {'rows':>4} {'median':>7} {'max':>7}  constants fitted on the rest",
+    ]
+    for origin, d in loso["by_origin"].items():
+        lines.append(f"{origin:<28} {d['rows']:>4} {d['median']:>7.1%} {d['max']:>7.1%}  "
+                     + _constants(d["constants"]))  # fmt: skip
+    return [
+        *lines,
+        f"leave-one-source-out (the headline): {line.format(**loso)}",
+        f"fitted on every source (in sample): {line.format(**every)}; "
+        + _constants(every["constants"]),
+        f"the profiles' carried constants: {line.format(**data['carried_errors'])}; "
+        + _constants(data["carried"]),
+    ]
+
+
+def _constants(values: dict[str, float]) -> str:
+    units = {c.field: c for c in FREE}
+    return ", ".join(f"{k} {round(v / units[k].unit, 6):.3g}{units[k].unit_name}"
+                     for k, v in values.items())  # fmt: skip
 
 
 def _nemo_rl_lines(data: dict[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from specrl.costmodel.cost import ForwardShape, forward_cost
 from specrl.sim.acceptance import (
     AcceptanceModel,
     alpha_for_rollout_length,
@@ -26,6 +27,7 @@ from specrl.sim.runner import (
     acceptance_model,
     length_seeds,
     run_scenario,
+    step_costs,
     with_seed,
     workload_lengths,
 )
@@ -281,6 +283,40 @@ def graph_alternative(cap: int = GRAPH_CAPTURE_TOKENS) -> dict[str, float]:
         r = _row(key)
         out[key] = scenario_value(r.scenario, r.quantity, over)
     return out
+
+
+def linear_k_costs() -> dict[str, float]:
+    """The engine step ``base + per_draft * k`` (in plain decode steps) that RL-Zero's published
+    rollout speedups at k = 3, 5 and 7 imply with the measured acceptance lengths (a speedup is
+    tokens per step over the step's cost), least squares over the three: a ``base`` under 1
+    means no cost linear in k explains them, a verify forward alone costing one decode step."""
+    lengths = {m.k: m.length for m in PAPER_ACCEPTANCE["rlzero-eagle3"]}
+    speedups = {3: _row("rlzero-rollout"), 5: _row("rlzero-k5"), 7: _row("rlzero-k7")}
+    ks = np.array(sorted(speedups), dtype=float)  # [3]
+    cost = np.array([lengths[k] / speedups[k].published for k in sorted(speedups)])  # [3]
+    per_draft, base = np.polyfit(ks, cost, 1)
+    return {"base": float(base), "per_draft": float(per_draft),
+            "worst_residual": float(np.max(np.abs(base + per_draft * ks - cost)))}  # fmt: skip
+
+
+def verify_roof(scenario: str) -> dict[str, float]:
+    """How the scenario's speculative rollout spends its decode time against the compute roof:
+    the time-weighted mean rows per replica and the share of the time in steps whose verify
+    forward is compute-bound (its FLOPs take longer than its bytes, at the mean context)."""
+    sc = load_scenario(scenario, ["workload.seeds=1"])
+    res = run_scenario(sc)
+    costs, k = step_costs(sc, True), sc.speculation.k
+    context = sc.workload.prompt_len + 0.5 * sc.workload.mean_response_len
+    weighted = bound = total = 0.0
+    for replica in res.speculative.rollout.replicas:
+        for seg in (s for s in replica.segments if s.k > 0):
+            span = seg.end_s - seg.start_s
+            shape = ForwardShape(seg.n_seqs, costs.verify_tokens(k, seg.n_seqs), context)
+            cost = forward_cost(costs.target, costs.hw, costs.gpus, shape, layout=costs.layout)
+            weighted += span * seg.n_seqs
+            bound += span if cost.compute_s > cost.memory_s else 0.0
+            total += span
+    return {"mean_rows": weighted / total, "compute_bound_share": bound / total}
 
 
 def refit_paper_inputs(log: Callable[[str], None] = print) -> dict[str, float]:

@@ -2,10 +2,10 @@
 
 Contract: ``sensitivity(sc)`` re-runs a scenario with each uncertain input moved to a low and a high
 value (``uncertain_inputs``: acceptance length, training MFU, length tail, refit bandwidth, and
-where they act the acceptance decay, the drafter's forward overhead or CPU cost, MoE routing
-locality and skew) and returns the end-to-end speedup (vs sync without speculation) at each end.
-The PNG writers import matplotlib lazily
-(Agg backend) so that importing specrl.sim never needs it. No simulation logic lives here.
+where they act the acceptance decay, the drafter's forward overhead or CPU cost, the fixed
+per-layer costs, MoE routing locality and skew) and returns the end-to-end speedup (vs sync
+without speculation) at each end. The PNG writers import matplotlib lazily (Agg backend) so
+that importing specrl.sim never needs it. No simulation logic lives here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from specrl.costmodel.drafters import draft_forward
-from specrl.costmodel.specs import load_model
+from specrl.costmodel.specs import HardwareSpec, ModelSpec, load_hardware, load_model
 from specrl.settings import apply_overrides
 from specrl.sim.runner import ScenarioResult, hardware, run_scenario
 from specrl.sim.runner import drafter as scenario_drafter
@@ -74,6 +74,7 @@ def uncertain_inputs(sc: Scenario) -> list[tuple[str, str, float, float]]:
             _scaled("drafter CPU per context token", "engine.cpu_s_per_ctx_token",
                     drafter.cpu_s_per_ctx_token, 0.5, 2.0)
         )  # fmt: skip
+    out += _floor_inputs(hw, model)
     if model.is_moe:
         loc = sc.generation.routing_locality
         key = "generation.routing_locality"
@@ -81,6 +82,22 @@ def uncertain_inputs(sc: Scenario) -> list[tuple[str, str, float, float]]:
     if model.is_moe and sc.generation.ep > 1:
         out.append(_scaled("MoE routing skew", "generation.routing_skew",
                            sc.generation.routing_skew, 1.0, 1.5))  # fmt: skip
+    return out
+
+
+def _floor_inputs(hw: HardwareSpec, model: ModelSpec) -> list[tuple[str, str, float, float]]:
+    """The fixed per-layer costs (``cost.layer_floor``): half to twice the profile's, or 0 to
+    the Hopper fit's where the profile has none (those act on MoE models only where MoE)."""
+    hopper = load_hardware("h100")
+    terms = [("per-layer floor", "layer_s")]
+    if model.is_moe:
+        terms += [("MoE layer floor", "moe_layer_s"), ("per-expert floor", "expert_s")]
+    out = []
+    for label, field in terms:
+        value = getattr(hw, field)
+        low, high = (0.5 * value, 2.0 * value) if value else (0.0, getattr(hopper, field))
+        if high > 0:
+            out.append((label, f"engine.{field}", low, high))
     return out
 
 

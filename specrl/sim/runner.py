@@ -81,6 +81,10 @@ def hardware(sc: Scenario) -> HardwareSpec:
         "verify_s_per_logit": e.verify_s_per_logit,
         "graph_capture_tokens": e.graph_capture_tokens,
         "eager_s_per_layer": e.eager_s_per_layer,
+        "layer_s": e.layer_s,
+        "moe_layer_s": e.moe_layer_s,
+        "expert_s": e.expert_s,
+        "eta_expert_mem": e.eta_expert_mem,
     }
     return with_overrides(hw, **{k: v for k, v in changes.items() if v is not None})
 

@@ -234,6 +234,22 @@ class Engine(Section):
         ge=0,
         description="host s per layer past graph_capture_tokens (None: the profile's)",
     )
+    layer_s: float | None = Field(
+        None, ge=0, description="fixed s per decoder layer per forward (None: the profile's)"
+    )
+    moe_layer_s: float | None = Field(
+        None, ge=0, description="MoE model: more fixed s per MoE layer (None: the profile's)"
+    )
+    expert_s: float | None = Field(
+        None, ge=0, description="MoE model: s per touched expert per MoE layer (None: profile's)"
+    )
+    eta_expert_mem: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="MoE model: bandwidth efficiency of routed experts, 0: eta_mem's (None:"
+        " the profile's)",
+    )
 
 
 class Scenario(Section):
@@ -302,6 +318,7 @@ ASYNC_ONLY = each(
     "='async'",
 )
 _ACC = "speculation.acceptance"
+MOE_ENGINE_TERMS = ("moe_layer_s", "expert_s", "eta_expert_mem")  # engine terms of MoE models
 
 # Inputs that apply only while another input holds (``check_applies`` refuses them elsewhere).
 APPLIES_ONLY: tuple[AppliesOnly, ...] = (
@@ -346,9 +363,11 @@ COVERAGE = settings.Coverage(
         "speculation.enabled",
         *under("training", "mfu", "logprob_mfu", "logprob_passes"),
         *under("pipeline", "mode", "framework_overhead_s", "refit_fixed_s", "refit_bandwidth"),
-        *under("engine", "step_overhead_s", "graph_capture_tokens"),
+        *under("engine", "step_overhead_s", "graph_capture_tokens", "layer_s"),
     ),
     checked=(
+        *((f"engine.{key}", "validate._check_spec_terms: needs a mixture-of-experts model")
+          for key in MOE_ENGINE_TERMS),
         ("training.gpus", "validate._check_gpu_counts: a sync run trains on generation.gpus"),
         ("generation.routing_locality", "validate._check_spec_terms: needs a mixture-of-experts "
          "model"),

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scipy.optimize import brentq
+
+from specrl.settings import apply_overrides
 from specrl.sim.runner import run_scenario, simulate_generation
 from specrl.sim.scenario import Scenario, load_scenario
 
@@ -48,6 +51,8 @@ class ServingPoint:
         spec = "spec" if self.drafter else "plain"
         return f"{'moe' if self.model.startswith(('deepseek', 'qwen3-30b')) else 'dense'} {spec}"
 
+
+Overrides = tuple[str, ...]  # scenario overrides, "key=value"
 
 # The GPUs the held-out accuracy target is stated for (issue 19); rows on other hardware are
 # reported beside it.
@@ -208,8 +213,11 @@ SERVING: tuple[ServingPoint, ...] = (
 )  # fmt: skip
 
 
-def steady_scenario(point: ServingPoint, acceptance_length: float = 1.0) -> Scenario:
-    """One replica serving ``batch`` equal sequences at once (the steady batch of a point)."""
+def steady_scenario(
+    point: ServingPoint, acceptance_length: float = 1.0, overrides: Overrides = ()
+) -> Scenario:
+    """One replica serving ``batch`` equal sequences at once (the steady batch of a point), with
+    scenario ``overrides`` (``engine.*``: the profile's engine terms) applied."""
     k = max(point.k, 1)
     data = {
         "name": point.key,
@@ -235,32 +243,39 @@ def steady_scenario(point: ServingPoint, acceptance_length: float = 1.0) -> Scen
             "acceptance": {"acceptance_length": acceptance_length, "at_k": k},
         },
     }
-    return Scenario.model_validate(data)
+    return Scenario.model_validate(apply_overrides(data, list(overrides)))
 
 
-def _steady_value(point: ServingPoint, acceptance_length: float) -> float:
-    sc = steady_scenario(point, acceptance_length)
+def _steady_value(point: ServingPoint, acceptance_length: float, overrides: Overrides) -> float:
+    sc = steady_scenario(point, acceptance_length, overrides)
     plain = simulate_generation(sc, False)
     if point.quantity == "tok_per_s":
         return plain.throughput
     return plain.time_s / simulate_generation(sc, True).time_s
 
 
-def fit_group_acceptance(group: str) -> float:
-    """The acceptance length at which the group's "fit" point reproduces its published value."""
+def fit_group_acceptance(group: str, overrides: Overrides = ()) -> float:
+    """The acceptance length at which the group's "fit" point reproduces its published value
+    (its end of the range when none does)."""
     point = next(p for p in SERVING if p.group == group and p.role == "fit")
     lo, hi = 1.0, float(max(point.k, 1) + 1)
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _steady_value(point, mid) < point.published else (lo, mid)
-    return 0.5 * (lo + hi)
+
+    def gap(length: float) -> float:
+        return _steady_value(point, length, overrides) - point.published
+
+    if gap(lo) >= 0 or gap(hi) <= 0:
+        return lo if gap(lo) >= 0 else hi
+    return float(brentq(gap, lo, hi, xtol=1e-9))
 
 
-def serving_value(point: ServingPoint, acceptance_length: float | None = None) -> float:
-    """The simulated value of a point (a group's acceptance fitted when not given)."""
+def serving_value(
+    point: ServingPoint, acceptance_length: float | None = None, overrides: Overrides = ()
+) -> float:
+    """The simulated value of a point (a group's acceptance fitted when not given) under
+    scenario ``overrides``."""
     if point.scenario:
-        res = run_scenario(load_scenario(point.scenario, ["workload.seeds=1"]))
+        res = run_scenario(load_scenario(point.scenario, ["workload.seeds=1", *overrides]))
         return float(getattr(res.no_spec.phases, point.phase))
     if point.drafter and acceptance_length is None:
-        acceptance_length = point.acceptance_length or fit_group_acceptance(point.group)
-    return _steady_value(point, acceptance_length or 1.0)
+        acceptance_length = point.acceptance_length or fit_group_acceptance(point.group, overrides)
+    return _steady_value(point, acceptance_length or 1.0, overrides)

@@ -26,7 +26,7 @@ from specrl.costmodel.specs import (
 )
 from specrl.sim.acceptance import ACCEPTANCE_KINDS, POLICIES
 from specrl.sim.pipeline import ASYNC_GENERATION, PIPELINES
-from specrl.sim.scenario import Scenario
+from specrl.sim.scenario import MOE_ENGINE_TERMS, Scenario
 
 GB = 1e9
 
@@ -164,6 +164,12 @@ def _check_spec_terms(sc: Scenario, model: ModelSpec, hw: HardwareSpec) -> None:
             f"generation.routing_locality={g.routing_locality} needs a "
             f"mixture-of-experts model; {model.name} is dense"
         )
+    for key in MOE_ENGINE_TERMS:
+        if getattr(e, key) is not None and not model.is_moe:
+            problems.append(
+                f"engine.{key}={getattr(e, key)} needs a mixture-of-experts model;"
+                f" {model.name} is dense"
+            )
     cap = hw.graph_capture_tokens if e.graph_capture_tokens is None else e.graph_capture_tokens
     if e.eager_s_per_layer is not None and not cap:
         whose = "it is 0" if e.graph_capture_tokens == 0 else f"hardware profile {hw.name}'s is 0"

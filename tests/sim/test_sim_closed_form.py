@@ -92,7 +92,8 @@ def test_spec_speedup_falls_with_batch_for_dense():
     batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     s = _speedups("llama-3.1-8b", 1, batches, ctx=512)
     assert all(b < a for a, b in zip(s, s[1:], strict=False))
-    assert s[0] > 1.5 and s[-1] < 1.05
+    # 2.26 tokens per step at batch 1: vLLM #20780 measured 1.73x at 2.79 (k = 3), so ~1.4x
+    assert s[0] > 1.3 and s[-1] < 1.05
 
 
 def test_spec_speedup_is_non_monotonic_for_moe():

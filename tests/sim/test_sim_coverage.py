@@ -168,6 +168,9 @@ CHECKED = {  # for each ``checked`` input: (scenario, overrides) check_scenario 
                                    "engine.cpu_s_per_ctx_token=1e-07 needs a model-free drafter"),
     "training.train_drafter": ("paper-8b-rlzero-ngram-sync", ["training.train_drafter=true"],
                                "training.train_drafter=true needs a drafter with weights"),
+    **{f"engine.{key}": (BASE, [f"engine.{key}=0.5"],
+                         f"engine.{key}=0.5 needs a mixture-of-experts model; qwen3-8b is dense")
+       for key in ("moe_layer_s", "expert_s", "eta_expert_mem")},
 }  # fmt: skip
 
 
@@ -190,6 +193,8 @@ def test_checked_inputs_pass_where_the_specs_read_them():
     check_scenario(load_scenario(BASE, ["training.train_drafter=true"]))
     check_scenario(load_scenario("paper-8b-rlzero-ngram-sync", ["engine.cpu_s_per_ctx_token=1e-7"]))
     check_scenario(load_scenario("paper-235b-async", ["generation.routing_locality=0.5"]))
+    moe_terms = ["engine.moe_layer_s=1e-5", "engine.expert_s=1e-6", "engine.eta_expert_mem=0.5"]
+    check_scenario(load_scenario("paper-235b-async", moe_terms))
     off = load_scenario(BASE, ["speculation.enabled=false", "engine.cpu_s_per_ctx_token=1e-7"])
     check_scenario(off)  # kept: the baseline switch keeps speculative inputs
 

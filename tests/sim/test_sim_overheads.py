@@ -76,7 +76,8 @@ def test_speculation_pays_least_at_large_batch():
     tokens = expected_tokens_iid(0.8, 3)
     gains = [tokens * c.decode(n, 2000) / c.step(n, 3, 2000) for n in (1, 16, 64, 256)]
     assert all(b < a for a, b in zip(gains, gains[1:], strict=False))
-    assert gains[0] > 2.0
+    # 2.95 tokens per step at batch 1: near vLLM #20780's EAGLE-3 (1.75x at 3.08 tokens, k = 4)
+    assert gains[0] > 1.5
 
 
 def test_model_free_drafter_pays_per_sequence_and_per_context_token():

@@ -19,8 +19,11 @@ from specrl.sim.scenario import load_scenario
 def test_paper_8b_sync_rollout_speedup_near_published(length):
     sc = load_scenario("paper-8b-sync", [f"speculation.acceptance.acceptance_length={length}"])
     res = run_scenario(sc)
-    # published: 1.8x at acceptance 2.05-2.47, k=3 (documented inputs; see docs/simulator.md)
-    assert 1.4 < res.rollout_speedup < 2.1
+    # The 1.8x at acceptance 2.05-2.47 this example was built on is a misattributed summary
+    # (the scenario's sources: those were the n-gram's acceptance lengths); the H100 measurements
+    # the profile is fitted on (vLLM #20780: 1.64x at 2.36 tokens, batch 1) put k = 3 at 2.05
+    # tokens per step lower, and RL batches lower still: speculation must still pay.
+    assert 1.2 < res.rollout_speedup < 2.1
     phases = res.no_spec.phases
     assert 0.6 < phases.generation / phases.total < 0.75  # "generation is 65-72% of a step"
 
