@@ -2,7 +2,7 @@
 
 ``StepCostModel`` prices a forward of one replica of ``gpus`` GPUs as weight and KV bytes over
 effective bandwidth + FLOPs over effective compute + TP/EP communication, for the busiest GPU,
-+ the fixed floor of its layers (``layer_floor``);
+plus the fixed floor of its layers (``layer_floor``);
 a speculative step adds the drafter's forwards (or a model-free drafter's CPU time) and the
 rejection sampler's per-logit cost. It covers MoE routing and expert parallelism, precision,
 CUDA-graph limits and the engine terms ``prefill_group`` and ``draft_coverage``. All times in

@@ -178,7 +178,8 @@ class HardwareSpec(Spec):
     a2a_efficiency: float = 1.0
     # bandwidth efficiency of streaming routed experts' weights (the unique experts a forward's
     # tokens touch; per-expert kernel calls make it lower than eta_mem's): 0 = eta_mem's.
-    # Fitted from an engine's own steps (``costmodel.fit``); 0 in every bundled profile.
+    # Fitted from an engine's own steps (``costmodel.fit``) or on published serving points
+    # (``sim.fidelity``: the H100/H200 profiles); 0 in the other bundled profiles.
     eta_expert_mem: float = 0.0
     # Fixed seconds of every forward per decoder layer (``layer_s``: the graphed kernels'
     # floor: norms, rotary, attention, GEMM tails, which do not shrink with tensor parallelism)

@@ -316,6 +316,8 @@ def verify_roof(scenario: str) -> dict[str, float]:
             weighted += span * seg.n_seqs
             bound += span if cost.compute_s > cost.memory_s else 0.0
             total += span
+    if not total:  # no speculative step (speculation off)
+        return {"mean_rows": 0.0, "compute_bound_share": 0.0}
     return {"mean_rows": weighted / total, "compute_bound_share": bound / total}
 
 

@@ -85,10 +85,13 @@ def uncertain_inputs(sc: Scenario) -> list[tuple[str, str, float, float]]:
     return out
 
 
+FLOOR_REFERENCE = "h100"  # the profile whose floors were fitted (specrl.sim.fidelity)
+
+
 def _floor_inputs(hw: HardwareSpec, model: ModelSpec) -> list[tuple[str, str, float, float]]:
-    """The fixed per-layer costs (``cost.layer_floor``): half to twice the profile's, or 0 to
-    the Hopper fit's where the profile has none (those act on MoE models only where MoE)."""
-    hopper = load_hardware("h100")
+    """The fixed per-layer costs (``cost.layer_floor``; the MoE ones for a MoE model): half to
+    twice the profile's, or 0 to the fitted Hopper profile's where the profile has none."""
+    hopper = load_hardware(FLOOR_REFERENCE)
     terms = [("per-layer floor", "layer_s")]
     if model.is_moe:
         terms += [("MoE layer floor", "moe_layer_s"), ("per-expert floor", "expert_s")]

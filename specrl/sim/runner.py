@@ -74,19 +74,8 @@ def acceptance_model(sc: Scenario, responses: np.ndarray | None = None) -> Accep
 def hardware(sc: Scenario) -> HardwareSpec:
     """The scenario's hardware profile with its ``engine`` overrides applied."""
     hw = load_hardware(sc.hardware)
-    e = sc.engine
-    changes = {
-        "step_overhead_s": e.step_overhead_s,
-        "forward_overhead_s": e.forward_overhead_s,
-        "verify_s_per_logit": e.verify_s_per_logit,
-        "graph_capture_tokens": e.graph_capture_tokens,
-        "eager_s_per_layer": e.eager_s_per_layer,
-        "layer_s": e.layer_s,
-        "moe_layer_s": e.moe_layer_s,
-        "expert_s": e.expert_s,
-        "eta_expert_mem": e.eta_expert_mem,
-    }
-    return with_overrides(hw, **{k: v for k, v in changes.items() if v is not None})
+    given = sc.engine.model_dump(exclude_none=True)  # the profile's fields among them
+    return with_overrides(hw, **{k: v for k, v in given.items() if k in HardwareSpec.model_fields})
 
 
 def drafter(sc: Scenario) -> DrafterSpec:

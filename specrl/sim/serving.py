@@ -3,9 +3,11 @@
 ``SERVING`` lists ``ServingPoint`` rows (plain and speculative decoding, dense and MoE, H100/H200
 and an RTX 3090 series): a steady batch on one replica or a phase of a bundled scenario, with a
 ``quantity`` (``tok_per_s``, ``speedup`` or ``seconds``). A speculative point's acceptance is
-published or set by its group's "fit" row (``fit_group_acceptance``); "heldout" rows never fit
-anything; each row names its independent source group (``origin``, one of ``ORIGINS``).
-``serving_value(point)`` returns the simulated value.
+published or set by its group's "fit" row (``fit_group_acceptance``); "heldout" rows never set
+an acceptance (the H100/H200 ones fit the Hopper profiles' engine constants: ``sim.fidelity``,
+which reports them leaving each source out); each row names its independent source group
+(``origin``, one of ``ORIGINS``). ``serving_value(point, overrides=...)`` returns the simulated
+value, under scenario overrides (``engine.*``) if given.
 Details: docs/internals.md.
 """
 
