@@ -90,7 +90,9 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
     """The profile pricing a step as the fit does: a rate the fit dropped (coefficient 0)
     becomes an infinite efficiency, so that term costs nothing in ``StepCostModel`` either; but
     a dropped routed-expert rate leaves ``eta_expert_mem`` 0 (experts priced at ``eta_mem``, as
-    in a profile without the term: the column is all zero for a dense model)."""
+    in a profile without the term: the column is all zero for a dense model). The base's fixed
+    per-layer floors (``cost.layer_floor``) are zeroed: the fit has no such columns, its c0
+    holds every fixed cost of a step."""
     c0, per_byte, per_flop, per_logit, verify_s, prefill_flop, per_expert_byte = (
         float(c) for c in coef
     )
@@ -107,6 +109,9 @@ def profile_from_coefficients(base: HardwareSpec, coef: np.ndarray, name: str) -
         verify_s_per_logit=per_logit,
         verify_overhead_s=verify_s,
         prefill_s_per_flop=prefill_flop,
+        layer_s=0.0,
+        moe_layer_s=0.0,
+        expert_s=0.0,
     )
 
 

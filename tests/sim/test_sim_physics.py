@@ -129,3 +129,20 @@ def test_the_physics_table_names_every_left_out_source():
     text = "\n".join(section_lines("physics", data))
     assert "leave-one-source-out (the headline)" in text and "layer_s 30us" in text
     assert f"{stats['median']:.1%}" in text
+
+
+def test_a_profile_fitted_from_steps_prices_them_as_its_fit_without_the_base_floors():
+    """``fit.profile_from_coefficients`` on a base carrying floors (H100): the fit's c0 holds
+    every fixed cost of a step, so the profile prices a decode exactly as the fit does (the
+    base's floors would count it twice)."""
+    from specrl.costmodel.cost import StepCostModel
+    from specrl.costmodel.fit import Record, features, profile_from_coefficients
+
+    assert H100.layer_s > 0 and H100.moe_layer_s > 0
+    coef = np.array([3e-4, 1 / 3.0e12, 1 / 7.0e14, 0.0, 0.0, 0.0, 1 / 2.0e12])
+    for model in (DENSE, MOE):
+        profile = profile_from_coefficients(H100, coef, "fitted")
+        assert (profile.layer_s, profile.moe_layer_s, profile.expert_s) == (0.0, 0.0, 0.0)
+        for n in (1, 16):
+            fit = float(features(model, Record(n, 1, 600.0, 0.0, "decode", "c")) @ coef)
+            assert StepCostModel(model, profile).decode(n, 600.0) == pytest.approx(fit, rel=1e-9)
