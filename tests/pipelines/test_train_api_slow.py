@@ -17,9 +17,13 @@ from tests.rewards.faulty import length_reward
 
 pytestmark = pytest.mark.slow
 
+# A fixed draft count (1000 tokens per forward: k at these few rows): the default timing-driven
+# controller picks k from measured step times, and the verify shapes it picks move the engine's
+# logprobs by float noise (~1e-5), which the learner's metrics carry; timings are not compared.
 SETS = (
     "env.num_eval=2", "rollout.max_new_tokens=12", "rollout.prompts_per_step=2",
     "rollout.group_size=2", "run.steps=2", "run.eval_every=2", "reward.weights=[1.0, 0.01]",
+    "rollout.max_tokens_per_forward=1000",
 )  # fmt: skip
 ROWS = [{"prompt": f"Tom has {a} apples and finds {b} more. How many now?", "answer": a + b,
          "level": a % 3} for a in range(1, 5) for b in range(1, 4)]  # fmt: skip
