@@ -190,6 +190,7 @@ def paper_section() -> dict[str, Any]:
         rows.append(dict(row.__dict__, simulated=sim, error=relative_error(sim, row.published)))
     checks = [abs(r["error"]) for r in rows if r["role"] == "check"]
     ratio, worst = acceptance_fit(RLZERO, (), "rlzero-eagle3", "position_ratio", RATIO_GRID)
+    scenarios = {r.key: r.scenario for r in PAPER_ROWS}
     return {
         "rows": rows,
         "checks_within_15pct": sum(e <= 0.15 for e in checks),
@@ -201,15 +202,11 @@ def paper_section() -> dict[str, Any]:
         "drift_alternative": _floats(drift_alternative(DRIFT_CHECK_DECAY)),
         "graph_alternative": _floats(graph_alternative()),
         "k_sweep_linear": linear_k_costs(),
-        "verify_roof": {key: verify_roof(_row_scenario(key)) for key in K_SWEEP_KEYS},
+        "verify_roof": {key: verify_roof(scenarios[key]) for key in K_SWEEP_KEYS},
     }
 
 
 K_SWEEP_KEYS = ("rlzero-rollout", "rlzero-k5", "rlzero-k7", "rlthink-k5", "rlthink-k7")
-
-
-def _row_scenario(key: str) -> str:
-    return next(r.scenario for r in PAPER_ROWS if r.key == key)
 
 
 def error_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:

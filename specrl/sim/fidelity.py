@@ -89,8 +89,8 @@ def simulated(points: Sequence[ServingPoint], values: Sequence[float]) -> list[f
 
 def log_errors(points: Sequence[ServingPoint], values: Sequence[float]) -> np.ndarray:
     """log(simulated / published) per point  # [len(points)]"""
-    values = simulated(points, values)
-    return np.log(np.array(values) / np.array([p.published for p in points]))
+    sims = simulated(points, values)
+    return np.log(np.array(sims) / np.array([p.published for p in points]))
 
 
 @dataclass(frozen=True)

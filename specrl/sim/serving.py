@@ -265,8 +265,10 @@ def fit_group_acceptance(group: str, overrides: Overrides = ()) -> float:
     def gap(length: float) -> float:
         return _steady_value(point, length, overrides) - point.published
 
-    if gap(lo) >= 0 or gap(hi) <= 0:
-        return lo if gap(lo) >= 0 else hi
+    if gap(lo) >= 0:
+        return lo
+    if gap(hi) <= 0:
+        return hi
     return float(brentq(gap, lo, hi, xtol=1e-9))
 
 
